@@ -1,0 +1,200 @@
+"""Builds the frozen Config: base.yml -> configs/models/<model_name>.yml -> argv[1] -> key=value.
+
+    config = pyconfig.initialize(["train.py", "base.yml", "indexer_topk=8"])
+    config = pyconfig.initialize(argv, indexer_topk=8)   # keyword overrides win over argv
+
+`python -m MaxText.pyconfig base.yml key=value ...` prints the resolved config (a dry run).
+Every user mistake raises `ConfigError` with a message that names the key, the value and
+what is allowed; `initialize_or_exit` turns it into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as `python MaxText/pyconfig.py`: import as the package, not from MaxText/
+  _HERE = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
+
+import difflib
+from typing import Any, Sequence
+
+import pydantic
+import yaml
+from omegaconf import OmegaConf
+
+from MaxText.types import SECTIONS, Config, ConfigError, schema_keys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
+BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")
+
+
+def resolve_config_path(name: str) -> str:
+  """A path that exists as given, else a bare name under configs/ (with or without .yml)."""
+  for cand in (name, os.path.join(CONFIGS_DIR, name), os.path.join(CONFIGS_DIR, name + ".yml")):
+    if os.path.isfile(cand):
+      return cand
+  raise ConfigError(f"config file '{name}' not found (looked for it as a path and under {CONFIGS_DIR}/)")
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+  try:
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+  except Exception as e:  # yaml syntax errors, unresolvable interpolations
+    raise ConfigError(f"cannot read config file {path}: {e}") from None
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path} must hold a mapping of key: value, got {type(data).__name__}")
+  return data
+
+
+def _check_keys(keys, where: str) -> None:
+  valid = schema_keys()
+  for key in keys:
+    if key not in valid:
+      near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+      hint = f"; did you mean '{near[0]}'?" if near else ""
+      raise ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _parse_overrides(args: Sequence[str]) -> dict[str, Any]:
+  for a in args:
+    if "=" not in a or a.startswith("="):
+      raise ConfigError(f"argument '{a}' is not of the form key=value")
+  try:
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist(list(args)), resolve=True)
+  except Exception as e:
+    raise ConfigError(f"cannot parse command-line overrides {list(args)}: {e}") from None
+  return parsed
+
+
+def _model_yml(model_name: str) -> dict[str, Any]:
+  if model_name == "default":
+    return {}
+  path = os.path.join(CONFIGS_DIR, "models", model_name + ".yml")
+  if not os.path.isfile(path):
+    have = sorted(f[:-4] for f in os.listdir(os.path.join(CONFIGS_DIR, "models")) if f.endswith(".yml"))
+    raise ConfigError(f"model_name='{model_name}' has no configs/models/{model_name}.yml; known models: {have}")
+  data = _load_yaml(path)
+  _check_keys(data, f"configs/models/{model_name}.yml")
+  if "model_name" in data:
+    raise ConfigError(f"configs/models/{model_name}.yml must not set model_name")
+  return data
+
+
+def _format_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]) -> str:
+  lines = []
+  for e in err.errors():
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if loc:
+      key = str(e["loc"][0])
+      if e["type"] == "missing":
+        lines.append(f"config key '{key}' is missing (every key needs a value in configs/base.yml)")
+      else:
+        lines.append(f"config key '{loc}' = {raw.get(key, e.get('input'))!r}: {msg}")
+    else:
+      lines.append(msg)
+  return "; ".join(lines)
+
+
+def _resolve_mesh(values: dict[str, Any], num_devices: int) -> None:
+  """Fills one ici_*_parallelism=-1 from the device count and checks the product."""
+  axes = list(values["mesh_axes"])
+  keys = [f"ici_{a}_parallelism" for a in axes]
+  sizes = {k: values[k] for k in keys}
+  fill = [k for k, v in sizes.items() if v == -1]
+  if len(fill) > 1:
+    raise ConfigError(f"only one mesh axis may be -1, got {fill}")
+  for k, v in sizes.items():
+    if v == 0:
+      raise ConfigError(f"config key '{k}' = 0: a mesh axis size must be >= 1 (or -1 to fill)")
+  known = 1
+  for k, v in sizes.items():
+    if v != -1:
+      known *= v
+  if fill:
+    if num_devices % known:
+      raise ConfigError(f"the mesh axes {', '.join(f'{k}={v}' for k, v in sizes.items() if v != -1)} "
+                        f"(product {known}) do not divide the {num_devices} devices, so {fill[0]}=-1 cannot be filled")
+    values[fill[0]] = num_devices // known
+  elif known != num_devices:
+    raise ConfigError(f"the mesh axes {', '.join(f'{k}={v}' for k, v in sizes.items())} multiply to {known}, "
+                      f"but there are {num_devices} devices")
+
+
+def _check_with_devices(cfg: Config) -> None:
+  cp = cfg.ici_context_parallelism
+  if cp > 1:
+    div = 2 * cp if cfg.context_parallel_load_balance else cp
+    if cfg.max_target_length % div:
+      why = " (2 x ici_context_parallelism with context_parallel_load_balance=true)" if div != cp else ""
+      raise ConfigError(f"max_target_length={cfg.max_target_length} is not divisible by {div}{why}; "
+                        f"ici_context_parallelism={cp} shards the sequence")
+  batch_axes = dict(cfg.logical_axis_rules).get("activation_batch", ())
+  shards = 1
+  for a in batch_axes:
+    shards *= cfg.mesh_shape[a]
+  micro = cfg.global_batch_size // cfg.gradient_accumulation_steps
+  if micro % shards:
+    raise ConfigError(f"global_batch_size={cfg.global_batch_size} / gradient_accumulation_steps="
+                      f"{cfg.gradient_accumulation_steps} = {micro} sequences per micro-batch, not divisible by the "
+                      f"{shards} batch shards (mesh axes {list(batch_axes)}: "
+                      f"{', '.join(f'ici_{a}_parallelism={cfg.mesh_shape[a]}' for a in batch_axes)})")
+
+
+def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides: Any) -> Config:
+  """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value."""
+  argv = list(argv)
+  if len(argv) < 2:
+    raise ConfigError("usage: <program> <config.yml | base.yml> [key=value ...]")
+  values = _load_yaml(BASE_YML)
+  path = resolve_config_path(argv[1])
+  extra = {}
+  if os.path.abspath(path) != os.path.abspath(BASE_YML):
+    extra = _load_yaml(path)
+    _check_keys(extra, path)
+  cli = _parse_overrides(argv[2:])
+  _check_keys(cli, "the command line")
+  _check_keys(overrides, "the keyword overrides")
+  model_name = {**values, **extra, **cli, **overrides}.get("model_name", "default")
+  values.update(_model_yml(str(model_name)))  # the model file, then the user's own file and the CLI over it
+  values.update(extra)
+  values.update(cli)
+  values.update(overrides)
+  values["model_name"] = model_name
+  if num_devices is None:
+    import jax  # only here: the rest of the config system must not need jax
+    num_devices = jax.device_count()
+  try:
+    _resolve_mesh(values, num_devices)
+    cfg = Config(**values)
+  except pydantic.ValidationError as e:
+    raise ConfigError(_format_validation_error(e, values)) from None
+  except (TypeError, KeyError) as e:
+    raise ConfigError(f"invalid config: {e}") from None
+  _check_with_devices(cfg)
+  return cfg
+
+
+def initialize_or_exit(argv: Sequence[str], **overrides: Any) -> Config:
+  """For entry points: a config mistake prints one line and exits 2, no traceback."""
+  try:
+    return initialize(argv, **overrides)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def to_yaml(cfg: Config) -> str:
+  def plain(v):
+    return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+  ordered = {k: plain(getattr(cfg, k)) for section in SECTIONS for k in section.model_fields}
+  return yaml.safe_dump(ordered, sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+  print(to_yaml(initialize_or_exit(sys.argv)), end="")

@@ -1,0 +1,262 @@
+"""The config schema: one pydantic class per concern, composed into `Config`.
+
+Types and constraints live here; defaults live only in configs/base.yml (a unit test
+holds the two equal key for key). Cross-key rules that need more than one concern are
+in `Config._check_combinations`; derived values (head dims, layer counts, paths) are
+properties so they can never disagree with the keys they come from.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Section(BaseModel):
+  model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class RunInfo(_Section):
+  run_name: str
+  base_output_directory: str
+  model_name: str
+  seed: int
+
+
+class ModelShape(_Section):
+  vocab_size: PosInt
+  emb_dim: PosInt
+  mlp_dim: PosInt
+  num_decoder_layers: PosInt
+  first_num_dense_layers: NonNegInt
+  normalization_layer_epsilon: Annotated[float, Field(gt=0)]
+  dtype: Literal["float32", "bfloat16"]
+  weight_dtype: Literal["float32", "bfloat16"]
+  matmul_precision: Literal["default", "high", "highest"]
+  param_init_std: Annotated[float, Field(gt=0)]
+  scan_layers: bool
+  remat_policy: Literal["none", "full", "save_dot_except_mlp", "save_attention_out"]
+
+
+class MlaAttention(_Section):
+  attention_type: Literal["mla", "mha"]
+  num_query_heads: PosInt
+  q_lora_rank: NonNegInt
+  kv_lora_rank: PosInt
+  qk_nope_head_dim: PosInt
+  qk_rope_head_dim: PosInt
+  v_head_dim: PosInt
+  sparse_attention_impl: Literal["auto", "mask", "gather"]
+  sparse_attention_gather_min_length: PosInt
+  sparse_attention_query_block: PosInt
+
+
+class Rope(_Section):
+  rope_type: Literal["yarn", "default"]
+  rope_max_timescale: Annotated[float, Field(gt=0)]
+  rope_factor: Annotated[float, Field(ge=1)]
+  original_max_position_embeddings: PosInt
+  beta_fast: Annotated[float, Field(gt=0)]
+  beta_slow: Annotated[float, Field(gt=0)]
+  mscale: Annotated[float, Field(gt=0)]
+  max_position_embeddings: PosInt
+
+
+class AttentionIndexer(_Section):
+  use_indexer: bool
+  indexer_n_heads: PosInt
+  indexer_head_dim: PosInt
+  indexer_topk: PosInt
+  indexer_use_approx_top_k: bool
+  indexer_approx_top_k_recall: Annotated[float, Field(gt=0, le=1)]
+  indexer_mask_exact_topk: bool
+  indexer_hadamard: bool
+  indexer_head_chunk: PosInt
+  indexer_training_stage: Literal["none", "dense_warmup", "sparse"]
+  indexer_loss_weight: Annotated[float, Field(ge=0)]
+
+
+class DeepSeekMoE(_Section):
+  num_experts: PosInt
+  num_experts_per_tok: PosInt
+  n_routing_groups: PosInt
+  topk_routing_group: PosInt
+  shared_experts: NonNegInt
+  moe_mlp_dim: PosInt
+  routed_scaling_factor: Annotated[float, Field(gt=0)]
+  routed_score_func: Literal["sigmoid", "softmax"]
+  norm_topk_prob: bool
+  routed_bias: bool
+  routed_bias_update_rate: Annotated[float, Field(ge=0)]
+  load_balance_loss_weight: Annotated[float, Field(ge=0)]
+
+
+class MultiTokenPrediction(_Section):
+  mtp_num_layers: NonNegInt
+  mtp_loss_scaling_factor: Annotated[float, Field(ge=0)]
+
+
+class Training(_Section):
+  steps: PosInt
+  global_batch_size: PosInt
+  max_target_length: PosInt
+  gradient_accumulation_steps: PosInt
+  learning_rate: Annotated[float, Field(gt=0)]
+  warmup_steps: NonNegInt
+  cosine_learning_rate_final_fraction: Annotated[float, Field(ge=0, le=1)]
+  adam_b1: Annotated[float, Field(ge=0, lt=1)]
+  adam_b2: Annotated[float, Field(ge=0, lt=1)]
+  adam_eps: Annotated[float, Field(gt=0)]
+  adam_weight_decay: Annotated[float, Field(ge=0)]
+  gradient_clipping_threshold: Annotated[float, Field(ge=0)]
+  z_loss_weight: Annotated[float, Field(ge=0)]
+  log_period: PosInt
+
+
+class Data(_Section):
+  dataset_type: Literal["synthetic", "file"]
+  dataset_path: str
+  jsonl_text_field: str
+  tokenizer_type: Literal["sentencepiece", "hf"]
+  tokenizer_path: str
+  add_bos: bool
+  add_eos: bool
+  pad_id: NonNegInt
+  bos_id: NonNegInt
+  eos_id: NonNegInt
+
+
+class Checkpointing(_Section):
+  enable_checkpointing: bool
+  checkpoint_period: PosInt
+  max_checkpoints_to_keep: PosInt
+  async_checkpointing: bool
+  load_parameters_path: str
+
+
+class Metrics(_Section):
+  enable_tensorboard: bool
+
+
+MeshAxis = Literal["data", "fsdp", "context", "tensor", "expert"]
+
+
+class Mesh(_Section):
+  ici_data_parallelism: Annotated[int, Field(ge=-1)]
+  ici_fsdp_parallelism: Annotated[int, Field(ge=-1)]
+  ici_context_parallelism: Annotated[int, Field(ge=-1)]
+  ici_tensor_parallelism: Annotated[int, Field(ge=-1)]
+  ici_expert_parallelism: Annotated[int, Field(ge=-1)]
+  context_parallel_load_balance: bool
+  mesh_axes: tuple[MeshAxis, ...]
+  logical_axis_rules: tuple[tuple[str, tuple[MeshAxis, ...]], ...]
+
+
+class Decode(_Section):
+  prompt: str
+  max_prefill_length: PosInt
+  prefill_chunk_size: NonNegInt
+  decode_sampling_strategy: Literal["greedy", "temperature", "top_p"]
+  decode_sampling_temperature: Annotated[float, Field(gt=0)]
+  decode_sampling_nucleus_p: Annotated[float, Field(gt=0, le=1)]
+  kv_cache_dtype: Literal["float32", "bfloat16", "fp8"]
+
+
+SECTIONS = (
+    RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
+    Training, Data, Checkpointing, Metrics, Mesh, Decode,
+)
+
+
+class ConfigError(ValueError):
+  """A user's config mistake: the message names the key(s), the value and what is allowed."""
+
+
+class Config(*SECTIONS):
+  """The frozen, validated config every module receives. Read keys as attributes."""
+
+  model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+  # ---- derived values
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_decoder_layers - self.first_num_dense_layers
+
+  @property
+  def mesh_shape(self) -> dict[str, int]:
+    return {a: getattr(self, f"ici_{a}_parallelism") for a in self.mesh_axes}
+
+  @property
+  def run_dir(self) -> str:
+    return os.path.join(self.base_output_directory, self.run_name)
+
+  @property
+  def checkpoint_dir(self) -> str:
+    return os.path.join(self.run_dir, "checkpoints")
+
+  @property
+  def tensorboard_dir(self) -> str:
+    return os.path.join(self.run_dir, "tensorboard")
+
+  @property
+  def softmax_scale(self) -> float:
+    """qk_head_dim**-0.5, times mscale**2 of YaRN when the context is extended (official)."""
+    import math
+    scale = self.qk_head_dim ** -0.5
+    if self.rope_type == "yarn" and self.max_position_embeddings > self.original_max_position_embeddings:
+      m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
+      scale *= m * m
+    return scale
+
+  @model_validator(mode="after")
+  def _check_combinations(self) -> "Config":
+    def bad(msg):
+      raise ValueError(msg)
+
+    if self.first_num_dense_layers > self.num_decoder_layers:
+      bad(f"first_num_dense_layers={self.first_num_dense_layers} exceeds num_decoder_layers={self.num_decoder_layers}")
+    if self.qk_rope_head_dim % 2:
+      bad(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE (pairs of dims rotate together)")
+    if self.use_indexer:
+      if self.attention_type != "mla":
+        bad(f"use_indexer=true needs attention_type=mla (got attention_type={self.attention_type}): "
+            "the indexer reads MLA's query latent")
+      if self.q_lora_rank == 0:
+        bad("use_indexer=true needs q_lora_rank > 0: the indexer's queries come from the MLA query latent")
+      if self.indexer_head_dim % 2:
+        bad(f"indexer_head_dim={self.indexer_head_dim} must be even for RoPE")
+      if self.indexer_head_dim <= self.qk_rope_head_dim:
+        bad(f"indexer_head_dim={self.indexer_head_dim} must exceed qk_rope_head_dim={self.qk_rope_head_dim}: "
+            "the indexer rotates its first qk_rope_head_dim dims")
+    elif self.indexer_training_stage != "none":
+      bad(f"indexer_training_stage={self.indexer_training_stage} needs use_indexer=true")
+    if self.num_experts_per_tok > self.num_experts:
+      bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+    if self.num_experts % self.n_routing_groups:
+      bad(f"num_experts={self.num_experts} is not divisible by n_routing_groups={self.n_routing_groups}")
+    if self.topk_routing_group > self.n_routing_groups:
+      bad(f"topk_routing_group={self.topk_routing_group} exceeds n_routing_groups={self.n_routing_groups}")
+    if self.num_experts_per_tok > self.topk_routing_group * (self.num_experts // self.n_routing_groups):
+      bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in the kept groups "
+          f"(topk_routing_group={self.topk_routing_group} x {self.num_experts // self.n_routing_groups} per group)")
+    if self.global_batch_size % self.gradient_accumulation_steps:
+      bad(f"global_batch_size={self.global_batch_size} is not divisible by "
+          f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
+    if sorted(self.mesh_axes) != sorted(["data", "fsdp", "context", "tensor", "expert"]):
+      bad(f"mesh_axes={list(self.mesh_axes)} must name each of data, fsdp, context, tensor, expert once")
+    if self.max_prefill_length > self.max_target_length:
+      bad(f"max_prefill_length={self.max_prefill_length} exceeds max_target_length={self.max_target_length}")
+    return self
+
+
+def schema_keys() -> set[str]:
+  return set(Config.model_fields)
