@@ -8,6 +8,7 @@ properties so they can never disagree with the keys they come from.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Annotated, Literal
 
@@ -209,10 +210,9 @@ class Config(*SECTIONS):
 
   @property
   def softmax_scale(self) -> float:
-    """qk_head_dim**-0.5, times mscale**2 of YaRN when the context is extended (official)."""
-    import math
+    """qk_head_dim**-0.5, times YaRN's mscale**2 (0.1 * mscale * ln(factor) + 1)**2 when factor > 1."""
     scale = self.qk_head_dim ** -0.5
-    if self.rope_type == "yarn" and self.max_position_embeddings > self.original_max_position_embeddings:
+    if self.rope_type == "yarn" and self.rope_factor > 1:
       m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
       scale *= m * m
     return scale
@@ -234,6 +234,8 @@ class Config(*SECTIONS):
         bad("use_indexer=true needs q_lora_rank > 0: the indexer's queries come from the MLA query latent")
       if self.indexer_head_dim % 2:
         bad(f"indexer_head_dim={self.indexer_head_dim} must be even for RoPE")
+      if self.indexer_hadamard and self.indexer_head_dim & (self.indexer_head_dim - 1):
+        bad(f"indexer_hadamard=true needs indexer_head_dim a power of 2 (got {self.indexer_head_dim})")
       if self.indexer_head_dim <= self.qk_rope_head_dim:
         bad(f"indexer_head_dim={self.indexer_head_dim} must exceed qk_rope_head_dim={self.qk_rope_head_dim}: "
             "the indexer rotates its first qk_rope_head_dim dims")
