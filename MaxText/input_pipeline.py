@@ -1,0 +1,427 @@
+"""Training batches: a learnable synthetic task, or text files tokenized and packed (on grain).
+
+    data = create_data_iterator(config, start_step=0)
+    batch = next(data)         # the batch of step 0, then 1, 2, ...
+    state = data.get_state()   # {"dataset_type": ..., "step": n, ...}: JSON; n = the next batch's step
+    data.set_state(state)      # the next batch is batch n, exactly
+
+A batch is a dict of numpy arrays [global_batch_size / process_count, max_target_length]:
+  inputs       int32  token ids
+  targets      int32  the next token of the packed stream: targets[i] = stream[i + 1] (pad after the end)
+  segment_ids  int32  1, 2, ... per document (piece) within the row, 0 on padding
+  positions    int32  position within the row's piece of its document, from 0
+  weights      float32 1 where targets[i] is the next token of the same document, else 0 (padding,
+               and the last token of each document, whose next token starts another document)
+
+Both datasets are random access: batch n is a pure function of (data, config, n), so resuming is
+exact and cheap, and grain's thread prefetch may read ahead without changing what comes out.
+
+synthetic (dataset_type=synthetic): each row is one arithmetic progression modulo M over the
+  "content" ids (every id below vocab_size except pad/bos/eos, in order; M of them):
+  v_i = (v_0 + i * d) mod M, token_i = content_ids[v_i], with v_0 uniform in [0, M) and the step d
+  drawn from SYNTHETIC_STEPS, both per row from a PRNG seeded by (seed, step, row). From token 2 on,
+  the next token is determined by the two before it (v_{i+1} = 2 v_i - v_{i-1} mod M): a model must
+  infer d from context. Token 0 -> 1 is a guess among len(SYNTHETIC_STEPS) choices.
+
+file (dataset_type=file): `dataset_path` is a .txt or .jsonl file, or a folder searched recursively
+  for them (sorted; other files are counted and ignored). .txt: one document per paragraph
+  (paragraphs are separated by blank lines; a paragraph keeps its inner newlines). .jsonl: one JSON
+  object per line, its text in the field `jsonl_text_field` (blank lines are counted and skipped).
+  Documents whose text is empty or whitespace are counted and skipped. Each document becomes
+  [bos] + tokens + [eos] (add_bos / add_eos). Packing concatenates the documents of an epoch (in an
+  order shuffled per epoch by `seed`) into one stream and cuts it into rows of max_target_length:
+  documents longer than a row are split, no token is dropped, and only the last row of each epoch
+  is padded. A row's last target is the first token of the next row, so splitting a document loses
+  no prediction. The whole corpus is tokenized once, in memory, when the iterator is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import operator
+import os
+import sys
+import threading
+from typing import Any, Iterator, Sequence
+
+import grain
+import numpy as np
+
+from MaxText.tokenizer import Tokenizer, load_tokenizer
+from MaxText.types import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC_STEPS = (1, 2, 3, 4)  # the progression steps d a synthetic row may use
+_SYNTHETIC_SALT = 0x5EED_DA7A   # keeps the data PRNG streams apart from other uses of `seed`
+_SHUFFLE_SALT = 0x5EED_5FF1
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+class DataError(ConfigError):
+  """Bad input data or dataset config: the message names the file and line, or the key."""
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass
+class ReadReport:
+  """What reading a dataset found, and everything it skipped (logged once, kept on the iterator)."""
+
+  files: list[str] = dataclasses.field(default_factory=list)
+  ignored_files: list[str] = dataclasses.field(default_factory=list)
+  documents: int = 0
+  blank_jsonl_lines: int = 0
+  empty_documents: int = 0
+  tokens: int = 0
+
+  def summary(self) -> str:
+    return (f"{self.documents} documents, {self.tokens} tokens from {len(self.files)} file(s); skipped "
+            f"{self.empty_documents} empty document(s), {self.blank_jsonl_lines} blank jsonl line(s), "
+            f"{len(self.ignored_files)} file(s) that are not .txt/.jsonl")
+
+
+def _list_files(path: str, report: ReadReport) -> list[str]:
+  if not path:
+    raise DataError("dataset_path is empty: dataset_type=file needs a .txt/.jsonl file or a folder of them")
+  if os.path.isfile(path):
+    if not path.endswith((".txt", ".jsonl")):
+      raise DataError(f"dataset_path='{path}' is neither a .txt nor a .jsonl file")
+    return [path]
+  if not os.path.isdir(path):
+    raise DataError(f"dataset_path='{path}' does not exist")
+  files = []
+  for root, dirs, names in os.walk(path):
+    dirs.sort()
+    for name in sorted(names):
+      full = os.path.join(root, name)
+      (files if name.endswith((".txt", ".jsonl")) and not name.startswith(".") else report.ignored_files).append(full)
+  if not files:
+    raise DataError(f"dataset_path='{path}' is a folder with no .txt or .jsonl files "
+                    f"({len(report.ignored_files)} other file(s))")
+  return files
+
+
+def _read_text(path: str) -> str:
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise DataError(f"cannot read {path}: {e}") from None
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b"\n") + 1
+    raise DataError(f"{path}:{line}: not valid UTF-8 (byte offset {e.start})") from None
+
+
+def _lines(path: str) -> list[str]:
+  """The file's lines: split on newlines only (str.splitlines also splits on form feeds, U+2028, ...)."""
+  lines = [line.removesuffix("\r") for line in _read_text(path).split("\n")]
+  if lines and lines[-1] == "":
+    lines.pop()  # the final newline ends the last line; it does not start an empty one
+  return lines
+
+
+def _txt_documents(path: str) -> list[str]:
+  docs, para = [], []
+  for line in _lines(path):
+    if line.strip():
+      para.append(line)
+    elif para:
+      docs.append("\n".join(para))
+      para = []
+  if para:
+    docs.append("\n".join(para))
+  return docs
+
+
+def _jsonl_documents(path: str, field: str, report: ReadReport) -> list[str]:
+  docs = []
+  for n, line in enumerate(_lines(path), 1):
+    if not line.strip():
+      report.blank_jsonl_lines += 1
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+      raise DataError(f"{path}:{n}: a jsonl line must be a JSON object, got {type(record).__name__}")
+    if field not in record:
+      raise DataError(f"{path}:{n}: the record has no field '{field}' (jsonl_text_field); "
+                      f"its fields are {sorted(record)}")
+    text = record[field]
+    if not isinstance(text, str):
+      raise DataError(f"{path}:{n}: field '{field}' (jsonl_text_field) holds a {type(text).__name__}, not a string")
+    docs.append(text)
+  return docs
+
+
+def read_documents(path: str, jsonl_text_field: str) -> tuple[list[str], ReadReport]:
+  """The documents of a .txt/.jsonl file or folder, in file order, with a count of what was skipped."""
+  report = ReadReport()
+  docs = []
+  for f in _list_files(path, report):
+    report.files.append(f)
+    found = _txt_documents(f) if f.endswith(".txt") else _jsonl_documents(f, jsonl_text_field, report)
+    kept = [d for d in found if d.strip()]
+    report.empty_documents += len(found) - len(kept)
+    docs.extend(kept)
+  report.documents = len(docs)
+  if not docs:
+    raise DataError(f"dataset_path='{path}' holds no documents ({report.summary()})")
+  return docs, report
+
+
+# ------------------------------------------------------------------------------------- packing
+
+
+class PackedCorpus:
+  """The tokenized corpus, packed: row g is a pure function of (corpus, seed, seq_len, g).
+
+  Epoch e streams the documents in order perm_e (a seeded permutation; identity when shuffle is
+  off) and is cut into rows_per_epoch = ceil(tokens / seq_len) rows; global row g is row g % R of
+  epoch g // R.
+  """
+
+  def __init__(self, docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, seed: int, shuffle: bool = True):
+    lengths = np.array([len(d) for d in docs], np.int64)
+    if np.any(lengths == 0):
+      raise ValueError("PackedCorpus needs documents of at least one token")
+    self.doc_starts = np.concatenate([[0], np.cumsum(lengths)])                    # [N+1]
+    self.tokens = np.concatenate([np.asarray(d, np.int32) for d in docs])          # [T]
+    self.lengths = lengths
+    self.num_documents = len(docs)
+    self.tokens_per_epoch = int(self.doc_starts[-1])
+    self.seq_len = seq_len
+    self.pad_id = pad_id
+    self.seed = seed
+    self.shuffle = shuffle
+    self.rows_per_epoch = math.ceil(self.tokens_per_epoch / seq_len)
+    self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(perm [N]: document of each stream slot, cum [N+1]: stream offset of each slot)."""
+    with self._lock:
+      if epoch not in self._epochs:
+        if len(self._epochs) >= 4:  # the epochs in use: a batch (and the read-ahead) spans few
+          self._epochs.pop(min(self._epochs))
+        self._epochs[epoch] = self._order(epoch)
+      return self._epochs[epoch]
+
+  def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    if self.shuffle:
+      rng = np.random.default_rng([_SHUFFLE_SALT, self.seed % 2**63, epoch])
+      perm = rng.permutation(self.num_documents)
+    else:
+      perm = np.arange(self.num_documents)
+    cum = np.concatenate([[0], np.cumsum(self.lengths[perm])])
+    return perm, cum
+
+  def row(self, g: int) -> dict[str, np.ndarray]:
+    L, T = self.seq_len, self.tokens_per_epoch
+    epoch, r = divmod(int(g), self.rows_per_epoch)
+    perm, cum = self._epoch(epoch)
+    start = r * L
+    p = start + np.arange(L + 1)                         # [L+1] stream positions: L inputs + the last target
+    valid = p < T
+    pc = np.minimum(p, T - 1)
+    slot = np.searchsorted(cum, pc, side="right") - 1    # [L+1] stream slot (document) of each position
+    tok = self.tokens[self.doc_starts[perm[slot]] + (pc - cum[slot])]
+    tok = np.where(valid, tok, self.pad_id).astype(np.int32)
+    s = slot[:L]
+    v = valid[:L]
+    return {
+        "inputs": tok[:L],
+        "targets": tok[1:],
+        "segment_ids": np.where(v, s - s[0] + 1, 0).astype(np.int32),
+        "positions": np.where(v, p[:L] - np.maximum(cum[s], start), 0).astype(np.int32),
+        "weights": (valid[1:] & (slot[1:] == s)).astype(np.float32),
+    }
+
+
+# ------------------------------------------------------------------------------------- batch sources
+
+
+class _Batches:
+  """A grain random-access source of (process-local) batches, indexed by step; endless."""
+
+  def __init__(self, global_batch_size: int, process_index: int, process_count: int):
+    self.global_batch_size = global_batch_size
+    self.local_batch_size = global_batch_size // process_count
+    self.first_row = process_index * self.local_batch_size
+
+  def __len__(self) -> int:
+    return sys.maxsize
+
+  def __getitem__(self, step: int) -> dict[str, np.ndarray]:
+    rows = [self.row(step, self.first_row + b) for b in range(self.local_batch_size)]
+    return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
+
+  def row(self, step: int, b: int) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+
+class SyntheticBatches(_Batches):
+  """Arithmetic progressions modulo the content ids (see the module docstring)."""
+
+  def __init__(self, config: Config, process_index: int, process_count: int):
+    super().__init__(config.global_batch_size, process_index, process_count)
+    special = {config.pad_id, config.bos_id, config.eos_id}
+    self.content_ids = np.array([i for i in range(config.vocab_size) if i not in special], np.int32)  # [M]
+    if len(self.content_ids) < 2:
+      raise DataError(f"vocab_size={config.vocab_size} leaves {len(self.content_ids)} ids besides pad_id/bos_id/"
+                      "eos_id; dataset_type=synthetic needs at least 2")
+    self.seed = config.seed
+    self.seq_len = config.max_target_length
+
+  def row(self, step: int, b: int) -> dict[str, np.ndarray]:
+    L, M = self.seq_len, len(self.content_ids)
+    rng = np.random.default_rng([_SYNTHETIC_SALT, self.seed % 2**63, step, b])
+    v0 = rng.integers(0, M)
+    d = SYNTHETIC_STEPS[rng.integers(0, len(SYNTHETIC_STEPS))]
+    tok = self.content_ids[(v0 + d * np.arange(L + 1, dtype=np.int64)) % M]  # [L+1]
+    return {
+        "inputs": tok[:L],
+        "targets": tok[1:],
+        "segment_ids": np.ones(L, np.int32),
+        "positions": np.arange(L, dtype=np.int32),
+        "weights": np.ones(L, np.float32),
+    }
+
+
+class FileBatches(_Batches):
+  """Consecutive packed rows: batch n holds global rows [n * B, (n + 1) * B)."""
+
+  def __init__(self, corpus: PackedCorpus, global_batch_size: int, process_index: int, process_count: int):
+    super().__init__(global_batch_size, process_index, process_count)
+    self.corpus = corpus
+
+  def row(self, step: int, b: int) -> dict[str, np.ndarray]:
+    return self.corpus.row(step * self.global_batch_size + b)
+
+
+def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer, *, add_bos: bool, add_eos: bool,
+                       chunk: int = 4096) -> list[list[int]]:
+  out = []
+  bos, eos = [tokenizer.bos_id] * add_bos, [tokenizer.eos_id] * add_eos
+  for i in range(0, len(docs), chunk):
+    out.extend(bos + ids + eos for ids in tokenizer.encode_batch(docs[i:i + chunk]))
+  return out
+
+
+def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = True) -> tuple[PackedCorpus, ReadReport]:
+  docs, report = read_documents(config.dataset_path, config.jsonl_text_field)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise DataError(f"the tokenizer at tokenizer_path='{tokenizer.path}' has {tokenizer.vocab_size} tokens but "
+                    f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
+  ids = tokenize_documents(docs, tokenizer, add_bos=config.add_bos, add_eos=config.add_eos)
+  kept = [d for d in ids if d]
+  report.empty_documents += len(ids) - len(kept)  # only possible with add_bos=add_eos=false
+  report.documents = len(kept)
+  if not kept:
+    raise DataError(f"dataset_path='{config.dataset_path}' holds no tokens ({report.summary()})")
+  corpus = PackedCorpus(kept, seq_len=config.max_target_length, pad_id=config.pad_id, seed=config.seed,
+                        shuffle=shuffle)
+  report.tokens = corpus.tokens_per_epoch
+  return corpus, report
+
+
+# ------------------------------------------------------------------------------------- iterator
+
+
+def _check_step(step: Any) -> int:
+  try:
+    n = operator.index(step)  # an int, a numpy integer or a 0-d integer array (as a checkpoint may return it)
+  except TypeError:
+    n = -1
+  if isinstance(step, bool) or n < 0:
+    raise DataError(f"the data step must be an integer >= 0, got {step!r}")
+  return n
+
+
+class DataIterator(Iterator[dict[str, np.ndarray]]):
+  """Batches from a grain MapDataset of batches, with a JSON state that resumes exactly."""
+
+  def __init__(self, source: _Batches, *, dataset_type: str, start_step: int, fingerprint: dict[str, Any],
+               num_threads: int, prefetch: int, report: ReadReport | None = None,
+               tokenizer: Tokenizer | None = None):
+    self.source = source
+    self.dataset_type = dataset_type
+    self.fingerprint = fingerprint
+    self.report = report
+    self.tokenizer = tokenizer
+    ds = grain.MapDataset.source(source).to_iter_dataset(
+        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch))
+    self._it = iter(ds)
+    self._it.set_state({"next_index": _check_step(start_step)})
+
+  @property
+  def step(self) -> int:
+    """The step of the batch the next `next()` returns."""
+    return int(self._it.get_state()["next_index"])
+
+  def __iter__(self) -> DataIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"dataset_type": self.dataset_type, "step": self.step, **self.fingerprint}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if not isinstance(state, dict) or "step" not in state:
+      raise DataError(f"a data state is a dict with a 'step', got {state!r}")
+    if state.get("dataset_type") != self.dataset_type:
+      raise DataError(f"the data state is of dataset_type={state.get('dataset_type')!r} but this run has "
+                      f"dataset_type={self.dataset_type}")
+    step = _check_step(state["step"])
+    changed = {k: (state.get(k), v) for k, v in self.fingerprint.items() if state.get(k) != v}
+    if changed:
+      log.warning("resuming data at step %d with a different dataset or batching (was, now): %s; the batches "
+                  "that follow are not those the saved run would have seen", step, changed)
+    self._it.set_state({"next_index": step})
+
+  def close(self) -> None:
+    self._it.close()
+
+
+def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Tokenizer | None = None,
+                         process_index: int | None = None, process_count: int | None = None,
+                         shuffle: bool = True, num_threads: int = 1, prefetch: int = 2) -> DataIterator:
+  """The batches of steps start_step, start_step + 1, ... for this process.
+
+  process_index / process_count default to jax's; each process gets its contiguous slice of the
+  global batch's rows. `tokenizer` reuses a loaded one (else it is loaded from the config).
+  """
+  if process_index is None or process_count is None:
+    import jax
+    process_index, process_count = jax.process_index(), jax.process_count()
+  if config.global_batch_size % process_count:
+    raise DataError(f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} processes")
+  common = dict(start_step=start_step, num_threads=num_threads, prefetch=prefetch)
+  if config.dataset_type == "synthetic":
+    source = SyntheticBatches(config, process_index, process_count)
+    fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,
+                   "max_target_length": config.max_target_length, "vocab_size": config.vocab_size}
+    return DataIterator(source, dataset_type="synthetic", fingerprint=fingerprint, **common)
+  if config.dataset_type == "file":
+    tokenizer = tokenizer or load_tokenizer(config)
+    corpus, report = build_file_corpus(config, tokenizer, shuffle=shuffle)
+    skipped = report.empty_documents or report.blank_jsonl_lines or report.ignored_files
+    log.log(logging.WARNING if skipped else logging.INFO, "dataset_path=%s: %s; %d rows of %d tokens per epoch",
+            config.dataset_path, report.summary(), corpus.rows_per_epoch, config.max_target_length)
+    source = FileBatches(corpus, config.global_batch_size, process_index, process_count)
+    fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,
+                   "max_target_length": config.max_target_length, "num_documents": corpus.num_documents,
+                   "tokens_per_epoch": corpus.tokens_per_epoch}
+    return DataIterator(source, dataset_type="file", fingerprint=fingerprint, report=report, tokenizer=tokenizer,
+                        **common)
+  raise DataError(f"dataset_type={config.dataset_type!r} is not one of synthetic, file")
