@@ -1,0 +1,145 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) with DeepSeek Sparse Attention (V3.2).
+
+    q_lat        = q_norm(wq_a x)                         [b,t,q_lora]
+    q            = wq_b q_lat -> [q_nope | q_pe]          [b,t,h,nope], [b,t,h,rope]
+    c_kv, k_pe   = split(wkv_a x); c_kv = kv_norm(c_kv)   [b,s,kv_lora], [b,s,rope]  (k_pe shared by heads)
+    k_nope, v    = split(wkv_b c_kv)                      [b,s,h,nope], [b,s,h,v]
+    q_pe, k_pe   get interleaved YaRN RoPE
+    logits       = (q_nope . k_nope + q_pe . k_pe) * softmax_scale      [b,h,t,s]
+    out          = wo(softmax(logits + mask) v)           [b,t,D]
+
+With use_indexer, the lightning indexer scores every key for every query and the mask is
+`valid & top-k selection` (the mask path: an additive mask on the dense logits). When a
+query has k or fewer valid keys, the selection is all of them and this is dense attention.
+
+Indexer training (indexer_training_stage):
+  none          attention over the selection; no indexer loss (aux["indexer_loss"] = 0).
+  dense_warmup  attention is DENSE (valid keys only, the selection is ignored); the indexer
+                learns L_I = KL(p_t || softmax(I_t)) over all valid keys.
+  sparse        attention over the selection; L_I restricted to the selected set S_t.
+p_t is the main attention's probabilities summed over heads and L1-normalized, detached;
+the indexer's inputs are detached too, so L_I trains only the indexer and the attention
+output sends no gradient into the indexer (the top-k mask is boolean).
+aux["indexer_loss"] is the unweighted per-layer L_I (indexer_kl_loss: mean over query tokens);
+the model applies indexer_loss_weight. Each layer's selection (bool [b,t,s]) is sown as
+Intermediate "indexer_mask" when the call runs under nnx.capture(model, nnx.Intermediate).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
+from MaxText.layers.indexer import Indexer, additive_mask, indexer_kl_loss
+from MaxText.layers.linears import PRECISION, Linear, dtype_of
+from MaxText.layers.masks import attention_validity
+from MaxText.layers.normalizations import RMSNorm
+from MaxText.sharding import constrain
+from MaxText.types import Config
+
+
+class MLA(nnx.Module):
+  """MLA self-attention over a [b,t,D] sequence; the indexer (when enabled) picks the keys."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    self.config = config
+    d, h = config.emb_dim, config.num_query_heads
+    self.num_heads = h
+    self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    self.kv_lora = config.kv_lora_rank
+    qk = self.nope + self.rope
+    if config.q_lora_rank > 0:
+      self.wq_a = Linear(d, config.q_lora_rank, config, axes=("embed", "q_lora"), rngs=rngs)
+      self.q_norm = RMSNorm(config.q_lora_rank, config)
+      self.wq_b = Linear(config.q_lora_rank, h * qk, config, axes=("q_lora", "q_heads"), rngs=rngs)
+    else:  # no query LoRA: one projection (the indexer needs the latent, so use_indexer forbids this)
+      self.wq = Linear(d, h * qk, config, axes=("embed", "q_heads"), rngs=rngs)
+    self.wkv_a = Linear(d, self.kv_lora + self.rope, config, axes=("embed", "kv_lora"), rngs=rngs)
+    self.kv_norm = RMSNorm(self.kv_lora, config)
+    self.wkv_b = Linear(self.kv_lora, h * (self.nope + self.v_dim), config, axes=("kv_lora", "kv_heads"), rngs=rngs)
+    self.wo = Linear(h * self.v_dim, d, config, axes=("q_heads", "embed"), rngs=rngs)
+    self.indexer = Indexer(config, rngs=rngs) if config.use_indexer else None
+    self.dtype = dtype_of(config.dtype)
+    self.precision = PRECISION[config.matmul_precision]
+
+  # ---- projections
+  def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config, self.rope))  # [b,t,rope/2]
+    return apply_rope_interleaved(x, cos, sin)
+
+  def project_q(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """x [b,t,D], positions [b,t] -> q_nope [b,t,h,nope], q_pe [b,t,h,rope] (RoPE'd), q_lat [b,t,q_lora] | None."""
+    b, t, _ = x.shape
+    if self.config.q_lora_rank > 0:
+      q_lat = self.q_norm(self.wq_a(x))  # [b,t,q_lora]
+      q = self.wq_b(q_lat)  # [b,t,h*(nope+rope)]
+    else:
+      q_lat, q = None, self.wq(x)
+    q = q.reshape(b, t, self.num_heads, self.nope + self.rope)  # [b,t,h,nope+rope]
+    q = checkpoint_name(constrain(q, ("activation_batch", "activation_length", "activation_heads", None)), "query_proj")
+    q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+    return q_nope, self._rope(q_pe, positions), q_lat
+
+  def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [b,s,D], positions [b,s] -> c_kv [b,s,kv_lora] (normed), k_pe [b,s,rope] (RoPE'd): what a cache stores."""
+    kv = self.wkv_a(x)  # [b,s,kv_lora+rope]
+    c_kv = checkpoint_name(self.kv_norm(kv[..., :self.kv_lora]), "kv_latent")  # [b,s,kv_lora]
+    k_pe = self._rope(kv[..., self.kv_lora:], positions)  # [b,s,rope], one rotary key shared by all heads
+    return c_kv, k_pe
+
+  def expand_kv(self, c_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """c_kv [b,s,kv_lora] -> k_nope [b,s,h,nope], v [b,s,h,v]."""
+    b, s, _ = c_kv.shape
+    kv = self.wkv_b(c_kv).reshape(b, s, self.num_heads, self.nope + self.v_dim)  # [b,s,h,nope+v]
+    k_nope = checkpoint_name(kv[..., :self.nope], "key_proj")
+    v = checkpoint_name(kv[..., self.nope:], "value_proj")
+    return k_nope, v
+
+  # ---- attention
+  def attend(self, q_nope: jax.Array, q_pe: jax.Array, k_nope: jax.Array, k_pe: jax.Array, v: jax.Array,
+             mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dense attention under a boolean mask [b,t,s] (True = attend) -> out [b,t,h,v], probs [b,h,t,s] fp32.
+
+    Masked logits get a large negative FINITE value, so a row with no visible key gives a
+    finite (uniform) softmax instead of NaN; its probabilities and output are then zeroed.
+    """
+    f32, p = jnp.float32, self.precision
+    q_nope, q_pe, k_nope, k_pe = (a.astype(self.dtype) for a in (q_nope, q_pe, k_nope, k_pe))
+    logits = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, precision=p, preferred_element_type=f32)
+              + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, precision=p, preferred_element_type=f32))  # [b,h,t,s]
+    logits = logits * self.config.softmax_scale + additive_mask(mask, f32)[:, None]  # [b,h,t,s]
+    probs = jax.nn.softmax(logits, axis=-1)  # fp32 [b,h,t,s]
+    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, :, None], probs, 0.0)  # rows with no key: 0
+    out = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v.astype(self.dtype), precision=p)  # [b,t,h,v]
+    return checkpoint_name(out, "attention_out"), probs
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [b,t,D], positions [b,t] (original token positions), segment_ids [b,t] | None (0 = padding)
+    -> out [b,t,D], aux {"indexer_loss": scalar f32}."""
+    b, t, _ = x.shape
+    cfg = self.config
+    q_nope, q_pe, q_lat = self.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
+    c_kv, k_pe = self.project_kv(x, positions)  # [b,s,kv_lora], [b,s,rope]
+    k_nope, v = self.expand_kv(c_kv)  # [b,s,h,nope], [b,s,h,v]
+    valid = attention_validity(positions, positions, segment_ids, segment_ids)  # [b,t,s]
+
+    indexer_loss = jnp.zeros((), jnp.float32)
+    if self.indexer is None:
+      out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
+    else:
+      scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
+      selected, _ = self.indexer.select(scores)
+      selected = selected & valid  # [b,t,s]
+      if hasattr(self, "__captures__"):  # inside nnx.capture: a sow outside it would mutate the module
+        self.sow(nnx.Intermediate, "indexer_mask", selected)  # read via nnx.capture(model, nnx.Intermediate)
+      support = valid if cfg.indexer_training_stage == "dense_warmup" else selected
+      out, probs = self.attend(q_nope, q_pe, k_nope, k_pe, v, support)
+      if cfg.indexer_training_stage != "none":
+        indexer_loss = indexer_kl_loss(probs, scores, support)
+    out = self.wo(out.reshape(b, t, self.num_heads * self.v_dim))  # [b,t,D]
+    out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+    return out, {"indexer_loss": indexer_loss}

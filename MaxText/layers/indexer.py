@@ -1,0 +1,190 @@
+"""The lightning indexer of DeepSeek Sparse Attention: which keys each query attends to.
+
+Official DeepSeek-V3.2 math (after the 2025-11-17 RoPE fix):
+
+    q_I = wq_b(q_lat)                     [b,t,h,d]   from MLA's query latent
+    k_I = LayerNorm(wk(x))                [b,s,d]     one key per token, shared by all heads
+    RoPE, NON-interleaved (rotate-half), on the first qk_rope_head_dim dims of q_I and k_I
+    optional Hadamard rotation of q_I and k_I (orthogonal: q.k is unchanged)
+    w   = weights_proj(x) * h**-0.5       [b,t,h]     fp32
+    I[t,s] = sum_h w[t,h] * d**-0.5 * relu(q_I[t,h] . k_I[s])       (-inf where not valid)
+
+then top-k over s selects the keys. The indexer reads detached inputs: it never sends
+gradient into the main model, and learns only from the indexer KL loss on its scores.
+
+The selection functions (top-k, fast threshold masks, the reference mask) live in
+selection.py and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText.layers.embeddings import apply_rope_half, rope_cos_sin, rope_inv_freq
+from MaxText.layers.linears import PRECISION, Linear
+from MaxText.layers.normalizations import LayerNorm
+from MaxText.layers.selection import (  # noqa: F401  (re-exported: indexer.generate_mask_reference, ...)
+    additive_mask, generate_mask, generate_mask_reference, select_topk, topk_threshold)
+from MaxText.sharding import constrain
+from MaxText.types import Config
+
+
+def hadamard_matrix(d: int) -> np.ndarray:
+  """The normalized Sylvester Hadamard matrix [d,d] (d a power of 2): symmetric and orthogonal."""
+  if d < 1 or d & (d - 1):
+    raise ValueError(f"hadamard_matrix: d={d} must be a power of 2")
+  h = np.ones((1, 1), np.float64)
+  while h.shape[0] < d:
+    h = np.block([[h, h], [h, -h]])
+  return (h / np.sqrt(d)).astype(np.float32)
+
+
+def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, valid: jax.Array, *, head_chunk: int,
+                 precision=None) -> jax.Array:
+  """I [b,t,s] fp32 = sum_h w[t,h] * d**-0.5 * relu(q[t,h] . k[s]); -inf where not valid.
+
+  q [b,t,h,d], w [b,t,h] (fp32, already scaled by h**-0.5), k [b,s,d], valid [b,t,s] bool.
+  Heads are scored `head_chunk` at a time (a lax.scan accumulating [b,t,s]) so at most
+  [b,t,s,head_chunk] is live, never [b,t,s,h]. A head count that `head_chunk` does not divide
+  is padded with zero-weight heads (they add exactly 0). Each chunk is rematerialized in the
+  backward pass, so the gradient does not store the [b,t,s,h] relu pattern either.
+  """
+  b, t, h, d = q.shape
+  scale = d ** -0.5
+  qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+  wf = w.astype(jnp.float32) * scale  # [b,t,h]
+
+  def chunk_scores(q_c, w_c):  # q_c [b,t,c,d], w_c [b,t,c] -> [b,t,s]
+    logits = jnp.einsum("btcd,bsd->btcs", q_c, kf, precision=precision)  # [b,t,c,s]
+    return jnp.einsum("btcs,btc->bts", jax.nn.relu(logits), w_c, precision=precision)
+
+  if head_chunk >= h:
+    scores = chunk_scores(qf, wf)
+  else:
+    n = -(-h // head_chunk)
+    pad = n * head_chunk - h
+    if pad:  # zero q and zero weight: relu(0) * 0 = 0 exactly
+      qf = jnp.pad(qf, ((0, 0), (0, 0), (0, pad), (0, 0)))
+      wf = jnp.pad(wf, ((0, 0), (0, 0), (0, pad)))
+    q_chunks = jnp.moveaxis(qf.reshape(b, t, n, head_chunk, d), 2, 0)  # [n,b,t,c,d]
+    w_chunks = jnp.moveaxis(wf.reshape(b, t, n, head_chunk), 2, 0)  # [n,b,t,c]
+    body_scores = jax.checkpoint(chunk_scores, prevent_cse=False)
+
+    def body(acc, qw):
+      return acc + body_scores(*qw), None
+
+    scores, _ = jax.lax.scan(body, jnp.zeros((b, t, k.shape[1]), jnp.float32), (q_chunks, w_chunks))
+  return jnp.where(valid, scores, -jnp.inf)
+
+
+def indexer_kl_loss(attn_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
+  """L_I = mean over query tokens of KL(p_t || softmax(I_t)), both restricted to `support`.
+
+  attn_probs [b,h,t,s] (the main attention's probabilities), scores [b,t,s] (indexer I),
+  support [b,t,s] bool: the keys the KL runs over (all valid keys in the dense warm-up, the
+  selected set S_t in the sparse stage). p_t = sum_h attn_probs, renormalized (L1) over the
+  support, and detached: the loss trains only the indexer. softmax(I_t) is taken over the
+  support too. Reduction: the mean over (b,t) of the queries whose support is non-empty
+  (padding queries count for nothing), so the loss does not grow with batch or length.
+  Returns a scalar f32; 0 when no query has a support.
+  """
+  p = jnp.sum(jax.lax.stop_gradient(attn_probs).astype(jnp.float32), axis=1)  # [b,t,s]
+  p = jnp.where(support, p, 0.0)
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # L1 over the support
+  logq = jax.nn.log_softmax(jnp.where(support, scores.astype(jnp.float32), -1e30), axis=-1)  # [b,t,s]
+  pos = support & (p > 0)
+  kl_terms = jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1.0)) - jnp.where(pos, logq, 0.0)), 0.0)
+  kl_t = jnp.sum(kl_terms, axis=-1)  # [b,t]
+  has = jnp.any(support, axis=-1)  # [b,t]
+  return jnp.sum(jnp.where(has, kl_t, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+class Indexer(nnx.Module):
+  """Lightning indexer parameters and the projections that feed `index_scores`."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    self.config = config
+    self.n_heads = config.indexer_n_heads
+    self.head_dim = config.indexer_head_dim
+    self.rope_dim = config.qk_rope_head_dim
+    self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, config, axes=("q_lora", "q_heads"), rngs=rngs)
+    self.wk = Linear(config.emb_dim, self.head_dim, config, axes=("embed", "head_dim"), rngs=rngs)
+    self.k_norm = LayerNorm(self.head_dim, config, eps=1e-6)
+    self.weights_proj = Linear(config.emb_dim, self.n_heads, config, axes=("embed", "q_heads"), rngs=rngs,
+                               dtype=jnp.float32)
+
+  # ---- projections
+  def _rope_and_rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [b,t,...,d]: rotate-half RoPE on x[..., :rope_dim], the rest passes; then the optional Hadamard."""
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config, self.rope_dim))  # [b,t,rope/2]
+    x = jnp.concatenate([apply_rope_half(x[..., :self.rope_dim], cos, sin), x[..., self.rope_dim:]], axis=-1)
+    if self.config.indexer_hadamard:
+      hm = jnp.asarray(hadamard_matrix(self.head_dim), x.dtype)
+      x = jnp.einsum("...d,de->...e", x, hm, precision=PRECISION[self.config.matmul_precision])
+    return x
+
+  def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [b,s,D], positions [b,s] -> k [b,s,d]: what a decode cache stores (one key per token)."""
+    k = self.k_norm(self.wk(x))  # [b,s,d]
+    return self._rope_and_rotate(k, positions)
+
+  def queries(self, x: jax.Array, q_lat: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [b,t,D], q_lat [b,t,q_lora], positions [b,t] -> q [b,t,h,d], w [b,t,h] fp32 (times h**-0.5)."""
+    b, t, _ = q_lat.shape
+    q = self.wq_b(q_lat).reshape(b, t, self.n_heads, self.head_dim)  # [b,t,h,d]
+    q = self._rope_and_rotate(q, positions)
+    w = self.weights_proj(x.astype(jnp.float32)) * self.n_heads ** -0.5  # [b,t,h] fp32
+    return q, w
+
+  def __call__(self, x: jax.Array, q_lat: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """x [b,t,D], q_lat [b,t,q_lora], positions [b,t], valid [b,t,s=t] bool -> scores [b,t,s] fp32.
+
+    Inputs are detached: the scores depend on the main model's activations but carry no
+    gradient back into them; the indexer's own parameters still get gradients.
+    """
+    x = jax.lax.stop_gradient(x)
+    q_lat = jax.lax.stop_gradient(q_lat)
+    k = self.keys(x, positions)  # [b,s,d]
+    q, w = self.queries(x, q_lat, positions)  # [b,t,h,d], [b,t,h]
+    scores = index_scores(q, w, k, valid, head_chunk=self.config.indexer_head_chunk,
+                          precision=PRECISION[self.config.matmul_precision])  # [b,t,s]
+    return constrain(scores, ("activation_batch", "activation_length", None))
+
+  # ---- selection
+  def select(self, scores: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """scores [b,t,s] -> (bool mask [b,t,s] True = selected, top-k indices [b,t,k'] or None).
+
+    k' = min(indexer_topk, s). Exact (default): the k-th value from the fast threshold, then
+    the mask keeps exactly k' keys (indexer_mask_exact_topk, ties lowest position first) or
+    every key >= the threshold. Approximate (indexer_use_approx_top_k): approx top-k at
+    indexer_approx_top_k_recall; the mask is its index set (exact_topk) or its k-th value as
+    a raw cutoff. A -inf (not valid) score is never selected; approx indices of a row with
+    fewer than k' valid keys include some masked slots (see selection.selection_indices).
+    The mask carries no gradient.
+    """
+    cfg = self.config
+    k = min(cfg.indexer_topk, scores.shape[-1])
+    if not cfg.indexer_use_approx_top_k:
+      threshold = topk_threshold(scores, k)  # [b,t,1]
+      return generate_mask(scores, threshold, exact_topk=cfg.indexer_mask_exact_topk, k=k), None
+    values, indices = select_topk(scores, k, approx=True, recall_target=cfg.indexer_approx_top_k_recall)
+    if cfg.indexer_mask_exact_topk:
+      mask = generate_mask(scores, values, indices, exact_topk=True, k=k)
+    else:
+      mask = generate_mask(scores, values, exact_topk=False, k=k)  # cutoff = the smallest approx value
+    return mask, indices
+
+  def generate_mask(self, index_score: jax.Array, topk_values: jax.Array, topk_indices: jax.Array | None = None,
+                    *, k: int | None = None, dtype=jnp.float32) -> jax.Array:
+    """The ADDITIVE mask [b,t,s] (0 = attend, large negative = masked) from top-k values/indices,
+    following indexer_mask_exact_topk (exactly k keys) or the raw >= k-th value cutoff."""
+    mask = generate_mask(index_score, topk_values, topk_indices, exact_topk=self.config.indexer_mask_exact_topk,
+                         k=k)
+    return additive_mask(mask, dtype)
+
+
+__all__ = ["Indexer", "index_scores", "indexer_kl_loss", "hadamard_matrix",
+           "select_topk", "topk_threshold", "generate_mask", "generate_mask_reference", "additive_mask"]
