@@ -1,0 +1,99 @@
+"""Decoder layers (dense and MoE), scanned layer stacks, and the multi-token-prediction module.
+
+A stack of N identical layers is built with `nnx.vmap` (parameters stacked on a leading
+"layers" axis) and run with `nnx.scan`, so compile time does not grow with depth; with
+`scan_layers=false` the same layers run as a Python loop (handy for per-layer inspection).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.layers.attention_mla import MLA
+from MaxText.layers.linears import MLP, Linear
+from MaxText.layers.moe import DeepSeekMoE
+from MaxText.layers.normalizations import RMSNorm
+from MaxText.types import Config
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "save_dot_except_mlp": jax.checkpoint_policies.save_any_names_but_these(
+        "moe_expert_hidden", "mlp_hidden"),
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+class DecoderLayer(nnx.Module):
+  """x + MLA(RMSNorm(x)), then + MLP or DeepSeekMoE(RMSNorm(.))."""
+
+  def __init__(self, config: Config, *, moe: bool, rngs: nnx.Rngs):
+    self.moe = moe
+    self.pre_attention_norm = RMSNorm(config.emb_dim, config)
+    self.attention = MLA(config, rngs=rngs)
+    self.pre_mlp_norm = RMSNorm(config.emb_dim, config)
+    self.mlp = DeepSeekMoE(config, rngs=rngs) if moe else MLP(config, config.mlp_dim, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    h, attn_aux = self.attention(self.pre_attention_norm(x), positions, segment_ids)  # [b,t,D]
+    x = x + h
+    aux = {"indexer_loss": attn_aux["indexer_loss"]}
+    if self.moe:
+      m, moe_aux = self.mlp(self.pre_mlp_norm(x))
+      aux.update(expert_load=moe_aux["expert_load"], load_balance_loss=moe_aux["load_balance_loss"])
+    else:
+      m = self.mlp(self.pre_mlp_norm(x))
+    return x + m, aux
+
+
+class LayerStack(nnx.Module):
+  """`num_layers` DecoderLayers of one kind; returns the output and per-layer aux stacked [L,...]."""
+
+  def __init__(self, config: Config, num_layers: int, *, moe: bool, rngs: nnx.Rngs):
+    self.scan = config.scan_layers
+    self.remat_policy = config.remat_policy
+    if self.scan:
+      @nnx.split_rngs(splits=num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def create(rngs):
+        return DecoderLayer(config, moe=moe, rngs=rngs)
+      self.layers = create(rngs)
+    else:
+      self.layers = nnx.List([DecoderLayer(config, moe=moe, rngs=rngs) for _ in range(num_layers)])
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    def fwd(layer, x):
+      return layer(x, positions, segment_ids)
+
+    if self.remat_policy != "none":
+      fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=not self.scan)
+    if self.scan:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+      def body(x, layer):
+        return fwd(layer, x)
+      return body(x, self.layers)  # x [b,t,D], aux leaves [L,...]
+    auxes = []
+    for layer in self.layers:
+      x, aux = fwd(layer, x)
+      auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+class MTPModule(nnx.Module):
+  """DeepSeek-V3 multi-token prediction depth k: h' = W [RMSNorm(emb(t_{i+k})); RMSNorm(h^{k-1}_i)],
+  then one MoE decoder layer; the embedding and output head are the main model's (shared)."""
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    d = config.emb_dim
+    self.embed_norm = RMSNorm(d, config)
+    self.hidden_norm = RMSNorm(d, config)
+    self.projection = Linear(2 * d, d, config, axes=("mlp", "embed"), rngs=rngs)
+    self.layer = DecoderLayer(config, moe=config.num_experts > 0, rngs=rngs)
+    self.final_norm = RMSNorm(d, config)
+
+  def __call__(self, h_prev, next_emb, positions, segment_ids):
+    """h_prev, next_emb [b,t,D] -> (h [b,t,D] for the next depth, normed h for the head, aux)."""
+    cat = jnp.concatenate([self.embed_norm(next_emb), self.hidden_norm(h_prev)], axis=-1)  # [b,t,2D]
+    h, aux = self.layer(self.projection(cat), positions, segment_ids)
+    return h, self.final_norm(h), aux

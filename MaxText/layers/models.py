@@ -1,0 +1,93 @@
+"""The DeepSeek-V3.2 Transformer: embed -> dense layers -> MoE layers -> RMSNorm -> logits (+ MTP),
+and its losses (LM cross-entropy with padding ignored, z-loss, MTP)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.layers.decoder import LayerStack, MTPModule
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import Linear
+from MaxText.layers.normalizations import RMSNorm
+from MaxText.types import Config
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, config: Config, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = Embed(config, rngs=rngs)
+    n_dense, n_moe = config.first_num_dense_layers, config.num_moe_layers
+    self.dense_layers = LayerStack(config, n_dense, moe=False, rngs=rngs) if n_dense else None
+    self.moe_layers = LayerStack(config, n_moe, moe=True, rngs=rngs) if n_moe else None
+    self.final_norm = RMSNorm(config.emb_dim, config)
+    self.output_head = Linear(config.emb_dim, config.vocab_size, config, axes=("embed", "vocab"), rngs=rngs)
+    self.mtp = nnx.List([MTPModule(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None):
+    """tokens [b,t] -> (logits [b,t,V] fp32, aux).
+
+    aux: indexer_loss (mean over layers), expert_load [L_moe,E], load_balance_loss (sum over
+    layers), mtp_logits [n_mtp,b,t,V] (depth k at position i predicts token i+k+1) or None.
+    """
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    x = self.embed(tokens)  # [b,t,D]
+    indexer_losses, aux = [], {}
+    if self.dense_layers is not None:
+      x, a = self.dense_layers(x, positions, segment_ids)
+      indexer_losses.append(a["indexer_loss"])
+    if self.moe_layers is not None:
+      x, a = self.moe_layers(x, positions, segment_ids)
+      indexer_losses.append(a["indexer_loss"])
+      aux["expert_load"] = a["expert_load"]  # [L_moe, E]
+      aux["load_balance_loss"] = jnp.sum(a["load_balance_loss"])
+    logits = self.output_head(self.final_norm(x)).astype(jnp.float32)  # [b,t,V]
+
+    mtp_logits, mtp_loads = [], []
+    h = x
+    for k, module in enumerate(self.mtp, start=1):
+      # Depth k at position i sees the embedding of token i+k (shifted in; the tail is padding).
+      next_tokens = jnp.roll(tokens, -k, axis=1)  # [b,t]
+      h, h_normed, a = module(h, self.embed(next_tokens), positions, segment_ids)
+      indexer_losses.append(a["indexer_loss"][None])
+      if "load_balance_loss" in a:
+        aux["load_balance_loss"] = aux.get("load_balance_loss", 0.0) + a["load_balance_loss"]
+        mtp_loads.append(a["expert_load"])
+      mtp_logits.append(self.output_head(h_normed).astype(jnp.float32))
+    aux["mtp_logits"] = jnp.stack(mtp_logits) if mtp_logits else None
+    aux["mtp_expert_load"] = jnp.stack(mtp_loads) if mtp_loads else None  # [n_mtp,E]
+    aux["indexer_loss"] = jnp.mean(jnp.concatenate(indexer_losses)) if indexer_losses else jnp.float32(0)
+    return logits, aux
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0):
+  """Mean token cross-entropy over weights > 0; logits [b,t,V] fp32, targets/weights [b,t].
+  Returns (loss incl. z-loss, lm loss, z-loss)."""
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [b,t]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [b,t]
+  nll = log_z - target_logit
+  denom = jnp.maximum(jnp.sum(weights), 1.0)
+  lm = jnp.sum(nll * weights) / denom
+  z = z_loss_weight * jnp.sum(jnp.square(log_z) * weights) / denom
+  return lm + z, lm, z
+
+
+def mtp_loss(mtp_logits: jax.Array, targets: jax.Array, weights: jax.Array,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+  """Mean over depths of the cross-entropy of depth k predicting targets shifted by k.
+  mtp_logits [n,b,t,V]; targets[i] = token i+1, so depth k's target at i is targets[i+k], valid
+  only when i+k is inside the sequence and in the same document as i."""
+  t = targets.shape[1]
+  losses = []
+  for k in range(1, mtp_logits.shape[0] + 1):
+    tgt = jnp.roll(targets, -k, axis=1)  # [b,t]
+    w = jnp.roll(weights, -k, axis=1) * (jnp.arange(t) < t - k)[None, :]  # the wrapped tail is invalid
+    if segment_ids is not None:
+      w = w * (jnp.roll(segment_ids, -k, axis=1) == segment_ids)
+    losses.append(cross_entropy(mtp_logits[k - 1], tgt, w)[1])
+  return jnp.mean(jnp.stack(losses))

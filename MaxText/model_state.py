@@ -1,0 +1,81 @@
+"""Creating, sharding, splitting and merging the model's state as plain pytrees.
+
+The trainer, decoder and converter all hold the model as (graphdef, params, buffers):
+`params` are the nnx.Param leaves (what the optimizer trains), `buffers` everything else
+(the MoE routing biases), both as nested dicts of arrays, the format of our checkpoints.
+"""
+
+from __future__ import annotations
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from MaxText import sharding
+from MaxText.layers.models import Transformer
+from MaxText.types import Config
+
+
+def abstract_model(config: Config):
+  """(graphdef, abstract params, abstract buffers) with no memory: shapes and dtypes only."""
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(config.seed)))
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  return graphdef, params, buffers
+
+
+def count_params(params_state) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params_state))
+
+
+def shardings_of(config: Config, mesh, params_state, buffers_state):
+  """NamedShardings for (params, buffers) as pure dicts."""
+  ps = sharding.state_shardings(params_state, config, mesh).to_pure_dict()
+  bs = sharding.state_shardings(buffers_state, config, mesh).to_pure_dict()
+  return ps, bs
+
+
+def create(config: Config, mesh):
+  """Random init, each parameter created directly with its sharding on the mesh.
+  Returns graphdef, params, buffers (pure dicts) and their shardings."""
+  graphdef, abs_params, abs_buffers = abstract_model(config)
+  p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
+
+  @jax.jit
+  def init():
+    _, params, buffers = nnx.split(Transformer(config, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+    return params.to_pure_dict(), buffers.to_pure_dict()
+
+  params, buffers = jax.jit(init, out_shardings=(p_shard, b_shard))()
+  return graphdef, params, buffers, (p_shard, b_shard)
+
+
+def merge(graphdef, params, buffers) -> Transformer:
+  return nnx.merge(graphdef, params, buffers)
+
+
+def save_parameters(path: str, params, buffers) -> None:
+  """The parameter-only checkpoint that convert_hf_checkpoint writes and load_parameters_path reads."""
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(path, {"params": params, "buffers": buffers}, force=True)
+  ckptr.wait_until_finished()
+
+
+def load_parameters(path: str, config: Config, mesh):
+  """Restores params + buffers saved by `save_parameters` onto the mesh; shapes must match the config."""
+  import os
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"load_parameters_path={path!r}: no such checkpoint directory")
+  graphdef, abs_params, abs_buffers = abstract_model(config)
+  p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
+  target = {
+      "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             abs_params.to_pure_dict(), p_shard),
+      "buffers": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abs_buffers.to_pure_dict(), b_shard),
+  }
+  try:
+    restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+  except Exception as e:  # shape/structure mismatch: say what the config expected
+    raise ValueError(f"load_parameters_path={path!r} does not match the configured model "
+                     f"(model_name={config.model_name}): {e}") from None
+  return graphdef, restored["params"], restored["buffers"], (p_shard, b_shard)

@@ -1,0 +1,93 @@
+"""Device mesh and logical-axis sharding.
+
+Layers name logical axes (parameters carry `logical_axes` metadata; activations go through
+`constrain`); `logical_axis_rules` in base.yml map each logical name onto mesh axes. The mesh
+layout (which axis is how big) is kept apart from the layer code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from MaxText.types import Config
+
+_ACTIVE_RULES: list[tuple[Mesh, dict]] = []
+
+
+def create_mesh(config: Config, devices=None) -> Mesh:
+  """A mesh with config.mesh_axes, sized by the (resolved) ici_*_parallelism keys."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [config.mesh_shape[a] for a in config.mesh_axes]
+  need = math.prod(shape)
+  if need > len(devices):
+    raise ValueError(f"the mesh {dict(zip(config.mesh_axes, shape))} needs {need} devices, {len(devices)} exist")
+  return Mesh(np.array(devices[:need]).reshape(shape), tuple(config.mesh_axes))
+
+
+def rules_of(config: Config) -> dict[str, tuple[str, ...]]:
+  return {name: tuple(axes) for name, axes in config.logical_axis_rules}
+
+
+def logical_to_spec(logical_axes, rules: dict, mesh: Mesh, shape=None) -> PartitionSpec:
+  """Maps logical names to a PartitionSpec; a mesh axis is used at most once, size-1 axes and
+  axes that do not divide the dimension are dropped (replicated) rather than failing."""
+  used, spec = set(), []
+  for i, name in enumerate(logical_axes):
+    axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
+    if shape is not None:
+      kept = []
+      for a in axes:
+        if shape[i] % (math.prod(mesh.shape[x] for x in kept) * mesh.shape[a]) == 0:
+          kept.append(a)
+      axes = kept
+    used.update(axes)
+    spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+  return PartitionSpec(*spec)
+
+
+def param_logical_axes(var: nnx.Variable) -> tuple:
+  """A variable's logical axes; stacked (scanned) layers get a leading "layers" axis."""
+  axes = tuple(var.get_metadata().get("logical_axes", ()))
+  value = var.get_value() if hasattr(var, "get_value") else var.value
+  ndim = len(value.shape)
+  if len(axes) < ndim:
+    axes = ("layers",) * (ndim - len(axes)) + axes
+  return axes
+
+
+def state_shardings(state, config: Config, mesh: Mesh):
+  """NamedShardings for an nnx.State (parameters or optimizer state built from them)."""
+  rules = rules_of(config)
+
+  def one(var):
+    if isinstance(var, nnx.Variable):
+      value = var.get_value() if hasattr(var, "get_value") else var.value
+      spec = logical_to_spec(param_logical_axes(var), rules, mesh, value.shape)
+      return var.replace(NamedSharding(mesh, spec))
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def logical_rules(config: Config, mesh: Mesh):
+  """Activations constrained with `constrain` inside this context follow the config's rules."""
+  _ACTIVE_RULES.append((mesh, rules_of(config)))
+  try:
+    yield
+  finally:
+    _ACTIVE_RULES.pop()
+
+
+def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  """with_sharding_constraint by logical names; a no-op outside `logical_rules`."""
+  if not _ACTIVE_RULES:
+    return x
+  mesh, rules = _ACTIVE_RULES[-1]
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, x.shape)))

@@ -1,0 +1,108 @@
+"""The whole Transformer: parameter counts of the official config, scan == loop, depth-independent compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import model_state
+from MaxText.layers.models import Transformer, cross_entropy, mtp_loss
+from tests.conftest import make_config
+
+# From the official 671B shapes (see the closing note of the model issue for the sum):
+# per dense layer 597,442,816, per MoE layer 11,521,245,440, embed = head = 926,679,040.
+PARAMS_671B = 671_877_929_216           # main model incl. indexers, no MTP
+MTP_LAYER = 11_624_027_392              # MTP: norms + eh_proj + one MoE layer (embed/head shared)
+OFFICIAL_MTP_COPIES = 2 * 129280 * 7168  # the official checkpoint stores MTP's own embed + head copies
+
+
+def test_671b_parameter_count_is_the_official_one():
+  cfg = make_config(model_name="deepseek3.2-671b", mtp_num_layers=0)
+  _, params, buffers = model_state.abstract_model(cfg)
+  assert model_state.count_params(params) == PARAMS_671B
+  assert model_state.count_params(buffers) == 58 * 256  # the routing correction biases
+
+
+def test_671b_with_mtp_parameter_count():
+  cfg = make_config(model_name="deepseek3.2-671b")
+  _, params, _ = model_state.abstract_model(cfg)
+  n = model_state.count_params(params)
+  assert n == PARAMS_671B + MTP_LAYER
+  assert round((n + OFFICIAL_MTP_COPIES) / 1e9, 1) == 685.4
+
+
+def _forward(cfg, tokens):
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  return model, model(tokens)
+
+
+def test_scanned_and_unscanned_stacks_compute_the_same_function():
+  cfg_s = make_config(scan_layers=True)
+  cfg_l = make_config(scan_layers=False)
+  tokens = jax.random.randint(jax.random.key(1), (2, 32), 3, cfg_s.vocab_size)
+  ms = Transformer(cfg_s, rngs=nnx.Rngs(0))
+  ml = Transformer(cfg_l, rngs=nnx.Rngs(0))
+  # Copy the stacked parameters into the per-layer modules.
+  ps = nnx.state(ms, nnx.Param).to_pure_dict()
+  pl = nnx.state(ml, nnx.Param).to_pure_dict()
+
+  def unstack(stacked, per_layer):
+    for i in per_layer:
+      per_layer[i] = jax.tree.map(lambda a, i=i: a[i], stacked)
+    return per_layer
+
+  for stack in ("dense_layers", "moe_layers"):
+    pl[stack]["layers"] = unstack(ps[stack]["layers"], pl[stack]["layers"])
+  for k in ps:
+    if k not in ("dense_layers", "moe_layers"):
+      pl[k] = ps[k]
+  nnx.update(ml, pl)
+  ls, aux_s = ms(tokens)
+  ll, aux_l = ml(tokens)
+  np.testing.assert_allclose(ls, ll, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(aux_s["expert_load"], aux_l["expert_load"], rtol=1e-6)
+
+
+def test_compiled_program_does_not_grow_with_depth():
+  sizes = []
+  for layers in (3, 9):
+    cfg = make_config(num_decoder_layers=layers, first_num_dense_layers=1, mtp_num_layers=0)
+    graphdef, params, buffers = model_state.abstract_model(cfg)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    f = lambda p, b, t: model_state.merge(graphdef, p, b)(t)[0]
+    hlo = jax.jit(f).lower(params.to_pure_dict(), buffers.to_pure_dict(), tokens).as_text()
+    sizes.append(len(hlo))
+  assert abs(sizes[1] - sizes[0]) / sizes[0] < 0.02, sizes
+
+
+def test_cross_entropy_ignores_padding_and_matches_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, size=(2, 5))
+  weights = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+  lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+  nll = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  want = (nll * weights).sum() / weights.sum()
+  _, lm, _ = cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+  np.testing.assert_allclose(lm, want, rtol=1e-6)
+  # Changing a padded position's logits changes nothing.
+  logits2 = logits.copy()
+  logits2[0, 4] += 100.0
+  np.testing.assert_allclose(cross_entropy(jnp.asarray(logits2), jnp.asarray(targets), jnp.asarray(weights))[1], lm)
+
+
+def test_mtp_loss_targets_are_shifted_by_depth_and_stay_in_the_document():
+  v = 6
+  targets = jnp.array([[1, 2, 3, 4, 5, 0]])
+  seg = jnp.array([[1, 1, 1, 2, 2, 2]])
+  weights = jnp.ones((1, 6))
+  # Depth-1 logits that put all mass on targets[i+1]: the loss is ~0 where valid.
+  want = jnp.roll(targets, -1, axis=1)
+  logits = 50.0 * jax.nn.one_hot(want, v)[None]  # [1,1,6,V]
+  assert float(mtp_loss(logits, targets, weights, seg)) < 1e-6
+  # Breaking a position that crosses the document boundary (i=2 -> i+1=3) changes nothing.
+  broken = logits.at[0, 0, 2].set(0.0)
+  assert float(mtp_loss(broken, targets, weights, seg)) < 1e-6
+  broken = logits.at[0, 0, 1].set(0.0)  # inside document 1: now it counts
+  assert float(mtp_loss(broken, targets, weights, seg)) > 0.1
