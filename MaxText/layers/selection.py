@@ -1,0 +1,384 @@
+"""Top-k selection for the lightning indexer (DeepSeek Sparse Attention): pure functions.
+
+Scores are [..., s] (typically [b,t,s], -inf where a key is not valid); every function works
+row by row over the last axis and takes only arrays and static Python arguments (jit-able,
+vmappable, no config). NaN scores are treated as -inf everywhere, and a -inf or NaN score is
+never selected ahead of a finite one. k' = min(k, s) throughout.
+
+Which method runs where:
+  select_topk(approx=False)  jax.lax.top_k, every backend (sorted, exact).
+  select_topk(approx=True)   TPU: jax.lax.approx_max_k. Elsewhere (CPU/GPU, where approx_max_k is
+                             an exact sort-based fallback) our binned method (_binned_topk_block).
+  topk_threshold             the exact k-th value from bounds on strided bins closed by bisection
+                             over order-preserving int32 keys (_threshold_block), every backend.
+  generate_mask              one compare against the cutoff (+ a tie fix only when needed).
+  generate_mask_reference    the original all-pairs index compare: the oracle for tests.
+
+Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
+(about 1.3 s for f32[1,1024,65536], k=2048), and the mask path needs only each row's k-th value.
+On CPU the row-wise work runs in blocks of rows small enough to stay in the L2 cache
+(_map_blocks); other backends take all rows at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_IMIN, _IMAX = -(2**31), 2**31 - 1
+_INF_BITS = 0x7F800000  # bit pattern of +inf
+_ROT = _IMAX - _INF_BITS  # rotates the +NaN keys (above +inf) to the very bottom
+_NEG_INF_KEY = (_INF_BITS ^ _IMIN ^ _IMAX) + _ROT  # _to_keys(-inf); every NaN key is below it
+_CACHE_BYTES = 1 << 20  # per-block int32 keys kept under this (the L2 of one core)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def _to_keys(x: jax.Array) -> jax.Array:
+  """f32 -> int32 keys whose signed order is lax.top_k's order (-0 < +0), with every NaN below -inf.
+
+  Flipping the magnitude bits of negative floats makes the int order the float order; adding
+  _ROT (wrapping) moves the +NaN block from the top to the bottom. Integer compares also keep
+  XLA:CPU on its vectorized loop emitter (float selects inside reductions are not).
+  """
+  i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return (i ^ ((i >> 31) & _IMAX)) + _ROT
+
+
+def _from_keys(key: jax.Array) -> jax.Array:
+  """Inverse of _to_keys; a NaN key comes back as -inf."""
+  i = jnp.maximum(key, _NEG_INF_KEY) - _ROT
+  return lax.bitcast_convert_type(i ^ ((i >> 31) & _IMAX), jnp.float32)
+
+
+def _sanitize(x: jax.Array) -> jax.Array:
+  """NaN -> -inf (for the lax.top_k / approx_max_k paths)."""
+  x = x.astype(jnp.float32)
+  return jnp.where(jnp.isnan(x), -jnp.inf, x)
+
+
+def _pad_last(x: jax.Array, multiple: int, value) -> jax.Array:
+  pad = -x.shape[-1] % multiple
+  return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=value)
+
+
+def _block_rows(s: int, cache_bytes: int) -> int:
+  """Rows per block on CPU: a power of two whose int32 keys fit cache_bytes (1 to 64)."""
+  return max(1, min(64, 2 ** int(math.log2(max(1, cache_bytes // (4 * s))))))
+
+
+def _map_blocks(block_fn, *arrays: jax.Array, cache_bytes: int = _CACHE_BYTES):
+  """Apply block_fn to blocks of rows: arrays [..., n_i] (same batch dims) -> outputs [..., *].
+
+  block_fn takes [R, n_i] arrays. On CPU R = _block_rows(s, cache_bytes) and the blocks run one
+  after another under lax.map (not vmap, so a lax.cond in block_fn stays a branch per block),
+  each block's working set staying in cache through every pass. Other backends: one block.
+  """
+  batch = arrays[0].shape[:-1]
+  rows = [a.reshape(-1, a.shape[-1]) for a in arrays]  # [N, n_i]
+  n = rows[0].shape[0]
+  r = _block_rows(arrays[0].shape[-1], cache_bytes) if jax.default_backend() == "cpu" else n
+  if r >= n:
+    out = block_fn(*rows)
+  else:
+    pad = -n % r  # rare (batch not a multiple of R): pad with -inf rows, sliced off below
+    rows = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=-jnp.inf) if pad else a for a in rows]
+    out = lax.map(lambda blk: block_fn(*blk), [a.reshape(-1, r, a.shape[-1]) for a in rows])
+    out = jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)  # [N, ...]
+  return jax.tree.map(lambda o: o.reshape(*batch, *o.shape[1:]), out)
+
+
+def _count_ge(keys: jax.Array, v: jax.Array) -> jax.Array:
+  """#(keys >= v) for keys [..., 16, X] and v [...] (a scalar per row) -> [...] int32.
+
+  Reducing the 16-long axis first vectorizes over X on XLA:CPU; the barrier stops XLA from
+  merging the two reductions into one that its CPU emitter does not vectorize.
+  """
+  partial = jnp.sum((keys >= v[..., None, None]).astype(jnp.int32), axis=-2)  # [..., X]
+  return jnp.sum(lax.optimization_barrier(partial), axis=-1)
+
+
+def _kth_key(keys: jax.Array, kk) -> jax.Array:
+  """The kk-th largest of keys [n] (an int32 key): the largest v with #(keys >= v) >= kk.
+
+  Built bit by bit from the top in the offset encoding u = v - INT_MIN, so 32 counting passes
+  find it exactly, ties included, with no sort and nothing data dependent. kk <= n.
+  """
+  keys_16x = _pad_last(keys, 16, _IMIN).reshape(16, -1)  # [16, n/16]; pads never raise a count
+
+  def step(b, u):
+    trial = u | jnp.left_shift(jnp.int32(1), 31 - b)  # int32 wraps: bit 31 is the sign bit
+    return jnp.where(_count_ge(keys_16x, trial ^ _IMIN) >= kk, trial, u)
+
+  return lax.fori_loop(0, 32, step, jnp.int32(0)) ^ _IMIN
+
+
+def _exclusive_cumsum(c: jax.Array, block: int = 32) -> jax.Array:
+  """Exclusive prefix sum over the last axis of small non-negative ints, by triangular matmuls.
+
+  XLA:CPU's cumsum is a slow reduce-window; [block,block] upper-triangular products (recursing
+  on the block totals) are exact in f32 below 2^24, at HIGHEST precision (no bf16/tf32 passes).
+  """
+  dot = lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+  n = c.shape[-1]
+  cf = _pad_last(c.astype(jnp.float32), block, 0).reshape(*c.shape[:-1], -1, block)  # [..., n/B, B]
+  upper = jnp.triu(jnp.ones((block, block), jnp.float32), 1)
+  within = dot(cf, upper)  # [..., n/B, B]: sum of the earlier entries of each block
+  totals = cf.sum(-1)  # [..., n/B]
+  if totals.shape[-1] > block:
+    offsets = _exclusive_cumsum(totals, block)
+  else:
+    nb = totals.shape[-1]
+    offsets = dot(totals, jnp.triu(jnp.ones((nb, nb), jnp.float32), 1))  # [..., n/B]
+  out = (within + offsets[..., None]).reshape(*c.shape[:-1], -1)[..., :n]
+  return out.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the k-th value
+
+
+def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
+  """scores [..., s] -> [..., 1]: each row's k'-th largest value, exactly as
+  lax.top_k(scores, k')[0][..., -1:] with NaN read as -inf (-inf when fewer than k' are finite).
+
+  Every backend, no sort and no top_k: bounds from the top of strided bins, closed by bisection
+  over int32 keys (_threshold_block); on CPU over cache-resident blocks of rows.
+  """
+  if k < 1:
+    raise ValueError(f"topk_threshold: k must be >= 1, got {k}")
+  kk = min(k, scores.shape[-1])
+  return _map_blocks(lambda x: _threshold_block(x, kk), scores)
+
+
+def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
+  """keys [R,16,L] (16-key strided bins) -> [R,m,L]: the m largest distinct keys of each bin, or
+  with `above` [R] the m smallest distinct keys > above. One max (min) pass per level."""
+  levels, prev = [], None if above is None else above[:, None, None]
+  for _ in range(m):
+    if above is None:
+      live = keys if prev is None else jnp.where(keys < prev, keys, _IMIN)
+      prev = jnp.max(live, axis=1, keepdims=True)  # [R,1,L]
+    else:
+      prev = jnp.min(jnp.where(keys > prev, keys, _IMAX), axis=1, keepdims=True)
+    levels.append(prev)
+  return jnp.concatenate(levels, axis=1)
+
+
+def _threshold_block(x: jax.Array, k: int) -> jax.Array:
+  """x [R,s] -> [R,1], the exact k-th value of each row, in about half the passes of a bisection
+  over all keys (32 passes):
+
+  lo: the k-th largest of each bin's top 2 keys. A subset's k-th is never above the row's, and is
+    equal unless some bin holds 3+ of the top k (c = #keys > lo >= k then).
+  hi: the r-th smallest key above lo, r = c - k + 1 (r - 1 = the few keys the bins missed), taken
+    from each bin's 3 smallest keys above lo: a subset again, so hi >= the k-th; #keys >= hi >= k
+    proves hi <= the k-th too. Rows where that fails (a bin with 4+ of those r keys, or heavy
+    ties) make their block fall back to the bisection over all keys.
+  Each k-th of a candidate set is a 32-pass bisection over s/8 or 3s/16 keys (_kth_key).
+  """
+  r = x.shape[0]
+  keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
+  kth = jax.vmap(_kth_key)
+  k_rows = jnp.full((r,), k, jnp.int32)
+  exact = lambda _: kth(keys.reshape(r, -1), k_rows)  # [R], 32 passes over all keys
+  if 2 * keys.shape[-1] < k:  # too few candidates: k close to s
+    return _from_keys(exact(None))[:, None]
+  lo = kth(_bin_levels(keys, 2).reshape(r, -1), k_rows)  # [R]
+  c = jnp.where(lo == _IMAX, 0, _count_ge(keys, lo + 1))  # #keys > lo (none above the top key)
+
+  def close(_):
+    low = _bin_levels(keys, 3, above=lo).reshape(r, -1)  # [R,3L]
+    hi = ~kth(~low, jnp.where(c >= k, c - k + 1, 1))  # ~ reverses the order: r-th smallest
+    tau = jnp.where(c >= k, hi, lo)
+    proven = jnp.all((c < k) | (_count_ge(keys, hi) >= k))
+    return lax.cond(proven, lambda _: tau, exact, None)
+
+  return _from_keys(lax.cond(jnp.any(c >= k), close, lambda _: lo, None))[:, None]
+
+
+# ----------------------------------------------------------------------------- approximate top-k
+
+
+def _binned_recall(s: int, k: int, rows: int, m: int) -> float:
+  """Expected recall of keeping the top m of each strided bin of `rows` keys (s/rows bins).
+
+  The number of true top-k keys in one bin is hypergeometric (s keys, k of them top, `rows`
+  drawn); a bin loses every one past its m-th, so recall = 1 - bins * E[(N - m)+] / k. This
+  assumes the top-k positions are spread like a random draw over bins; strided bins (bin =
+  position mod s/rows) make that hold for clustered top keys and for causal prefixes: a row with
+  v valid keys has about v/(s/rows) of them per bin, and is exact when that is <= m.
+  """
+  bins = s // rows
+  pmf = [math.comb(k, n) * math.comb(s - k, rows - n) / math.comb(s, rows) for n in range(rows + 1)]
+  lost = sum(p * (n - m) for n, p in enumerate(pmf) if n > m)
+  return 1.0 - bins * lost / k
+
+
+def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | None:
+  """(rows per bin G, kept per bin m) of least estimated cost whose estimated recall clears the
+  target with a margin (a quarter of 1 - target), or None when no binning beats exact top_k."""
+  want = recall_target + 0.25 * (1.0 - recall_target)
+  best = None
+  for rows in (16, 8, 4):  # taller bins reduce far slower on XLA:CPU
+    bins = -(-s // rows)
+    for m in range(1, min(rows, 8)):  # m == rows would keep everything
+      if m * bins < k:
+        continue
+      if _binned_recall(bins * rows, k, rows, m) >= want:
+        cost = m * bins * rows + 64 * m * bins  # m knock-out passes + bisection/scatter on candidates
+        if best is None or cost < best[0]:
+          best = (cost, rows, m)
+        break
+  return None if best is None else best[1:]
+
+
+def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
+  """Approximate top-k of a block x [R,s]: the top m of each strided bin of `rows` keys, then the
+  exact top k of those m * bins candidates. (values [R,k], indices [R,k]), unsorted but for the
+  last slot, which holds each row's smallest selected value."""
+  r, s = x.shape
+  keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
+  bins = keys.shape[-1]
+  g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
+  # The low log2(G) bits carry the bin row (reversed: ties go to the lower position), so the keys
+  # of a bin are distinct and each max pass knocks out exactly one key per bin.
+  packed = (keys & ~(rows - 1)) | (rows - 1 - g)  # [R,G,L]
+  levels, prev = [], None
+  for _ in range(m):
+    live = packed if prev is None else jnp.where(packed < prev, packed, _IMIN)
+    prev = jnp.max(live, axis=1, keepdims=True)  # [R,1,L]: a bin of <= 16 rows vectorizes on CPU
+    levels.append(prev)
+  cand = jnp.concatenate(levels, axis=1)  # [R,m,L], decreasing down each bin
+  thr = jax.vmap(_kth_key, in_axes=(0, None))(cand.reshape(r, -1), k)[:, None, None]  # [R,1,1]
+  above, tied = cand > thr, cand == thr
+
+  def first_ties(_):  # packed keys of different bins can tie at thr: take the first ones up to k
+    need = k - jnp.sum(above, axis=(1, 2))[:, None, None]
+    return above | (tied & (_exclusive_cumsum(tied.reshape(r, -1)).reshape(tied.shape) < need))
+
+  take = lax.cond(jnp.any(jnp.sum(above | tied, axis=(1, 2)) > k), first_ties, lambda _: above | tied, None)
+  # Exactly k taken per row, a prefix of each bin's levels: slot = bin offset + level.
+  offset = _exclusive_cumsum(jnp.sum(take, axis=1))  # [R,L]
+  level = lax.broadcasted_iota(jnp.int32, cand.shape, 1)
+  flat = jnp.arange(r)[:, None, None] * k + offset[:, None, :] + level  # [R,m,L] into [R*k]
+  flat = jnp.where(take, flat, r * k + jnp.arange(cand.size).reshape(cand.shape))  # distinct, dropped
+  pos = (rows - 1 - (cand & (rows - 1))) * bins + lax.broadcasted_iota(jnp.int32, cand.shape, 2)
+  idx = jnp.zeros((r * k,), jnp.int32).at[flat.reshape(-1)].set(pos.reshape(-1), mode="drop",
+                                                                  unique_indices=True).reshape(r, k)
+  idx = jnp.minimum(idx, s - 1)  # a padding key is only ever taken where a row has no finite one
+  vals = jnp.take_along_axis(_sanitize(x), idx, axis=1)  # [R,k]
+  # Move the smallest value to the last slot, so values[..., -1:] is the cutoff as with top_k.
+  j = jnp.argmin(vals, axis=1)[:, None]  # [R,1]
+  col = jnp.arange(k)[None, :]
+  order = jnp.where(col == k - 1, j, jnp.where(col == j, k - 1, col))  # [R,k] a swap permutation
+  return jnp.take_along_axis(vals, order, axis=1), jnp.take_along_axis(idx, order, axis=1)
+
+
+def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
+                recall_target: float = 0.95) -> tuple[jax.Array, jax.Array]:
+  """scores [..., s] -> (values [..., k'], indices [..., k'] int32), k' = min(k, s).
+
+  approx=False: jax.lax.top_k (sorted, ties lowest index first), every backend.
+  approx=True:  on TPU jax.lax.approx_max_k(recall_target=...). Elsewhere the binned method:
+    strided bins (bin = position mod s/G) of G in {4,8,16} keys, the top m of each bin by m
+    knock-out max passes over int32 keys, then the exact top k' of the m*bins candidates by
+    bisection (_kth_key) and a scatter. (G, m) is the cheapest pair whose hypergeometric recall
+    estimate (_binned_recall) clears recall_target; when none does, exact lax.top_k runs.
+    The off-TPU result is unsorted except that the last entry is the smallest value.
+  NaN counts as -inf; entries with value -inf (row with fewer than k' finite keys) are not
+  valid selections (see selection_indices).
+  """
+  if k < 1 or not 0.0 < recall_target <= 1.0:
+    raise ValueError(f"select_topk: need k >= 1 and 0 < recall_target <= 1, got k={k}, "
+                     f"recall_target={recall_target}")
+  kk = min(k, scores.shape[-1])
+  if not approx:
+    return lax.top_k(_sanitize(scores), kk)
+  if jax.default_backend() == "tpu":
+    return lax.approx_max_k(_sanitize(scores), kk, recall_target=recall_target)
+  config = _binned_config(scores.shape[-1], kk, recall_target)
+  if config is None:
+    return lax.top_k(_sanitize(scores), kk)
+  return _map_blocks(lambda x: _binned_topk_block(x, kk, *config), scores, cache_bytes=4 * _CACHE_BYTES)
+
+
+def selection_indices(scores: jax.Array, k: int, *, approx: bool = False,
+                      recall_target: float = 0.95) -> tuple[jax.Array, jax.Array]:
+  """The selection as indices [..., k'] int32 and valid [..., k'] bool (False where a row has
+  fewer than k' finite scores: those slots hold some index with a -inf/NaN score), for a
+  gather-based sparse attention. Exact: lax.top_k; approx: as select_topk."""
+  values, indices = select_topk(scores, k, approx=approx, recall_target=recall_target)
+  return indices, values > -jnp.inf
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def generate_mask(scores: jax.Array, topk_values: jax.Array, topk_indices: jax.Array | None = None, *,
+                  exact_topk: bool = True, k: int | None = None) -> jax.Array:
+  """bool [..., s], True = attend.
+
+  cutoff = the smallest of topk_values [..., k'] (= topk_values[..., -1:] when sorted), or a
+  threshold [..., 1] from topk_threshold (then pass k). k defaults to topk_values.shape[-1].
+  exact_topk=True:  exactly min(k', #valid) keys: all keys above the cutoff, then keys equal to
+                    it lowest position first (the set lax.top_k returns). With topk_indices
+                    (an approximate selection): exactly those indices, minus any whose value is
+                    -inf/NaN, by a scatter.
+  exact_topk=False: every key scoring >= cutoff (k' or more under ties).
+  A -inf or NaN score is never selected, also where fewer than k' keys are valid (cutoff -inf).
+  """
+  s = scores.shape[-1]
+  kk = min(k if k is not None else topk_values.shape[-1], s)
+  values = _sanitize(topk_values)
+  if exact_topk and topk_indices is not None:
+    idx = topk_indices.reshape(-1, topk_indices.shape[-1])  # [N,k']
+    n = idx.shape[0]
+    idx = jnp.where(values.reshape(idx.shape) > -jnp.inf, idx, s)  # -inf/NaN value: dropped below
+    if n * s < 2**31:  # one flat scatter (faster on CPU than [N,s] row/column indices)
+      flat = jnp.where(idx < s, idx + s * jnp.arange(n)[:, None], n * s)  # [N,k'] into [N*s]
+      mask = jnp.zeros((n * s,), bool).at[flat.reshape(-1)].set(True, mode="drop")
+    else:
+      mask = jnp.zeros((n, s), bool).at[jnp.arange(n)[:, None], idx].set(True, mode="drop")
+    return mask.reshape(scores.shape)
+  cutoff = jnp.min(values, axis=-1, keepdims=True)  # [...,1]
+  return _map_blocks(lambda sc, cu: _threshold_mask_block(sc, cu, kk, exact_topk), scores, cutoff)
+
+
+def _threshold_mask_block(scores: jax.Array, cutoff: jax.Array, k: int, exact_topk: bool) -> jax.Array:
+  """scores [R,s], cutoff [R,1] -> bool [R,s]: see generate_mask (threshold form)."""
+  keys, cut = _to_keys(scores), _to_keys(cutoff)  # [R,s], [R,1]
+  raw = keys >= jnp.maximum(cut, _NEG_INF_KEY + 1)  # >= cutoff, and never -inf/NaN
+  if not exact_topk:
+    return raw
+
+  def keep_first_ties(_):
+    # Keep everything strictly above the cutoff; prune only the ties (a cumsum over the whole
+    # raw mask would drop maxima that come after ties).
+    above = keys > jnp.maximum(cut, _NEG_INF_KEY)
+    tied = (keys == cut) & (cut > _NEG_INF_KEY)
+    need = k - jnp.sum(above, axis=-1, keepdims=True)
+    return above | (tied & (_exclusive_cumsum(tied) < need))
+
+  # Rows with more ties at the cutoff than they need are rare: pay for the prefix count only in
+  # the blocks that have one (a lax.cond per block; under vmap it becomes a select).
+  too_many = jnp.any(jnp.sum(raw, axis=-1) > k)
+  return lax.cond(too_many, keep_first_ties, lambda _: raw, None)
+
+
+def generate_mask_reference(topk_indices: jax.Array, s: int) -> jax.Array:
+  """The original all-pairs index-compare mask, bool [..., s]: the oracle for every fast path.
+  O(k*s) memory per row ([..., k, s] intermediate)."""
+  return (jnp.arange(s) == topk_indices[..., None]).any(axis=-2)
+
+
+def additive_mask(mask: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """0 where mask is True, else a large negative FINITE value (-0.7 * max of dtype, as MaxText).
+
+  Not -inf: a fully masked row would then softmax to exp(-inf - -inf) = NaN. And not the dtype's
+  minimum either, so adding it to negative logits cannot overflow to -inf.
+  """
+  return jnp.where(mask, jnp.zeros((), dtype), jnp.asarray(-0.7 * float(jnp.finfo(dtype).max), dtype))
