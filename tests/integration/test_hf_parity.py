@@ -1,0 +1,172 @@
+"""Whole-model parity with Hugging Face's DeepseekV32ForCausalLM through the checkpoint converter:
+logits over the whole sequence (fp32, rel err <= 1e-4) and each layer's top-k selection, with
+index_topk smaller than the sequence; plus an fp8 (e4m3, 128x128 block scales) checkpoint."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from MaxText import convert_hf_checkpoint, model_state  # noqa: E402
+
+SEQ = 40
+TOPK = 8
+
+
+def hf_config():
+  return transformers.DeepseekV32Config(
+      vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+      first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+      n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+      kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+      index_topk=TOPK, index_head_dim=32, index_n_heads=16,  # 16 heads: an all-zero relu tie is ~2**-16 max_position_embeddings=256,
+      initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                       "mscale": 1.0, "mscale_all_dim": 1.0},
+  )
+
+
+def build_hf_model(seed=0):
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV32ForCausalLM(hf_config()).eval()
+  model.config._attn_implementation = "eager"
+  with torch.no_grad():  # make norms and biases non-trivial so the test sees their mapping
+    for name, p in model.named_parameters():
+      if name.endswith("layernorm.weight") or name.endswith("norm.weight") or "k_norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      if name.endswith("k_norm.bias"):
+        p.copy_(0.1 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(0.05 * torch.randn_like(b))
+  return model
+
+
+def hf_forward(model, tokens):
+  """Logits and each layer's selected keys as bool [b,t,s] (causal keys only)."""
+  selections = {}
+
+  def hook(idx):
+    def f(_, __, out):
+      b, t, _k = out.shape
+      mask = torch.zeros((b, t, t), dtype=torch.bool).scatter(-1, out.long(), True)
+      selections[idx] = (mask & torch.ones(t, t, dtype=torch.bool).tril()).numpy()
+    return f
+
+  handles = [layer.self_attn.indexer.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+  with torch.no_grad():
+    logits = model(torch.as_tensor(np.asarray(tokens))).logits.numpy()
+  for h in handles:
+    h.remove()
+  return logits, [selections[i] for i in range(len(selections))]
+
+
+def our_forward(ckpt_dir, tokens, overrides):
+  cfg = convert_hf_checkpoint.converted_config(os.path.join(ckpt_dir, "maxtext"), overrides)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), cfg.mesh_axes)
+  graphdef, params, buffers, _ = model_state.load_parameters(os.path.join(ckpt_dir, "maxtext"), cfg, mesh)
+  model = model_state.merge(graphdef, params, buffers)
+  (logits, _), inter = nnx.capture(model, nnx.Intermediate)(jnp.asarray(tokens))
+  inter = inter.to_pure_dict() if hasattr(inter, "to_pure_dict") else inter
+  masks = []
+  for stack in ("dense_layers", "moe_layers"):
+    for i in sorted(inter.get(stack, {}).get("layers", {})):
+      masks.append(np.asarray(inter[stack]["layers"][i]["attention"]["indexer_mask"][0]))
+  return np.asarray(logits), masks
+
+
+def _convert(hf_dir, out_dir, overrides):
+  convert_hf_checkpoint.convert_checkpoint(hf_dir, os.path.join(out_dir, "maxtext"), overrides)
+
+
+OVERRIDES = ["scan_layers=false", "matmul_precision=highest"]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.default_rng(0).integers(3, 320, size=(2, SEQ))
+
+
+def _compare(ours, theirs, our_masks, their_masks):
+  rel = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
+  assert rel <= 1e-4, rel
+  assert len(our_masks) == len(their_masks) == 3
+  for i, (a, b) in enumerate(zip(our_masks, their_masks)):
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(a, b, err_msg=f"layer {i} selection differs")
+    # Sparsity matters: late queries select exactly TOPK of their > TOPK causal keys.
+    assert (a[:, -1].sum(-1) == TOPK).all()
+
+
+def test_bf16_free_fp32_checkpoint_matches_hf_logits_and_selections(tmp_path, tokens):
+  model = build_hf_model()
+  model.save_pretrained(tmp_path / "hf")
+  _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
+  theirs, their_masks = hf_forward(model, tokens)
+  ours, our_masks = our_forward(str(tmp_path), tokens, OVERRIDES)
+  _compare(ours, theirs, our_masks, their_masks)
+
+
+def _quantize_e4m3(w: torch.Tensor):
+  """Block-quantize w [out,in] to e4m3 with per-128x128 scale_inv (as DeepSeek's fp8 checkpoints)."""
+  out_d, in_d = w.shape
+  nb_o, nb_i = -(-out_d // 128), -(-in_d // 128)
+  scale = torch.zeros(nb_o, nb_i)
+  q = torch.zeros_like(w)
+  for i in range(nb_o):
+    for j in range(nb_i):
+      blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+      s = blk.abs().max().clamp(min=1e-12) / 448.0
+      scale[i, j] = s
+      q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = blk / s
+  q8 = q.to(torch.float8_e4m3fn)
+  deq = q8.float() * torch.repeat_interleave(torch.repeat_interleave(scale, 128, 0), 128, 1)[:out_d, :in_d]
+  return q8, scale, deq
+
+
+def test_fp8_block_quantized_checkpoint_matches_hf_on_dequantized_weights(tmp_path, tokens):
+  from safetensors.torch import load_file, save_file
+  model = build_hf_model(seed=1)
+  model.save_pretrained(tmp_path / "hf")
+  shard = [f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]
+  assert len(shard) == 1
+  path = tmp_path / "hf" / shard[0]
+  sd = load_file(str(path))
+  quantized, deq_sd = {}, {}
+  for name, w in sd.items():
+    if w.ndim == 2 and name.endswith("proj.weight") and "weights_proj" not in name:
+      q8, scale, deq = _quantize_e4m3(w.float())
+      quantized[name], quantized[name + "_scale_inv"] = q8, scale
+      deq_sd[name] = deq
+    else:
+      quantized[name] = w
+  assert any(v.dtype == torch.float8_e4m3fn for v in quantized.values())
+  # The oracle: HF run on the dequantized weights (saved under the same names, loaded by HF).
+  os.makedirs(tmp_path / "deq")
+  save_file({**sd, **deq_sd}, str(tmp_path / "deq" / shard[0]), metadata={"format": "pt"})
+  for f in os.listdir(tmp_path / "hf"):
+    if f.endswith(".json"):
+      (tmp_path / "deq" / f).write_bytes((tmp_path / "hf" / f).read_bytes())
+  save_file(quantized, str(path), metadata={"format": "pt"})
+  model = transformers.DeepseekV32ForCausalLM.from_pretrained(str(tmp_path / "deq")).eval()
+  model.config._attn_implementation = "eager"
+  _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
+  theirs, their_masks = hf_forward(model, tokens)
+  ours, our_masks = our_forward(str(tmp_path), tokens, OVERRIDES)
+  _compare(ours, theirs, our_masks, their_masks)
+
+
+def test_converter_errors_name_the_problem(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    convert_hf_checkpoint.read_checkpoint(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({}))
+  with pytest.raises(FileNotFoundError, match="safetensors"):
+    convert_hf_checkpoint.read_checkpoint(str(tmp_path))
