@@ -1,0 +1,244 @@
+"""Training: python MaxText/train.py configs/base.yml [key=value ...]
+
+The loop jit-compiles one train step over the device mesh: AdamW (warmup + cosine, global-norm
+clipping), gradient accumulation, LM cross-entropy ignoring padding (+ z-loss, + MTP, + the
+optional MoE balance loss), the aux-loss-free routing-bias update after each step, and the
+DeepSeek-V3.2 indexer recipe selected by `indexer_training_stage`:
+
+  none          the indexer selects keys; it has no loss of its own and is not updated.
+  dense_warmup  the main model runs DENSE attention and is frozen; only the indexers train,
+                on L_I = KL(p_t || softmax(I_t)) (p_t: main attention summed over heads).
+  sparse        top-k sparse attention; every parameter trains; the indexer learns only from
+                L_I restricted to its selection (inputs detached), the main model only from
+                the LM loss.
+
+Checkpoints (orbax) every checkpoint_period steps; the same command resumes from the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as `python MaxText/train.py`: import as the package, not from MaxText/
+  _HERE = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from MaxText import checkpointing, input_pipeline, model_state, pyconfig, sharding
+from MaxText.layers.models import cross_entropy, mtp_loss
+from MaxText.layers.moe import RoutingBias, update_routing_bias
+from MaxText.metrics import MetricsLogger, model_flops_per_token
+from MaxText.optimizers import create_optimizer, learning_rate_schedule
+from MaxText.types import Config
+
+
+class TrainingError(RuntimeError):
+  """A run that must stop (non-finite loss): the message says why and what was kept."""
+
+
+def _path_names(path) -> list[str]:
+  return [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+
+
+def trainable_labels(config: Config, params) -> dict:
+  """'train' / 'freeze' per parameter, from the indexer training stage."""
+  stage = config.indexer_training_stage
+
+  def label(path, _):
+    is_indexer = "indexer" in _path_names(path)
+    if not config.use_indexer:
+      return "train"
+    if stage == "dense_warmup":
+      return "train" if is_indexer else "freeze"
+    if stage == "sparse":
+      return "train"
+    return "freeze" if is_indexer else "train"  # none: selection only, no loss, no decay
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def update_routing_biases(config: Config, buffers, aux) -> dict:
+  """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load."""
+  if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0:
+    return buffers
+
+  def upd(path, bias):
+    names = _path_names(path)
+    if names[0] == "moe_layers":
+      load = aux["expert_load"]  # [L_moe,E]
+    elif names[0] == "mtp":
+      load = aux["mtp_expert_load"][int(names[1])]  # [E]
+    else:
+      return bias
+    return update_routing_bias(bias, load, config.routed_bias_update_rate)
+
+  return jax.tree_util.tree_map_with_path(upd, buffers)
+
+
+def _loss_fn(config: Config, graphdef, params, buffers, mb):
+  model = model_state.merge(graphdef, params, buffers)
+  logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+  _, lm, z = cross_entropy(logits, mb["targets"], mb["weights"], config.z_loss_weight)
+  mtp = mtp_loss(aux["mtp_logits"], mb["targets"], mb["weights"], mb["segment_ids"]) \
+      if config.mtp_num_layers else jnp.float32(0)
+  balance = aux.get("load_balance_loss", jnp.float32(0))
+  indexer = aux["indexer_loss"]
+  stage = config.indexer_training_stage if config.use_indexer else "none"
+  if stage == "dense_warmup":
+    total = config.indexer_loss_weight * indexer
+  else:
+    total = lm + z + config.mtp_loss_scaling_factor * mtp + balance
+    if stage == "sparse":
+      total = total + config.indexer_loss_weight * indexer
+  metrics = {"loss": total, "lm_loss": lm, "z_loss": z, "mtp_loss": mtp, "indexer_loss": indexer,
+             "load_balance_loss": balance}
+  loads = {k: aux[k] for k in ("expert_load", "mtp_expert_load") if aux.get(k) is not None}
+  return total, (metrics, loads)
+
+
+def make_train_step(config: Config, graphdef, tx):
+  """state {params, buffers, opt_state, step} x batch -> (new state, metrics)."""
+  grad_fn = jax.value_and_grad(lambda p, b, mb: _loss_fn(config, graphdef, p, b, mb), has_aux=True)
+  accum = config.gradient_accumulation_steps
+  schedule = learning_rate_schedule(config)
+
+  def step(state, batch):
+    params, buffers = state["params"], state["buffers"]
+    if accum == 1:
+      (_, (metrics, loads)), grads = grad_fn(params, buffers, batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)  # [A,b/A,t]
+
+      def one(mb):
+        (_, aux), g = grad_fn(params, buffers, mb)
+        return g, aux
+
+      def body(carry, mb):
+        return jax.tree.map(jnp.add, carry, one(mb)), None
+
+      shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], micro))
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      (grads, (metrics, loads)), _ = jax.lax.scan(body, zeros, micro)
+      grads, metrics, loads = jax.tree.map(lambda x: x / accum, (grads, metrics, loads))
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    new_buffers = update_routing_biases(config, buffers, loads)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]))
+    new_state = {"params": new_params, "buffers": new_buffers, "opt_state": opt_state, "step": state["step"] + 1}
+    return new_state, metrics
+
+  return step
+
+
+def _peak_flops_per_device() -> float:
+  """Peak FLOP/s of one device for the MFU estimate: a table for accelerators; on the CPU a
+  measured fp32 matmul (so MFU there reads against what this CPU can really do)."""
+  kind = jax.devices()[0].device_kind.lower()
+  table = {"v5 lite": 197e12, "v5e": 197e12, "v5p": 459e12, "v4": 275e12, "v6": 918e12,
+           "h100": 989e12, "h200": 989e12, "a100": 312e12}
+  for k, v in table.items():
+    if k in kind:
+      return v
+  a = jnp.ones((1024, 1024), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(5):
+    f(a).block_until_ready()
+  return 5 * 2 * 1024 ** 3 / (time.perf_counter() - t)
+
+
+def active_params(config: Config, total: int) -> int:
+  """Parameters a token's forward touches (routed experts: only num_experts_per_tok of them), no embedding."""
+  per_expert = 3 * config.emb_dim * config.moe_mlp_dim
+  unused = (config.num_experts - config.num_experts_per_tok) * per_expert * (config.num_moe_layers + config.mtp_num_layers)
+  return total - unused - config.vocab_size * config.emb_dim
+
+
+def train(config: Config) -> dict:
+  """Runs (or resumes) training; returns the last step's metrics as floats."""
+  mesh = sharding.create_mesh(config)
+  with mesh, sharding.logical_rules(config, mesh):
+    if config.load_parameters_path:
+      graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
+    else:
+      graphdef, params, buffers, _ = model_state.create(config, mesh)
+    tx = create_optimizer(config, trainable_labels(config, params))
+    opt_state = jax.jit(tx.init)(params)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {"params": params, "buffers": buffers, "opt_state": opt_state,
+             "step": jax.device_put(jnp.int32(0), replicated)}
+    # One sharding per leaf, used for in and out of the step: a layout that merely reads
+    # differently (P() vs P(None, None)) would otherwise recompile the step once.
+    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+
+    manager = checkpointing.create_manager(config)
+    start_step, data_state = 0, None
+    restored = checkpointing.restore_latest(manager, checkpointing.abstract_like(state, state_sharding))
+    if restored is not None:
+      start_step, state, data_state = restored
+      print(f"resumed from checkpoint step {start_step} in {config.checkpoint_dir}", flush=True)
+    data = input_pipeline.create_data_iterator(config, start_step=start_step)
+    if data_state is not None:
+      data.set_state(data_state)
+
+    batch_spec = sharding.logical_to_spec(("activation_batch", "activation_length"), sharding.rules_of(config), mesh)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+    step_fn = jax.jit(make_train_step(config, graphdef, tx), in_shardings=(state_sharding, batch_sharding),
+                      out_shardings=(state_sharding, replicated), donate_argnums=(0,))
+
+    n_params = model_state.count_params(params)
+    flops_per_token = model_flops_per_token(config, active_params(config, n_params))
+    peak = _peak_flops_per_device() * mesh.size
+    print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
+          f"indexer_training_stage={config.indexer_training_stage}", flush=True)
+    logger = MetricsLogger(config, start_step=start_step)
+    tokens_per_step = config.global_batch_size * config.max_target_length
+    last = {}
+    try:
+      for step in range(start_step + 1, config.steps + 1):
+        batch = jax.device_put(next(data), batch_sharding)
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        dt = time.perf_counter() - t0
+        if not math.isfinite(metrics["loss"]):
+          kept = manager.latest_step() if manager is not None else None
+          raise TrainingError(
+              f"loss is {metrics['loss']} at step {step} (lm_loss={metrics['lm_loss']}, grad_norm="
+              f"{metrics['grad_norm']}); stopping without saving this state; last checkpoint: "
+              f"{'step ' + str(kept) if kept is not None else 'none'}")
+        metrics["tokens_per_s"] = tokens_per_step / dt
+        metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
+        logger.log(step, metrics)
+        last = metrics
+        if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
+          checkpointing.save(manager, step, state, data.get_state())
+    finally:
+      if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+      logger.close()
+  return last
+
+
+def main(argv) -> None:
+  config = pyconfig.initialize_or_exit(argv)
+  try:
+    train(config)
+  except (TrainingError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

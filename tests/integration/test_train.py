@@ -1,0 +1,192 @@
+"""End-to-end training: the loss falls, the two indexer stages train what the paper trains,
+kill -9 and resume reproduces the losses, tensorboard events are readable, a file dataset trains,
+a non-finite loss stops the run without checkpointing the bad state."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import input_pipeline, model_state, sharding, train
+from MaxText.optimizers import create_optimizer
+from tests.conftest import REPO_ROOT, make_config
+
+DATA = os.path.join(REPO_ROOT, "tests", "data")
+
+
+def small(tmp_path, **kw):
+  base = dict(base_output_directory=str(tmp_path), run_name="run", steps=30, log_period=1,
+              enable_checkpointing=False, enable_tensorboard=False, warmup_steps=3, mtp_num_layers=1)
+  base.update(kw)
+  return make_config(**base)
+
+
+def test_loss_falls_on_the_learnable_synthetic_task(tmp_path):
+  cfg = small(tmp_path, steps=80)
+  losses = []
+  orig = train.MetricsLogger.log
+
+  def capture(self, step, scalars, **k):
+    losses.append(scalars["lm_loss"])
+    return orig(self, step, scalars, **k)
+
+  train.MetricsLogger.log = capture
+  try:
+    train.train(cfg)
+  finally:
+    train.MetricsLogger.log = orig
+  assert len(losses) == 80
+  assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), (losses[:5], losses[-5:])
+
+
+def _one_step(cfg):
+  """Params before and after one train step (warmup_steps=0: the first step has the peak lr)."""
+  assert cfg.warmup_steps == 0
+  mesh = sharding.create_mesh(cfg)
+  graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
+  state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0)}
+  batch = next(input_pipeline.create_data_iterator(cfg))
+  before = jax.tree.map(np.asarray, params)
+  new_state, metrics = jax.jit(train.make_train_step(cfg, graphdef, tx))(state, batch)
+  return before, jax.tree.map(np.asarray, new_state["params"]), metrics, (graphdef, params, buffers, batch)
+
+
+def _changed(before, after):
+  out = {}
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
+    out[jax.tree_util.keystr(path)] = not np.array_equal(a, b)
+  return out
+
+
+def test_dense_warmup_trains_only_the_indexers(tmp_path):
+  cfg = small(tmp_path, indexer_training_stage="dense_warmup", warmup_steps=0)
+  before, after, metrics, _ = _one_step(cfg)
+  changed = _changed(before, after)
+  indexer = {k: v for k, v in changed.items() if "'indexer'" in k}
+  main = {k: v for k, v in changed.items() if "'indexer'" not in k}
+  assert indexer and all(indexer.values()), indexer
+  assert not any(main.values()), [k for k, v in main.items() if v]
+  assert float(metrics["indexer_loss"]) > 0
+
+
+def test_sparse_stage_indexer_learns_only_from_its_kl_and_the_model_only_from_lm(tmp_path):
+  cfg = small(tmp_path, indexer_training_stage="sparse", warmup_steps=0)
+  _, _, _, (graphdef, params, buffers, batch) = _one_step(cfg)
+
+  def part(name):
+    def f(p):
+      _, (m, _) = train._loss_fn(cfg, graphdef, p, buffers, batch)
+      return m[name]
+    return jax.jit(jax.grad(f))(params)
+
+  g_lm, g_idx = part("lm_loss"), part("indexer_loss")
+
+  def norms(g, want_indexer):
+    return [float(jnp.abs(x).max()) for p, x in jax.tree_util.tree_leaves_with_path(g)
+            if ("'indexer'" in jax.tree_util.keystr(p)) == want_indexer]
+
+  assert max(norms(g_lm, True)) == 0.0          # LM loss sends nothing into the indexer
+  assert max(norms(g_idx, False)) == 0.0        # L_I sends nothing into the main model
+  assert max(norms(g_idx, True)) > 0.0 and max(norms(g_lm, False)) > 0.0
+
+
+def test_plain_training_leaves_the_indexer_untouched(tmp_path):
+  before, after, _, _ = _one_step(small(tmp_path, warmup_steps=0))
+  changed = _changed(before, after)
+  assert not any(v for k, v in changed.items() if "'indexer'" in k)
+  assert any(v for k, v in changed.items() if "'indexer'" not in k)
+
+
+def test_non_finite_loss_stops_without_checkpointing_the_bad_state(tmp_path, monkeypatch):
+  cfg = small(tmp_path, steps=6, enable_checkpointing=True, checkpoint_period=1, async_checkpointing=False)
+  orig = train.make_train_step
+
+  def poisoned(config, graphdef, tx):
+    step = orig(config, graphdef, tx)
+
+    def s(state, batch):
+      new, m = step(state, batch)
+      return new, dict(m, loss=jnp.where(state["step"] >= 2, jnp.nan, m["loss"]))
+    return s
+
+  monkeypatch.setattr(train, "make_train_step", poisoned)
+  with pytest.raises(train.TrainingError, match="loss is nan at step 3.*last checkpoint: step 2"):
+    train.train(cfg)
+  steps = sorted(int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit())
+  assert steps == [1, 2]
+
+
+def _run_train(args, **popen):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+  return subprocess.Popen([sys.executable, "MaxText/train.py", "configs/base.yml", *args], cwd=REPO_ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _losses(out: str) -> dict[int, str]:
+  return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", out)}
+
+
+def test_kill_9_then_resume_reproduces_the_same_losses(tmp_path):
+  common = ["steps=24", "log_period=1", "checkpoint_period=4", "async_checkpointing=false",
+            "enable_tensorboard=false", "mtp_num_layers=0", f"base_output_directory={tmp_path}"]
+  ref = _run_train(common + ["run_name=ref", "enable_checkpointing=false"])
+  ref_out, _ = ref.communicate(timeout=600)
+  assert ref.returncode == 0, ref_out
+  ref_losses = _losses(ref_out)
+  assert sorted(ref_losses) == list(range(1, 25))
+
+  ckpt = tmp_path / "killed" / "checkpoints"
+  p = _run_train(common + ["run_name=killed"])
+  deadline = time.time() + 600
+  while time.time() < deadline:  # kill -9 once the step-8 checkpoint is complete
+    if (ckpt / "8").is_dir() and not any(n.endswith(".orbax-checkpoint-tmp") or "tmp" in n
+                                         for n in os.listdir(ckpt)):
+      break
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  first_out, _ = p.communicate()
+  latest = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
+  assert latest < 24, "the run finished before it could be killed"
+  resumed = _run_train(common + ["run_name=killed"])
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, out
+  assert f"resumed from checkpoint step {latest}" in out
+  after = _losses(out)
+  assert sorted(after) == list(range(latest + 1, 25))
+  for s, loss in after.items():
+    assert loss == ref_losses[s], (s, loss, ref_losses[s])
+
+
+def test_tensorboard_events_are_readable(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  cfg = small(tmp_path, steps=3, enable_tensorboard=True)
+  train.train(cfg)
+  acc = EventAccumulator(cfg.tensorboard_dir)
+  acc.Reload()
+  tags = set(acc.Tags()["scalars"])
+  for tag in ("loss", "lm_loss", "indexer_loss", "mtp_loss", "grad_norm", "learning_rate", "tokens_per_s", "mfu"):
+    assert tag in tags, tags
+  assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+
+
+def test_a_file_dataset_trains(tmp_path):
+  cfg = small(tmp_path, steps=12, dataset_type="file", dataset_path=os.path.join(DATA, "corpus.txt"),
+              tokenizer_path=os.path.join(DATA, "tokenizer.model"), tokenizer_type="sentencepiece")
+  last = train.train(cfg)
+  assert np.isfinite(last["loss"]) and last["lm_loss"] < np.log(cfg.vocab_size)
+
+
+@pytest.mark.parametrize("extra", [["indexer_use_approx_top_k=true"], ["indexer_mask_exact_topk=false"], []])
+def test_the_main_command_runs_with_the_seed_flags(tmp_path, extra):
+  p = _run_train(["steps=3", "log_period=1", f"base_output_directory={tmp_path}", *extra])
+  out, _ = p.communicate(timeout=600)
+  assert p.returncode == 0, out
+  assert len(_losses(out)) == 3
