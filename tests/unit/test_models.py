@@ -106,3 +106,59 @@ def test_mtp_loss_targets_are_shifted_by_depth_and_stay_in_the_document():
   assert float(mtp_loss(broken, targets, weights, seg)) < 1e-6
   broken = logits.at[0, 0, 1].set(0.0)  # inside document 1: now it counts
   assert float(mtp_loss(broken, targets, weights, seg)) > 0.1
+
+
+def _layer_masks(model, tokens):
+  (_, _), inter = nnx.capture(model, nnx.Intermediate)(tokens)
+  inter = inter.to_pure_dict() if hasattr(inter, "to_pure_dict") else inter
+  masks = []
+  for stack in ("dense_layers", "moe_layers"):
+    for i in sorted(inter.get(stack, {}).get("layers", {})):
+      masks.append(np.asarray(inter[stack]["layers"][i]["attention"]["indexer_mask"][0]))
+  return masks
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_every_layer_follows_indexer_mask_exact_topk(exact):
+  """All indexer scores tie (weights_proj = 0): exact-k keeps the k lowest positions per query,
+  the raw cutoff keeps every causal key; this must hold in each of the 4 layers."""
+  k, t = 4, 12
+  cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=0,
+                    indexer_topk=k, indexer_mask_exact_topk=exact)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  for layer in list(model.dense_layers.layers) + list(model.moe_layers.layers):
+    w = layer.attention.indexer.weights_proj.kernel
+    w[...] = jnp.zeros_like(w[...])
+  masks = _layer_masks(model, jnp.ones((1, t), jnp.int32) * 5)
+  assert len(masks) == 4
+  causal = np.tril(np.ones((t, t), bool))
+  first_k = causal & (np.arange(t)[None, :] < k)
+  for i, m in enumerate(masks):
+    np.testing.assert_array_equal(m[0], first_k if exact else causal, err_msg=f"layer {i}")
+
+
+@pytest.mark.parametrize("approx", [True, False])
+def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
+  """Each layer's selection goes through the configured path: the approximate top-k (with the
+  configured recall target) or the exact threshold, counted per layer while tracing."""
+  from MaxText.layers import indexer as indexer_mod
+  calls = []
+  real_select, real_threshold = indexer_mod.select_topk, indexer_mod.topk_threshold
+
+  def select_spy(scores, k, *, approx=False, recall_target=0.95):
+    calls.append(("approx" if approx else "exact-topk", recall_target))
+    return real_select(scores, k, approx=approx, recall_target=recall_target)
+
+  def threshold_spy(scores, k):
+    calls.append(("threshold", None))
+    return real_threshold(scores, k)
+
+  monkeypatch.setattr(indexer_mod, "select_topk", select_spy)
+  monkeypatch.setattr(indexer_mod, "topk_threshold", threshold_spy)
+  # remat off: jax.checkpoint would trace identical layers once and hide the per-layer count.
+  cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=1,
+                    remat_policy="none", indexer_use_approx_top_k=approx, indexer_approx_top_k_recall=0.9)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  model(jnp.ones((1, 32), jnp.int32))
+  want = [("approx", 0.9)] if approx else [("threshold", None)]
+  assert calls == want * 5  # 4 decoder layers + the MTP layer
