@@ -23,6 +23,15 @@ output sends no gradient into the indexer (the top-k mask is boolean).
 aux["indexer_loss"] is the unweighted per-layer L_I (indexer_kl_loss: mean over query tokens);
 the model applies indexer_loss_weight. Each layer's selection (bool [b,t,s]) is sown as
 Intermediate "indexer_mask" when the call runs under nnx.capture(model, nnx.Intermediate).
+
+Two implementations of the sparse attention (sparse_attention_impl):
+  mask    the above: a [b,t,s] selection mask over dense logits, O(t*s) time and memory.
+  gather  sparse_attention.sparse_mla_attention: blocks of sparse_attention_query_block queries
+          score, select and gather their k keys (absorbed MLA over c_kv and k_pe), O(t*k)
+          attention and memory linear in t; the selection is sown as "indexer_topk_indices"
+          [b,t,k] (-1 on invalid slots) instead of a mask.
+  auto    mask below sparse_attention_gather_min_length keys, gather from there on.
+The dense_warmup stage and use_indexer=false always run the mask path (dense attention).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from MaxText.layers.indexer import Indexer, additive_mask, indexer_kl_loss
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
 from MaxText.layers.masks import attention_validity
 from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.sparse_attention import sparse_mla_attention
 from MaxText.sharding import constrain
 from MaxText.types import Config
 
@@ -108,13 +118,44 @@ class MLA(nnx.Module):
     """
     f32, p = jnp.float32, self.precision
     q_nope, q_pe, k_nope, k_pe = (a.astype(self.dtype) for a in (q_nope, q_pe, k_nope, k_pe))
-    logits = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, precision=p, preferred_element_type=f32)
-              + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, precision=p, preferred_element_type=f32))  # [b,h,t,s]
+    # One contraction over [nope | rope]: the shared k_pe broadcast to every head. Two einsums
+    # (one with k_pe [b,s,r] shared) cost ~3x as much on the CPU (a [t,h,s] -> [h,t,s] transpose).
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [b,t,h,nope+rope]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])],
+                        axis=-1)  # [b,s,h,nope+rope]
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, precision=p, preferred_element_type=f32)  # [b,h,t,s]
     logits = logits * self.config.softmax_scale + additive_mask(mask, f32)[:, None]  # [b,h,t,s]
     probs = jax.nn.softmax(logits, axis=-1)  # fp32 [b,h,t,s]
     probs = jnp.where(jnp.any(mask, axis=-1)[:, None, :, None], probs, 0.0)  # rows with no key: 0
     out = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v.astype(self.dtype), precision=p)  # [b,t,h,v]
     return checkpoint_name(out, "attention_out"), probs
+
+  def use_gather(self, s: int) -> bool:
+    """Whether a call over s keys takes the gather path (sparse_attention_impl; see the module doc)."""
+    cfg = self.config
+    if self.indexer is None or cfg.indexer_training_stage == "dense_warmup":
+      return False  # nothing selected, or attention is dense by definition
+    return cfg.sparse_attention_impl == "gather" or (
+        cfg.sparse_attention_impl == "auto" and s >= cfg.sparse_attention_gather_min_length)
+
+  def attend_gather(self, x: jax.Array, q_nope: jax.Array, q_pe: jax.Array, q_lat: jax.Array, c_kv: jax.Array,
+                    k_pe: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """The gather path (sparse_attention.sparse_mla_attention) -> out [b,t,h,v], indexer loss (f32)."""
+    cfg = self.config
+    x_d, q_lat_d = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat)  # the indexer's inputs are detached
+    index_k = self.indexer.keys(x_d, positions)  # [b,s,d]
+    index_q, index_w = self.indexer.queries(x_d, q_lat_d, positions)  # [b,t,H,d], [b,t,H]
+    out, idx, idx_valid, kl = sparse_mla_attention(
+        q_nope, q_pe, c_kv, k_pe, self.wkv_b.kernel[...], index_q, index_w, index_k,
+        positions, positions, segment_ids, segment_ids,
+        num_heads=self.num_heads, nope=self.nope, v=self.v_dim, scale=cfg.softmax_scale, topk=cfg.indexer_topk,
+        query_block=cfg.sparse_attention_query_block, head_chunk=cfg.indexer_head_chunk,
+        approx=cfg.indexer_use_approx_top_k, recall_target=cfg.indexer_approx_top_k_recall,
+        with_kl=cfg.indexer_training_stage == "sparse", precision=self.precision)
+    if hasattr(self, "__captures__"):  # the selection as indices: a [b,t,s] mask is what this path avoids
+      self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(idx_valid, idx, -1))
+    return checkpoint_name(out, "attention_out"), kl
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -124,22 +165,25 @@ class MLA(nnx.Module):
     cfg = self.config
     q_nope, q_pe, q_lat = self.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
     c_kv, k_pe = self.project_kv(x, positions)  # [b,s,kv_lora], [b,s,rope]
-    k_nope, v = self.expand_kv(c_kv)  # [b,s,h,nope], [b,s,h,v]
-    valid = attention_validity(positions, positions, segment_ids, segment_ids)  # [b,t,s]
 
     indexer_loss = jnp.zeros((), jnp.float32)
-    if self.indexer is None:
-      out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
+    if self.use_gather(t):
+      out, indexer_loss = self.attend_gather(x, q_nope, q_pe, q_lat, c_kv, k_pe, positions, segment_ids)
     else:
-      scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
-      selected, _ = self.indexer.select(scores)
-      selected = selected & valid  # [b,t,s]
-      if hasattr(self, "__captures__"):  # inside nnx.capture: a sow outside it would mutate the module
-        self.sow(nnx.Intermediate, "indexer_mask", selected)  # read via nnx.capture(model, nnx.Intermediate)
-      support = valid if cfg.indexer_training_stage == "dense_warmup" else selected
-      out, probs = self.attend(q_nope, q_pe, k_nope, k_pe, v, support)
-      if cfg.indexer_training_stage != "none":
-        indexer_loss = indexer_kl_loss(probs, scores, support)
+      k_nope, v = self.expand_kv(c_kv)  # [b,s,h,nope], [b,s,h,v]
+      valid = attention_validity(positions, positions, segment_ids, segment_ids)  # [b,t,s]
+      if self.indexer is None:
+        out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
+      else:
+        scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
+        selected, _ = self.indexer.select(scores)
+        selected = selected & valid  # [b,t,s]
+        if hasattr(self, "__captures__"):  # inside nnx.capture: a sow outside it would mutate the module
+          self.sow(nnx.Intermediate, "indexer_mask", selected)  # read via nnx.capture(model, nnx.Intermediate)
+        support = valid if cfg.indexer_training_stage == "dense_warmup" else selected
+        out, probs = self.attend(q_nope, q_pe, k_nope, k_pe, v, support)
+        if cfg.indexer_training_stage != "none":
+          indexer_loss = indexer_kl_loss(probs, scores, support)
     out = self.wo(out.reshape(b, t, self.num_heads * self.v_dim))  # [b,t,D]
     out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
     return out, {"indexer_loss": indexer_loss}
