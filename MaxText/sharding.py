@@ -11,6 +11,7 @@ import contextlib
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -91,3 +92,27 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
     return x
   mesh, rules = _ACTIVE_RULES[-1]
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, x.shape)))
+
+
+def load_balance_permutation(t: int, cp: int) -> np.ndarray:
+  """Zig-zag order for causal context parallelism: the sequence in 2*cp chunks, device i holds
+  chunks i and 2*cp-1-i, so every device gets the same causal work. new[j] = old[perm[j]]."""
+  if t % (2 * cp):
+    raise ValueError(f"sequence length {t} is not divisible by 2 x ici_context_parallelism = {2 * cp}")
+  chunks = np.arange(t).reshape(2 * cp, t // (2 * cp))
+  order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+  return chunks[order].reshape(-1)
+
+
+def gather_sequence(x: jax.Array, config: Config, *, names: tuple) -> jax.Array:
+  """Keys for context-parallel attention: replicate along the sequence (every device needs every
+  key: an all-gather of the small MLA latent) and, under load balancing, undo the zig-zag so the
+  key axis is in ORIGINAL order: tie-breaking "lowest position first" then means what it says.
+  x [b,s,...]; names: its logical axes with the sequence axis (1) given as None."""
+  x = constrain(x, names)
+  cp = config.ici_context_parallelism
+  if cp > 1 and config.context_parallel_load_balance:
+    inverse = np.argsort(load_balance_permutation(x.shape[1], cp))
+    x = jnp.take(x, jnp.asarray(inverse), axis=1)  # [b,s,...] original order
+    x = constrain(x, names)
+  return x

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from MaxText import checkpointing, input_pipeline, model_state, pyconfig, sharding
-from MaxText.layers.models import cross_entropy, mtp_loss
+from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss
 from MaxText.layers.moe import RoutingBias, update_routing_bias
 from MaxText.metrics import MetricsLogger, model_flops_per_token
 from MaxText.optimizers import create_optimizer, learning_rate_schedule
@@ -86,9 +86,10 @@ def update_routing_biases(config: Config, buffers, aux) -> dict:
 
 def _loss_fn(config: Config, graphdef, params, buffers, mb):
   model = model_state.merge(graphdef, params, buffers)
-  logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+  mtp_b = {k: jnp.swapaxes(mb[k], 0, 1) for k in ("mtp_tokens", "mtp_targets", "mtp_weights") if k in mb}  # [n,b,t]
+  logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"], mtp_b.get("mtp_tokens"))
   _, lm, z = cross_entropy(logits, mb["targets"], mb["weights"], config.z_loss_weight)
-  mtp = mtp_loss(aux["mtp_logits"], mb["targets"], mb["weights"], mb["segment_ids"]) \
+  mtp = mtp_loss(aux["mtp_logits"], mtp_b["mtp_targets"], mtp_b["mtp_weights"]) \
       if config.mtp_num_layers else jnp.float32(0)
   balance = aux.get("load_balance_loss", jnp.float32(0))
   indexer = aux["indexer_loss"]
@@ -103,6 +104,30 @@ def _loss_fn(config: Config, graphdef, params, buffers, mb):
              "load_balance_loss": balance}
   loads = {k: aux[k] for k in ("expert_load", "mtp_expert_load") if aux.get(k) is not None}
   return total, (metrics, loads)
+
+
+def prepare_batch(config: Config, batch: dict) -> dict:
+  """Host-side, in ORIGINAL order: adds MTP's shifted inputs/targets/weights ([b,n,t]), then with
+  context parallelism + load balancing reorders every [..,t] array the same way (zig-zag)."""
+  out = {k: np.asarray(v) for k, v in batch.items()}
+  if config.mtp_num_layers:
+    m = mtp_inputs(out["inputs"], out["targets"], out["weights"], out["segment_ids"], config.mtp_num_layers)
+    out.update({k: np.swapaxes(np.asarray(v), 0, 1) for k, v in m.items()})  # [b,n,t]
+  if config.ici_context_parallelism > 1 and config.context_parallel_load_balance:
+    perm = sharding.load_balance_permutation(out["inputs"].shape[-1], config.ici_context_parallelism)
+    out = {k: v[..., perm] for k, v in out.items()}
+  return out
+
+
+def batch_shardings(config: Config, mesh, batch: dict) -> dict:
+  """Batch over the batch axes, the sequence (last axis) over `context`."""
+  rules = sharding.rules_of(config)
+
+  def one(x):
+    names = ("activation_batch",) + (None,) * (x.ndim - 2) + ("activation_length",)
+    return NamedSharding(mesh, sharding.logical_to_spec(names, rules, mesh, x.shape))
+
+  return {k: one(v) for k, v in batch.items()}
 
 
 def make_train_step(config: Config, graphdef, tx):
@@ -191,8 +216,8 @@ def train(config: Config) -> dict:
     if data_state is not None:
       data.set_state(data_state)
 
-    batch_spec = sharding.logical_to_spec(("activation_batch", "activation_length"), sharding.rules_of(config), mesh)
-    batch_sharding = NamedSharding(mesh, batch_spec)
+    first = prepare_batch(config, next(data))
+    batch_sharding = batch_shardings(config, mesh, first)
     step_fn = jax.jit(make_train_step(config, graphdef, tx), in_shardings=(state_sharding, batch_sharding),
                       out_shardings=(state_sharding, replicated), donate_argnums=(0,))
 
@@ -206,7 +231,8 @@ def train(config: Config) -> dict:
     last = {}
     try:
       for step in range(start_step + 1, config.steps + 1):
-        batch = jax.device_put(next(data), batch_sharding)
+        batch = first if step == start_step + 1 else prepare_batch(config, next(data))
+        batch = jax.device_put(batch, batch_sharding)
         t0 = time.perf_counter()
         state, metrics = step_fn(state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}

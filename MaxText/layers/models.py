@@ -11,6 +11,7 @@ from MaxText.layers.decoder import LayerStack, MTPModule
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import Linear
 from MaxText.layers.normalizations import RMSNorm
+from MaxText.sharding import constrain
 from MaxText.types import Config
 
 
@@ -27,16 +28,21 @@ class Transformer(nnx.Module):
     self.mtp = nnx.List([MTPModule(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None):
+               segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None):
     """tokens [b,t] -> (logits [b,t,V] fp32, aux).
 
+    positions are the ORIGINAL token positions (context parallelism may reorder the sequence);
+    mtp_tokens [n_mtp,b,t]: depth k's input token at each position (token i+k of the original
+    order, see `mtp_inputs`); None computes it by shifting `tokens`, valid only in original order.
     aux: indexer_loss (mean over layers), expert_load [L_moe,E], load_balance_loss (sum over
     layers), mtp_logits [n_mtp,b,t,V] (depth k at position i predicts token i+k+1) or None.
     """
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    x = self.embed(tokens)  # [b,t,D]
+    if mtp_tokens is None and self.mtp:
+      mtp_tokens = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, len(self.mtp) + 1)])
+    x = constrain(self.embed(tokens), ("activation_batch", "activation_length", "activation_embed"))  # [b,t,D]
     indexer_losses, aux = [], {}
     if self.dense_layers is not None:
       x, a = self.dense_layers(x, positions, segment_ids)
@@ -51,9 +57,8 @@ class Transformer(nnx.Module):
     mtp_logits, mtp_loads = [], []
     h = x
     for k, module in enumerate(self.mtp, start=1):
-      # Depth k at position i sees the embedding of token i+k (shifted in; the tail is padding).
-      next_tokens = jnp.roll(tokens, -k, axis=1)  # [b,t]
-      h, h_normed, a = module(h, self.embed(next_tokens), positions, segment_ids)
+      # Depth k at position i sees the embedding of token i+k (the shifted-in tail is ignored by the loss).
+      h, h_normed, a = module(h, self.embed(mtp_tokens[k - 1]), positions, segment_ids)
       indexer_losses.append(a["indexer_loss"][None])
       if "load_balance_loss" in a:
         aux["load_balance_loss"] = aux.get("load_balance_loss", 0.0) + a["load_balance_loss"]
@@ -77,17 +82,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   return lm + z, lm, z
 
 
-def mtp_loss(mtp_logits: jax.Array, targets: jax.Array, weights: jax.Array,
-             segment_ids: jax.Array | None = None) -> jax.Array:
-  """Mean over depths of the cross-entropy of depth k predicting targets shifted by k.
-  mtp_logits [n,b,t,V]; targets[i] = token i+1, so depth k's target at i is targets[i+k], valid
-  only when i+k is inside the sequence and in the same document as i."""
-  t = targets.shape[1]
-  losses = []
-  for k in range(1, mtp_logits.shape[0] + 1):
-    tgt = jnp.roll(targets, -k, axis=1)  # [b,t]
+def mtp_inputs(tokens: jax.Array, targets: jax.Array, weights: jax.Array, segment_ids: jax.Array | None,
+               n: int) -> dict:
+  """What MTP depth k = 1..n needs, computed in ORIGINAL sequence order (before any reordering):
+  mtp_tokens [n,b,t] (token i+k), mtp_targets [n,b,t] (token i+k+1 = targets[i+k]) and
+  mtp_weights [n,b,t] (valid only inside the sequence and in the same document as i)."""
+  t = tokens.shape[1]
+  toks, tgts, ws = [], [], []
+  for k in range(1, n + 1):
+    toks.append(jnp.roll(tokens, -k, axis=1))  # [b,t]
+    tgts.append(jnp.roll(targets, -k, axis=1))
     w = jnp.roll(weights, -k, axis=1) * (jnp.arange(t) < t - k)[None, :]  # the wrapped tail is invalid
     if segment_ids is not None:
       w = w * (jnp.roll(segment_ids, -k, axis=1) == segment_ids)
-    losses.append(cross_entropy(mtp_logits[k - 1], tgt, w)[1])
-  return jnp.mean(jnp.stack(losses))
+    ws.append(w)
+  return {"mtp_tokens": jnp.stack(toks), "mtp_targets": jnp.stack(tgts), "mtp_weights": jnp.stack(ws)}
+
+
+def mtp_loss(mtp_logits: jax.Array, mtp_targets: jax.Array, mtp_weights: jax.Array) -> jax.Array:
+  """Mean over depths of each depth's cross-entropy; [n,b,t,V] logits, [n,b,t] targets/weights."""
+  return jnp.mean(jnp.stack([cross_entropy(mtp_logits[k], mtp_targets[k], mtp_weights[k])[1]
+                             for k in range(mtp_logits.shape[0])]))

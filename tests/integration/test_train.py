@@ -53,7 +53,7 @@ def _one_step(cfg):
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
   tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
   state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0)}
-  batch = next(input_pipeline.create_data_iterator(cfg))
+  batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
   before = jax.tree.map(np.asarray, params)
   new_state, metrics = jax.jit(train.make_train_step(cfg, graphdef, tx))(state, batch)
   return before, jax.tree.map(np.asarray, new_state["params"]), metrics, (graphdef, params, buffers, batch)

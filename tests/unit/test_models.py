@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from MaxText import model_state
-from MaxText.layers.models import Transformer, cross_entropy, mtp_loss
+from MaxText.layers.models import Transformer, cross_entropy, mtp_inputs, mtp_loss
 from tests.conftest import make_config
 
 # From the official 671B shapes (see the closing note of the model issue for the sum):
@@ -94,18 +94,22 @@ def test_cross_entropy_ignores_padding_and_matches_numpy():
 
 def test_mtp_loss_targets_are_shifted_by_depth_and_stay_in_the_document():
   v = 6
+  tokens = jnp.array([[0, 1, 2, 3, 4, 5]])
   targets = jnp.array([[1, 2, 3, 4, 5, 0]])
   seg = jnp.array([[1, 1, 1, 2, 2, 2]])
   weights = jnp.ones((1, 6))
-  # Depth-1 logits that put all mass on targets[i+1]: the loss is ~0 where valid.
-  want = jnp.roll(targets, -1, axis=1)
-  logits = 50.0 * jax.nn.one_hot(want, v)[None]  # [1,1,6,V]
-  assert float(mtp_loss(logits, targets, weights, seg)) < 1e-6
-  # Breaking a position that crosses the document boundary (i=2 -> i+1=3) changes nothing.
-  broken = logits.at[0, 0, 2].set(0.0)
-  assert float(mtp_loss(broken, targets, weights, seg)) < 1e-6
+  m = mtp_inputs(tokens, targets, weights, seg, 2)
+  np.testing.assert_array_equal(m["mtp_tokens"][1, 0, :4], [2, 3, 4, 5])
+  np.testing.assert_array_equal(m["mtp_targets"][0, 0, :5], [2, 3, 4, 5, 0])
+  # depth 1 at i predicts token i+2: valid for i=0 (doc 1 -> doc 1) and i=3 (doc 2), not across or past the end
+  np.testing.assert_array_equal(m["mtp_weights"][0, 0], [1, 1, 0, 1, 1, 0])
+  # Depth-1 logits that put all mass on the target: the loss is ~0 where valid.
+  logits = 50.0 * jax.nn.one_hot(m["mtp_targets"][:1], v)  # [1,1,6,V]
+  assert float(mtp_loss(logits, m["mtp_targets"][:1], m["mtp_weights"][:1])) < 1e-6
+  broken = logits.at[0, 0, 2].set(0.0)  # crosses the document boundary: ignored
+  assert float(mtp_loss(broken, m["mtp_targets"][:1], m["mtp_weights"][:1])) < 1e-6
   broken = logits.at[0, 0, 1].set(0.0)  # inside document 1: now it counts
-  assert float(mtp_loss(broken, targets, weights, seg)) > 0.1
+  assert float(mtp_loss(broken, m["mtp_targets"][:1], m["mtp_weights"][:1])) > 0.1
 
 
 def _layer_masks(model, tokens):
