@@ -1,0 +1,127 @@
+"""Sharded runs on 8 simulated CPU devices equal the single-device run: context parallelism
+(cp = 2, 4, 8; with and without zig-zag load balancing; exact and approximate selection; both
+mask modes), fsdp, tensor and expert sharding and a mixed mesh; and the per-device memory of
+the indexer scores scales as t*s/cp."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import input_pipeline, model_state, sharding, train
+from MaxText.layers.indexer import Indexer  # noqa: F401  (the module under test, via the model)
+from tests.conftest import make_config
+
+T = 32
+
+
+def _config(**kw):
+  base = dict(max_target_length=T, max_prefill_length=8, global_batch_size=4, mtp_num_layers=1,
+              indexer_topk=8, indexer_n_heads=16, matmul_precision="highest")
+  base.update(kw)
+  return make_config(**base)
+
+
+def _run(cfg):
+  """(loss, lm_loss, grads) of one batch on cfg's mesh."""
+  mesh = sharding.create_mesh(cfg)
+  with mesh, sharding.logical_rules(cfg, mesh):
+    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+    raw = next(input_pipeline.create_data_iterator(cfg))
+    batch = train.prepare_batch(cfg, raw)
+    batch = jax.device_put(batch, train.batch_shardings(cfg, mesh, batch))
+
+    def loss(p):
+      total, (metrics, _) = train._loss_fn(cfg, graphdef, p, buffers, batch)
+      return total, metrics
+
+    (total, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return float(total), float(metrics["lm_loss"]), jax.tree.map(np.asarray, grads)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  cache = {}
+
+  def get(**kw):
+    key = tuple(sorted(kw.items()))
+    if key not in cache:
+      cache[key] = _run(_config(num_devices=1, ici_data_parallelism=1, **kw))
+    return cache[key]
+  return get
+
+
+def _assert_same(got, want):
+  assert got[0] == pytest.approx(want[0], rel=1e-5, abs=1e-6)
+  assert got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("cp,balance", [(2, True), (4, True), (8, True), (4, False)])
+def test_context_parallel_equals_single_device(cp, balance, reference):
+  got = _run(_config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp,
+                     context_parallel_load_balance=balance))
+  _assert_same(got, reference())
+
+
+@pytest.mark.parametrize("flags", [dict(indexer_use_approx_top_k=True), dict(indexer_mask_exact_topk=False),
+                                   dict(indexer_training_stage="sparse")])
+def test_context_parallel_keeps_every_selection_mode(flags, reference):
+  got = _run(_config(num_devices=4, ici_data_parallelism=1, ici_context_parallelism=4, **flags))
+  _assert_same(got, reference(**flags))
+
+
+@pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=2), dict(ici_tensor_parallelism=2),
+                                  dict(ici_expert_parallelism=2),
+                                  dict(ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2)])
+def test_other_shardings_equal_single_device(mesh, reference):
+  n = int(np.prod(list(mesh.values())))
+  got = _run(_config(num_devices=n, ici_data_parallelism=1, **mesh))
+  _assert_same(got, reference())
+
+
+def test_parameters_are_sharded_by_the_rules():
+  cfg = _config(num_devices=8, ici_data_parallelism=1, ici_fsdp_parallelism=2, ici_tensor_parallelism=2,
+                ici_expert_parallelism=2)
+  mesh = sharding.create_mesh(cfg)
+  _, params, _, _ = model_state.create(cfg, mesh)
+  wi = params["moe_layers"]["layers"]["mlp"]["wi_0"]  # [L,E,D,I]: layers, exp, embed, mlp
+  assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
+  wq_b = params["dense_layers"]["layers"]["attention"]["wq_b"]["kernel"]  # [L,q_lora,h*qk]
+  assert wq_b.sharding.spec[-1] == "tensor"
+
+
+def _indexer_scores_bytes(cp: int, t: int) -> int:
+  """Per-device temp bytes of one indexer scoring + selection under context parallelism cp."""
+  cfg = _config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp, max_target_length=t,
+                global_batch_size=1)
+  from flax import nnx
+  from MaxText.layers.masks import attention_validity
+  mesh = sharding.create_mesh(cfg)
+  with mesh, sharding.logical_rules(cfg, mesh):
+    idx = nnx.eval_shape(lambda: Indexer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(idx)
+
+    def f(state, x, q_lat, pos):
+      m = nnx.merge(graphdef, state)
+      valid = attention_validity(pos, sharding.gather_sequence(pos, cfg, names=("activation_batch", None)))
+      scores = m(x, q_lat, pos, valid)
+      return m.select(scores)[0]
+
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+    args = (jax.ShapeDtypeStruct((1, t, cfg.emb_dim), jnp.float32, sharding=spec),
+            jax.ShapeDtypeStruct((1, t, cfg.q_lora_rank), jnp.float32, sharding=spec),
+            jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=spec))
+    compiled = jax.jit(f).lower(state, *args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_indexer_score_memory_per_device_scales_as_t_s_over_cp():
+  t = 1024
+  sizes = {cp: _indexer_scores_bytes(cp, t) for cp in (1, 2, 4, 8)}
+  scores_bytes = t * t * 4  # one fp32 [t, s] score matrix on one device
+  assert sizes[1] >= scores_bytes
+  for cp in (2, 4, 8):
+    # Within 35% of an exact 1/cp share (small replicated buffers do not scale).
+    assert sizes[cp] <= 1.35 * sizes[1] / cp, sizes
