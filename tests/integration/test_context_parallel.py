@@ -16,7 +16,9 @@ T = 32
 
 
 def _config(**kw):
+  # 1 dense + 1 MoE layer + MTP, no remat: every piece is exercised at the lowest compile cost.
   base = dict(max_target_length=T, max_prefill_length=8, global_batch_size=4, mtp_num_layers=1,
+              num_decoder_layers=2, first_num_dense_layers=1, remat_policy="none",
               indexer_topk=8, indexer_n_heads=16, matmul_precision="highest")
   base.update(kw)
   return make_config(**base)
@@ -58,7 +60,7 @@ def _assert_same(got, want):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("cp,balance", [(2, True), (4, True), (8, True), (4, False)])
+@pytest.mark.parametrize("cp,balance", [(2, True), (8, True), (4, False)])
 def test_context_parallel_equals_single_device(cp, balance, reference):
   got = _run(_config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp,
                      context_parallel_load_balance=balance))
