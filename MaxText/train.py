@@ -202,6 +202,9 @@ def train(config: Config) -> dict:
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = {"params": params, "buffers": buffers, "opt_state": opt_state,
              "step": jax.device_put(jnp.int32(0), replicated)}
+    # Scalars the optimizer creates (its step count) land on one device: replicate them on the mesh.
+    state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                         else jax.device_put(x, replicated), state)
     # One sharding per leaf, used for in and out of the step: a layout that merely reads
     # differently (P() vs P(None, None)) would otherwise recompile the step once.
     state_sharding = jax.tree.map(lambda x: x.sharding, state)

@@ -127,3 +127,13 @@ def test_indexer_score_memory_per_device_scales_as_t_s_over_cp():
   for cp in (2, 4, 8):
     # Within 35% of an exact 1/cp share (small replicated buffers do not scale).
     assert sizes[cp] <= 1.35 * sizes[1] / cp, sizes
+
+
+def test_the_training_loop_runs_context_parallel_with_the_same_losses(tmp_path):
+  common = dict(steps=2, log_period=1, enable_checkpointing=False, enable_tensorboard=False,
+                base_output_directory=str(tmp_path), warmup_steps=0)
+  single = train.train(_config(num_devices=1, ici_data_parallelism=1, **common))
+  sharded = train.train(_config(num_devices=8, ici_data_parallelism=1, ici_fsdp_parallelism=2,
+                                ici_context_parallelism=4, **common))
+  assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)
+  assert sharded["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
