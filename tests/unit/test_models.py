@@ -166,3 +166,20 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   model(jnp.ones((1, 32), jnp.int32))
   want = [("approx", 0.9)] if approx else [("threshold", None)]
   assert calls == want * 5  # 4 decoder layers + the MTP layer
+
+
+def test_bf16_params_and_activations_track_fp32():
+  tokens = jax.random.randint(jax.random.key(3), (2, 32), 3, 512)
+  cfg32 = make_config(mtp_num_layers=0)
+  cfg16 = make_config(mtp_num_layers=0, dtype="bfloat16", weight_dtype="bfloat16")
+  m32 = Transformer(cfg32, rngs=nnx.Rngs(0))
+  m16 = Transformer(cfg16, rngs=nnx.Rngs(0))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(m16, nnx.Param)))
+  # Same weights (rounded to bf16) in both, so only the arithmetic differs.
+  p16 = nnx.state(m16, nnx.Param).to_pure_dict()
+  nnx.update(m32, jax.tree.map(lambda a: a.astype(jnp.float32), p16))
+  l32, _ = m32(tokens)
+  l16, _ = m16(tokens)
+  assert l16.dtype == jnp.float32  # logits are upcast for the loss
+  rel = float(jnp.linalg.norm(l16 - l32) / jnp.linalg.norm(l32))
+  assert rel < 5e-2, rel
