@@ -1,0 +1,394 @@
+"""Gather-based DeepSeek Sparse Attention for MLA: attention in O(t*k), not O(t*s).
+
+The mask path (attention_mla.MLA.attend) turns the indexer's selection into a [b,t,s] mask and
+still runs dense attention over all s keys. Here each query reads only its k selected keys, in
+the ABSORBED form over the latent cache, as FlashMLA's sparse kernels do:
+
+    w_uk, w_uv = split(wkv_b)                                 [c,h,nope], [c,h,v]
+    q_lat  = q_nope . w_uk                                    [b,t,h,c]     absorb_q
+    logits = (q_lat . c_kv[idx] + q_pe . k_pe[idx]) * scale   [b,h,t,k]     gather_attend
+    o_lat  = softmax(logits) . c_kv[idx]                      [b,t,h,c]
+    out    = o_lat . w_uv                                     [b,t,h,v]     unabsorb_out
+
+Since k_nope = c_kv . w_uk and v = c_kv . w_uv, this is the mask path's function in exact
+arithmetic. All h heads share one gathered row of c+r latent values per key (multi-query
+style), so the gather moves k*(c+r) values per query, not k*h*(nope+v); the price is
+h*(2c+r) multiply-adds per (query, key) instead of h*(nope+r+v) (3.4x at DeepSeek's dims).
+
+Training and prefill run `sparse_mla_attention`: a lax.map over blocks of
+`sparse_attention_query_block` queries. Each block scores its queries against all s keys with
+the lightning indexer ([b,blk,s], heads chunked as in indexer.index_scores), selects top-k
+indices, gathers, attends and un-absorbs. Memory: O(blk*s + blk*k*(c+r)) per block, and
+O(t*(k + h*(c+r))) kept for the backward pass: never [t,s] for attention, never [t,s,h] for
+the indexer; linear in t. Blocks are strided (block j holds queries j, j+n, j+2n, ...), so a
+sequence sharded over the `context` mesh axis keeps each block spread over all devices and
+each device runs its own queries (the keys are all-gathered: a query may select any key).
+
+Gradients: a custom VJP per block (_attend_block), flash-attention style. The backward pass
+recomputes each chunk's gather and softmax, and scatter-adds the keys' cotangent in place into
+one [b,s,c+r] carry. Plain autodiff would keep every chunk's gathered keys for the backward
+pass (O(t*k*(c+r)), 16x the whole KV at k = s/16) or, rematerialized, transpose each chunk's
+gather into a fresh zero [b,s,c+r] cotangent: O(s) work per chunk of a few queries.
+On CPU a block's attention runs a few query rows at a time, so the gathered keys stay in cache
+between the score and output einsums (measured 2x faster than one block-wide gather).
+
+Selection (the same semantics as the mask path, see selection.py):
+  exact    topk_threshold + generate_mask(exact_topk=True): exactly min(k, #valid) keys, ties at
+           the k-th value lowest position first (lax.top_k's set), compacted to indices.
+  approx   select_topk(approx=True): the approximate index set, as the mask path with
+           indexer_mask_exact_topk=true.
+  A -inf/NaN score is never selected; slots past a row's valid keys are marked invalid and get
+  probability 0, so a query with <= k valid keys attends to all of them (dense causal attention).
+  The gather path always selects exactly min(k, #valid) keys: with indexer_mask_exact_topk=false
+  the mask path takes every key >= the k-th value (more than k under ties, or under an
+  approximate cutoff) and the two agree only where no such extra key exists.
+
+The indexer loss of the sparse stage, KL(p_t || softmax(I_t)) over the selected set S_t, is
+computed per block from the attention probabilities of the selected keys and their indexer
+scores, recomputed from the gathered indexer keys, so its gradient costs O(t*k), not O(t*s).
+The dense warm-up stage attends densely over all valid keys by definition: MLA runs the mask
+path there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from MaxText.layers.indexer import index_scores, indexer_kl_loss
+from MaxText.layers.masks import attention_validity
+from MaxText.layers.selection import additive_mask, generate_mask, select_topk, topk_threshold
+from MaxText.sharding import constrain
+
+_WORD = 32  # mask bits packed per uint32 word when compacting a mask to indices
+_PAD_POSITION = jnp.iinfo(jnp.int32).min  # padding queries' position: no key is <= it
+_GATHER_BYTES = 2 << 20  # CPU: gathered keys per chunk of query rows (stay in cache between einsums)
+
+
+# ----------------------------------------------------------------------------- absorbed MLA pieces
+
+
+def _split_wkv_b(wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int) -> tuple[jax.Array, jax.Array]:
+  """wkv_b kernel [c, h*(nope+v)] -> w_uk [c,h,nope], w_uv [c,h,v] (MLA.expand_kv's split)."""
+  c = wkv_b_kernel.shape[0]
+  w = wkv_b_kernel.reshape(c, num_heads, nope + v)  # [c,h,nope+v]
+  return w[..., :nope], w[..., nope:]
+
+
+def absorb_q(q_nope: jax.Array, wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int, *,
+             precision=None) -> jax.Array:
+  """q_nope [b,t,h,nope] -> q_lat [b,t,h,c] = q_nope . w_uk, so q_lat . c_kv = q_nope . k_nope."""
+  w_uk, _ = _split_wkv_b(wkv_b_kernel, num_heads, nope, v)  # [c,h,nope]
+  return jnp.einsum("bthd,chd->bthc", q_nope, w_uk.astype(q_nope.dtype), precision=precision)  # [b,t,h,c]
+
+
+def unabsorb_out(o_lat: jax.Array, wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int, *,
+                 precision=None) -> jax.Array:
+  """o_lat [b,t,h,c] (probabilities . c_kv) -> out [b,t,h,v] = o_lat . w_uv (= probabilities . v)."""
+  _, w_uv = _split_wkv_b(wkv_b_kernel, num_heads, nope, v)  # [c,h,v]
+  return jnp.einsum("bthc,chv->bthv", o_lat, w_uv.astype(o_lat.dtype), precision=precision)  # [b,t,h,v]
+
+
+def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x [b,s,e], idx [b,t,k] int32 in [0, s) -> x[b, idx] [b,t,k,e] (a batched gather of rows)."""
+  return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0, mode="clip"))(x, idx)  # [b,t,k,e]
+
+
+def _masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
+  """Softmax over the last (slot) axis of fp32 logits where `valid` (broadcastable bool) marks the
+  slots, as MLA.attend: a finite large negative on invalid slots, and all-zero probabilities for a
+  row with no valid slot (not a uniform softmax)."""
+  probs = jax.nn.softmax(logits + additive_mask(valid, jnp.float32), axis=-1)
+  return jnp.where(jnp.any(valid, axis=-1, keepdims=True), probs, 0.0)
+
+
+def gather_attend(q_lat: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, idx: jax.Array,
+                  idx_valid: jax.Array, scale: float, *, precision=None) -> tuple[jax.Array, jax.Array]:
+  """Attention of each query over its k gathered latent keys (absorbed MLA), e.g. one decode step.
+
+  q_lat [b,t,h,c] (absorb_q), q_pe [b,t,h,r] (RoPE'd), c_kv [b,s,c], k_pe [b,s,r] (a cache or
+  the whole sequence), idx [b,t,k] int32 key positions in [0, s), idx_valid [b,t,k] bool (False
+  slots are masked out), scale the softmax scale -> o_lat [b,t,h,c] (in q_lat's dtype;
+  unabsorb_out maps it to [b,t,h,v]) and probs [b,h,t,k] fp32. A row with no valid slot gives
+  o_lat 0 and probs 0. Work and memory O(t*k*(c+r) + t*h*k), independent of s. Plain autodiff
+  (sparse_mla_attention has the memory-lean VJP for training).
+  """
+  f32, dt = jnp.float32, q_lat.dtype
+  c_g = gather_rows(c_kv.astype(dt), idx)  # [b,t,k,c]
+  pe_g = gather_rows(k_pe.astype(dt), idx)  # [b,t,k,r]
+  logits = (jnp.einsum("bthc,btkc->bhtk", q_lat, c_g, precision=precision, preferred_element_type=f32)
+            + jnp.einsum("bthr,btkr->bhtk", q_pe.astype(dt), pe_g, precision=precision,
+                         preferred_element_type=f32))  # [b,h,t,k]
+  probs = _masked_softmax(logits * scale, idx_valid[:, None])  # [b,h,t,k] fp32
+  o_lat = jnp.einsum("bhtk,btkc->bthc", probs.astype(dt), c_g, precision=precision)  # [b,t,h,c]
+  return o_lat, probs
+
+
+# ----------------------------------------------------------------------------- one block, custom VJP
+
+
+def _rows_per_chunk(b: int, blk: int, k: int, e: int) -> int:
+  """Query rows attended at once inside a block. CPU: as many as keep the gathered keys
+  [b,rows,k,e] within _GATHER_BYTES, a divisor of blk. Other backends: the whole block."""
+  if jax.default_backend() != "cpu":
+    return blk
+  rows = max(1, min(blk, _GATHER_BYTES // (4 * b * k * e)))
+  while blk % rows:
+    rows -= 1
+  return rows
+
+
+def _chunks(a: jax.Array, rows: int) -> jax.Array:
+  """[b,B,...] -> [B/rows,b,rows,...] (consecutive rows)."""
+  b, blk = a.shape[:2]
+  return jnp.moveaxis(a.reshape(b, blk // rows, rows, *a.shape[2:]), 1, 0)
+
+
+def _unchunks(a: jax.Array) -> jax.Array:
+  """[B/rows,b,rows,...] -> [b,B,...]."""
+  return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1, *a.shape[3:])
+
+
+def _chunk_probs(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, precision
+                 ) -> tuple[jax.Array, jax.Array]:
+  """q [b,R,h,e] = [q_lat | q_pe], kv [b,s,e] = [c_kv | k_pe], idx/ok [b,R,k] -> the gathered keys
+  kv_g [b,R,k,e] and probs [b,R,h,k] fp32: one gather of c+r values per key, one score einsum."""
+  kv_g = gather_rows(kv, idx)  # [b,R,k,e]
+  logits = jnp.einsum("bthe,btke->bthk", q, kv_g, precision=precision, preferred_element_type=jnp.float32)
+  return kv_g, _masked_softmax(logits * scale, ok[:, :, None, :])  # [b,R,h,k]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attend_block(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, c: int,
+                  rows: int, precision) -> tuple[jax.Array, jax.Array]:
+  """One query block's attention over its selected keys (absorbed MLA), `rows` rows at a time.
+
+  q [b,B,h,e] = [q_lat | q_pe], kv [b,s,e] = [c_kv | k_pe], idx/ok [b,B,k] -> o_lat [b,B,h,c] and
+  p_heads [b,B,k] fp32, the probabilities summed over heads (for the indexer KL: no gradient
+  flows back through it). The output einsum runs over all e = c+r columns and drops the r
+  rotary ones (1/9 extra work at DeepSeek's dims) rather than slice the gathered keys.
+  """
+  return _attend_block_fwd(q, kv, idx, ok, scale, c, rows, precision)[0]
+
+
+def _attend_block_fwd(q, kv, idx, ok, scale, c, rows, precision):
+  def chunk(args):
+    q_r, idx_r, ok_r = args  # [b,R,h,e], [b,R,k], [b,R,k]
+    kv_g, probs = _chunk_probs(q_r, kv, idx_r, ok_r, scale, precision)  # [b,R,k,e], [b,R,h,k]
+    o = jnp.einsum("bthk,btke->bthe", probs.astype(q.dtype), kv_g, precision=precision)  # [b,R,h,e]
+    return o[..., :c], jnp.sum(probs, axis=2)  # [b,R,h,c], [b,R,k]
+
+  o_lat, p_heads = lax.map(chunk, (_chunks(q, rows), _chunks(idx, rows), _chunks(ok, rows)))
+  o_lat, p_heads = _unchunks(o_lat), _unchunks(p_heads)  # [b,B,h,c], [b,B,k]
+  return (o_lat, p_heads), (q, kv, idx, ok, o_lat)
+
+
+def _attend_block_bwd(scale, c, rows, precision, res, cts):
+  """Per chunk: recompute the probabilities, then the softmax backward with D = do . o (as flash
+  attention); the keys' cotangent is scatter-added in place into one [b,s,e] carry."""
+  q, kv, idx, ok, o_lat = res
+  do_lat = cts[0]  # [b,B,h,c]; p_heads carries no gradient
+  b, _, h, e = q.shape
+  f32 = jnp.float32
+  do = jnp.pad(do_lat.astype(f32), [(0, 0)] * 3 + [(0, e - c)])  # [b,B,h,e]: zero on the rotary columns
+  d_row = jnp.sum(do_lat.astype(f32) * o_lat.astype(f32), axis=-1)  # [b,B,h] = sum_k p * dp
+
+  def chunk(dkv, args):
+    q_r, idx_r, ok_r, do_r, d_r = args  # [b,R,h,e], [b,R,k] x2, [b,R,h,e], [b,R,h]
+    kv_g, probs = _chunk_probs(q_r, kv, idx_r, ok_r, scale, precision)  # [b,R,k,e], [b,R,h,k]
+    kv_g = kv_g.astype(f32)
+    dp = jnp.einsum("bthe,btke->bthk", do_r, kv_g, precision=precision)  # [b,R,h,k]
+    ds = probs * (dp - d_r[..., None]) * scale  # [b,R,h,k]: d(q . kv_g)
+    dq = jnp.einsum("bthk,btke->bthe", ds, kv_g, precision=precision)  # [b,R,h,e]
+    dkv_g = (jnp.einsum("bthk,bthe->btke", ds, q_r.astype(f32), precision=precision)
+             + jnp.einsum("bthk,bthe->btke", probs, do_r, precision=precision))  # [b,R,k,e]
+    dkv = jax.vmap(lambda acc, i, u: acc.at[i].add(u))(
+        dkv, idx_r.reshape(b, -1), dkv_g.reshape(b, -1, e))  # [b,s,e]; an invalid slot adds exactly 0
+    return dkv, dq
+
+  xs = (_chunks(q, rows), _chunks(idx, rows), _chunks(ok, rows), _chunks(do, rows), _chunks(d_row, rows))
+  dkv, dq = lax.scan(chunk, jnp.zeros(kv.shape, f32), xs)  # [b,s,e], [B/R,b,R,h,e]
+  return _unchunks(dq).astype(q.dtype), dkv.astype(kv.dtype), None, None
+
+
+_attend_block.defvjp(_attend_block_fwd, _attend_block_bwd)
+
+
+# ----------------------------------------------------------------------------- selection as indices
+
+
+def _cumsum_last(x: jax.Array) -> jax.Array:
+  """Inclusive prefix sum over the last axis (a log-depth scan: XLA:CPU's cumsum is a slow
+  reduce-window)."""
+  return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def _nth_set_bit(word: jax.Array, n: jax.Array) -> jax.Array:
+  """Position (0..31) of the n-th (0-based) set bit of each uint32 word; n < popcount(word)."""
+  pos = jnp.zeros(word.shape, jnp.int32)
+  for width in (16, 8, 4, 2, 1):  # halve the window that holds the bit
+    low = word & jnp.uint32((1 << width) - 1)
+    below = lax.population_count(low).astype(jnp.int32)
+    up = n >= below
+    n = jnp.where(up, n - below, n)
+    pos = jnp.where(up, pos + width, pos)
+    word = jnp.where(up, word >> width, low)
+  return pos
+
+
+def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """A selection mask [..., s] with at most k True per row -> (idx [..., k] int32: the selected
+  positions ascending, then 0; idx_valid [..., k] bool: slot < the row's count).
+
+  O(s) per row for packing the mask into 32-bit words and counting, O(k log s) for placing the
+  slots (a binary search over the words' prefix counts, then the n-th set bit of one word): no
+  scatter and no [s]-long prefix sum, which are slow on XLA:CPU.
+  """
+  s = mask.shape[-1]
+  pad = -s % _WORD
+  m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)]) if pad else mask
+  m = m.reshape(*mask.shape[:-1], -1, _WORD)  # [..., L, 32]
+  bit = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))  # [32]
+  words = jnp.sum(jnp.where(m, bit, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [..., L] (distinct bits: sum = or)
+  count = lax.population_count(words).astype(jnp.int32)  # [..., L]
+  incl = _cumsum_last(count)  # [..., L]
+  slots = jnp.arange(k, dtype=jnp.int32)  # [k]
+  flat_incl = incl.reshape(-1, incl.shape[-1])  # [N, L]
+  word_of = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(flat_incl)  # [N, k]
+  word_of = jnp.minimum(word_of, incl.shape[-1] - 1).reshape(*mask.shape[:-1], k).astype(jnp.int32)
+  before = jnp.take_along_axis(incl - count, word_of, axis=-1)  # [..., k] selected keys in earlier words
+  bit_pos = _nth_set_bit(jnp.take_along_axis(words, word_of, axis=-1), slots - before)  # [..., k]
+  valid = slots < incl[..., -1:]  # [..., k]
+  idx = jnp.where(valid, word_of * _WORD + bit_pos, 0)
+  return idx.astype(jnp.int32), valid
+
+
+def topk_indices(scores: jax.Array, k: int, *, approx: bool = False,
+                 recall_target: float = 0.95) -> tuple[jax.Array, jax.Array]:
+  """The indexer's selection as indices: scores [..., s] (-inf where not valid) -> (idx [..., k']
+  int32, idx_valid [..., k'] bool), k' = min(k, s).
+
+  exact: the set of selection.generate_mask(exact_topk=True) (= lax.top_k's: exactly
+  min(k', #finite) keys, ties lowest position first), ascending, from the fast k-th value.
+  approx: selection.select_topk(approx=True)'s indices, a slot valid where its score is finite.
+  A -inf or NaN score is never a valid slot.
+  """
+  kk = min(k, scores.shape[-1])
+  if approx:
+    values, idx = select_topk(scores, kk, approx=True, recall_target=recall_target)
+    return idx.astype(jnp.int32), values > -jnp.inf  # select_topk reads NaN as -inf
+  mask = generate_mask(scores, topk_threshold(scores, kk), exact_topk=True, k=kk)  # [..., s]
+  return mask_to_indices(mask, kk)
+
+
+def gathered_index_scores(q: jax.Array, w: jax.Array, k: jax.Array, idx: jax.Array, idx_valid: jax.Array, *,
+                          precision=None) -> jax.Array:
+  """The indexer scores of the selected keys only: I[t, idx] [b,t,k'] fp32, -inf on invalid slots.
+
+  q [b,t,H,d], w [b,t,H] (fp32, times H**-0.5), k [b,s,d] as for indexer.index_scores; the same
+  sum_h w * d**-0.5 * relu(q . k), over k' gathered keys instead of all s.
+  """
+  d = q.shape[-1]
+  k_g = gather_rows(k.astype(jnp.float32), idx)  # [b,t,k',d]
+  logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), k_g, precision=precision)  # [b,t,H,k']
+  scores = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w.astype(jnp.float32) * d ** -0.5,
+                      precision=precision)  # [b,t,k']
+  return jnp.where(idx_valid, scores, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- the blocked driver
+
+
+def _blocks(a: jax.Array, n: int, blk: int, fill) -> jax.Array:
+  """[b,t,...] -> [n,b,blk,...], t padded to n*blk with `fill`; block j holds rows j, j+n, j+2n..."""
+  b, t = a.shape[:2]
+  pad = n * blk - t
+  if pad:
+    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+  a = jnp.moveaxis(a.reshape(b, blk, n, *a.shape[2:]), 2, 0)  # [n,b,blk,...]
+  return constrain(a, (None, "activation_batch", "activation_length") + (None,) * (a.ndim - 3))
+
+
+def _unblocks(a: jax.Array, t: int) -> jax.Array:
+  """[n,b,blk,...] -> [b,t,...], the inverse of _blocks (padding rows dropped)."""
+  n, b, blk = a.shape[:3]
+  a = jnp.moveaxis(a, 0, 2).reshape(b, n * blk, *a.shape[3:])[:, :t]  # [b,t,...]
+  return constrain(a, ("activation_batch", "activation_length") + (None,) * (a.ndim - 2))
+
+
+def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
+                         wkv_b_kernel: jax.Array, index_q: jax.Array, index_w: jax.Array, index_k: jax.Array,
+                         q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
+                         *, num_heads: int, nope: int, v: int, scale: float, topk: int, query_block: int,
+                         head_chunk: int, approx: bool = False, recall_target: float = 0.95,
+                         with_kl: bool = False, precision=None, rows_per_chunk: int | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Blocked gather-based sparse MLA (training and prefill): indexer scores, top-k, attention.
+
+  q_nope [b,t,h,nope], q_pe [b,t,h,r] (RoPE'd), c_kv [b,s,c], k_pe [b,s,r]; wkv_b_kernel
+  [c, h*(nope+v)]; the indexer's index_q [b,t,H,d], index_w [b,t,H] (fp32, times H**-0.5), index_k
+  [b,s,d] (from detached inputs, as Indexer.__call__); q_pos [b,t], kv_pos [b,s] original
+  positions and q_seg [b,t], kv_seg [b,s] segments (None = one segment, no padding), as
+  masks.attention_validity. Returns out [b,t,h,v] (q_nope's dtype), the selection idx [b,t,k']
+  int32 and idx_valid [b,t,k'] bool, and the sparse stage's indexer KL over the selected sets
+  (mean over the queries that select any key; 0 unless with_kl). k' = min(topk, s).
+
+  Per block of query_block queries (t padded to whole blocks): scores [b,blk,s] (index_scores,
+  heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (rows_per_chunk rows at
+  a time; None = _rows_per_chunk), unabsorb_out. The attention sends no gradient into the
+  indexer (the indices are integers); the KL reaches only the indexer's q, w and k.
+  """
+  b, t = q_nope.shape[:2]
+  c = c_kv.shape[-1]
+  dt = q_nope.dtype
+  n = -(-t // min(query_block, t))
+  blk = -(-t // n)  # n blocks of blk >= t/n queries: fewer than n padding rows
+  kk = min(topk, c_kv.shape[1])
+  rows = rows_per_chunk or _rows_per_chunk(b, blk, kk, c + k_pe.shape[-1])
+  if blk % rows:
+    raise ValueError(f"sparse_mla_attention: rows_per_chunk={rows} must divide the query block ({blk} rows)")
+  if q_seg is None:  # padding rows must see no key: give every row a segment
+    q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
+  kv_cat = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [b,s,c+r]
+  kv_cat = constrain(kv_cat, ("activation_batch", None, None))  # every device needs every key
+  index_k = constrain(index_k, ("activation_batch", None, None))  # [b,s,d]
+  kv_pos = constrain(kv_pos, ("activation_batch", None))
+  kv_seg = constrain(kv_seg, ("activation_batch", None))
+
+  xs = (_blocks(q_nope, n, blk, 0), _blocks(q_pe, n, blk, 0), _blocks(index_q, n, blk, 0),
+        _blocks(index_w, n, blk, 0), _blocks(q_pos, n, blk, _PAD_POSITION), _blocks(q_seg, n, blk, 0))
+
+  def kl_of_block(p_heads, iq, iw, idx, ok):  # rematerialized: keeps no [b,blk,k',d] gathered keys
+    g_scores = gathered_index_scores(iq, iw, index_k, idx, ok, precision=precision)  # [b,blk,k']
+    rows_with_keys = jnp.sum(jnp.any(ok, axis=-1)).astype(jnp.float32)
+    return indexer_kl_loss(p_heads[:, None], g_scores, ok) * rows_with_keys, rows_with_keys
+
+  kl_of_block = jax.checkpoint(kl_of_block, prevent_cse=False)
+
+  def block(xs_j):
+    qn, qp, iq, iw, qpos, qseg = xs_j  # [b,blk,h,nope], [b,blk,h,r], [b,blk,H,d], [b,blk,H], [b,blk] x2
+    valid = attention_validity(qpos, kv_pos, qseg, kv_seg)  # [b,blk,s]
+    sg = lax.stop_gradient  # the selection carries no gradient: trace none through the scores
+    scores = index_scores(sg(iq), sg(iw), sg(index_k), valid, head_chunk=head_chunk, precision=precision)
+    scores = constrain(scores, ("activation_batch", "activation_length", None))  # [b,blk,s]
+    idx, ok = topk_indices(scores, topk, approx=approx, recall_target=recall_target)  # [b,blk,k'] x2
+    q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,c]
+    q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
+    o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, rows, precision)  # [b,blk,h,c], [b,blk,k']
+    out = unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,v]
+    if with_kl:
+      kl_sum, n_rows = kl_of_block(lax.stop_gradient(p_heads), iq, iw, idx, ok)
+    else:
+      kl_sum = n_rows = jnp.zeros((), jnp.float32)
+    return out, idx, ok, kl_sum, n_rows
+
+  out, idx, ok, kl_sum, n_rows = lax.map(block, xs)  # [n,b,blk,h,v], [n,b,blk,k'] x2, [n] x2
+  kl = jnp.sum(kl_sum) / jnp.maximum(jnp.sum(n_rows), 1.0)
+  return _unblocks(out, t), _unblocks(idx, t), _unblocks(ok, t), kl
+
+
+__all__ = ["absorb_q", "unabsorb_out", "gather_rows", "gather_attend", "mask_to_indices", "topk_indices",
+           "gathered_index_scores", "sparse_mla_attention"]
