@@ -25,12 +25,13 @@ sequence sharded over the `context` mesh axis keeps each block spread over all d
 each device runs its own queries (the keys are all-gathered: a query may select any key).
 
 Gradients: a custom VJP per block (_attend_block), flash-attention style. The backward pass
-recomputes each chunk's gather and softmax, and scatter-adds the keys' cotangent in place into
-one [b,s,c+r] carry. Plain autodiff would keep every chunk's gathered keys for the backward
-pass (O(t*k*(c+r)), 16x the whole KV at k = s/16) or, rematerialized, transpose each chunk's
-gather into a fresh zero [b,s,c+r] cotangent: O(s) work per chunk of a few queries.
-On CPU a block's attention runs a few query rows at a time, so the gathered keys stay in cache
-between the score and output einsums (measured 2x faster than one block-wide gather).
+recomputes each query's gather and softmax, and scatter-adds the keys' cotangent in place into
+one [b,s,c+r] carry. Plain autodiff would keep every query's gathered keys for the backward
+pass (O(t*k*(c+r)): 16x the whole KV at k = s/16) or, rematerialized, transpose each query's
+gather into a fresh zero [b,s,c+r] cotangent: O(s) work per query, O(t*s) in all.
+On CPU a block's attention loops over its queries with 2-D matmuls: each query's gathered keys
+stay in cache between its score and output matmuls, and XLA:CPU multi-threads a 2-D matmul but
+not a batched one (measured 3x faster than one block-wide batched gather).
 
 Selection (the same semantics as the mask path, see selection.py):
   exact    topk_threshold + generate_mask(exact_topk=True): exactly min(k, #valid) keys, ties at
@@ -65,7 +66,6 @@ from MaxText.sharding import constrain
 
 _WORD = 32  # mask bits packed per uint32 word when compacting a mask to indices
 _PAD_POSITION = jnp.iinfo(jnp.int32).min  # padding queries' position: no key is <= it
-_GATHER_BYTES = 2 << 20  # CPU: gathered keys per chunk of query rows (stay in cache between einsums)
 
 
 # ----------------------------------------------------------------------------- absorbed MLA pieces
@@ -128,90 +128,100 @@ def gather_attend(q_lat: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.
 
 
 # ----------------------------------------------------------------------------- one block, custom VJP
+#
+# The math is written for ONE query (2-D matmuls); a block runs it either as a loop over its
+# queries (CPU: the query's gathered keys stay in cache between the score and output matmuls, and
+# XLA:CPU runs a 2-D matmul on all its threads but a batched one on one thread) or vmapped over the
+# whole block (other backends: one large batched gather and matmul).
 
 
-def _rows_per_chunk(b: int, blk: int, k: int, e: int) -> int:
-  """Query rows attended at once inside a block. CPU: as many as keep the gathered keys
-  [b,rows,k,e] within _GATHER_BYTES, a divisor of blk. Other backends: the whole block."""
-  if jax.default_backend() != "cpu":
-    return blk
-  rows = max(1, min(blk, _GATHER_BYTES // (4 * b * k * e)))
-  while blk % rows:
-    rows -= 1
-  return rows
-
-
-def _chunks(a: jax.Array, rows: int) -> jax.Array:
-  """[b,B,...] -> [B/rows,b,rows,...] (consecutive rows)."""
-  b, blk = a.shape[:2]
-  return jnp.moveaxis(a.reshape(b, blk // rows, rows, *a.shape[2:]), 1, 0)
-
-
-def _unchunks(a: jax.Array) -> jax.Array:
-  """[B/rows,b,rows,...] -> [b,B,...]."""
-  return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1, *a.shape[3:])
-
-
-def _chunk_probs(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, precision
+def _query_probs(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, precision
                  ) -> tuple[jax.Array, jax.Array]:
-  """q [b,R,h,e] = [q_lat | q_pe], kv [b,s,e] = [c_kv | k_pe], idx/ok [b,R,k] -> the gathered keys
-  kv_g [b,R,k,e] and probs [b,R,h,k] fp32: one gather of c+r values per key, one score einsum."""
-  kv_g = gather_rows(kv, idx)  # [b,R,k,e]
-  logits = jnp.einsum("bthe,btke->bthk", q, kv_g, precision=precision, preferred_element_type=jnp.float32)
-  return kv_g, _masked_softmax(logits * scale, ok[:, :, None, :])  # [b,R,h,k]
+  """One query: q [h,e] = [q_lat | q_pe], kv [s,e] = [c_kv | k_pe], idx/ok [k] -> its gathered keys
+  kv_g [k,e] and probs [h,k] fp32 (one gather of c+r values per key, one score matmul)."""
+  kv_g = jnp.take(kv, idx, axis=0, mode="clip")  # [k,e]
+  logits = jnp.einsum("he,ke->hk", q, kv_g, precision=precision, preferred_element_type=jnp.float32)  # [h,k]
+  return kv_g, _masked_softmax(logits * scale, ok[None, :])
+
+
+def _query_fwd(q, kv, idx, ok, scale, c, precision):
+  """One query -> o_lat [h,c] and p_heads [k] (probabilities summed over heads). The output matmul
+  runs over all e = c+r columns and drops the r rotary ones (1/9 extra work at DeepSeek's dims)
+  rather than slice the gathered keys."""
+  kv_g, probs = _query_probs(q, kv, idx, ok, scale, precision)
+  o = jnp.einsum("hk,ke->he", probs.astype(q.dtype), kv_g, precision=precision)  # [h,e]
+  return o[:, :c], jnp.sum(probs, axis=0)
+
+
+def _query_bwd(q, kv, idx, ok, do, d, scale, precision):
+  """One query's softmax backward, flash-attention style: recompute the probabilities; with
+  do [h,e] (d o_lat, zero on the rotary columns) and d [h] = do . o_lat -> dq [h,e], dkv_g [k,e]."""
+  f32 = jnp.float32
+  kv_g, probs = _query_probs(q, kv, idx, ok, scale, precision)  # [k,e], [h,k]
+  kv_g = kv_g.astype(f32)
+  dp = jnp.einsum("he,ke->hk", do, kv_g, precision=precision)  # [h,k]
+  ds = probs * (dp - d[:, None]) * scale  # [h,k]: d(q . kv_g)
+  dq = jnp.einsum("hk,ke->he", ds, kv_g, precision=precision)  # [h,e]
+  dkv_g = (jnp.einsum("hk,he->ke", ds, q.astype(f32), precision=precision)
+           + jnp.einsum("hk,he->ke", probs, do, precision=precision))  # [k,e]; 0 on invalid slots
+  return dq, dkv_g
+
+
+def _per_sequence(fn, *arrays: jax.Array):
+  """fn over each sequence of a batch: arrays [b,...] -> fn(a[i] ...) stacked [b,...]. With b = 1
+  (long-context prefill) no vmap, so fn's matmuls stay 2-D."""
+  if arrays[0].shape[0] == 1:
+    return jax.tree.map(lambda o: o[None], fn(*(a[0] for a in arrays)))
+  return jax.vmap(fn)(*arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _attend_block(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, c: int,
-                  rows: int, precision) -> tuple[jax.Array, jax.Array]:
-  """One query block's attention over its selected keys (absorbed MLA), `rows` rows at a time.
+                  loop: bool, precision) -> tuple[jax.Array, jax.Array]:
+  """One query block's attention over its selected keys (absorbed MLA), with a flash-style VJP.
 
   q [b,B,h,e] = [q_lat | q_pe], kv [b,s,e] = [c_kv | k_pe], idx/ok [b,B,k] -> o_lat [b,B,h,c] and
-  p_heads [b,B,k] fp32, the probabilities summed over heads (for the indexer KL: no gradient
-  flows back through it). The output einsum runs over all e = c+r columns and drops the r
-  rotary ones (1/9 extra work at DeepSeek's dims) rather than slice the gathered keys.
+  p_heads [b,B,k] fp32, the probabilities summed over heads (for the indexer KL; no gradient flows
+  back through it). loop: one query at a time (CPU), else vmapped over the block.
   """
-  return _attend_block_fwd(q, kv, idx, ok, scale, c, rows, precision)[0]
+  return _attend_block_fwd(q, kv, idx, ok, scale, c, loop, precision)[0]
 
 
-def _attend_block_fwd(q, kv, idx, ok, scale, c, rows, precision):
-  def chunk(args):
-    q_r, idx_r, ok_r = args  # [b,R,h,e], [b,R,k], [b,R,k]
-    kv_g, probs = _chunk_probs(q_r, kv, idx_r, ok_r, scale, precision)  # [b,R,k,e], [b,R,h,k]
-    o = jnp.einsum("bthk,btke->bthe", probs.astype(q.dtype), kv_g, precision=precision)  # [b,R,h,e]
-    return o[..., :c], jnp.sum(probs, axis=2)  # [b,R,h,c], [b,R,k]
+def _attend_block_fwd(q, kv, idx, ok, scale, c, loop, precision):
+  one = functools.partial(_query_fwd, scale=scale, c=c, precision=precision)
 
-  o_lat, p_heads = lax.map(chunk, (_chunks(q, rows), _chunks(idx, rows), _chunks(ok, rows)))
-  o_lat, p_heads = _unchunks(o_lat), _unchunks(p_heads)  # [b,B,h,c], [b,B,k]
+  def sequence(q_b, kv_b, idx_b, ok_b):  # [B,h,e], [s,e], [B,k], [B,k] -> [B,h,c], [B,k]
+    if loop:
+      return lax.map(lambda a: one(a[0], kv_b, a[1], a[2]), (q_b, idx_b, ok_b))
+    return jax.vmap(one, in_axes=(0, None, 0, 0))(q_b, kv_b, idx_b, ok_b)
+
+  o_lat, p_heads = _per_sequence(sequence, q, kv, idx, ok)  # [b,B,h,c], [b,B,k]
   return (o_lat, p_heads), (q, kv, idx, ok, o_lat)
 
 
-def _attend_block_bwd(scale, c, rows, precision, res, cts):
-  """Per chunk: recompute the probabilities, then the softmax backward with D = do . o (as flash
-  attention); the keys' cotangent is scatter-added in place into one [b,s,e] carry."""
+def _attend_block_bwd(scale, c, loop, precision, res, cts):
+  """The keys' cotangent [b,s,e] gathers each query's gathered-key cotangent by a scatter-add: in
+  place into the loop's carry (CPU), or in one scatter from the vmapped block."""
   q, kv, idx, ok, o_lat = res
-  do_lat = cts[0]  # [b,B,h,c]; p_heads carries no gradient
-  b, _, h, e = q.shape
-  f32 = jnp.float32
-  do = jnp.pad(do_lat.astype(f32), [(0, 0)] * 3 + [(0, e - c)])  # [b,B,h,e]: zero on the rotary columns
-  d_row = jnp.sum(do_lat.astype(f32) * o_lat.astype(f32), axis=-1)  # [b,B,h] = sum_k p * dp
+  do_lat = cts[0].astype(jnp.float32)  # [b,B,h,c]; p_heads carries no gradient
+  e = q.shape[-1]
+  do = jnp.pad(do_lat, [(0, 0)] * 3 + [(0, e - c)])  # [b,B,h,e]: zero on the rotary columns
+  d = jnp.sum(do_lat * o_lat.astype(jnp.float32), axis=-1)  # [b,B,h] = sum_k p * dp
+  one = functools.partial(_query_bwd, scale=scale, precision=precision)
 
-  def chunk(dkv, args):
-    q_r, idx_r, ok_r, do_r, d_r = args  # [b,R,h,e], [b,R,k] x2, [b,R,h,e], [b,R,h]
-    kv_g, probs = _chunk_probs(q_r, kv, idx_r, ok_r, scale, precision)  # [b,R,k,e], [b,R,h,k]
-    kv_g = kv_g.astype(f32)
-    dp = jnp.einsum("bthe,btke->bthk", do_r, kv_g, precision=precision)  # [b,R,h,k]
-    ds = probs * (dp - d_r[..., None]) * scale  # [b,R,h,k]: d(q . kv_g)
-    dq = jnp.einsum("bthk,btke->bthe", ds, kv_g, precision=precision)  # [b,R,h,e]
-    dkv_g = (jnp.einsum("bthk,bthe->btke", ds, q_r.astype(f32), precision=precision)
-             + jnp.einsum("bthk,bthe->btke", probs, do_r, precision=precision))  # [b,R,k,e]
-    dkv = jax.vmap(lambda acc, i, u: acc.at[i].add(u))(
-        dkv, idx_r.reshape(b, -1), dkv_g.reshape(b, -1, e))  # [b,s,e]; an invalid slot adds exactly 0
-    return dkv, dq
+  def sequence(q_b, kv_b, idx_b, ok_b, do_b, d_b):  # [B,h,e], [s,e], [B,k] x2, [B,h,e], [B,h]
+    if loop:
+      def step(dkv, a):
+        dq1, dkv_g = one(a[0], kv_b, *a[1:])  # [h,e], [k,e]
+        return dkv.at[a[1]].add(dkv_g), dq1
 
-  xs = (_chunks(q, rows), _chunks(idx, rows), _chunks(ok, rows), _chunks(do, rows), _chunks(d_row, rows))
-  dkv, dq = lax.scan(chunk, jnp.zeros(kv.shape, f32), xs)  # [b,s,e], [B/R,b,R,h,e]
-  return _unchunks(dq).astype(q.dtype), dkv.astype(kv.dtype), None, None
+      dkv, dq = lax.scan(step, jnp.zeros(kv_b.shape, jnp.float32), (q_b, idx_b, ok_b, do_b, d_b))
+      return dq, dkv  # [B,h,e], [s,e]
+    dq, dkv_g = jax.vmap(one, in_axes=(0, None, 0, 0, 0, 0))(q_b, kv_b, idx_b, ok_b, do_b, d_b)
+    return dq, jnp.zeros(kv_b.shape, jnp.float32).at[idx_b.reshape(-1)].add(dkv_g.reshape(-1, e))
+
+  dq, dkv = _per_sequence(sequence, q, kv, idx, ok, do, d)  # [b,B,h,e], [b,s,e]
+  return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None
 
 
 _attend_block.defvjp(_attend_block_fwd, _attend_block_bwd)
@@ -324,7 +334,7 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
                          q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
                          *, num_heads: int, nope: int, v: int, scale: float, topk: int, query_block: int,
                          head_chunk: int, approx: bool = False, recall_target: float = 0.95,
-                         with_kl: bool = False, precision=None, rows_per_chunk: int | None = None
+                         with_kl: bool = False, precision=None, query_loop: bool | None = None
                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Blocked gather-based sparse MLA (training and prefill): indexer scores, top-k, attention.
 
@@ -337,8 +347,8 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
   (mean over the queries that select any key; 0 unless with_kl). k' = min(topk, s).
 
   Per block of query_block queries (t padded to whole blocks): scores [b,blk,s] (index_scores,
-  heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (rows_per_chunk rows at
-  a time; None = _rows_per_chunk), unabsorb_out. The attention sends no gradient into the
+  heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (one query at a time if
+  query_loop, else vmapped over the block; None = loop on CPU), unabsorb_out. The attention sends no gradient into the
   indexer (the indices are integers); the KL reaches only the indexer's q, w and k.
   """
   b, t = q_nope.shape[:2]
@@ -346,10 +356,7 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
   dt = q_nope.dtype
   n = -(-t // min(query_block, t))
   blk = -(-t // n)  # n blocks of blk >= t/n queries: fewer than n padding rows
-  kk = min(topk, c_kv.shape[1])
-  rows = rows_per_chunk or _rows_per_chunk(b, blk, kk, c + k_pe.shape[-1])
-  if blk % rows:
-    raise ValueError(f"sparse_mla_attention: rows_per_chunk={rows} must divide the query block ({blk} rows)")
+  loop = jax.default_backend() == "cpu" if query_loop is None else query_loop
   if q_seg is None:  # padding rows must see no key: give every row a segment
     q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
   kv_cat = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [b,s,c+r]
@@ -377,7 +384,7 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
     idx, ok = topk_indices(scores, topk, approx=approx, recall_target=recall_target)  # [b,blk,k'] x2
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
-    o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, rows, precision)  # [b,blk,h,c], [b,blk,k']
+    o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
     out = unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,v]
     if with_kl:
       kl_sum, n_rows = kl_of_block(lax.stop_gradient(p_heads), iq, iw, idx, ok)

@@ -1,0 +1,193 @@
+"""Sparse MLA prefill: the mask path vs the gather path (MaxText/layers/sparse_attention.py).
+
+    python benchmarks/sparse_attention.py                 # t = s in 4K, 8K, 16K, 32K, k = 2048
+    python benchmarks/sparse_attention.py --quick         # 2K and 4K, small enough for a minute
+    python benchmarks/sparse_attention.py --sizes 4096,8192 --heads 16 --kv-lora 512 --grad
+    python benchmarks/sparse_attention.py --crossover     # the auto threshold: sizes 1K..8K
+
+One MLA layer with the lightning indexer (batch 1, fp32, a tiny-but-wide shape: the flags), the
+whole layer jitted: projections, indexer scores, top-k selection, attention, output projection
+(with --grad: the gradient of sum(out * r) w.r.t. x and every parameter as well). Every
+(path, size) runs in its own subprocess, so its peak RSS is its own and an out-of-memory kill
+takes only that row. Peak memory is XLA's compiled estimate (memory_analysis: temp + arguments
++ outputs) and the process's max RSS. A path whose compiled peak exceeds --mem-limit-gib is not
+run (compiling needs no memory); its time is then extrapolated from the largest size it ran,
+quadratically (the mask path is O(t*s)), and labelled as such. A table, never a timed assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GIB = 1 << 30
+
+
+def model_overrides(a, impl: str, t: int) -> dict:
+  return dict(
+      sparse_attention_impl=impl, emb_dim=a.emb, num_query_heads=a.heads, q_lora_rank=a.q_lora,
+      kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope, qk_rope_head_dim=a.rope, v_head_dim=a.v,
+      indexer_n_heads=a.index_heads, indexer_head_dim=a.index_dim, indexer_topk=a.topk,
+      indexer_head_chunk=a.head_chunk, sparse_attention_query_block=a.query_block,
+      max_target_length=t, max_prefill_length=t, max_position_embeddings=max(t, 4096),
+      original_max_position_embeddings=4096, rope_factor=40.0, ici_data_parallelism=1)
+
+
+def run_one(a, impl: str, t: int) -> dict:
+  """In a subprocess: compile, check memory, run; returns a JSON-able row."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from MaxText import pyconfig
+  from MaxText.layers.attention_mla import MLA
+
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **model_overrides(a, impl, t))
+  mla = MLA(cfg, rngs=nnx.Rngs(0))
+  assert mla.use_gather(t) == (impl == "gather")
+  graphdef, params, rest = nnx.split(mla, nnx.Param, ...)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+  pos = jnp.arange(t, dtype=jnp.int32)[None]
+  r = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+
+  def forward(params, x, pos):
+    out, aux = nnx.merge(graphdef, params, rest)(x, pos)
+    return out, aux["indexer_loss"]
+
+  if a.grad:
+    def fn(params, x, pos):
+      return jax.grad(lambda p, x: jnp.sum(forward(p, x, pos)[0] * r), argnums=(0, 1))(params, x)
+  else:
+    fn = forward
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(params, x, pos).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+  row = {"impl": impl, "t": t, "compiled_peak": peak, "temp": mem.temp_size_in_bytes, "compile_s": compile_s}
+  if a.compile_only:
+    return row
+  if peak > a.mem_limit_gib * GIB:
+    row["skipped"] = f"compiled peak {peak / GIB:.1f} GiB > --mem-limit-gib {a.mem_limit_gib}"
+    return row
+  times, cpu = [], []
+  for i in range(a.warmup + a.repeats):
+    t0, c0 = time.perf_counter(), time.process_time()
+    jax.block_until_ready(compiled(params, x, pos))
+    if i >= a.warmup:
+      times.append(time.perf_counter() - t0)
+      cpu.append(time.process_time() - c0)
+  row["time"], row["cpu"] = float(np.min(times)), float(np.min(cpu))
+  row["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return row
+
+
+def spawn(a, impl: str, t: int) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--one", impl, str(t)] + a.passthrough
+  p = subprocess.run(cmd, capture_output=True, text=True)
+  lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+  if p.returncode or not lines:
+    why = "killed (out of memory?)" if p.returncode < 0 else f"exit {p.returncode}"
+    return {"impl": impl, "t": t, "failed": f"{why}: {p.stderr.strip().splitlines()[-1:] or ''}"}
+  return json.loads(lines[-1])
+
+
+def fmt_gib(x) -> str:
+  return f"{x / GIB:.2f}" if x is not None else "-"
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sizes", default="4096,8192,16384,32768", help="t = s values, comma-separated")
+  p.add_argument("--quick", action="store_true", help="sizes 2048,4096, no warm-up run")
+  p.add_argument("--crossover", action="store_true", help="sizes 1K..8K, to place sparse_attention_gather_min_length")
+  p.add_argument("--impls", default="mask,gather")
+  p.add_argument("--topk", type=int, default=2048)
+  p.add_argument("--emb", type=int, default=512)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--q-lora", type=int, default=256)
+  p.add_argument("--kv-lora", type=int, default=256)
+  p.add_argument("--nope", type=int, default=64)
+  p.add_argument("--rope", type=int, default=32)
+  p.add_argument("--v", type=int, default=64)
+  p.add_argument("--index-heads", type=int, default=8)
+  p.add_argument("--index-dim", type=int, default=64)
+  p.add_argument("--head-chunk", type=int, default=8)
+  p.add_argument("--query-block", type=int, default=256)
+  p.add_argument("--grad", action="store_true", help="time forward + backward instead of the forward")
+  p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+  p.add_argument("--mem-limit-gib", type=float, default=18.0, help="skip a run whose compiled peak exceeds this")
+  p.add_argument("--compile-only", action="store_true", help="report the compiled peak memory only; run nothing")
+  p.add_argument("--one", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
+  a = p.parse_args()
+  if a.one:
+    print(json.dumps(run_one(a, a.one[0], int(a.one[1]))))
+    return
+  argv = sys.argv[1:]
+  a.passthrough = [x for x in argv if x not in ("--quick", "--crossover")]
+  if a.quick:
+    a.sizes, a.passthrough = "2048,4096", a.passthrough + ["--warmup", "0"]
+  if a.crossover:
+    a.sizes = "1024,2048,3072,4096,6144,8192"
+  sizes = [int(x) for x in a.sizes.split(",")]
+  impls = a.impls.split(",")
+  print(f"one MLA layer + indexer: D={a.emb} h={a.heads} q_lora={a.q_lora} c={a.kv_lora} nope={a.nope} "
+        f"rope={a.rope} v={a.v}; indexer {a.index_heads} heads x {a.index_dim} (chunk {a.head_chunk}); "
+        f"k={a.topk}; query block {a.query_block}; batch 1, fp32; "
+        f"{'forward + backward' if a.grad else 'forward (prefill)'}; {os.cpu_count()} CPUs; "
+        f"min of {a.repeats} run(s) after {a.warmup} warm-up")
+  rows = {}
+  for t in sizes:
+    for impl in impls:
+      rows[impl, t] = spawn(a, impl, t)
+      print("  ", json.dumps(rows[impl, t]), file=sys.stderr, flush=True)
+  report(rows, sizes, impls)
+
+
+def report(rows: dict, sizes: list[int], impls: list[str]) -> None:
+  """The table: wall and CPU seconds, compiled peak and RSS, mask/gather ratios; a mask time the
+  path could not run is extrapolated quadratically from its largest run (marked *)."""
+  print(f"\n{'t=s':>6} | {'mask':^32} | {'gather':^32} | {'mask / gather':^13}")
+  print(f"{'':>6} | {'wall s':>7} {'cpu s':>7} {'peak GiB':>8} {'RSS GiB':>7} | {'wall s':>7} {'cpu s':>7} "
+        f"{'peak GiB':>8} {'RSS GiB':>7} | {'wall':>6} {'cpu':>6}")
+  last, notes, extrapolated = None, [], False
+  num = lambda x, w, star=False: f"{'~' if star else ''}{x:.2f}{'*' if star else ''}".rjust(w) if x else "-".rjust(w)
+  for t in sizes:
+    m, g = rows.get(("mask", t), {}), rows.get(("gather", t), {})
+    for r in (m, g):
+      if "skipped" in r or "failed" in r:
+        notes.append(f"{r['impl']} t={t}: {r.get('skipped') or r.get('failed')}")
+    star = False
+    if m.get("time"):
+      last, m_wall, m_cpu = t, m["time"], m["cpu"]
+    elif "mask" in impls and last:
+      f = (t / last) ** 2
+      m_wall, m_cpu, star = rows["mask", last]["time"] * f, rows["mask", last]["cpu"] * f, True
+      extrapolated = True
+    else:
+      m_wall = m_cpu = None
+    ratio = lambda x, y: (f"{x / y:.1f}x" + ("*" if star else "")) if x and y else "-"
+    print(f"{t:>6} | {num(m_wall, 7, star)} {num(m_cpu, 7, star)} {fmt_gib(m.get('compiled_peak')):>8} "
+          f"{fmt_gib(m.get('rss')):>7} | {num(g.get('time'), 7)} {num(g.get('cpu'), 7)} "
+          f"{fmt_gib(g.get('compiled_peak')):>8} {fmt_gib(g.get('rss')):>7} | "
+          f"{ratio(m_wall, g.get('time')):>6} {ratio(m_cpu, g.get('cpu')):>6}")
+  for n in notes:
+    print("note:", n)
+  if extrapolated:
+    print(f"* extrapolated, not measured: the mask path's time at t={last} times (t/{last})^2 (it is O(t*s)); "
+          "its peak memory is XLA's compiled estimate")
+
+
+if __name__ == "__main__":
+  main()
