@@ -1,0 +1,151 @@
+"""Long-context decode: python MaxText/decode.py configs/base.yml [key=value ...]
+
+    python MaxText/decode.py configs/base.yml load_parameters_path=ckpt/params \
+        tokenizer_path=tests/data/tokenizer.model prompt="I love to|The sea" max_target_length=256
+    python MaxText/decode.py configs/base.yml prompt="1,17,42|1,99" decode_sampling_strategy=top_p
+
+prompt: text when tokenizer_path is set (tokenizer_type picks sentencepiece or hf; BOS prepended
+  when add_bos), else comma-separated token ids taken as given. Several prompts form one batch:
+  separate them with '|' (ragged lengths are fine: each row keeps its own length).
+Each row stops at EOS (the tokenizer's, else eos_id), or when prompt + generated tokens reach
+max_target_length (the cache size; a note says so). A prompt may have up to max_prefill_length
+tokens; prefill runs in chunks of prefill_chunk_size (0 = one shot), then one jitted step per token.
+Sampling: decode_sampling_strategy greedy | temperature | top_p (decode_sampling_temperature,
+decode_sampling_nucleus_p), seeded by `seed`. The cache dtype is kv_cache_dtype.
+Without load_parameters_path the model is randomly initialized (said on the first line): a smoke test.
+
+A single prompt is streamed as it is generated; a batch prints each row when all are done. Then
+one summary line per row: `row <i>: stop=<eos|max_target_length> prompt_tokens=<n> generated_tokens=<m>`
+and `row <i> ids: <comma-separated ids>`.
+Bad input (an unknown key, a prompt over max_prefill_length, a missing checkpoint, ...) prints
+one `error:` line naming the key and value and exits non-zero (2 for input, 1 for the checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as `python MaxText/decode.py`: import as the package, not from MaxText/
+  _HERE = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
+
+import re
+import time
+
+from MaxText import pyconfig
+from MaxText.types import Config, ConfigError
+
+PROMPT_SEPARATOR = "|"
+_IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+
+
+class CheckpointError(RuntimeError):
+  """load_parameters_path is missing or does not fit the model."""
+
+
+def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
+  """The `prompt` key -> token ids per row ('|' separates rows)."""
+  parts = config.prompt.split(PROMPT_SEPARATOR)
+  if tokenizer is None:
+    rows = []
+    for i, part in enumerate(parts):
+      if not _IDS.match(part):
+        raise ConfigError(f"prompt={config.prompt!r}: part {i} ({part!r}) is not comma-separated token ids; "
+                          "set tokenizer_path=<tokenizer.model or tokenizer.json> to give text")
+      rows.append([int(x) for x in part.replace(" ", "").strip(",").split(",")])
+    return rows
+  bos = [tokenizer.bos_id] if config.add_bos else []
+  return [bos + tokenizer.encode(part) for part in parts]
+
+
+def load_model(config: Config, mesh):
+  """(graphdef, params, buffers, random?) from load_parameters_path, else random init."""
+  from MaxText import model_state
+  if not config.load_parameters_path:
+    graphdef, params, buffers, _ = model_state.create(config, mesh)
+    return graphdef, params, buffers, True
+  try:
+    graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
+  except (FileNotFoundError, ValueError) as e:
+    raise CheckpointError(str(e)) from None
+  return graphdef, params, buffers, False
+
+
+def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
+  import jax
+
+  from MaxText import model_state, sharding
+  from MaxText.inference import kv_cache
+  from MaxText.inference.engine import Engine, check_prompts
+  from MaxText.tokenizer import TextStreamer, load_tokenizer
+
+  tokenizer = load_tokenizer(config) if config.tokenizer_path else None
+  prompts = parse_prompts(config, tokenizer)
+  eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
+  pad_id = tokenizer.pad_id if tokenizer is not None else config.pad_id
+  check_prompts(config, prompts)  # before any compile: bad prompts fail fast
+
+  mesh = sharding.create_mesh(config)
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+    graphdef, params, buffers, is_random = load_model(config, mesh)
+    vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
+    engine = Engine(config, graphdef, params, buffers, sample_vocab=vocab)
+    source = (f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output is noise, a smoke test"
+              if is_random else f"parameters from load_parameters_path={config.load_parameters_path}")
+    print(f"decode: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}",
+          file=out, flush=True)
+    print(f"decode: {kv_cache.describe(config)}; attention {engine.mode}"
+          + (f" (top-{config.indexer_topk}{', approx' if config.indexer_use_approx_top_k else ''})"
+             if engine.mode == "sparse" else "")
+          + f"; {len(prompts)} prompt(s) of {[len(p) for p in prompts]} tokens; "
+            f"sampling {config.decode_sampling_strategy}", file=err, flush=True)
+
+    stream = len(prompts) == 1
+    streamers = [TextStreamer(tokenizer, p) for p in prompts] if tokenizer is not None else None
+    texts = [""] * len(prompts)
+
+    def on_token(row: int, tok: int) -> None:
+      piece = streamers[row].push(tok) if streamers is not None else ("," if texts[row] else "") + str(tok)
+      texts[row] += piece
+      if stream:
+        print(piece, end="", file=out, flush=True)
+
+    if stream:
+      shown = tokenizer.decode(prompts[0]) if tokenizer is not None else ",".join(map(str, prompts[0])) + " ->"
+      print(shown, end="" if tokenizer is not None else " ", file=out, flush=True)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, eos_id=eos_id, pad_id=pad_id, on_token=on_token)
+    dt = time.perf_counter() - t0
+    if stream:
+      print(file=out, flush=True)
+    else:
+      for i, r in enumerate(results):
+        prompt_text = tokenizer.decode(r.prompt) if tokenizer is not None else ",".join(map(str, r.prompt))
+        print(f"[{i}] {prompt_text} -> {texts[i]}", file=out)
+    for i, r in enumerate(results):
+      print(f"row {i}: stop={r.stop} prompt_tokens={len(r.prompt)} generated_tokens={len(r.tokens)}", file=out)
+      print(f"row {i} ids: {','.join(map(str, r.tokens))}", file=out)
+      if r.stop == "max_target_length":
+        print(f"note: row {i} stopped at max_target_length={config.max_target_length} "
+              f"({len(r.prompt)} prompt + {len(r.tokens)} generated tokens fill the cache); "
+              "raise max_target_length to generate more", file=err)
+    n = sum(len(r.tokens) for r in results)
+    print(f"decode: {n} tokens in {dt:.2f} s (incl. compile)", file=err, flush=True)
+    return results
+
+
+def main(argv) -> None:
+  config = pyconfig.initialize_or_exit(argv)
+  try:
+    run(config)
+  except ConfigError as e:  # prompts, tokenizer files: the message names the key
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  except CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

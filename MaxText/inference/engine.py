@@ -1,0 +1,462 @@
+"""Prefill + autoregressive generate over the latent MLA cache and the indexer key cache.
+
+One function, `forward`, runs t new tokens per row through the merged Transformer against the
+cache: t = prefill_chunk_size (or max_prefill_length) for a prefill chunk, t = 1 for a generate
+step. Both are jitted once with fixed shapes: the cache is preallocated (max_target_length,
+rounded up to whole prefill chunks), rows carry their own lengths (ragged prompts), and validity
+masks (key position <= query position) stand in for every shape that would otherwise grow.
+
+Per layer (the model's own submodules: layer.pre_attention_norm, attention.wq_a/q_norm/wq_b/
+wkv_a/kv_norm via project_q/project_kv, indexer.keys/queries, layer.mlp, ...):
+
+    q_nope, q_pe, q_lat = project_q(x)            [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
+    c_kv, k_pe          = project_kv(x)           [b,t,kv_lora], [b,t,rope]   -> cache
+    k_I                 = indexer.keys(x)         [b,t,d_I]                   -> cache
+    q_abs = absorb_q(q_nope, wkv_b)               [b,t,h,kv_lora]   (q_nope through wkv_b's key part)
+  sparse (use_indexer):
+    I = index_scores(indexer.queries(x, q_lat), cached k_I)          [b,t,S]   O(S) per token
+    idx, idx_valid = topk_indices(I) (exact or approx, per config)   [b,t,k]
+    o_lat = gather_attend(q_abs, q_pe, c_kv[idx], k_pe[idx])         [b,t,h,kv_lora]  O(k) per token
+  dense (no indexer, indexer_training_stage=dense_warmup, or the benchmark's baseline):
+    o_lat = softmax over all valid cached latents                    [b,t,h,kv_lora]  O(S) per token
+    out = wo(unabsorb_out(o_lat, wkv_b))          [b,t,D]           (through wkv_b's value part)
+
+The forward only READS the cache: the t new tokens' own entries are spliced into the scores and
+the gathered rows, and come back as `entries` that a separate jitted `commit` writes in place.
+(XLA:CPU copied the whole cache, several times per step, when one program both updated it in
+place and fed it to a matmul.) Prefill chunks see earlier chunks through the cache and their own
+tokens through the splice, under the same causal mask.
+
+Selection is sparse_attention.topk_indices, the model's own: for exact top-k it is the mask path's
+set (topk_threshold + generate_mask: ties at the k-th score lowest position first), so decode
+and the teacher-forced forward break ties identically. With indexer_mask_exact_topk=false the
+training mask keeps every key tied at the k-th score; decode keeps exactly k (a fixed-size gather).
+MTP is not used for decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText.inference import kv_cache
+from MaxText.inference.sampling import sample
+from MaxText.layers.indexer import index_scores
+from MaxText.layers.linears import PRECISION
+from MaxText.layers.sparse_attention import absorb_q, gather_attend, topk_indices, unabsorb_out
+from MaxText.types import Config, ConfigError
+
+STACKS = ("dense_layers", "moe_layers")  # the Transformer's layer stacks, in order
+
+
+class PromptError(ConfigError):
+  """A prompt the engine cannot take: the message names the key (prompt, max_prefill_length, ...)."""
+
+
+class DecodeState(NamedTuple):
+  cache: dict          # kv_cache.init_cache layout
+  lengths: jax.Array   # [b] int32: tokens stored per row; the next token goes to this position
+
+
+@dataclasses.dataclass
+class Generation:
+  prompt: list[int]
+  tokens: list[int]    # generated ids, EOS excluded
+  stop: str            # "eos" | "max_target_length" | "max_new_tokens"
+
+
+def default_attention(config: Config) -> str:
+  """"sparse" when the model attends over the indexer's selection, else "dense"."""
+  if config.use_indexer and config.indexer_training_stage != "dense_warmup":
+    return "sparse"
+  return "dense"
+
+
+class StepOptions(NamedTuple):
+  """Static choices of a compiled forward over the cache."""
+  mode: str = "sparse"            # "sparse" | "dense"
+  index_head_chunk: int = 16      # indexer heads scored per chunk (see Engine.step_options)
+
+
+# ---------------------------------------------------------------- absorbed weights
+
+
+class Absorbed(NamedTuple):
+  """wkv_b of one layer (or a stack: a leading L axis) split and laid out head-major, once per engine.
+
+  sparse_attention.absorb_q / unabsorb_out take a [kv_lora, h*(nope+v)] kernel. Handed wkv_b itself
+  at t = 1, XLA:CPU transposes its [c,h,d] blocks to head-major on every step (200+ ms of a step at
+  the 671B shapes). So the engine keeps these head-major copies and hands those functions the
+  [c, h*nope] key kernel (v=0) and the [c, h*v] value kernel (nope=0) as transposed VIEWS of them,
+  which XLA folds into the matmuls (3-4 ms each): the same functions, the same results bit for bit.
+  """
+  w_uk: jax.Array  # [(L,) h, kv_lora, nope]
+  w_uv: jax.Array  # [(L,) h, v, kv_lora]
+
+
+def absorbed_weights(wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int) -> Absorbed:
+  """wkv_b kernel [(L,) c, h*(nope+v)] -> Absorbed (head-major copies)."""
+  w = wkv_b_kernel.reshape(*wkv_b_kernel.shape[:-1], num_heads, nope + v)  # [(L,) c,h,nope+v]
+  return Absorbed(jnp.swapaxes(w[..., :nope], -3, -2),  # [(L,) h,c,nope]
+                  jnp.moveaxis(w[..., nope:], -3, -1))  # [(L,) h,v,c]
+
+
+def _key_kernel(a: Absorbed) -> jax.Array:  # [h,c,nope] -> the [c, h*nope] kernel (a view)
+  h, c, nope = a.w_uk.shape
+  return jnp.swapaxes(a.w_uk, 0, 1).reshape(c, h * nope)
+
+
+def _value_kernel(a: Absorbed) -> jax.Array:  # [h,v,c] -> the [c, h*v] kernel (a view)
+  h, v, c = a.w_uv.shape
+  return jnp.transpose(a.w_uv, (2, 0, 1)).reshape(c, h * v)
+
+
+def model_absorbed_weights(model) -> dict:
+  """{stack name: Absorbed [L,...] (scanned) or [Absorbed per layer]} for the model's stacks."""
+  out = {}
+  for name in STACKS:
+    stack = getattr(model, name)
+    if stack is None:
+      continue
+    layers = [stack.layers] if stack.scan else list(stack.layers)
+    split = [absorbed_weights(l.attention.wkv_b.kernel[...], l.attention.num_heads, l.attention.nope,
+                              l.attention.v_dim) for l in layers]
+    out[name] = split[0] if stack.scan else split
+  return out
+
+
+# ---------------------------------------------------------------- attention over cache + new tokens
+
+
+def splice(old: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """old [b,...,S] (per cache slot), new [b,...,t] (per new token) -> [b,...,S] with slots
+  start[b] .. start[b]+t-1 taken from new: the values the slots will hold after the commit."""
+  s, t = old.shape[-1], new.shape[-1]
+  j = jnp.arange(s, dtype=jnp.int32)[None, :] - start[:, None]  # [b,S]: slot - first new position
+  shape = (old.shape[0],) + (1,) * (old.ndim - 2) + (s,)
+  fresh = ((j >= 0) & (j < t)).reshape(shape)
+  picked = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(j, 0, t - 1).reshape(shape), old.shape[:-1] + (s,)),
+                               axis=-1)
+  return jnp.where(fresh, picked, old)
+
+
+def latent_attention_dense(q_abs, q_pe, view: kv_cache.LayerCache, new: dict, valid, start, scale, precision=None):
+  """Absorbed attention over every valid slot: q_abs [b,t,h,c], q_pe [b,t,h,r]; the cache view
+  (old entries) and the new tokens' entries {c_kv [b,t,c], k_pe [b,t,r]} (as stored) at slots
+  start[b].. ; valid [b,t,S] -> o_lat [b,t,h,c]. fp32 softmax."""
+  f32, dt = jnp.float32, q_abs.dtype
+  c_old, pe_old = kv_cache.read_latents(view, dt)  # [b,S,c], [b,S,r]
+  c_new, pe_new = new["c_kv"].astype(dt), new["k_pe"].astype(dt)  # [b,t,c], [b,t,r]
+
+  def scores(c, pe):  # -> [b,h,t,n]
+    return (jnp.einsum("bthc,bsc->bhts", q_abs, c, precision=precision, preferred_element_type=f32)
+            + jnp.einsum("bthr,bsr->bhts", q_pe, pe, precision=precision, preferred_element_type=f32))
+
+  logits = splice(scores(c_old, pe_old), scores(c_new, pe_new), start)  # [b,h,t,S]
+  probs = jax.nn.softmax(jnp.where(valid[:, None], logits * scale, -jnp.inf), axis=-1)  # every query sees itself
+  t, s = q_abs.shape[1], valid.shape[-1]
+  slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b,t] the new tokens' slots
+  p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1)
+  p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead
+  return (jnp.einsum("bhts,bsc->bthc", p_old.astype(dt), c_old, precision=precision)
+          + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]
+
+
+def _index_scores(q_i, w_i, view, k_new, valid, start, head_chunk, precision):
+  """Indexer scores [b,t,S]: the cached keys, with the new tokens' keys k_new [b,t,d] (as stored)
+  spliced into their slots; -inf where not valid."""
+  t = k_new.shape[1]
+  old = index_scores(q_i, w_i, kv_cache.read_indexer_keys(view), valid, head_chunk=head_chunk,
+                     precision=precision)  # [b,t,S]
+  causal = jnp.broadcast_to(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (k_new.shape[0], t, t))
+  new = index_scores(q_i, w_i, k_new, causal, head_chunk=head_chunk, precision=precision)  # [b,t,t]
+  return jnp.where(valid, splice(old, new, start), -jnp.inf)
+
+
+def _gather_selected(view, new: dict, idx, start, dtype):
+  """The selected rows: idx [b,t,k] -> c_kv [b,t*k,c], k_pe [b,t*k,r] from the cache, or from the
+  new entries for the new tokens' slots. Gathers the stored rows and dequantizes just those."""
+  b, t, k = idx.shape
+  flat = idx.reshape(b, t * k)
+  c_sel, pe_sel = kv_cache.gather_latents(view, flat, dtype)  # [b,t*k,c], [b,t*k,r]
+  j = flat - start[:, None]  # [b,t*k]
+  fresh = ((j >= 0) & (j < t))[..., None]
+  take = lambda a: jnp.take_along_axis(a.astype(dtype), jnp.clip(j, 0, t - 1)[..., None], axis=1)
+  return jnp.where(fresh, take(new["c_kv"]), c_sel), jnp.where(fresh, take(new["k_pe"]), pe_sel)
+
+
+def attention_step(attn, x: jax.Array, positions: jax.Array, view: kv_cache.LayerCache,
+                   absorbed: Absorbed | None, opts: StepOptions) -> tuple[jax.Array, dict]:
+  """One MLA layer over t new tokens per row: x [b,t,D] (normed), positions [b,t] (consecutive per
+  row), view: this layer's cache [b,S,..] (read only) -> (out [b,t,D], the new tokens' entries
+  {c_kv, k_pe, idx_k} [b,t,..] for kv_cache.write). attn is the model's MLA module; absorbed its
+  Absorbed weights (None: split attn.wkv_b here, same values, slower on CPU)."""
+  cfg = attn.config
+  b, t, _ = x.shape
+  h, nope, v = attn.num_heads, attn.nope, attn.v_dim
+  dt, precision = attn.dtype, PRECISION[cfg.matmul_precision]
+  start = positions[:, 0]
+  q_nope, q_pe, q_lat = attn.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
+  c_new, kpe_new = attn.project_kv(x, positions)  # [b,t,kv_lora], [b,t,rope]
+  entries = {"c_kv": c_new, "k_pe": kpe_new}
+  if view.idx_k is not None:
+    entries["idx_k"] = attn.indexer.keys(x, positions)  # [b,t,d_I]
+  stored = {name: kv_cache.as_stored(view, name, e) for name, e in entries.items()}  # what a read will return
+  valid = jnp.arange(view.c_kv.shape[1], dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
+  if absorbed is None:
+    absorbed = absorbed_weights(attn.wkv_b.kernel[...], h, nope, v)
+  q_abs = absorb_q(q_nope.astype(dt), _key_kernel(absorbed).astype(dt), h, nope, 0,
+                   precision=precision)  # [b,t,h,kv_lora]
+  q_pe = q_pe.astype(dt)
+  if opts.mode == "sparse":
+    q_i, w_i = attn.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
+    scores = _index_scores(q_i, w_i, view, stored["idx_k"], valid, start, opts.index_head_chunk,
+                           precision)  # [b,t,S] fp32, -inf where not valid
+    idx, idx_valid = topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
+                                  recall_target=cfg.indexer_approx_top_k_recall)  # [b,t,k] each
+    k = idx.shape[-1]
+    c_sel, pe_sel = _gather_selected(view, stored, idx, start, dt)  # [b,t*k,kv_lora], [b,t*k,rope]
+    local = jnp.broadcast_to(jnp.arange(t * k, dtype=jnp.int32).reshape(1, t, k), (b, t, k))  # row i*k+j
+    o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, local, idx_valid, cfg.softmax_scale,
+                             precision=precision)  # [b,t,h,kv_lora]
+  elif opts.mode == "dense":
+    o_lat = latent_attention_dense(q_abs, q_pe, view, stored, valid, start, cfg.softmax_scale, precision)
+  else:
+    raise ValueError(f"attention mode {opts.mode!r}: expected 'sparse' or 'dense'")
+  out = unabsorb_out(o_lat.astype(dt), _value_kernel(absorbed).astype(dt), h, 0, v,
+                     precision=precision)  # [b,t,h,v]
+  return attn.wo(out.reshape(b, t, h * v)), entries  # [b,t,D]
+
+
+def layer_step(layer, x, positions, view, absorbed, opts: StepOptions):
+  """A DecoderLayer over the cache: x + MLA(norm(x)), then + MLP / MoE(norm(.)) (the layer's modules)."""
+  a, entries = attention_step(layer.attention, layer.pre_attention_norm(x), positions, view, absorbed, opts)
+  x = x + a
+  m = layer.mlp(layer.pre_mlp_norm(x))
+  if layer.moe:
+    m = m[0]  # (y, aux)
+  return x + m, entries
+
+
+def stack_step(stack, x, positions, cache, absorbed, opts: StepOptions):
+  """A LayerStack over its cache: scanned over layers together with the stacked cache and
+  weights (entries come back stacked [L,b,t,..]), or a Python loop (a list of entries)."""
+  if not stack.scan:
+    out = []
+    for i, (layer, view) in enumerate(zip(stack.layers, cache)):
+      x, e = layer_step(layer, x, positions, view, None if absorbed is None else absorbed[i], opts)
+      out.append(e)
+    return x, out
+  graphdef, state = nnx.split(stack.layers)
+
+  def body(x, xs):
+    layer_state, view, absorbed_i = xs
+    return layer_step(nnx.merge(graphdef, layer_state), x, positions, view, absorbed_i, opts)
+
+  return jax.lax.scan(body, x, (state, cache, absorbed))
+
+
+def forward(model, cache: dict, tokens: jax.Array, positions: jax.Array, opts: StepOptions,
+            absorbed: dict | None = None, last_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """tokens [b,t] at positions [b,t] -> (logits [b,t,V] fp32, or [b,1,V] at last_index [b]; the new
+  tokens' cache entries per stack, for `commit`). absorbed: model_absorbed_weights(model)."""
+  x = model.embed(tokens)  # [b,t,D]
+  entries = {}
+  for name in STACKS:
+    stack = getattr(model, name)
+    if stack is not None:
+      x, entries[name] = stack_step(stack, x, positions, cache[name], None if absorbed is None else absorbed[name],
+                                    opts)
+  if last_index is not None:
+    x = jnp.take_along_axis(x, last_index[:, None, None], axis=1)  # [b,1,D]
+  return model.output_head(model.final_norm(x)).astype(jnp.float32), entries
+
+
+def commit(cache: dict, entries: dict, start: jax.Array) -> dict:
+  """Writes forward's entries into the cache at slots start[b].. (in place when the cache is donated)."""
+  out = {}
+  for name, c in cache.items():
+    if isinstance(c, list):
+      out[name] = [kv_cache.write(ci, start, **ei) for ci, ei in zip(c, entries[name])]
+    else:
+      out[name] = kv_cache.write(c, start, **entries[name])
+  return out
+
+
+def check_prompts(config: Config, prompts: Sequence[Sequence[int]]) -> None:
+  """Raises PromptError for a prompt the engine cannot take (empty, too long, ids out of range)."""
+  cfg = config
+  if not prompts:
+    raise PromptError("prompt is empty: give at least one prompt")
+  for i, p in enumerate(prompts):
+    where = f"prompt row {i}" if len(prompts) > 1 else "prompt"
+    if len(p) == 0:
+      raise PromptError(f"{where} has no tokens (prompt={cfg.prompt!r})")
+    if len(p) > cfg.max_prefill_length:
+      raise PromptError(f"{where} has {len(p)} tokens, more than max_prefill_length={cfg.max_prefill_length}; "
+                        f"raise max_prefill_length (<= max_target_length={cfg.max_target_length}) or shorten it")
+    if len(p) >= cfg.max_target_length:
+      raise PromptError(f"{where} has {len(p)} tokens, which fills max_target_length={cfg.max_target_length} "
+                        f"(prompt + generated tokens must fit in it): raise max_target_length")
+    bad = [int(x) for x in p if not 0 <= int(x) < cfg.vocab_size]
+    if bad:
+      raise PromptError(f"{where} has token ids {bad[:5]} outside [0, vocab_size={cfg.vocab_size})")
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+  """Jitted prefill chunk, generate step and commit for one model; the host loop in `generate`.
+
+      engine = Engine(config, graphdef, params, buffers)
+      results = engine.generate([[1, 5, 7], [1, 9]], eos_id=2, on_token=print_piece)
+  """
+
+  def __init__(self, config: Config, graphdef, params, buffers, *, attention: str | None = None,
+               sample_vocab: int | None = None):
+    """attention: "sparse" | "dense" (default: default_attention(config)). sample_vocab: sample only
+    ids below it (a tokenizer smaller than vocab_size); the returned logits are not masked."""
+    self.config = config
+    self.sample_vocab = sample_vocab
+    self.graphdef, self.params, self.buffers = graphdef, params, buffers
+    self.mode = attention or default_attention(config)
+    if self.mode == "sparse" and not config.use_indexer:
+      raise ConfigError("sparse decode attention needs use_indexer=true")
+    self.chunk = min(config.prefill_chunk_size or config.max_prefill_length, config.max_prefill_length)
+    # whole chunks: a prefill window never runs past the cache (kv_cache.write)
+    self.cache_length = -(-config.max_target_length // self.chunk) * self.chunk
+    # wkv_b split head-major once (see Absorbed); stacked like the parameters
+    self.absorbed = jax.jit(lambda p, b: model_absorbed_weights(self._model(p, b)))(params, buffers)
+    self._prefill_jit = jax.jit(self._prefill_chunk)
+    self._step_jit = jax.jit(self._step)
+    self._forward_jit = jax.jit(self._forward_all, static_argnums=(6,))
+    self._commit_jit = jax.jit(commit, donate_argnums=(0,))
+    self._sample_jit = jax.jit(self._sample)
+
+  def step_options(self, t: int) -> StepOptions:
+    """Options for t new tokens per row. The indexer scores [b,t,S,chunk] per head chunk; a prefill
+    chunk uses indexer_head_chunk, and fewer queries may use proportionally more heads at once (the
+    same peak memory): a decode step (t=1) scores all heads in one matmul, far faster on CPU."""
+    cfg = self.config
+    chunk = min(cfg.indexer_n_heads, max(cfg.indexer_head_chunk, cfg.indexer_head_chunk * self.chunk // t))
+    return StepOptions(mode=self.mode, index_head_chunk=chunk)
+
+  # ---- jitted bodies (params/buffers are arguments, not constants)
+  def _model(self, params, buffers):
+    return nnx.merge(self.graphdef, params, buffers)
+
+  def _prefill_chunk(self, params, buffers, cache, absorbed, tokens, offset, lengths, logits):
+    """tokens [b,C] at positions offset.. -> (entries, logits [b,V] updated where a row's last prompt
+    token is in this chunk)."""
+    b, c = tokens.shape
+    positions = jnp.broadcast_to(offset + jnp.arange(c, dtype=jnp.int32)[None], (b, c))
+    last = lengths - 1 - offset  # [b]: index of the row's last prompt token in this chunk
+    here = (last >= 0) & (last < c)
+    out, entries = forward(self._model(params, buffers), cache, tokens, positions, self.step_options(c), absorbed,
+                           last_index=jnp.clip(last, 0, c - 1))
+    return entries, jnp.where(here[:, None], out[:, 0], logits)
+
+  def _step(self, params, buffers, cache, absorbed, lengths, tokens, key):
+    """tokens [b] at positions lengths [b] -> (entries, next tokens [b], logits [b,V])."""
+    out, entries = forward(self._model(params, buffers), cache, tokens[:, None], lengths[:, None],
+                           self.step_options(1), absorbed)
+    return entries, self._sample(out[:, 0], key), out[:, 0]
+
+  def _forward_all(self, params, buffers, cache, absorbed, tokens, positions, opts):
+    return forward(self._model(params, buffers), cache, tokens, positions, opts, absorbed)
+
+  def _sample(self, logits, key):
+    cfg = self.config
+    if self.sample_vocab is not None:
+      logits = jnp.where(jnp.arange(logits.shape[-1]) < self.sample_vocab, logits, -jnp.inf)
+    return sample(logits, key, strategy=cfg.decode_sampling_strategy, temperature=cfg.decode_sampling_temperature,
+                  nucleus_p=cfg.decode_sampling_nucleus_p)
+
+  # ---- host API
+  def init_state(self, batch: int) -> DecodeState:
+    return DecodeState(kv_cache.init_cache(self.config, batch, self.cache_length), jnp.zeros((batch,), jnp.int32))
+
+  def prefill(self, state: DecodeState, prompts: Sequence[Sequence[int]], pad_id: int = 0
+              ) -> tuple[DecodeState, jax.Array]:
+    """Writes each row's prompt into the cache, chunk by chunk -> (state, logits [b,V] at each row's
+    last prompt token). Rows are padded to whole chunks; padding is never attended to."""
+    check_prompts(self.config, prompts)
+    b, c = len(prompts), self.chunk
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    n_chunks = -(-int(lengths.max()) // c)
+    tokens = np.full((b, n_chunks * c), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    lengths_dev = jnp.asarray(lengths)
+    logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
+    cache = state.cache
+    for j in range(n_chunks):
+      offset = jnp.full((b,), j * c, jnp.int32)
+      entries, logits = self._prefill_jit(self.params, self.buffers, cache, self.absorbed,
+                                          jnp.asarray(tokens[:, j * c:(j + 1) * c]), offset[0], lengths_dev, logits)
+      cache = self._commit_jit(cache, entries, offset)
+    return DecodeState(cache, lengths_dev), logits
+
+  def step(self, state: DecodeState, tokens, active, key: jax.Array):
+    """One generate step: tokens [b] written at state.lengths (rows with active[b] advance) ->
+    (state, next tokens [b], logits [b,V])."""
+    entries, nxt, logits = self._step_jit(self.params, self.buffers, state.cache, self.absorbed, state.lengths,
+                                          jnp.asarray(tokens, jnp.int32), key)
+    cache = self._commit_jit(state.cache, entries, state.lengths)
+    return DecodeState(cache, state.lengths + jnp.asarray(active, jnp.int32)), nxt, logits
+
+  def forward_tokens(self, state: DecodeState, tokens, positions) -> tuple[DecodeState, jax.Array]:
+    """All logits [b,t,V] of tokens [b,t] at positions [b,t] (consecutive per row, in the cache),
+    then written to the cache; for tests and scoring. lengths become positions[:, -1] + 1."""
+    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    logits, entries = self._forward_jit(self.params, self.buffers, state.cache, self.absorbed, tokens, positions,
+                                        self.step_options(tokens.shape[1]))
+    cache = self._commit_jit(state.cache, entries, positions[:, 0])
+    return DecodeState(cache, positions[:, -1] + 1), logits
+
+  def generate(self, prompts: Sequence[Sequence[int]], *, eos_id: int | None, pad_id: int = 0,
+               max_new_tokens: int | None = None, on_token: Callable[[int, int], None] | None = None,
+               seed: int | None = None) -> list[Generation]:
+    """Prefill, then generate until each row emits EOS, fills max_target_length (prompt + generated
+    tokens), or has max_new_tokens. on_token(row, id) is called for each generated id as it comes."""
+    cfg = self.config
+    b = len(prompts)
+    key = jax.random.key(cfg.seed if seed is None else seed)
+    state, logits = self.prefill(self.init_state(b), prompts, pad_id)
+    nxt = np.asarray(self._sample_jit(logits, jax.random.fold_in(key, 0)))
+    results = [Generation(list(map(int, p)), [], "") for p in prompts]
+    limit = [cfg.max_target_length - len(p) for p in prompts]  # room left for generated tokens
+    if max_new_tokens is not None:
+      limit = [min(n, max_new_tokens) for n in limit]
+    active = np.ones((b,), bool)
+    step = 0
+    while True:
+      for i in np.flatnonzero(active):
+        tok = int(nxt[i])
+        if eos_id is not None and tok == eos_id:
+          results[i].stop, active[i] = "eos", False
+          continue
+        results[i].tokens.append(tok)
+        if on_token is not None:
+          on_token(int(i), tok)
+        if len(results[i].tokens) >= limit[i]:
+          full = max_new_tokens is None or limit[i] < max_new_tokens
+          results[i].stop, active[i] = ("max_target_length" if full else "max_new_tokens"), False
+      if not active.any():
+        return results
+      step += 1
+      state, nxt_dev, _ = self.step(state, nxt, active, jax.random.fold_in(key, step))
+      nxt = np.asarray(nxt_dev)
+
+
+
+
+__all__ = ["Engine", "DecodeState", "Generation", "PromptError", "StepOptions", "Absorbed", "forward", "commit",
+           "attention_step", "layer_step", "stack_step", "splice", "latent_attention_dense", "absorbed_weights",
+           "model_absorbed_weights", "default_attention", "check_prompts"]

@@ -1,0 +1,234 @@
+"""Decode caches for MLA + the lightning indexer, preallocated to max_target_length tokens.
+
+Per layer and per token the cache holds only what attention reads back, never per-head keys
+or values (MaxText's MLA cache expands those: h*(nope+v) numbers a token instead of these):
+
+    c_kv   [kv_lora_rank]       the kv_norm'ed latent; keys and values are wkv_b of it
+    k_pe   [qk_rope_head_dim]   the RoPE'd rotary key, shared by all heads
+    idx_k  [indexer_head_dim]   the lightning indexer's key (LayerNorm'ed, RoPE'd), one per token
+
+Layout: a `LayerCache` of arrays [L, b, S, n] for a scanned layer stack (stacked on the layer
+axis like the stack's parameters, so the decode step scans layers and caches together), or a
+list of per-layer `LayerCache`s [b, S, n] for scan_layers=false. S = max_target_length (the engine
+rounds it up to whole prefill chunks); which positions hold real tokens is the engine's business
+(per-row lengths), the cache is just storage: `write` stores new entries in place, a decode step
+only reads (engine.py says why the two are separate programs).
+The indexer keys are stored transposed, [.., b, d, S] (positions minor): every step multiplies
+the whole key cache by the indexer queries, q [h,d] x k^T [d,S], and with this layout the matmul
+reads the cache in place; a [S,d] layout made XLA:CPU transpose all of it first, every step
+(3x slower at 128K). c_kv and k_pe stay [S, n]: a step gathers whole rows of them.
+
+kv_cache_dtype:
+  float32 / bfloat16  every vector stored in that dtype.
+  fp8                 as DeepSeek's deployment (the official inference code simulates it; FlashMLA's
+                      fp8 cache stores the same bytes): c_kv and idx_k in float8_e4m3fn with one fp32
+                      scale per 128-element block of each vector (scale = block amax / 448), k_pe
+                      in bfloat16 (the rotary dims stay unquantized). Dequantized on read.
+Bytes per token per layer: (kv_lora + rope + idx) * itemsize, or for fp8
+kv_lora + 4 * ceil(kv_lora/128) + 2 * rope + idx + 4 * ceil(idx/128) (788 for the 671B model).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.types import Config
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # elements per quantization scale
+
+
+class LayerCache(NamedTuple):
+  """One layer's cache ([b,S,n] leaves) or a scanned stack's ([L,b,S,n]); None leaves are absent."""
+  c_kv: jax.Array                      # [(L,) b, S, kv_lora]
+  k_pe: jax.Array                      # [(L,) b, S, rope]
+  idx_k: jax.Array | None = None       # [(L,) b, indexer_head_dim, S] (transposed); None without the indexer
+  c_kv_scale: jax.Array | None = None  # [(L,) b, S, ceil(kv_lora/128)] fp32; fp8 only
+  idx_k_scale: jax.Array | None = None  # [(L,) b, ceil(indexer_head_dim/128), S] fp32; fp8 only
+
+
+# ---------------------------------------------------------------- fp8 blocks
+
+
+def quantize_fp8(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+  """x [..., n] -> (q [..., n] float8_e4m3fn, scale [..., ceil(n/block)] fp32), x ~ q * scale blockwise.
+
+  scale = amax(|block|) / 448 (an all-zero block gets scale 1 and stays exactly 0). Values are
+  clipped to +-448 before the cast: float8_e4m3fn has no infinity, an overflow would be NaN.
+  """
+  n = x.shape[-1]
+  nb = -(-n // block)
+  xf = x.astype(jnp.float32)
+  xb = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - n)]).reshape(*x.shape[:-1], nb, block)
+  amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., nb]
+  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  q = jnp.clip(xb / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)  # [..., nb, block]
+  return q.reshape(*x.shape[:-1], nb * block)[..., :n], scale
+
+
+def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
+  """(q [..., n] float8_e4m3fn, scale [..., ceil(n/block)]) -> [..., n] in dtype."""
+  n, nb = q.shape[-1], scale.shape[-1]
+  qb = jnp.pad(q.astype(jnp.float32), [(0, 0)] * (q.ndim - 1) + [(0, nb * block - n)])
+  x = qb.reshape(*q.shape[:-1], nb, block) * scale[..., None]  # [..., nb, block]
+  return x.reshape(*q.shape[:-1], nb * block)[..., :n].astype(dtype)
+
+
+# ---------------------------------------------------------------- layout and sizes
+
+
+def _dtypes(kv_cache_dtype: str):
+  """(latent dtype for c_kv and idx_k, rotary dtype for k_pe)."""
+  if kv_cache_dtype == "fp8":
+    return FP8, jnp.bfloat16
+  dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[kv_cache_dtype]
+  return dt, dt
+
+
+def _widths(config: Config) -> dict[str, int]:
+  """Width of each cached vector per token (0 = not stored)."""
+  fp8 = config.kv_cache_dtype == "fp8"
+  idx = config.indexer_head_dim if config.use_indexer else 0
+  return {"c_kv": config.kv_lora_rank, "k_pe": config.qk_rope_head_dim, "idx_k": idx,
+          "c_kv_scale": -(-config.kv_lora_rank // FP8_BLOCK) if fp8 else 0,
+          "idx_k_scale": -(-idx // FP8_BLOCK) if fp8 and idx else 0}
+
+
+_TRANSPOSED = ("idx_k", "idx_k_scale")  # stored [.., b, n, S]
+
+
+def init_layer_cache(config: Config, batch: int, num_layers: int | None = None,
+                     length: int | None = None) -> LayerCache:
+  """Zeros [num_layers, batch, S, n] (or [batch, S, n] when num_layers is None), S = length or
+  max_target_length; the indexer's arrays [.., batch, n, S]."""
+  latent, rotary = _dtypes(config.kv_cache_dtype)
+  layers = () if num_layers is None else (num_layers,)
+  s = length or config.max_target_length
+  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  shape = lambda name, w: layers + (batch,) + ((w, s) if name in _TRANSPOSED else (s, w))
+  return LayerCache(**{name: jnp.zeros(shape(name, w), dt[name]) if w else None
+                       for name, w in _widths(config).items()})
+
+
+def init_cache(config: Config, batch: int, length: int | None = None) -> dict:
+  """The whole model's cache: {"dense_layers": ..., "moe_layers": ...} (the Transformer's stack names;
+  a stack with no layers is absent). Scanned stacks get one stacked LayerCache, others a list.
+  length: tokens per row (default max_target_length)."""
+  cache = {}
+  for name, n in (("dense_layers", config.first_num_dense_layers), ("moe_layers", config.num_moe_layers)):
+    if n:
+      cache[name] = (init_layer_cache(config, batch, n, length) if config.scan_layers
+                     else [init_layer_cache(config, batch, None, length) for _ in range(n)])
+  return cache
+
+
+def bytes_per_token_per_layer(config: Config) -> int:
+  """Bytes one token costs in one layer's cache, scales included."""
+  latent, rotary = _dtypes(config.kv_cache_dtype)
+  size = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  return sum(w * jnp.dtype(size[name]).itemsize for name, w in _widths(config).items())
+
+
+def cache_bytes(cache) -> int:
+  """Bytes actually allocated by a cache pytree."""
+  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(cache))
+
+
+# ---------------------------------------------------------------- write and read
+
+
+def write(cache: LayerCache, start: jax.Array, *, c_kv: jax.Array | None = None, k_pe: jax.Array | None = None,
+          idx_k: jax.Array | None = None) -> LayerCache:
+  """Stores t new tokens per row at positions start[b] .. start[b]+t-1 (ragged rows: each its own start).
+
+  cache [.., b, S, n] (a layer, or a stack with a leading L axis: every layer at once); the new
+  vectors [.., b, t, n] with the same leading axes: c_kv, k_pe, idx_k (None: left as is; fp8
+  fields are quantized here). One dynamic_update_slice per row and field: in place under jit with
+  a donated cache (a scatter, or its out-of-bounds select, made XLA:CPU copy the whole cache).
+  The window must fit, start + t <= S (dynamic_update_slice would move it back over real tokens):
+  the engine sizes the cache to whole prefill chunks.
+  """
+  given = {name: x for name, x in (("c_kv", c_kv), ("k_pe", k_pe), ("idx_k", idx_k)) if x is not None}
+  new = {}
+  for name, x in given.items():
+    if name != "k_pe" and getattr(cache, name).dtype == FP8:
+      new[name], new[name + "_scale"] = quantize_fp8(x)
+    else:
+      new[name] = x
+  start = start.astype(jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+
+  def put(name, dst, upd):  # dst [.., b, S, n] ([.., b, n, S] transposed), upd [.., b, t, n]
+    upd = upd.astype(dst.dtype)
+    lead = (zero,) * (dst.ndim - 3)
+    if name in _TRANSPOSED:
+      upd = jnp.swapaxes(upd, -1, -2)  # [.., b, n, t]
+    for i in range(dst.shape[-3]):  # rows
+      at = lead + ((jnp.int32(i), zero, start[i]) if name in _TRANSPOSED else (jnp.int32(i), start[i], zero))
+      dst = jax.lax.dynamic_update_slice(dst, upd[..., i:i + 1, :, :], at)
+    return dst
+
+  return cache._replace(**{name: put(name, getattr(cache, name), v) for name, v in new.items()})
+
+
+def as_stored(cache: LayerCache, name: str, x: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """x [..., n] as the cache field `name` would give it back after a write and a read (rounded to
+  the storage dtype; fp8: quantized and dequantized), in dtype."""
+  stored = getattr(cache, name).dtype
+  if stored == FP8:
+    return dequantize_fp8(*quantize_fp8(x), dtype)
+  return x.astype(stored).astype(dtype)
+
+
+def read_latents(view: LayerCache, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """A layer view -> c_kv [b,S,kv_lora], k_pe [b,S,rope] in dtype (dequantized for fp8)."""
+  if view.c_kv_scale is not None:
+    c_kv = dequantize_fp8(view.c_kv, view.c_kv_scale, dtype)
+  else:
+    c_kv = view.c_kv.astype(dtype)
+  return c_kv, view.k_pe.astype(dtype)
+
+
+def read_indexer_keys(view: LayerCache, dtype=jnp.float32) -> jax.Array:
+  """A layer view -> idx_k [b,S,d] in dtype (dequantized for fp8): a transposed view of the stored
+  [b,d,S], which XLA folds into the score matmul."""
+  if view.idx_k_scale is not None:  # blocks run along d: dequantize in the [b,S,d] view
+    return dequantize_fp8(jnp.swapaxes(view.idx_k, 1, 2), jnp.swapaxes(view.idx_k_scale, 1, 2), dtype)
+  return jnp.swapaxes(view.idx_k, 1, 2).astype(dtype)
+
+
+def gather_latents(view: LayerCache, idx: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Only the selected entries: idx [b,n] int32 -> c_kv [b,n,kv_lora], k_pe [b,n,rope] in dtype.
+
+  Gathers the stored (fp8: quantized) rows first and dequantizes just those, so reading the
+  selection costs O(n), not O(S).
+  """
+  take = lambda a: jnp.take_along_axis(a, idx[:, :, None], axis=1)  # [b,S,w] -> [b,n,w]
+  c_kv = take(view.c_kv)
+  if view.c_kv_scale is not None:
+    c_kv = dequantize_fp8(c_kv, take(view.c_kv_scale), dtype)
+  return c_kv.astype(dtype), take(view.k_pe).astype(dtype)
+
+
+def describe(config: Config) -> str:
+  """One line: the layout and bytes per token per layer (for logs and the benchmark)."""
+  w = _widths(config)
+  n = bytes_per_token_per_layer(config)
+  parts = f"c_kv {w['c_kv']} + k_pe {w['k_pe']}" + (f" + idx_k {w['idx_k']}" if w["idx_k"] else "")
+  if config.kv_cache_dtype == "fp8":
+    parts = (f"c_kv {w['c_kv']} e4m3 + {w['c_kv_scale']} fp32 scales, k_pe {w['k_pe']} bf16"
+             + (f", idx_k {w['idx_k']} e4m3 + {w['idx_k_scale']} fp32 scales" if w["idx_k"] else ""))
+  layers = config.num_decoder_layers
+  total = n * layers * config.max_target_length
+  size = next(f"{total / 2**e:.1f} {u}" for e, u in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B")) if total >= 2**e)
+  return (f"kv cache ({config.kv_cache_dtype}): {parts} = {n} bytes/token/layer; "
+          f"{layers} layers x {config.max_target_length} tokens = {size} per row")
+
+
+__all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "init_cache", "write", "as_stored",
+           "read_latents", "read_indexer_keys", "gather_latents", "bytes_per_token_per_layer",
+           "cache_bytes", "describe", "FP8_BLOCK"]

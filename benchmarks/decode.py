@@ -1,0 +1,115 @@
+"""Decode step time vs context length: sparse (indexer + top-k + gather over k latents) vs dense
+(absorbed attention over the whole latent cache).
+
+    python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
+    python benchmarks/decode.py --contexts 4096 16384 --layers 2 --cache-dtype fp8
+
+The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
+nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
+1 dense layer and a 512-token vocabulary, so attention dominates a step as it does in the full
+model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The cache
+is sized to each context (S = max_target_length = context) and filled with random latents; one
+jitted engine step (batch 1, the last slot) is timed, median over --iters calls after a warm-up.
+Both columns run the same Engine step, attention="sparse" or "dense". Prints a table; asserts
+nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from MaxText import model_state, pyconfig, sharding  # noqa: E402
+from MaxText.inference import kv_cache  # noqa: E402
+from MaxText.inference.engine import DecodeState, Engine  # noqa: E402
+
+WIDE = dict(  # official attention dims, narrow everything else
+    model_name="default", vocab_size=512, emb_dim=1024, mlp_dim=1024, first_num_dense_layers=1,
+    num_query_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, indexer_n_heads=64, indexer_head_dim=128, indexer_topk=2048, use_indexer=True,
+    rope_factor=40.0, original_max_position_embeddings=4096, max_position_embeddings=163840,
+    num_experts=8, num_experts_per_tok=2, n_routing_groups=4, topk_routing_group=2, moe_mlp_dim=256,
+    mtp_num_layers=0, ici_data_parallelism=1,
+)
+
+
+def config_for(context: int, args):
+  return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
+                             max_target_length=context, max_prefill_length=min(context, 4096),
+                             kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
+                             indexer_topk=args.topk, **{k: v for k, v in WIDE.items() if k != "indexer_topk"})
+
+
+def filled_state(cfg, engine: Engine, seed: int) -> DecodeState:
+  """A batch-1 cache with every slot holding random (normed-scale) latents; the step writes slot S-1."""
+  key = jax.random.key(seed)
+  cache = kv_cache.init_cache(cfg, 1, engine.cache_length)
+
+  def fill(lc, key):  # a stacked LayerCache [L,b,S,..] or a list of per-layer ones [b,S,..]
+    if isinstance(lc, list):
+      return [fill(c, jax.random.fold_in(key, i)) for i, c in enumerate(lc)]
+    lead = lc.c_kv.shape[:-1]  # [(L,) b, S]
+    k1, k2, k3 = jax.random.split(key, 3)
+    new = dict(c_kv=jax.random.normal(k1, lead + (cfg.kv_lora_rank,)),
+               k_pe=jax.random.normal(k2, lead + (cfg.qk_rope_head_dim,)),
+               idx_k=jax.random.normal(k3, lead + (cfg.indexer_head_dim,)))
+    return kv_cache.write(lc, jnp.zeros((lead[-2],), jnp.int32), **new)
+
+  cache = {name: jax.jit(fill)(lc, jax.random.fold_in(key, i)) for i, (name, lc) in enumerate(cache.items())}
+  return DecodeState(cache, jnp.full((1,), cfg.max_target_length - 1, jnp.int32))
+
+
+def time_step(engine: Engine, state: DecodeState, iters: int) -> float:
+  tok, active, key = jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool), jax.random.key(0)
+  for _ in range(2):  # compile + warm-up
+    state, nxt, _ = engine.step(state, tok, active, key)
+  jax.block_until_ready(nxt)
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    state, nxt, _ = engine.step(state, tok, active, key)  # inactive: the position stays at S-1
+    jax.block_until_ready(nxt)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
+  ap.add_argument("--layers", type=int, default=1)
+  ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
+  ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
+  ap.add_argument("--iters", type=int, default=5)
+  args = ap.parse_args()
+
+  cfg0 = config_for(args.contexts[0], args)
+  mesh = sharding.create_mesh(cfg0)
+  _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context
+  print(f"backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch 1, "
+        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {args.topk}"
+        f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}")
+  print(f"{'context':>8} {'sparse ms':>10} {'dense ms':>10} {'dense/sparse':>13}")
+  for s in args.contexts:
+    cfg = config_for(s, args)
+    graphdef, _, _ = model_state.abstract_model(cfg)
+    row = {}
+    for mode in ("sparse", "dense"):
+      engine = Engine(cfg, graphdef, params, buffers, attention=mode)
+      row[mode] = time_step(engine, filled_state(cfg, engine, seed=s), args.iters)
+      del engine
+    print(f"{s:>8} {row['sparse']:>10.1f} {row['dense']:>10.1f} {row['dense'] / row['sparse']:>12.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+  np.set_printoptions(precision=3)
+  main()

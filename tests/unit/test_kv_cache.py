@@ -1,0 +1,163 @@
+"""The decode cache: bytes per token (latent + rotary + indexer key only), the fp8 block format,
+ragged per-row writes into stacked and per-layer layouts, reads of only the selected rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.inference import kv_cache
+from tests.conftest import make_config
+
+
+def _cfg(**kw):
+  kw.setdefault("max_target_length", 32)
+  kw.setdefault("max_prefill_length", 16)
+  return make_config(**kw)
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
+def test_bytes_per_token_per_layer_is_latent_plus_rope_plus_indexer_key(dtype, itemsize):
+  cfg = _cfg(kv_cache_dtype=dtype)
+  want = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.indexer_head_dim) * itemsize
+  assert kv_cache.bytes_per_token_per_layer(cfg) == want
+  b = 3
+  cache = kv_cache.init_cache(cfg, b)  # what is really allocated
+  assert kv_cache.cache_bytes(cache) == want * cfg.num_decoder_layers * b * cfg.max_target_length
+
+
+def test_fp8_bytes_count_the_scales_and_a_bf16_rope():
+  cfg = _cfg(kv_cache_dtype="fp8")
+  c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer_head_dim
+  want = c + 4 * -(-c // 128) + 2 * r + d + 4 * -(-d // 128)
+  assert kv_cache.bytes_per_token_per_layer(cfg) == want
+  cache = kv_cache.init_cache(cfg, 2)
+  assert kv_cache.cache_bytes(cache) == want * cfg.num_decoder_layers * 2 * cfg.max_target_length
+  print(f"\ntiny fp8: {want} bytes/token/layer vs fp32 {(c + r + d) * 4}")
+
+
+def test_671b_cache_sizes():
+  # 512 + 64 + 128 = 704 numbers per token per layer; fp8: 512 + 16 + 128 + 128 + 4 (FlashMLA's 656 + 132)
+  cfg = make_config(model_name="deepseek3.2-671b", kv_cache_dtype="bfloat16")
+  assert kv_cache.bytes_per_token_per_layer(cfg) == 704 * 2
+  cfg8 = make_config(model_name="deepseek3.2-671b", kv_cache_dtype="fp8")
+  assert kv_cache.bytes_per_token_per_layer(cfg8) == 788
+  print(f"\n671B per token per layer: bf16 1408 B, fp8 788 B (incl. scales); "
+        f"an expanded per-head K/V cache would be {128 * (192 + 128) * 2} B")
+
+
+def test_without_the_indexer_there_is_no_indexer_cache():
+  cfg = _cfg(use_indexer=False)
+  cache = kv_cache.init_cache(cfg, 1)
+  assert cache["moe_layers"].idx_k is None
+  assert kv_cache.bytes_per_token_per_layer(cfg) == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+
+
+def test_layouts_follow_scan_layers():
+  stacked = kv_cache.init_cache(_cfg(scan_layers=True), 2)
+  assert stacked["moe_layers"].c_kv.shape == (3, 2, 32, 32)  # [L,b,S,kv_lora]
+  assert stacked["dense_layers"].idx_k.shape == (1, 2, 16, 32)  # [L,b,d,S]: transposed for the score matmul
+  per_layer = kv_cache.init_cache(_cfg(scan_layers=False), 2)
+  assert isinstance(per_layer["moe_layers"], list) and len(per_layer["moe_layers"]) == 3
+  assert per_layer["moe_layers"][0].k_pe.shape == (2, 32, 8)
+
+
+# ---------------------------------------------------------------- fp8 blocks
+
+
+def test_fp8_round_trip_error_is_within_e4m3_precision_per_block():
+  rng = np.random.default_rng(0)
+  # 300 = 2 full blocks + a partial one; block magnitudes far apart: each block keeps its own scale
+  x = rng.standard_normal((4, 300)).astype(np.float32) * np.repeat([1e-3, 1.0, 50.0], [128, 128, 44])
+  q, scale = kv_cache.quantize_fp8(jnp.asarray(x))
+  assert q.dtype == jnp.float8_e4m3fn and q.shape == (4, 300) and scale.shape == (4, 3)
+  y = np.asarray(kv_cache.dequantize_fp8(q, scale))
+  for lo, hi in ((0, 128), (128, 256), (256, 300)):
+    blk, err = x[:, lo:hi], np.abs(y[:, lo:hi] - x[:, lo:hi])
+    amax = np.abs(blk).max(-1, keepdims=True)
+    # e4m3: 3 mantissa bits -> relative rounding error <= 2^-4 for normal values; subnormals
+    # (below 2^-6 of the block's scaled range) have an absolute step of 2^-9 * scale
+    assert np.all(err <= np.maximum(np.abs(blk) * 2 ** -4, amax / 448 * 2 ** -9) * 1.0001)
+  np.testing.assert_allclose(np.asarray(scale[:, 2]), np.abs(x[:, 256:]).max(-1) / 448, rtol=1e-6)
+
+
+def test_fp8_of_zeros_and_of_the_block_maximum_is_exact():
+  q, scale = kv_cache.quantize_fp8(jnp.zeros((2, 16)))
+  assert np.all(np.asarray(kv_cache.dequantize_fp8(q, scale)) == 0)  # no 0/0
+  x = jnp.asarray([[-3.0, 1.5, 0.0, 3.0]])
+  y = kv_cache.dequantize_fp8(*kv_cache.quantize_fp8(x))
+  assert float(y[0, 0]) == -3.0 and float(y[0, 3]) == 3.0  # amax maps to 448 exactly: no NaN overflow
+
+
+# ---------------------------------------------------------------- write and read
+
+
+def _entries(cfg, b, t, seed, lead=()):
+  rng = np.random.default_rng(seed)
+  f = lambda n: jnp.asarray(rng.standard_normal(lead + (b, t, n)), jnp.float32)
+  return f(cfg.kv_lora_rank), f(cfg.qk_rope_head_dim), f(cfg.indexer_head_dim)
+
+
+def test_ragged_write_into_a_stacked_cache_touches_only_each_rows_window():
+  cfg = _cfg()
+  cache = kv_cache.init_layer_cache(cfg, 2, num_layers=3)  # [L,b,S,n], S=32
+  c, r, d = _entries(cfg, 2, 4, 0, lead=(3,))  # [L,b,t,n]: every layer at once
+  start = jnp.asarray([5, 28])  # each row its own position; row 1's window ends at the last slot
+  new = jax.jit(lambda cache, start, c, r, d: kv_cache.write(cache, start, c_kv=c, k_pe=r, idx_k=d))(
+      cache, start, c, r, d)
+  got = np.asarray(new.c_kv)
+  np.testing.assert_array_equal(got[:, 0, 5:9], np.asarray(c[:, 0]))
+  np.testing.assert_array_equal(got[:, 1, 28:32], np.asarray(c[:, 1]))
+  np.testing.assert_array_equal(np.asarray(new.k_pe)[2, 1, 28:32], np.asarray(r[2, 1]))
+  np.testing.assert_array_equal(np.asarray(new.idx_k)[1, 0, :, 5:9], np.asarray(d[1, 0]).T)  # stored [d,S]
+  mask = np.zeros(got.shape[:3], bool)
+  mask[:, 0, 5:9] = mask[:, 1, 28:32] = True
+  assert np.all(got[~mask] == 0)  # other rows' slots untouched
+  view = jax.tree.map(lambda a: a[1], new)  # layer 1 as [b,S,..]
+  c_all, r_all = kv_cache.read_latents(view)
+  np.testing.assert_array_equal(np.asarray(r_all)[0, 5:9], np.asarray(r[1, 0]))
+  assert c_all.shape == (2, 32, cfg.kv_lora_rank)
+  keys = np.asarray(kv_cache.read_indexer_keys(view))  # read back as [b,S,d]
+  np.testing.assert_array_equal(keys[1, 28:32], np.asarray(d[1, 1]))
+  assert np.all(keys[1, :28] == 0)
+
+
+def test_write_is_in_place_under_jit_with_a_donated_cache():
+  # A copy of the cache per step would make every decode step O(S) in memory traffic.
+  cfg = _cfg(max_target_length=4096, max_prefill_length=16)
+  cache = kv_cache.init_layer_cache(cfg, 2, num_layers=3)
+  c, r, d = _entries(cfg, 2, 1, 0, lead=(3,))
+  f = jax.jit(lambda cache, start, c, r, d: kv_cache.write(cache, start, c_kv=c, k_pe=r, idx_k=d), donate_argnums=0)
+  hlo = f.lower(cache, jnp.asarray([7, 4095]), c, r, d).compile().as_text()
+  big = [l for l in hlo.split("\n") if " copy(" in l and "4096" in l]
+  assert not big, big
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_as_stored_is_what_a_write_then_read_returns(dtype):
+  cfg = _cfg(kv_cache_dtype=dtype)
+  cache = kv_cache.init_layer_cache(cfg, 2)
+  c, r, d = _entries(cfg, 2, 32, 3)
+  cache = kv_cache.write(cache, jnp.zeros((2,), jnp.int32), c_kv=c, k_pe=r, idx_k=d)
+  c_all, r_all = kv_cache.read_latents(cache)
+  np.testing.assert_array_equal(np.asarray(kv_cache.as_stored(cache, "c_kv", c)), np.asarray(c_all))
+  np.testing.assert_array_equal(np.asarray(kv_cache.as_stored(cache, "k_pe", r)), np.asarray(r_all))
+  np.testing.assert_array_equal(np.asarray(kv_cache.as_stored(cache, "idx_k", d)),
+                                np.asarray(kv_cache.read_indexer_keys(cache)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_gather_latents_reads_the_selected_rows(dtype):
+  cfg = _cfg(kv_cache_dtype=dtype)
+  cache = kv_cache.init_layer_cache(cfg, 2)
+  c, r, d = _entries(cfg, 2, 32, 1)
+  cache = kv_cache.write(cache, jnp.zeros((2,), jnp.int32), c_kv=c, k_pe=r, idx_k=d)
+  idx = jnp.asarray([[3, 0, 31], [7, 7, 2]], jnp.int32)
+  cs, rs = kv_cache.gather_latents(cache, idx)
+  c_all, r_all = kv_cache.read_latents(cache)
+  np.testing.assert_array_equal(np.asarray(cs), np.take_along_axis(np.asarray(c_all), np.asarray(idx)[..., None], 1))
+  np.testing.assert_array_equal(np.asarray(rs), np.take_along_axis(np.asarray(r_all), np.asarray(idx)[..., None], 1))
+  tol = 0.07 if dtype == "fp8" else 0  # e4m3 rounding of c_kv; k_pe is bf16 under fp8
+  np.testing.assert_allclose(np.asarray(c_all), np.asarray(c), rtol=tol, atol=tol * 0.05)
+  keys = kv_cache.read_indexer_keys(cache)
+  np.testing.assert_allclose(np.asarray(keys), np.asarray(d), rtol=tol, atol=tol * 0.05)
