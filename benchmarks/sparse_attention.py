@@ -75,6 +75,7 @@ def run_one(a, impl: str, t: int) -> dict:
   mem = compiled.memory_analysis()
   peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
   row = {"impl": impl, "t": t, "compiled_peak": peak, "temp": mem.temp_size_in_bytes, "compile_s": compile_s}
+  print(json.dumps(row), flush=True)  # known even if running it gets the process killed
   if a.compile_only:
     return row
   if peak > a.mem_limit_gib * GIB:
@@ -96,10 +97,11 @@ def spawn(a, impl: str, t: int) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--one", impl, str(t)] + a.passthrough
   p = subprocess.run(cmd, capture_output=True, text=True)
   lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
-  if p.returncode or not lines:
-    why = "killed (out of memory?)" if p.returncode < 0 else f"exit {p.returncode}"
-    return {"impl": impl, "t": t, "failed": f"{why}: {p.stderr.strip().splitlines()[-1:] or ''}"}
-  return json.loads(lines[-1])
+  row = json.loads(lines[-1]) if lines else {"impl": impl, "t": t}
+  if p.returncode:
+    why = f"killed by signal {-p.returncode} (out of memory?)" if p.returncode < 0 else f"exit {p.returncode}"
+    row["failed"] = why + "".join(f": {l}" for l in p.stderr.strip().splitlines()[-1:])
+  return row
 
 
 def fmt_gib(x) -> str:
