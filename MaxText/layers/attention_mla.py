@@ -32,6 +32,12 @@ Two implementations of the sparse attention (sparse_attention_impl):
           [b,t,k] (-1 on invalid slots) instead of a mask.
   auto    mask below sparse_attention_gather_min_length keys, gather from there on.
 The dense_warmup stage and use_indexer=false always run the mask path (dense attention).
+
+Context parallelism: queries stay sharded over `context` ([b,t/cp,...] per device: indexer
+scores [b,t/cp,s]); the keys each query needs (c_kv, k_pe, the indexer key, their positions and
+segments: the small latent, never the expanded per-head k/v) are all-gathered by
+sharding.gather_sequence, which also undoes the zig-zag load-balancing order, so the key axis is
+in original order and top-k ties break by original position on every mesh.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from MaxText.layers.linears import PRECISION, Linear, dtype_of
 from MaxText.layers.masks import attention_validity
 from MaxText.layers.normalizations import RMSNorm
 from MaxText.layers.sparse_attention import sparse_mla_attention
-from MaxText.sharding import constrain
+from MaxText.sharding import constrain, gather_sequence
 from MaxText.types import Config
 
 
@@ -130,6 +136,18 @@ class MLA(nnx.Module):
     out = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v.astype(self.dtype), precision=p)  # [b,t,h,v]
     return checkpoint_name(out, "attention_out"), probs
 
+  def gather_keys(self, c_kv: jax.Array, k_pe: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Every key for this device's queries, in original order (sharding.gather_sequence): c_kv
+    [b,s,kv_lora], k_pe [b,s,rope], key positions [b,s], key segments [b,s] | None. Without
+    context parallelism this is the identity."""
+    cfg = self.config
+    c_kv = gather_sequence(c_kv, cfg, names=("activation_batch", None, None))
+    k_pe = gather_sequence(k_pe, cfg, names=("activation_batch", None, None))
+    k_pos = gather_sequence(positions, cfg, names=("activation_batch", None))
+    k_seg = None if segment_ids is None else gather_sequence(segment_ids, cfg, names=("activation_batch", None))
+    return c_kv, k_pe, k_pos, k_seg
+
   def use_gather(self, s: int) -> bool:
     """Whether a call over s keys takes the gather path (sparse_attention_impl; see the module doc)."""
     cfg = self.config
@@ -144,11 +162,12 @@ class MLA(nnx.Module):
     """The gather path (sparse_attention.sparse_mla_attention) -> out [b,t,h,v], indexer loss (f32)."""
     cfg = self.config
     x_d, q_lat_d = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat)  # the indexer's inputs are detached
-    index_k = self.indexer.keys(x_d, positions)  # [b,s,d]
+    index_k = self.indexer.gathered_keys(x_d, positions)  # [b,s,d] all keys, original order
     index_q, index_w = self.indexer.queries(x_d, q_lat_d, positions)  # [b,t,H,d], [b,t,H]
+    c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)
     out, idx, idx_valid, kl = sparse_mla_attention(
         q_nope, q_pe, c_kv, k_pe, self.wkv_b.kernel[...], index_q, index_w, index_k,
-        positions, positions, segment_ids, segment_ids,
+        positions, k_pos, segment_ids, k_seg,
         num_heads=self.num_heads, nope=self.nope, v=self.v_dim, scale=cfg.softmax_scale, topk=cfg.indexer_topk,
         query_block=cfg.sparse_attention_query_block, head_chunk=cfg.indexer_head_chunk,
         approx=cfg.indexer_use_approx_top_k, recall_target=cfg.indexer_approx_top_k_recall,
@@ -170,8 +189,9 @@ class MLA(nnx.Module):
     if self.use_gather(t):
       out, indexer_loss = self.attend_gather(x, q_nope, q_pe, q_lat, c_kv, k_pe, positions, segment_ids)
     else:
+      c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)  # s keys, original order
       k_nope, v = self.expand_kv(c_kv)  # [b,s,h,nope], [b,s,h,v]
-      valid = attention_validity(positions, positions, segment_ids, segment_ids)  # [b,t,s]
+      valid = attention_validity(positions, k_pos, segment_ids, k_seg)  # [b,t,s]
       if self.indexer is None:
         out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
       else:

@@ -28,7 +28,7 @@ from MaxText.layers.linears import PRECISION, Linear
 from MaxText.layers.normalizations import LayerNorm
 from MaxText.layers.selection import (  # noqa: F401  (re-exported: indexer.generate_mask_reference, ...)
     additive_mask, generate_mask, generate_mask_reference, select_topk, topk_threshold)
-from MaxText.sharding import constrain
+from MaxText.sharding import constrain, gather_sequence
 from MaxText.types import Config
 
 
@@ -131,6 +131,11 @@ class Indexer(nnx.Module):
     k = self.k_norm(self.wk(x))  # [b,s,d]
     return self._rope_and_rotate(k, positions)
 
+  def gathered_keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Every key for this device's queries: `keys` all-gathered along the sequence and, under
+    zig-zag load balancing, back in ORIGINAL order (sharding.gather_sequence) -> [b,s,d]."""
+    return gather_sequence(self.keys(x, positions), self.config, names=("activation_batch", None, None))
+
   def queries(self, x: jax.Array, q_lat: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [b,t,D], q_lat [b,t,q_lora], positions [b,t] -> q [b,t,h,d], w [b,t,h] fp32 (times h**-0.5)."""
     b, t, _ = q_lat.shape
@@ -142,12 +147,14 @@ class Indexer(nnx.Module):
   def __call__(self, x: jax.Array, q_lat: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
     """x [b,t,D], q_lat [b,t,q_lora], positions [b,t], valid [b,t,s=t] bool -> scores [b,t,s] fp32.
 
-    Inputs are detached: the scores depend on the main model's activations but carry no
-    gradient back into them; the indexer's own parameters still get gradients.
+    The key axis is `gathered_keys`' (original order under context parallelism): valid must use
+    the key positions in that order (MLA.gather_keys). Inputs are detached: the scores depend on
+    the main model's activations but carry no gradient back into them; the indexer's own
+    parameters still get gradients.
     """
     x = jax.lax.stop_gradient(x)
     q_lat = jax.lax.stop_gradient(q_lat)
-    k = self.keys(x, positions)  # [b,s,d]
+    k = self.gathered_keys(x, positions)  # [b,s,d]
     q, w = self.queries(x, q_lat, positions)  # [b,t,h,d], [b,t,h]
     scores = index_scores(q, w, k, valid, head_chunk=self.config.indexer_head_chunk,
                           precision=PRECISION[self.config.matmul_precision])  # [b,t,s]

@@ -24,11 +24,13 @@ def _config(**kw):
   return make_config(**base)
 
 
-def _run(cfg):
-  """(loss, lm_loss, grads) of one batch on cfg's mesh."""
+def _run(cfg, edit_params=None):
+  """(loss, lm_loss, grads) of one batch on cfg's mesh; edit_params(params) -> params before the step."""
   mesh = sharding.create_mesh(cfg)
   with mesh, sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+    if edit_params is not None:
+      params = edit_params(params)
     raw = next(input_pipeline.create_data_iterator(cfg))
     batch = train.prepare_batch(cfg, raw)
     batch = jax.device_put(batch, train.batch_shardings(cfg, mesh, batch))
@@ -65,6 +67,29 @@ def test_context_parallel_equals_single_device(cp, balance, reference):
   got = _run(_config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp,
                      context_parallel_load_balance=balance))
   _assert_same(got, reference())
+
+
+def _tied_index_scores(params):
+  """Every indexer key kernel (wk) zeroed: each key's normalized index key is then 0 (LayerNorm
+  bias 0), every valid key scores exactly 0, and each query's top-k is one big tie at the k-th
+  score, broken by position: lowest ORIGINAL position first."""
+  def edit(path, x):
+    names = [getattr(k, "key", None) for k in path]
+    return x * 0 if "indexer" in names and "wk" in names else x
+  return jax.tree_util.tree_map_with_path(edit, params)
+
+
+@pytest.mark.parametrize("cp,impl", [(4, "mask"), (8, "mask"), (8, "gather")])
+def test_ties_break_by_original_position_under_load_balancing(cp, impl):
+  # With k = 8 > T/(2cp) (zig-zag chunks of 4 or 2), the first 8 keys in zig-zag order are not
+  # positions 0..7: breaking the tie by the permuted index would select other keys, and the
+  # loss and gradients would differ from the single-device run. The sparse stage trains the
+  # indexer through L_I over the selected set, so its gradients see the selection too.
+  flags = dict(indexer_training_stage="sparse", sparse_attention_impl=impl, sparse_attention_query_block=8)
+  want = _run(_config(num_devices=1, ici_data_parallelism=1, **flags), _tied_index_scores)
+  got = _run(_config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp,
+                     context_parallel_load_balance=True, **flags), _tied_index_scores)
+  _assert_same(got, want)
 
 
 @pytest.mark.parametrize("flags", [dict(indexer_use_approx_top_k=True), dict(indexer_mask_exact_topk=False),

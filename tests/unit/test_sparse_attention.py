@@ -322,8 +322,11 @@ def test_context_parallel_gather_path_equals_one_device(cp):
   graphdef = nnx.split(MLA(cfg, rngs=nnx.Rngs(31)), nnx.Param, ...)[0]
   x, pos = _inputs(cfg, t=t, seed=31)
   r = jnp.asarray(np.random.default_rng(31).standard_normal(x.shape), jnp.float32)
+  # the context-parallel run sees the sequence as training feeds it: zig-zag reordered (load balancing)
+  perm = sharding.load_balance_permutation(t, cp)
+  inverse = np.argsort(perm)
 
-  def step(graphdef):
+  def step(graphdef, r):
     def f(params, x, pos):
       def loss(params, x):
         out, aux = nnx.merge(graphdef, params, rest)(x, pos)
@@ -331,17 +334,20 @@ def test_context_parallel_gather_path_equals_one_device(cp):
       return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
     return f
 
-  one_device = jax.jit(step(graphdef1)).lower(params, x, pos).compile()
+  one_device = jax.jit(step(graphdef1, r)).lower(params, x, pos).compile()
   (_, (out1, kl1)), (gp1, gx1) = one_device(params, x, pos)
   mesh = sharding.create_mesh(cfg)
   seq = NamedSharding(mesh, P(None, "context"))
+  assert cfg.context_parallel_load_balance
+  x, pos = x[:, perm], pos[:, perm]
   with sharding.logical_rules(cfg, mesh):
-    fn = jax.jit(step(graphdef), in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "context", None)),
-                                               seq))
+    fn = jax.jit(step(graphdef, r[:, perm]), in_shardings=(NamedSharding(mesh, P()),
+                                                           NamedSharding(mesh, P(None, "context", None)), seq))
     compiled = fn.lower(params, x, pos).compile()
     (_, (out, kl)), (gp, gx) = compiled(params, jax.device_put(x, NamedSharding(mesh, P(None, "context", None))),
                                         jax.device_put(pos, seq))
   assert out.sharding.spec[1] == "context"
+  out, gx = out[:, inverse], gx[:, inverse]  # back to original order
   assert _rel(out, out1) <= 1e-5 and abs(float(kl) - float(kl1)) <= 1e-5 * abs(float(kl1))
   assert _rel(gx, gx1) <= 1e-5
   for a, b in zip(jax.tree.leaves(gp1), jax.tree.leaves(gp)):
