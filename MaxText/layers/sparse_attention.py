@@ -374,13 +374,19 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
 
   kl_of_block = jax.checkpoint(kl_of_block, prevent_cse=False)
 
-  def block(xs_j):
-    qn, qp, iq, iw, qpos, qseg = xs_j  # [b,blk,h,nope], [b,blk,h,r], [b,blk,H,d], [b,blk,H], [b,blk] x2
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def select(iq, iw, qpos, qseg):  # -> idx, ok [b,blk,k'] x2
+    # Checkpointed: under differentiation inside an outer scan (scanned layers) JAX would otherwise
+    # split `valid` into a separate loop and keep every block's [b,blk,s] mask, O(t*s) in all.
     valid = attention_validity(qpos, kv_pos, qseg, kv_seg)  # [b,blk,s]
     sg = lax.stop_gradient  # the selection carries no gradient: trace none through the scores
     scores = index_scores(sg(iq), sg(iw), sg(index_k), valid, head_chunk=head_chunk, precision=precision)
     scores = constrain(scores, ("activation_batch", "activation_length", None))  # [b,blk,s]
-    idx, ok = topk_indices(scores, topk, approx=approx, recall_target=recall_target)  # [b,blk,k'] x2
+    return topk_indices(scores, topk, approx=approx, recall_target=recall_target)
+
+  def block(xs_j):
+    qn, qp, iq, iw, qpos, qseg = xs_j  # [b,blk,h,nope], [b,blk,h,r], [b,blk,H,d], [b,blk,H], [b,blk] x2
+    idx, ok = select(iq, iw, qpos, qseg)  # [b,blk,k'] x2
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
     o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']

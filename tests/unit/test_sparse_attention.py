@@ -355,3 +355,39 @@ def test_context_parallel_gather_path_equals_one_device(cp):
   # each device scores and attends only its own t/cp queries (not the replicated computation)
   flops1, flops = one_device.cost_analysis()["flops"], compiled.cost_analysis()["flops"]
   assert flops < 1.5 * flops1 / cp
+
+
+# ---------------------------------------------------------------- memory in training
+
+
+def _largest_buffer(compiled) -> tuple[int, str]:
+  """(elements, shape text) of the largest array any instruction of a compiled program produces."""
+  import re
+  best = (0, "")
+  for m in re.finditer(r"\b(?:pred|s8|u8|s32|u32|f32|bf16)\[([0-9,]+)\]", compiled.as_text()):
+    n = int(np.prod([int(d) for d in m.group(1).split(",")]))
+    best = max(best, (n, m.group(0)))
+  return best
+
+
+@pytest.mark.parametrize("stage", ["none", "sparse"])
+def test_training_scanned_layers_on_the_gather_path_keeps_no_t_by_s_buffer(stage):
+  # The whole model's gradient with scanned, rematerialized layers (the training default): no
+  # buffer of t*s/2 or more elements anywhere, not even a bool [t,s] validity mask (JAX split the
+  # per-block masks of the query loop into a loop of their own and stacked them: 16 GiB at 128K).
+  from MaxText import model_state
+  t = 2048
+  cfg = make_config(max_target_length=t, max_position_embeddings=t, indexer_topk=16, mtp_num_layers=0,
+                    sparse_attention_impl="gather", sparse_attention_query_block=64, scan_layers=True,
+                    remat_policy="full", indexer_training_stage=stage)
+  graphdef, params, buffers = model_state.abstract_model(cfg)
+  params, buffers = params.to_pure_dict(), buffers.to_pure_dict()  # shapes only: nothing is allocated
+  tokens = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+  def loss(params, buffers, tokens):
+    logits, aux = model_state.merge(graphdef, params, buffers)(tokens)
+    return jnp.mean(logits) + aux["indexer_loss"]
+
+  compiled = jax.jit(jax.grad(loss)).lower(params, buffers, tokens).compile()
+  n, shape = _largest_buffer(compiled)
+  assert n < t * t // 2, f"the training step holds {shape}"
