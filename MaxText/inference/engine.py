@@ -32,6 +32,13 @@ set (topk_threshold + generate_mask: ties at the k-th score lowest position firs
 and the teacher-forced forward break ties identically. With indexer_mask_exact_topk=false the
 training mask keeps every key tied at the k-th score; decode keeps exactly k (a fixed-size gather).
 MTP is not used for decoding.
+
+On a context-parallel mesh (ici_context_parallelism > 1, under sharding.logical_rules as decode.py
+runs) a prefill chunk's queries shard over `context` through the model's own activation
+constraints: each device scores its C/cp queries against the whole cache ([b,C/cp,S]) and gathers
+their k latents; the cache itself is replicated (it is the small latent). Every query costs the
+same O(S) scoring + O(k) attention wherever it sits, so no zig-zag reordering is needed. A decode
+step (t = 1) runs replicated.
 """
 
 from __future__ import annotations
