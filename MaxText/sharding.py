@@ -86,6 +86,11 @@ def logical_rules(config: Config, mesh: Mesh):
     _ACTIVE_RULES.pop()
 
 
+def active_mesh() -> tuple[Mesh, dict] | None:
+  """(mesh, rules) of the innermost `logical_rules` context, or None outside any."""
+  return _ACTIVE_RULES[-1] if _ACTIVE_RULES else None
+
+
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   """with_sharding_constraint by logical names; a no-op outside `logical_rules`."""
   if not _ACTIVE_RULES:

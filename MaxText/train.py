@@ -101,7 +101,7 @@ def _loss_fn(config: Config, graphdef, params, buffers, mb):
     if stage == "sparse":
       total = total + config.indexer_loss_weight * indexer
   metrics = {"loss": total, "lm_loss": lm, "z_loss": z, "mtp_loss": mtp, "indexer_loss": indexer,
-             "load_balance_loss": balance}
+             "load_balance_loss": balance, "moe_dropped": aux.get("moe_dropped", jnp.float32(0))}
   loads = {k: aux[k] for k in ("expert_load", "mtp_expert_load") if aux.get(k) is not None}
   return total, (metrics, loads)
 

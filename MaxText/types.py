@@ -95,6 +95,8 @@ class DeepSeekMoE(_Section):
   routed_bias: bool
   routed_bias_update_rate: Annotated[float, Field(ge=0)]
   load_balance_loss_weight: Annotated[float, Field(ge=0)]
+  moe_capacity_factor: float
+  moe_exchange: Literal["auto", "all_to_all", "ragged_all_to_all"]
 
 
 class MultiTokenPrediction(_Section):
@@ -250,6 +252,12 @@ class Config(*SECTIONS):
     if self.num_experts_per_tok > self.topk_routing_group * (self.num_experts // self.n_routing_groups):
       bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in the kept groups "
           f"(topk_routing_group={self.topk_routing_group} x {self.num_experts // self.n_routing_groups} per group)")
+    if self.moe_capacity_factor != -1 and self.moe_capacity_factor < 1:
+      bad(f"moe_capacity_factor={self.moe_capacity_factor}: use -1 (dropless) or a factor >= 1 (1 = exactly the "
+          "mean load per expert owner; below 1 even a perfectly balanced load would drop)")
+    if self.num_experts % self.ici_expert_parallelism:
+      bad(f"num_experts={self.num_experts} is not divisible by ici_expert_parallelism={self.ici_expert_parallelism}: "
+          "each expert-parallel device holds num_experts / ici_expert_parallelism experts")
     if self.global_batch_size % self.gradient_accumulation_steps:
       bad(f"global_batch_size={self.global_batch_size} is not divisible by "
           f"gradient_accumulation_steps={self.gradient_accumulation_steps}")

@@ -40,8 +40,8 @@ class DecoderLayer(nnx.Module):
     x = x + h
     aux = {"indexer_loss": attn_aux["indexer_loss"]}
     if self.moe:
-      m, moe_aux = self.mlp(self.pre_mlp_norm(x))
-      aux.update(expert_load=moe_aux["expert_load"], load_balance_loss=moe_aux["load_balance_loss"])
+      m, moe_aux = self.mlp(self.pre_mlp_norm(x), segment_ids)
+      aux.update(moe_aux)  # expert_load [E], load_balance_loss [], moe_dropped []
     else:
       m = self.mlp(self.pre_mlp_norm(x))
     return x + m, aux

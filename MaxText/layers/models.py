@@ -35,7 +35,7 @@ class Transformer(nnx.Module):
     mtp_tokens [n_mtp,b,t]: depth k's input token at each position (token i+k of the original
     order, see `mtp_inputs`); None computes it by shifting `tokens`, valid only in original order.
     aux: indexer_loss (mean over layers), expert_load [L_moe,E], load_balance_loss (sum over
-    layers), mtp_logits [n_mtp,b,t,V] (depth k at position i predicts token i+k+1) or None.
+    layers), moe_dropped (mean over MoE layers of the fraction of assignments past capacity), mtp_logits [n_mtp,b,t,V] (depth k at position i predicts token i+k+1) or None.
     """
     b, t = tokens.shape
     if positions is None:
@@ -52,6 +52,7 @@ class Transformer(nnx.Module):
       indexer_losses.append(a["indexer_loss"])
       aux["expert_load"] = a["expert_load"]  # [L_moe, E]
       aux["load_balance_loss"] = jnp.sum(a["load_balance_loss"])
+      aux["moe_dropped"] = jnp.mean(a["moe_dropped"])  # fraction of assignments past capacity
     logits = self.output_head(self.final_norm(x)).astype(jnp.float32)  # [b,t,V]
 
     mtp_logits, mtp_loads = [], []

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.linears import MLP, PRECISION, dtype_of, param
+from MaxText.sharding import active_mesh
 from MaxText.types import Config
 
 
@@ -95,40 +96,45 @@ def routing_kwargs(config: Config) -> dict:
 
 
 class DispatchPlan(NamedTuple):
-  """Where each (token, slot) assignment lives in the expert-sorted row layout.
+  """Where each (row, slot) assignment lives in the expert-sorted row layout.
 
-  Rows of one expert are contiguous, experts in order; with block_rows B > 1 each expert's rows
-  are padded to a multiple of B (padding rows hold zeros). R = the static row count.
+  Rows of one expert are contiguous, experts in order, then the rows of invalid assignments (a
+  "null" group that no expert computes); with block_rows B > 1 each group's rows are padded to a
+  multiple of B (padding rows hold zeros). R = the static row count.
   """
-  token_of_row: jax.Array  # [R] int32: the token whose hidden state fills the row (0 on padding)
-  row_valid: jax.Array  # [R] bool: False on padding rows
-  row_of_assignment: jax.Array  # [T*k] int32: the row that holds assignment (t, j) at t*k + j
-  group_sizes: jax.Array  # [E] int32: assignments per expert (unpadded)
+  token_of_row: jax.Array  # [R] int32: the source row whose hidden state fills the row (0 on padding)
+  row_valid: jax.Array  # [R] bool: False on padding rows and on the null group's rows
+  row_of_assignment: jax.Array  # [S*j] int32: the row that holds assignment (s, i) at s*j + i
+  group_sizes: jax.Array  # [E] int32: valid assignments per expert (unpadded)
   block_expert: jax.Array  # [R/B] int32: the expert of each block of B rows
 
 
-def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_rows: int = 1) -> DispatchPlan:
-  """expert_ids [T,k] -> the sorted (B = 1, for ragged_dot) or block-padded (B > 1) layout."""
-  num_tokens, k = expert_ids.shape
-  m, b = num_tokens * k, block_rows
-  ids = expert_ids.reshape(m)  # [M], assignment a = t*k + j
+def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_rows: int = 1,
+                  valid: jax.Array | None = None) -> DispatchPlan:
+  """expert_ids [S,j] (valid [S,j] or None: all valid) -> the sorted (B = 1, for ragged_dot) or
+  block-padded (B > 1) layout. Invalid assignments sort last, into the null group E."""
+  num_src, j = expert_ids.shape
+  m, b, groups = num_src * j, block_rows, num_experts + 1
+  ids = expert_ids.reshape(m)  # [M], assignment a = s*j + i
+  if valid is not None:
+    ids = jnp.where(valid.reshape(m), ids, num_experts)  # [M] invalid -> the null group
   order = jnp.argsort(ids, stable=True)  # [M] assignments sorted by expert
   ids_sorted = ids[order]  # [M]
-  sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)  # [E]
-  starts = jnp.cumsum(sizes) - sizes  # [E] first sorted row of each expert
-  padded = (sizes + b - 1) // b * b  # [E]
-  padded_ends = jnp.cumsum(padded)  # [E]
-  padded_starts = padded_ends - padded  # [E]
+  sizes = jnp.bincount(ids, length=groups).astype(jnp.int32)  # [E+1]
+  starts = jnp.cumsum(sizes) - sizes  # [E+1] first sorted row of each group
+  padded = (sizes + b - 1) // b * b  # [E+1]
+  padded_ends = jnp.cumsum(padded)  # [E+1]
+  padded_starts = padded_ends - padded  # [E+1]
   row_of_sorted = padded_starts[ids_sorted] + jnp.arange(m) - starts[ids_sorted]  # [M]
 
-  num_blocks = -(-(m + num_experts * (b - 1)) // b)  # sum_e ceil(size_e / B) never exceeds this
+  num_blocks = -(-(m + groups * (b - 1)) // b)  # sum_g ceil(size_g / B) never exceeds this
   num_rows = num_blocks * b
   row_of_assignment = jnp.zeros((m,), jnp.int32).at[order].set(row_of_sorted)  # [M]
-  token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row_of_sorted].set(order // k)  # [R]
-  row_valid = jnp.zeros((num_rows,), bool).at[row_of_sorted].set(True)  # [R]
+  token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row_of_sorted].set(order // j)  # [R]
+  row_valid = jnp.zeros((num_rows,), bool).at[row_of_sorted].set(ids_sorted < num_experts)  # [R]
   block_expert = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * b, side="right")  # [R/B]
-  block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)  # trailing blocks: all padding
-  return DispatchPlan(token_of_row, row_valid, row_of_assignment, sizes, block_expert)
+  block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)  # null/trailing blocks: zero rows
+  return DispatchPlan(token_of_row, row_valid, row_of_assignment, sizes[:num_experts], block_expert)
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, plan: DispatchPlan, *, impl: str,
@@ -150,6 +156,14 @@ def dispatch_impl() -> str:
   return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
+def exchange_impl(key: str) -> str:
+  """moe_exchange: 'auto' is ragged_all_to_all on GPU / TPU and the fixed-capacity all_to_all on
+  CPU (XLA:CPU, jax 0.10.2, does not implement ragged-all-to-all)."""
+  if key != "auto":
+    return key
+  return "all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all"
+
+
 def default_block_rows(num_assignments: int, num_experts: int) -> int:
   """Blocked path's B: a power of 2 near half the mean rows per expert, in [8, 256]; padding then
   adds at most E*(B-1) rows, about half the T*k real ones at the mean."""
@@ -157,57 +171,109 @@ def default_block_rows(num_assignments: int, num_experts: int) -> int:
   return int(min(256, max(8, 1 << (target.bit_length() - 1))))
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, wi_0: jax.Array,
-                   wi_1: jax.Array, wo: jax.Array, *, impl: str, block_rows: int | None = None,
+def expert_outputs(x: jax.Array, expert_ids: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, *,
+                   impl: str, valid: jax.Array | None = None, block_rows: int | None = None,
                    precision=None) -> jax.Array:
-  """sum_j weights[t,j] * SwiGLU_{expert_ids[t,j]}(x[t]), dropless.
+  """SwiGLU_{expert_ids[s,i]}(x[s]) for every assignment, dropless; zeros where not valid.
 
-  x [T,D], weights [T,k], expert_ids [T,k], wi_0/wi_1 [E,D,I], wo [E,I,D] -> [T,D] in x.dtype.
+  x [S,D], expert_ids [S,j] (and valid [S,j]) in [0, E), wi_0/wi_1 [E,D,I], wo [E,I,D] -> [S,j,D]
+  in x.dtype. With I sharded (tensor parallelism) the result is this shard's partial sum over I.
   """
-  num_tokens, d = x.shape
-  k, num_experts = expert_ids.shape[1], wi_0.shape[0]
+  num_src, d = x.shape
+  j, num_experts = expert_ids.shape[1], wi_0.shape[0]
   if impl == "ragged_dot":
     block_rows = 1
   elif block_rows is None:
-    block_rows = default_block_rows(num_tokens * k, num_experts)
-  plan = plan_dispatch(expert_ids, num_experts, block_rows)
+    block_rows = default_block_rows(num_src * j, num_experts)
+  plan = plan_dispatch(expert_ids, num_experts, block_rows, valid)
 
   rows = x[plan.token_of_row]  # [R,D]
-  if block_rows > 1:
-    rows = jnp.where(plan.row_valid[:, None], rows, jnp.zeros_like(rows))  # [R,D] zero padding
+  rows = jnp.where(plan.row_valid[:, None], rows, jnp.zeros_like(rows))  # [R,D] padding / null rows 0
   mm = lambda a, w: grouped_matmul(a, w.astype(x.dtype), plan, impl=impl, precision=precision)
   hidden = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)  # [R,I]; padding rows stay 0
   hidden = checkpoint_name(hidden, "moe_expert_hidden")
   out_rows = checkpoint_name(mm(hidden, wo), "moe_expert_out")  # [R,D]
+  out = out_rows[plan.row_of_assignment].reshape(num_src, j, d)  # [S,j,D]
+  if valid is not None:  # the null group's rows lie outside ragged_dot's groups: their values are undefined
+    out = jnp.where(valid[..., None], out, jnp.zeros_like(out))  # [S,j,D]
+  return out
 
-  out = out_rows[plan.row_of_assignment].reshape(num_tokens, k, d)  # [T,k,D]
-  y = jnp.einsum("tkd,tk->td", out, weights.astype(x.dtype), precision=precision,
-                 preferred_element_type=jnp.float32)  # [T,D]
-  return y.astype(x.dtype)
+
+def combine(out: jax.Array, weights: jax.Array, precision=None) -> jax.Array:
+  """out [T,k,D] (each assignment's expert output) x routing weights [T,k] -> [T,D] fp32."""
+  return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), precision=precision,
+                    preferred_element_type=jnp.float32)  # [T,D]
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, wi_0: jax.Array,
+                   wi_1: jax.Array, wo: jax.Array, *, impl: str, block_rows: int | None = None,
+                   precision=None, valid: jax.Array | None = None) -> jax.Array:
+  """sum_j weights[t,j] * SwiGLU_{expert_ids[t,j]}(x[t]) on one device, dropless.
+
+  x [T,D], weights [T,k], expert_ids [T,k] (valid [T,k]: assignments to leave out, e.g. padding),
+  wi_0/wi_1 [E,D,I], wo [E,I,D] -> [T,D] in x.dtype.
+  """
+  out = expert_outputs(x, expert_ids, wi_0, wi_1, wo, impl=impl, valid=valid, block_rows=block_rows,
+                       precision=precision)  # [T,k,D]
+  return combine(out, weights, precision).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- balancing
 
 
-def expert_load(expert_ids: jax.Array, num_experts: int) -> jax.Array:
-  """expert_ids [...,k] -> [E] fp32: the fraction of all assignments each expert received (sums to 1)."""
-  counts = jnp.bincount(expert_ids.reshape(-1), length=num_experts)  # [E]
-  return counts.astype(jnp.float32) / expert_ids.size
+def expert_counts(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+  """expert_ids [...,k] (valid [...,k] or None) -> [E] int32: valid assignments per expert."""
+  ids = expert_ids.reshape(-1)  # [N]
+  if valid is not None:
+    ids = jnp.where(valid.reshape(-1), ids, num_experts)  # [N] invalid -> a bin past the end
+  return jnp.bincount(ids, length=num_experts + 1)[:num_experts].astype(jnp.int32)  # [E]
 
 
-def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, weight: float) -> jax.Array:
+def expert_load(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+  """expert_ids [...,k] -> [E] fp32: the fraction of all (valid) assignments each expert received
+  (sums to 1; all zeros when nothing is valid)."""
+  counts = expert_counts(expert_ids, num_experts, valid)  # [E]
+  return counts.astype(jnp.float32) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
+
+
+def balance_stats(scores: jax.Array, expert_ids: jax.Array, token_valid: jax.Array) -> tuple:
+  """Per-sequence sums of the sequence-wise balance loss, additive over sequence shards.
+
+  scores [b,t,E] (unbiased affinities), expert_ids [b,t,k], token_valid [b,t] ->
+  (counts [b,E] fp32: real tokens choosing each expert, share [b,E]: sum over real tokens of
+  s_{i,t} / sum_j s_{j,t}, n [b] fp32: real tokens)."""
+  num_experts = scores.shape[-1]
+  slot_valid = jnp.broadcast_to(token_valid[..., None], expert_ids.shape)  # [b,t,k]
+  counts = jax.vmap(lambda ids, v: expert_counts(ids, num_experts, v))(expert_ids, slot_valid)  # [b,E]
+  share = scores / scores.sum(-1, keepdims=True)  # [b,t,E]
+  share = jnp.sum(jnp.where(token_valid[..., None], share, 0.0), axis=1)  # [b,E]
+  return counts.astype(jnp.float32), share, jnp.sum(token_valid, axis=1).astype(jnp.float32)
+
+
+def balance_loss_terms(counts: jax.Array, share: jax.Array, n: jax.Array, k: int) -> tuple:
+  """From `balance_stats` of whole sequences: (sum over sequences of sum_i f_i P_i, number of
+  sequences with real tokens). f = E/(k n) * counts carries no gradient; P = share / n does."""
+  num_experts = counts.shape[-1]
+  n_safe = jnp.maximum(n, 1.0)[:, None]  # [b,1]
+  f = jax.lax.stop_gradient(counts) * (num_experts / k) / n_safe  # [b,E]
+  per_seq = jnp.sum(f * share / n_safe, axis=-1)  # [b]
+  return jnp.sum(per_seq), jnp.sum(n > 0).astype(jnp.float32)
+
+
+def sequence_balance_loss(scores: jax.Array, expert_ids: jax.Array, weight: float,
+                          token_valid: jax.Array | None = None) -> jax.Array:
   """DeepSeek-V3's complementary sequence-wise balance loss (eq. 17-20), averaged over sequences.
 
-  scores [b,t,E] (unbiased affinities), expert_ids [b,t,k]. Per sequence:
-    f_i = E / (k t) * #{tokens choosing i},  P_i = mean_t s_{i,t} / sum_j s_{j,t},  L = weight * sum_i f_i P_i.
+  scores [b,t,E] (unbiased affinities), expert_ids [b,t,k], token_valid [b,t] (None: all real).
+  Per sequence, over its n real tokens:
+    f_i = E / (k n) * #{tokens choosing i},  P_i = mean_t s_{i,t} / sum_j s_{j,t},  L = weight * sum_i f_i P_i.
   f carries no gradient; P does (through the scores). 1.0 * weight at a perfectly even load.
+  Sequences without real tokens are left out of the mean.
   """
-  _, t, num_experts = scores.shape
-  k = expert_ids.shape[-1]
-  counts = jax.vmap(lambda ids: jnp.bincount(ids.reshape(-1), length=num_experts))(expert_ids)  # [b,E]
-  f = counts.astype(jnp.float32) * (num_experts / (k * t))  # [b,E]
-  p = jnp.mean(scores / scores.sum(-1, keepdims=True), axis=1)  # [b,E]
-  return weight * jnp.mean(jnp.sum(f * p, axis=-1))
+  if token_valid is None:
+    token_valid = jnp.ones(scores.shape[:2], bool)
+  total, seqs = balance_loss_terms(*balance_stats(scores, expert_ids, token_valid), expert_ids.shape[-1])
+  return weight * total / jnp.maximum(seqs, 1.0)
 
 
 def update_routing_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
@@ -226,7 +292,11 @@ def update_routing_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Ar
 
 
 class DeepSeekMoE(nnx.Module):
-  """Routed experts (group-limited sigmoid routing, dropless dispatch) + shared experts."""
+  """Routed experts (group-limited sigmoid routing, dropless dispatch) + shared experts.
+
+  On a mesh (under sharding.logical_rules with more than one device) the routed experts run under
+  shard_map with expert parallelism (moe_dispatch.py); alone, on one device.
+  """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
     e, d, i = config.num_experts, config.emb_dim, config.moe_mlp_dim
@@ -234,6 +304,7 @@ class DeepSeekMoE(nnx.Module):
     self.dtype = dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
     self.dispatch = dispatch_impl()  # a plain attribute: tests and benchmarks may set it
+    self.exchange = exchange_impl(config.moe_exchange)  # likewise
     self.gate_kernel = param(rngs, (d, e), ("embed", "exp"), config)  # router W_g
     self.routing_bias = RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=("exp",)) \
         if config.routed_bias else None
@@ -243,31 +314,45 @@ class DeepSeekMoE(nnx.Module):
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-    """x [b,t,D] -> (y [b,t,D], {"expert_load": [E] fp32, "load_balance_loss": [] fp32})."""
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """x [b,t,D], segment_ids [b,t] (0 = padding: not routed, not counted; None = all real) ->
+    (y [b,t,D], {"expert_load": [E] fp32, "load_balance_loss": [] fp32, "moe_dropped": [] fp32})."""
     cfg = self.config
     b, t, d = x.shape
-    x_flat = x.reshape(b * t, d)  # [T,D]
-
-    # The router runs in full fp32 (HIGHEST: no bf16 passes on TPU): routing flips on small logit errors.
-    logits = jnp.einsum("td,de->te", x_flat.astype(jnp.float32), self.gate_kernel[...].astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)  # [T,E]
-    logits = checkpoint_name(logits, "moe_gate_out")
-    bias = None if self.routing_bias is None else jax.lax.stop_gradient(self.routing_bias[...])
-    weights, expert_ids, scores = route(logits, bias, **routing_kwargs(cfg))  # [T,k], [T,k], [T,E]
-
-    x_flat = x_flat.astype(self.dtype)  # [T,D]
-    y = routed_experts(x_flat, weights, expert_ids, self.wi_0[...], self.wi_1[...], self.wo[...],
-                       impl=self.dispatch, precision=self.precision)  # [T,D]
-    if self.shared_experts is not None:
-      y = y + self.shared_experts(x_flat)  # [T,D]
-    y = checkpoint_name(y.reshape(b, t, d), "moe_out")  # [b,t,D]
-
-    k = cfg.num_experts_per_tok
-    if cfg.load_balance_loss_weight > 0:
-      balance = sequence_balance_loss(scores.reshape(b, t, -1), expert_ids.reshape(b, t, k),
-                                      cfg.load_balance_loss_weight)
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    token_valid = jnp.ones((b, t), bool) if segment_ids is None else segment_ids != 0  # [b,t]
+    gate = self.gate_kernel[...].astype(jnp.float32)  # [D,E]
+    bias = jnp.zeros((e,), jnp.float32) if self.routing_bias is None \
+        else jax.lax.stop_gradient(self.routing_bias[...])  # [E] selection only
+    xc = x.astype(self.dtype)  # [b,t,D]
+    weight = cfg.load_balance_loss_weight
+    mesh = active_mesh()
+    if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
+      from MaxText.layers import moe_dispatch  # imports this module: a top-level import would be a cycle
+      y, counts, dropped, (balance_sum, seqs) = moe_dispatch.moe_on_mesh(
+          xc, token_valid, gate, bias, self.wi_0[...], self.wi_1[...], self.wo[...], route_fn=self.route,
+          mesh=mesh[0], rules=mesh[1], capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange,
+          impl=self.dispatch, balance=weight > 0, precision=self.precision)  # [b,t,D], [E], [], ([], [])
+      balance = weight * balance_sum / jnp.maximum(seqs, 1.0)
     else:
-      balance = jnp.zeros((), jnp.float32)
-    aux = {"expert_load": expert_load(expert_ids, cfg.num_experts), "load_balance_loss": balance}
+      weights, expert_ids, scores = self.route(xc.reshape(b * t, d).astype(jnp.float32), gate, bias)  # [T,k] [T,k] [T,E]
+      slot_valid = jnp.broadcast_to(token_valid.reshape(b * t, 1), expert_ids.shape)  # [T,k]
+      y = routed_experts(xc.reshape(b * t, d), weights, expert_ids, self.wi_0[...], self.wi_1[...], self.wo[...],
+                         impl=self.dispatch, precision=self.precision, valid=slot_valid).reshape(b, t, d)  # [b,t,D]
+      counts, dropped = expert_counts(expert_ids, e, slot_valid), jnp.int32(0)
+      balance = sequence_balance_loss(scores.reshape(b, t, e), expert_ids.reshape(b, t, k), weight, token_valid) \
+          if weight > 0 else jnp.zeros((), jnp.float32)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(xc)  # [b,t,D]
+    y = checkpoint_name(y, "moe_out")  # [b,t,D]
+    total = jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
+    aux = {"expert_load": counts.astype(jnp.float32) / total, "load_balance_loss": balance,
+           "moe_dropped": dropped.astype(jnp.float32) / total}
     return y, aux
+
+  def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T,D] fp32, gate [D,E], bias [E] -> (weights [T,k], expert_ids [T,k], scores [T,E]).
+    The router runs in full fp32 (HIGHEST: no bf16 passes on TPU): routing flips on small logit errors."""
+    logits = jnp.einsum("td,de->te", x, gate, precision=jax.lax.Precision.HIGHEST)  # [T,E]
+    logits = checkpoint_name(logits, "moe_gate_out")
+    return route(logits, bias, **routing_kwargs(self.config))

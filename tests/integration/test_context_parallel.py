@@ -8,39 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import input_pipeline, model_state, sharding, train
+from MaxText import model_state, sharding, train
 from MaxText.layers.indexer import Indexer  # noqa: F401  (the module under test, via the model)
-from tests.conftest import make_config
+from tests.integration.sharded import T, assert_same, run_loss_and_grads, small_config
 
-T = 32
-
-
-def _config(**kw):
-  # 1 dense + 1 MoE layer + MTP, no remat: every piece is exercised at the lowest compile cost.
-  base = dict(max_target_length=T, max_prefill_length=8, global_batch_size=4, mtp_num_layers=1,
-              num_decoder_layers=2, first_num_dense_layers=1, remat_policy="none",
-              indexer_topk=8, indexer_n_heads=16, matmul_precision="highest")
-  base.update(kw)
-  return make_config(**base)
-
-
-def _run(cfg, edit_params=None):
-  """(loss, lm_loss, grads) of one batch on cfg's mesh; edit_params(params) -> params before the step."""
-  mesh = sharding.create_mesh(cfg)
-  with mesh, sharding.logical_rules(cfg, mesh):
-    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
-    if edit_params is not None:
-      params = edit_params(params)
-    raw = next(input_pipeline.create_data_iterator(cfg))
-    batch = train.prepare_batch(cfg, raw)
-    batch = jax.device_put(batch, train.batch_shardings(cfg, mesh, batch))
-
-    def loss(p):
-      total, (metrics, _) = train._loss_fn(cfg, graphdef, p, buffers, batch)
-      return total, metrics
-
-    (total, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return float(total), float(metrics["lm_loss"]), jax.tree.map(np.asarray, grads)
+_config, _run, _assert_same = small_config, run_loss_and_grads, assert_same
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +25,6 @@ def reference():
       cache[key] = _run(_config(num_devices=1, ici_data_parallelism=1, **kw))
     return cache[key]
   return get
-
-
-def _assert_same(got, want):
-  assert got[0] == pytest.approx(want[0], rel=1e-5, abs=1e-6)
-  assert got[1] == pytest.approx(want[1], rel=1e-5, abs=1e-6)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[2]), jax.tree.leaves(want[2])):
-    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("cp,balance", [(2, True), (8, True), (4, False)])

@@ -413,3 +413,25 @@ def test_expert_load_and_load_balance_loss():
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   g = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p, rest)(x)[1]["load_balance_loss"]))(params)
   assert float(jnp.abs(g["gate_kernel"][...]).max()) > 0  # the loss trains the router
+
+
+def test_padding_is_neither_routed_nor_counted():
+  # segment_id 0 marks padding: its tokens take no expert, count in no load and in no balance term.
+  cfg, model = make_model(**ROUTE_CFG, load_balance_loss_weight=0.01)
+  x = rand_x(cfg)  # [2,8,D]
+  seg = np.ones((2, 8), np.int32)
+  seg[0, 5:] = 0
+  seg[1, 2:] = 0
+  y, aux = nnx.jit(lambda m, x, s: m(x, s))(model, x, jnp.asarray(seg))
+  xf = np.asarray(x, np.float64).reshape(-1, cfg.emb_dim)
+  _, ids, s = np_route(xf @ params64(model)["gate"], np.zeros(16), cfg)
+  real = seg.reshape(-1) != 0
+  np.testing.assert_allclose(aux["expert_load"], np.bincount(ids[real].reshape(-1), minlength=16) / ids[real].size,
+                             rtol=1e-6)
+  ref = (np_balance_loss(s[:5][None], ids[:5][None], 0.01) + np_balance_loss(s[8:10][None], ids[8:10][None], 0.01)) / 2
+  np.testing.assert_allclose(float(aux["load_balance_loss"]), ref, rtol=1e-5)
+  # padding tokens get only the shared expert; real tokens equal the run without padding
+  y_all, _ = apply(model, x)
+  shared = nnx.jit(lambda m, x: m.shared_experts(x))(model, x)
+  np.testing.assert_allclose(np.asarray(y)[seg != 0], np.asarray(y_all)[seg != 0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(y)[seg == 0], np.asarray(shared)[seg == 0], rtol=1e-5, atol=1e-6)

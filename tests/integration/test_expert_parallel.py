@@ -1,0 +1,234 @@
+"""Expert parallelism on 8 simulated CPU devices: the MoE layer under shard_map with all-to-all
+dispatch equals the single-device run (loss, every gradient, the routing-bias update) on expert,
+data x expert, fsdp x expert x context and tensor x expert meshes; capacity drops are counted and
+are exactly the assignments a single-device reference leaves out; the ragged exchange (GPU/TPU)
+equals the fixed one; and the compiled program scales (memory per device, all-to-all present,
+no token rows all-gathered or all-reduced)."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from MaxText import sharding
+from MaxText.layers import moe, moe_dispatch
+from tests.conftest import make_config
+from tests.integration.sharded import assert_same, run_loss_and_grads, small_config
+
+MESHES = [dict(ici_expert_parallelism=8), dict(ici_data_parallelism=2, ici_expert_parallelism=4),
+          dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_context_parallelism=2),
+          dict(ici_tensor_parallelism=2, ici_expert_parallelism=4)]
+
+
+def _ep_config(**kw):
+  base = dict(global_batch_size=8, ici_data_parallelism=1, moe_capacity_factor=-1.0, load_balance_loss_weight=0.01)
+  base.update(kw)
+  return small_config(**base)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return run_loss_and_grads(_ep_config(num_devices=1))
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(f"{k[4:-12]}{v}" for k, v in m.items()))
+def test_expert_parallel_equals_single_device(mesh, single_device):
+  got = run_loss_and_grads(_ep_config(num_devices=math.prod(mesh.values()), **mesh))
+  assert_same(got, single_device)
+  assert got[3]["moe_dropped"] == 0.0  # dropless
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[3]["buffers"]),
+                          jax.tree.leaves(single_device[3]["buffers"])):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))  # the bias step: +-rate or 0
+  moved = [np.abs(b).max() for b in jax.tree.leaves(got[3]["buffers"])]
+  assert max(moved) > 0  # the update happened (sign steps of the routing bias)
+
+
+# ---------------------------------------------------------------- the layer alone: capacity, exchanges
+
+
+def _layer_inputs(b, t, d, e, i, skew, seed=0):
+  """x [b,t,D], gate [D,E], bias [E] (`skew` steers tokens to the first experts), wi_0/wi_1 [E,D,I], wo [E,I,D]."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  x = jax.random.normal(ks[0], (b, t, d))
+  gate = jax.random.normal(ks[1], (d, e)) * d ** -0.5
+  bias = -skew * jnp.arange(e, dtype=jnp.float32)  # [E]
+  wi_0 = jax.random.normal(ks[3], (e, d, i)) * d ** -0.5
+  wi_1 = jax.random.normal(ks[4], (e, d, i)) * d ** -0.5
+  wo = jax.random.normal(ks[5], (e, i, d)) * i ** -0.5
+  return x, gate, bias, wi_0, wi_1, wo
+
+
+def _route_fn(k):
+  kw = dict(num_experts_per_tok=k, n_routing_groups=1, topk_routing_group=1, routed_score_func="sigmoid",
+            norm_topk_prob=True, routed_scaling_factor=1.0)
+  return lambda x, gate, bias: moe.route(jnp.dot(x, gate, precision="highest"), bias, **kw)
+
+
+def _on_mesh(cfg, args, token_valid, k, **kw):
+  mesh = sharding.create_mesh(cfg)
+  rules = sharding.rules_of(cfg)
+  f = jax.jit(lambda *a: moe_dispatch.moe_on_mesh(*a, route_fn=_route_fn(k), mesh=mesh, rules=rules,
+                                                  impl="blocked", balance=False, **kw)[:3])
+  return f(args[0], token_valid, *args[1:])
+
+
+def _single_device(args, k, valid=None):
+  """(y [T,D], ids [T,k]) on one device, leaving out assignments where valid [T,k] is False."""
+  x, gate, bias, wi_0, wi_1, wo = args
+  xf = x.reshape(-1, x.shape[-1])  # [T,D]
+  weights, ids, _ = _route_fn(k)(xf, gate, bias)
+  return moe.routed_experts(xf, weights, ids, wi_0, wi_1, wo, impl="blocked", valid=valid), ids
+
+
+def _kept_reference(ids, token_valid, ep, e, cap, token_shards):
+  """numpy: which assignments the fixed-capacity dispatch keeps. Tokens split into `token_shards`
+  equal consecutive shards of the flattened [b*t] order (batch-major, as the mesh shards them);
+  in each shard, assignments in (token, slot) order, the first `cap` per owner device are kept."""
+  ids = np.asarray(ids).reshape(-1, ids.shape[-1])  # [T,k]
+  valid = np.broadcast_to(np.asarray(token_valid).reshape(-1, 1), ids.shape)
+  kept = np.zeros(ids.shape, bool)
+  per = ids.shape[0] // token_shards
+  for s in range(token_shards):
+    used = np.zeros(ep, int)
+    for tok in range(s * per, (s + 1) * per):
+      for j in range(ids.shape[1]):
+        if valid[tok, j]:
+          owner = ids[tok, j] // (e // ep)
+          kept[tok, j] = used[owner] < cap
+          used[owner] += 1
+  return kept
+
+
+@pytest.mark.parametrize("mesh", [dict(ici_expert_parallelism=4), dict(ici_data_parallelism=2, ici_expert_parallelism=4)])
+def test_capacity_drops_are_counted_and_equal_a_reference_without_them(mesh):
+  b, t, d, e, k, i = 8, 16, 16, 8, 2, 8
+  cfg = make_config(num_devices=math.prod(mesh.values()), num_experts=e, **mesh)
+  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+  token_valid = jnp.ones((b, t), bool).at[:, -3:].set(False)  # padding: never routed nor counted
+  y, counts, dropped = _on_mesh(cfg, args, token_valid, k, capacity_factor=1.0, exchange="all_to_all")
+
+  shards = math.prod(mesh.values())  # tokens over data x expert: consecutive blocks of the batch
+  ep = mesh["ici_expert_parallelism"]
+  _, ids = _single_device(args, k)
+  kept = _kept_reference(ids, token_valid, ep, e, moe_dispatch.capacity(b * t // shards * k, ep, 1.0), shards)
+  valid = np.broadcast_to(np.asarray(token_valid).reshape(-1, 1), kept.shape)
+  assert int(dropped) == int((valid & ~kept).sum()) > 0
+  np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids)[valid], minlength=e))
+  want, _ = _single_device(args, k, valid=jnp.asarray(kept))  # [T,D]
+  np.testing.assert_allclose(np.asarray(y).reshape(b * t, d), want, rtol=1e-5, atol=1e-5)
+
+
+def _ragged_all_to_all_by_all_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                     axis_name, axis_index_groups=None):
+  """jax.lax.ragged_all_to_all's semantics from all_gather (XLA:CPU lacks the op): this device's
+  output rows [output_offsets_s[me], +send_sizes_s[me]) come from source s's operand rows
+  [input_offsets_s[me], ...)."""
+  me = jax.lax.axis_index(axis_name)
+  ops = jax.lax.all_gather(operand, axis_name)  # [ep,N,...]
+  in_off, sizes, out_off = (jax.lax.all_gather(v, axis_name)[:, me] for v in
+                            (input_offsets, send_sizes, output_offsets))  # [ep] per source
+  rows = jnp.arange(output.shape[0])
+  for s in range(ops.shape[0]):
+    inside = (rows >= out_off[s]) & (rows < out_off[s] + sizes[s])  # [O]
+    src = jnp.clip(in_off[s] + rows - out_off[s], 0, ops.shape[1] - 1)  # [O]
+    output = jnp.where(inside.reshape((-1,) + (1,) * (output.ndim - 1)), ops[s][src], output)
+  return output
+
+
+@pytest.mark.parametrize("capacity_factor", [-1.0, 1.0])
+def test_ragged_exchange_equals_fixed_exchange(capacity_factor, monkeypatch):
+  b, t, d, e, k, i = 8, 8, 16, 8, 2, 8
+  cfg = make_config(num_devices=8, num_experts=e, ici_data_parallelism=2, ici_expert_parallelism=4)
+  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+  token_valid = jnp.ones((b, t), bool).at[0, :5].set(False)
+  fixed = _on_mesh(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="all_to_all")
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_all_gather)
+  ragged = _on_mesh(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="ragged_all_to_all")
+  np.testing.assert_allclose(ragged[0], fixed[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(ragged[1], fixed[1])
+  assert int(ragged[2]) == int(fixed[2]) == (0 if capacity_factor < 0 else int(fixed[2]))
+  if capacity_factor > 0:
+    assert int(fixed[2]) > 0
+
+
+def test_tokens_replicated_over_expert_run_local_experts_and_psum():
+  # One sequence cannot be split over 4 expert devices: each runs its own experts on all tokens.
+  b, t, d, e, k, i = 1, 8, 16, 8, 2, 8
+  cfg = make_config(num_devices=4, num_experts=e, ici_expert_parallelism=4)
+  args = _layer_inputs(b, t, d, e, i, skew=0.0)
+  y, counts, dropped = _on_mesh(cfg, args, jnp.ones((b, t), bool), k, capacity_factor=-1.0, exchange="all_to_all")
+  want, ids = _single_device(args, k)
+  np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids).reshape(-1), minlength=e))
+  assert int(dropped) == 0
+
+
+# ---------------------------------------------------------------- scaling, from the compiled program
+
+D, E, K, I = 64, 8, 2, 64
+
+
+def _compiled_layer_grad(n: int, tokens_per_seq: int, batch: int):
+  """The MoE layer's forward + backward (x and every weight) on n devices, every device on the
+  expert axis (tokens sharded over it too; capacity factor 1.25), compiled from abstract inputs."""
+  cfg = make_config(num_devices=n, num_experts=E, num_experts_per_tok=K, n_routing_groups=1, topk_routing_group=1,
+                    emb_dim=D, moe_mlp_dim=I, ici_expert_parallelism=n, moe_capacity_factor=1.25)
+  mesh = sharding.create_mesh(cfg, jax.devices()[:n])
+  rules = sharding.rules_of(cfg)
+  from flax import nnx
+
+  def loss(layer_state, graphdef, x):
+    layer = nnx.merge(graphdef, layer_state)
+    y, aux = layer(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(aux["expert_load"])
+
+  with mesh, sharding.logical_rules(cfg, mesh):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0))))
+    shardings = sharding.state_shardings(state, cfg, mesh)
+    abstract = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
+    x_spec = sharding.logical_to_spec(("activation_batch", "activation_length", None), rules, mesh,
+                                      (batch, tokens_per_seq, D))
+    x = jax.ShapeDtypeStruct((batch, tokens_per_seq, D), jnp.float32, sharding=NamedSharding(mesh, x_spec))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 2)), static_argnums=1)
+    return grad.lower(abstract, graphdef, x).compile()
+
+
+def _collective_shapes(hlo: str, op: str) -> list[int]:
+  """Element count of every `op` result in the HLO text (of its largest array, for a tuple)."""
+  sizes = []
+  for line in hlo.splitlines():
+    if re.search(rf"\b{op}(-start)?\(", line):
+      head = line.split("=")[1] if "=" in line else line
+      shapes = re.findall(r"\[([\d,]*)\]", head.split(op)[0])  # one per tuple element
+      sizes.append(max(math.prod(int(v) for v in m.split(",") if v) for m in shapes))
+  return sizes
+
+
+@pytest.fixture(scope="module")
+def scaling():
+  t_per_device = 512  # tokens per device: 8 sequences of 64
+  weak = {n: _compiled_layer_grad(n, 64, 8 * n) for n in (1, 8)}
+  strong8 = _compiled_layer_grad(8, 64, 8)  # the 1-device batch spread over 8 (one sequence each)
+  return t_per_device, weak, strong8
+
+
+def test_weak_and_strong_scaling_of_per_device_memory(scaling):
+  _, weak, strong8 = scaling
+  temp = {n: c.memory_analysis().temp_size_in_bytes for n, c in weak.items()}
+  assert temp[8] <= 1.3 * temp[1], temp  # fixed tokens per device: flat
+  strong = strong8.memory_analysis().temp_size_in_bytes
+  assert strong * 4 <= temp[1], (strong, temp[1])  # fixed global tokens: falls >= 4x from 1 to 8 devices
+
+
+def test_hlo_has_all_to_all_and_no_token_row_all_gather_or_all_reduce(scaling):
+  t_per_device, weak, _ = scaling
+  hlo = weak[8].as_text()
+  assert _collective_shapes(hlo, "all-to-all"), "no all-to-all in the expert-parallel program"
+  token_rows = t_per_device * D  # one [T_l, D] block of token rows; [T*k, D] is K times that
+  for op in ("all-gather", "all-reduce"):
+    big = [s for s in _collective_shapes(hlo, op) if s >= token_rows]
+    assert not big, f"{op} of token rows: {big} elements (>= {token_rows})"
