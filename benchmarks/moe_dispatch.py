@@ -1,12 +1,21 @@
-"""Times the routed-expert grouped matmul: ragged_dot vs blocked, forward and forward+backward.
+"""MoE dispatch: the grouped matmul (ragged_dot vs blocked), expert parallelism over meshes, and
+the one-layer 671B memory. Prints tables; asserts nothing about time.
 
-    python benchmarks/moe_dispatch.py                   # a few shapes on the default backend
-    python benchmarks/moe_dispatch.py --shapes 4096,8,64,256,128
+    python benchmarks/moe_dispatch.py                   # all three tables
+    python benchmarks/moe_dispatch.py --tables matmul --shapes 4096,8,64,256,128
+    python benchmarks/moe_dispatch.py --tables mesh     # per-device memory + step time, 1..8 devices
+    python benchmarks/moe_dispatch.py --tables 671b     # compile only: official dims on 64 devices
 
-A shape is T,k,E,D,I (tokens, experts per token, experts, emb_dim, moe_mlp_dim). "dense" is the
-all-experts einsum (E/k times the routed FLOPs), printed as a yardstick, not as an option; "1 matmul"
-is the ideal: one [T*k,D]x[D,I] product per weight, the FLOPs a perfect grouped matmul would do.
-Prints a table; asserts nothing about time.
+Table "matmul": a shape is T,k,E,D,I (tokens, experts per token, experts, emb_dim, moe_mlp_dim).
+"dense" is the all-experts einsum (E/k times the routed FLOPs), printed as a yardstick, not as an
+option; "1 matmul" is the ideal: one [T*k,D]x[D,I] product per weight, the FLOPs a perfect grouped
+matmul would do.
+Table "mesh": one MoE layer (E=64, k=8, D=512, I=256; forward + backward of x and every weight) on
+16 x 1024 tokens (fixed global batch) for data, expert and data x expert meshes of 1-8 simulated
+CPU devices; per-device temp memory from the compiled program, step time on this CPU (the
+simulated devices share its cores: the time shows the collectives' cost, not a speed-up).
+Table "671b": one DeepSeekMoE layer at the official dims in bf16, batch 64 x 4096 on 64 virtual
+devices (fsdp 8 x expert 8), compiled, never run: per-device memory and the collectives.
 """
 
 from __future__ import annotations
@@ -16,12 +25,17 @@ import os
 import sys
 import time
 
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
+from MaxText import aot, pyconfig, sharding  # noqa: E402
 from MaxText.layers import moe  # noqa: E402
+from MaxText.layers.linears import dtype_of  # noqa: E402
 
 DEFAULT_SHAPES = ["1024,2,8,64,32", "2048,8,64,256,128", "4096,8,16,512,256"]
 
@@ -47,13 +61,74 @@ def _one_matmul(x, weights, ids, wi_0, wi_1, wo):
   return (h @ wo[0]).reshape(x.shape[0], ids.shape[1], -1).sum(1)  # [T,D]
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="T,k,E,D,I")
-  ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--skip-dense-above", type=int, default=2**31, help="skip dense/ragged-on-CPU past T*E*D*I")
-  args = ap.parse_args()
+def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
+  """Compiles (and with `run` times) the MoE layer's forward + backward on `devices`:
+  (per-device temp bytes, per-device argument bytes, collectives, seconds or None)."""
+  mesh = sharding.create_mesh(cfg, devices)
 
+  def loss(state, graphdef, x):
+    y, aux = nnx.merge(graphdef, state)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(aux["expert_load"])
+
+  with mesh, sharding.logical_rules(cfg, mesh):
+    graphdef, state = aot.abstract_module(lambda: moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)), cfg, mesh)
+    x = aot.abstract_array((batch, seq, cfg.emb_dim), dtype_of(cfg.dtype),
+                           ("activation_batch", "activation_length", "activation_embed"), cfg, mesh)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 2)), static_argnums=1).lower(state, graphdef, x).compile()
+    mem = compiled.memory_analysis()
+    secs = None
+    if run:
+      shardings = jax.tree.map(lambda a: a.sharding, state)
+      real = jax.jit(lambda: nnx.split(moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)))[1], out_shardings=shardings)()
+      xs = jax.device_put(np.random.default_rng(0).normal(size=x.shape).astype(x.dtype), x.sharding)
+      jax.block_until_ready(compiled(real, xs))
+      times = []
+      for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(real, xs))
+        times.append(time.perf_counter() - t)
+      secs = float(np.median(times))
+    return mem.temp_size_in_bytes, mem.argument_size_in_bytes, aot.collective_counts(compiled.as_text()), secs
+
+
+def mesh_table(reps: int) -> None:
+  print("\none MoE layer fwd+bwd, E=64 k=8 D=512 I=256, 16 x 1024 tokens (fixed); moe_capacity_factor -1 "
+        f"(dropless) and 1.25; median of {reps} steps")
+  print(f"{'mesh':>14} {'n':>2} {'cf':>5} {'temp MiB/dev':>13} {'vs n=1':>7} {'step s':>7}  collectives")
+  dims = ["num_experts=64", "num_experts_per_tok=8", "n_routing_groups=8", "topk_routing_group=4", "emb_dim=512",
+          "moe_mlp_dim=256", "global_batch_size=16"]
+  base = None
+  for kind in ("data", "expert", "data x expert"):
+    for n in (1, 2, 4, 8):
+      if kind == "data x expert" and n < 4:
+        continue
+      axes = {"data": {"data": n}, "expert": {"data": 1, "expert": n},
+              "data x expert": {"data": 2, "expert": n // 2}}[kind]
+      for cf in ((-1.0, 1.25) if "expert" in kind and n > 1 else (-1.0,)):
+        cfg = pyconfig.initialize(["bench", "base.yml", *dims, f"moe_capacity_factor={cf}",
+                                   *[f"ici_{a}_parallelism={v}" for a, v in axes.items()]], num_devices=n)
+        temp, _, coll, secs = _layer_grad(cfg, jax.devices()[:n], 16, 1024, run=True, reps=reps)
+        base = base or temp
+        names = ", ".join(f"{k} {v}" for k, v in coll.items()) or "-"
+        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {temp / base:>7.2f} {secs:>7.2f}  {names}", flush=True)
+
+
+def table_671b() -> None:
+  print("\none DeepSeekMoE layer, official 671B dims, bf16, batch 64 x 4096, 64 devices (fsdp 8 x expert 8); "
+        "forward + backward, compiled only")
+  print(f"{'cf':>5} {'temp GiB/dev':>13} {'args GiB/dev':>13} {'compile s':>10}  collectives")
+  for cf in (-1.0, 1.25):
+    cfg = pyconfig.initialize(["bench", "base.yml", "model_name=deepseek3.2-671b", "global_batch_size=64",
+                               "ici_data_parallelism=1", "ici_fsdp_parallelism=8", "ici_expert_parallelism=8",
+                               f"moe_capacity_factor={cf}"], num_devices=64)
+    t = time.perf_counter()
+    temp, args_b, coll, _ = _layer_grad(cfg, jax.devices()[:64], 64, 4096, run=False)
+    secs = time.perf_counter() - t
+    names = ", ".join(f"{k} {v}" for k, v in coll.items())
+    print(f"{cf:>5} {temp / 2**30:>13.2f} {args_b / 2**30:>13.2f} {secs:>10.1f}  {names}", flush=True)
+
+
+def matmul_table(args) -> None:
   print(f"backend {jax.default_backend()}, dispatch_impl() = {moe.dispatch_impl()!r}; times in ms")
   cols = ["ragged_dot", "blocked", "dense", "1 matmul"]
   print(f"{'T,k,E,D,I':>22} {'pass':>8} " + " ".join(f"{c:>11}" for c in cols))
@@ -83,6 +158,21 @@ def main() -> None:
         fn = jax.jit(make(f))
         row.append(f"{_time(fn, x, weights, ids, wi_0, wi_1, wo, reps=args.reps):11.1f}")
       print(f"{spec:>22} {name:>8} " + " ".join(row))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--tables", nargs="*", default=["matmul", "mesh", "671b"], choices=["matmul", "mesh", "671b"])
+  ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="matmul table: T,k,E,D,I")
+  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--skip-dense-above", type=int, default=2**31, help="skip dense/ragged-on-CPU past T*E*D*I")
+  args = ap.parse_args()
+  if "matmul" in args.tables:
+    matmul_table(args)
+  if "mesh" in args.tables:
+    mesh_table(args.reps)
+  if "671b" in args.tables:
+    table_671b()
 
 
 if __name__ == "__main__":

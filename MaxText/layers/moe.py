@@ -165,10 +165,10 @@ def exchange_impl(key: str) -> str:
 
 
 def default_block_rows(num_assignments: int, num_experts: int) -> int:
-  """Blocked path's B: a power of 2 near half the mean rows per expert, in [8, 256]; padding then
+  """Blocked path's B: a power of 2 near half the mean rows per expert, in [8, 1024]; padding then
   adds at most E*(B-1) rows, about half the T*k real ones at the mean."""
   target = max(1, num_assignments // (2 * num_experts))
-  return int(min(256, max(8, 1 << (target.bit_length() - 1))))
+  return int(min(1024, max(8, 1 << (target.bit_length() - 1))))
 
 
 def expert_outputs(x: jax.Array, expert_ids: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, *,

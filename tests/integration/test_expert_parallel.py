@@ -6,15 +6,14 @@ equals the fixed one; and the compiled program scales (memory per device, all-to
 no token rows all-gathered or all-reduced)."""
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
 
-from MaxText import sharding
+from MaxText import aot, sharding
 from MaxText.layers import moe, moe_dispatch
 from tests.conftest import make_config
 from tests.integration.sharded import assert_same, run_loss_and_grads, small_config
@@ -178,34 +177,16 @@ def _compiled_layer_grad(n: int, tokens_per_seq: int, batch: int):
   cfg = make_config(num_devices=n, num_experts=E, num_experts_per_tok=K, n_routing_groups=1, topk_routing_group=1,
                     emb_dim=D, moe_mlp_dim=I, ici_expert_parallelism=n, moe_capacity_factor=1.25)
   mesh = sharding.create_mesh(cfg, jax.devices()[:n])
-  rules = sharding.rules_of(cfg)
-  from flax import nnx
 
   def loss(layer_state, graphdef, x):
-    layer = nnx.merge(graphdef, layer_state)
-    y, aux = layer(x)
+    y, aux = nnx.merge(graphdef, layer_state)(x)
     return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(aux["expert_load"])
 
   with mesh, sharding.logical_rules(cfg, mesh):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0))))
-    shardings = sharding.state_shardings(state, cfg, mesh)
-    abstract = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
-    x_spec = sharding.logical_to_spec(("activation_batch", "activation_length", None), rules, mesh,
-                                      (batch, tokens_per_seq, D))
-    x = jax.ShapeDtypeStruct((batch, tokens_per_seq, D), jnp.float32, sharding=NamedSharding(mesh, x_spec))
-    grad = jax.jit(jax.grad(loss, argnums=(0, 2)), static_argnums=1)
-    return grad.lower(abstract, graphdef, x).compile()
-
-
-def _collective_shapes(hlo: str, op: str) -> list[int]:
-  """Element count of every `op` result in the HLO text (of its largest array, for a tuple)."""
-  sizes = []
-  for line in hlo.splitlines():
-    if re.search(rf"\b{op}(-start)?\(", line):
-      head = line.split("=")[1] if "=" in line else line
-      shapes = re.findall(r"\[([\d,]*)\]", head.split(op)[0])  # one per tuple element
-      sizes.append(max(math.prod(int(v) for v in m.split(",") if v) for m in shapes))
-  return sizes
+    graphdef, state = aot.abstract_module(lambda: moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)), cfg, mesh)
+    x = aot.abstract_array((batch, tokens_per_seq, D), jnp.float32,
+                           ("activation_batch", "activation_length", "activation_embed"), cfg, mesh)
+    return jax.jit(jax.grad(loss, argnums=(0, 2)), static_argnums=1).lower(state, graphdef, x).compile()
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +208,39 @@ def test_weak_and_strong_scaling_of_per_device_memory(scaling):
 def test_hlo_has_all_to_all_and_no_token_row_all_gather_or_all_reduce(scaling):
   t_per_device, weak, _ = scaling
   hlo = weak[8].as_text()
-  assert _collective_shapes(hlo, "all-to-all"), "no all-to-all in the expert-parallel program"
+  assert aot.collective_sizes(hlo, "all-to-all"), "no all-to-all in the expert-parallel program"
   token_rows = t_per_device * D  # one [T_l, D] block of token rows; [T*k, D] is K times that
   for op in ("all-gather", "all-reduce"):
-    big = [s for s in _collective_shapes(hlo, op) if s >= token_rows]
+    big = [s for s in aot.collective_sizes(hlo, op) if s >= token_rows]
     assert not big, f"{op} of token rows: {big} elements (>= {token_rows})"
+
+
+# ---------------------------------------------------------------- serving
+
+
+def _decode(mesh_kw, prompts):
+  """The decode engine's prefill logits, one generate step's logits and the cache, on a mesh."""
+  from MaxText import model_state
+  from MaxText.inference.engine import Engine
+  cfg = small_config(num_devices=math.prod(mesh_kw.values()), ici_data_parallelism=1, mtp_num_layers=0,
+                     param_init_std=0.2, max_prefill_length=24, **mesh_kw)
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+    eng = Engine(cfg, graphdef, params, buffers)
+    state, logits = eng.prefill(eng.init_state(len(prompts)), prompts)
+    state, _, step_logits = eng.step(state, np.full(len(prompts), 4), np.ones(len(prompts), bool), jax.random.key(0))
+    return np.asarray(logits), np.asarray(step_logits), jax.tree.map(np.asarray, state.cache)
+
+
+def test_decode_engine_runs_expert_parallel():
+  # Two prompts: on expert=2 the batch shards over `expert` (all-to-all dispatch); on expert=4 it
+  # cannot, and each device runs its own experts on both rows (psum over `expert`).
+  prompts = [list(range(3, 20)), list(range(7, 12))]  # ragged
+  want = _decode({}, prompts)
+  for mesh in (dict(ici_expert_parallelism=2), dict(ici_expert_parallelism=4)):
+    got = _decode(mesh, prompts)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

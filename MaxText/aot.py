@@ -1,0 +1,56 @@
+"""Ahead-of-time compilation helpers: abstract (never allocated) sharded state, and what a compiled
+program's HLO says about its collectives. Used by benchmarks and tests that measure memory at
+scales this machine cannot hold (compile on virtual CPU devices, read `memory_analysis()`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from MaxText import sharding
+from MaxText.types import Config
+
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute",
+               "ragged-all-to-all")
+
+
+def abstract_module(make, config: Config, mesh: Mesh):
+  """(graphdef, state) of the module `make()` builds, with ShapeDtypeStruct leaves carrying the
+  shardings the config's rules give them; nothing is allocated."""
+  graphdef, state = nnx.split(nnx.eval_shape(make))
+  shardings = sharding.state_shardings(state, config, mesh)
+  return graphdef, jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state, shardings)
+
+
+def abstract_array(shape, dtype, logical_axes, config: Config, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  spec = sharding.logical_to_spec(logical_axes, sharding.rules_of(config), mesh, shape)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _ops(line: str) -> list[str]:
+  return [op for op in COLLECTIVES if re.search(rf"\s{op}(-start)?\(", line)]
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+  """Collective op -> how many times it appears in the compiled HLO text (async pairs count once)."""
+  counts = Counter()
+  for line in hlo.splitlines():
+    for op in _ops(line):
+      counts[op] += 1
+  return dict(sorted(counts.items()))
+
+
+def collective_sizes(hlo: str, op: str) -> list[int]:
+  """Element count of every `op` result in the HLO text (of its largest array, for a tuple)."""
+  sizes = []
+  for line in hlo.splitlines():
+    if op in _ops(line) and "=" in line:
+      result_type = line.split("=", 1)[1].split(f" {op}")[0]
+      shapes = re.findall(r"\[([\d,]*)\]", result_type)  # one per tuple element
+      sizes.append(max((math.prod(int(v) for v in m.split(",") if v) for m in shapes), default=1))
+  return sizes
