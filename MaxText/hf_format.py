@@ -283,7 +283,8 @@ def check_against(tree: dict, abstract: dict, what: str) -> dict:
     raise ValueError(f"{what} does not match the configured model: missing {missing[:5]}, unexpected {extra[:5]}")
   for k, a in flat_a.items():
     if tuple(flat_t[k].shape) != tuple(a.shape):
-      raise ValueError(f"{what}{name(k)}: shape {tuple(flat_t[k].shape)} != the configured model's {tuple(a.shape)}")
+      raise ValueError(f"{what} does not match the configured model: {name(k)} has shape {tuple(flat_t[k].shape)}, "
+                       f"the model {tuple(a.shape)}")
   return jax.tree_util.tree_map_with_path(lambda p, a: np.asarray(flat_t[_key(p)], dtype=a.dtype), abstract)
 
 
