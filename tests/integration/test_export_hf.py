@@ -114,6 +114,7 @@ def _logits_hf(folder, tokens):
     return model(torch.as_tensor(tokens)).logits.numpy()
 
 
+@pytest.mark.slow
 def test_training_checkpoint_exports_to_hf_with_equal_logits(tmp_path, capsys):
   # A large bias step so that the trained routing biases change which experts are chosen; 16 indexer
   # heads so that no two keys tie at an all-zero relu score (ties may break either way in HF's top-k).
