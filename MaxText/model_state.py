@@ -34,6 +34,33 @@ def shardings_of(config: Config, mesh, params_state, buffers_state):
   return ps, bs
 
 
+def optimizer_shardings(opt_state, params, mesh):
+  """Shardings for an optimizer state built from `params` (arrays or ShapeDtypeStructs with shardings):
+  each moment takes the sharding of the parameter it mirrors (matched by its trailing dict-key path
+  and shape), scalars and anything else are replicated. jit(tx.init) alone would replicate the
+  moments (zeros depend on no input), so every device would hold the whole optimizer state."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  by_path = {tuple(k.key for k in path): (a.shape, a.sharding)
+             for path, a in jax.tree_util.tree_leaves_with_path(params)}
+
+  def one(path, leaf):
+    keys = []
+    for k in reversed(path):  # the trailing run of dict keys: the parameter's own path
+      if not isinstance(k, jax.tree_util.DictKey):
+        break
+      keys.insert(0, k.key)
+    shape, sh = by_path.get(tuple(keys), (None, None))
+    return sh if shape == tuple(leaf.shape) else replicated
+
+  return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def init_optimizer(tx, params, mesh):
+  """tx.init(params) on the mesh, every moment sharded like its parameter."""
+  shardings = optimizer_shardings(jax.eval_shape(tx.init, params), params, mesh)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
 def create(config: Config, mesh):
   """Random init, each parameter created directly with its sharding on the mesh.
   Returns graphdef, params, buffers (pure dicts) and their shardings."""

@@ -146,8 +146,8 @@ def _check_with_devices(cfg: Config) -> None:
                       f"{', '.join(f'ici_{a}_parallelism={cfg.mesh_shape[a]}' for a in batch_axes)})")
 
 
-def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides: Any) -> Config:
-  """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value."""
+def merged_values(argv: Sequence[str], **overrides: Any) -> dict[str, Any]:
+  """base.yml -> model yml -> the user's yml -> key=value -> overrides, keys checked, not yet validated."""
   argv = list(argv)
   if len(argv) < 2:
     raise ConfigError("usage: <program> <config.yml | base.yml> [key=value ...]")
@@ -166,6 +166,12 @@ def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides:
   values.update(cli)
   values.update(overrides)
   values["model_name"] = model_name
+  return values
+
+
+def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides: Any) -> Config:
+  """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value."""
+  values = merged_values(argv, **overrides)
   if num_devices is None:
     import jax  # only here: the rest of the config system must not need jax
     num_devices = jax.device_count()

@@ -164,6 +164,36 @@ def make_train_step(config: Config, graphdef, tx):
   return step
 
 
+def jit_train_step(config: Config, graphdef, tx, state_sharding, batch_sharding, mesh):
+  """The jitted train step: state and batch in with their shardings, state out with the same
+  (donated), metrics replicated. train() runs it; train_compile compiles it from abstract inputs."""
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(make_train_step(config, graphdef, tx), in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, replicated), donate_argnums=(0,))
+
+
+def abstract_train_step(config: Config, mesh):
+  """(abstract state, abstract batch, jitted step) exactly as train() builds them, with nothing
+  allocated: ShapeDtypeStruct leaves carrying train()'s shardings. Call under the mesh and rules."""
+  graphdef, abs_params, abs_buffers = model_state.abstract_model(config)
+  p_shard, b_shard = model_state.shardings_of(config, mesh, abs_params, abs_buffers)
+  params = checkpointing.abstract_like(abs_params.to_pure_dict(), p_shard)
+  buffers = checkpointing.abstract_like(abs_buffers.to_pure_dict(), b_shard)
+  tx = create_optimizer(config, trainable_labels(config, params))
+  opt_abstract = jax.eval_shape(tx.init, params)
+  opt_state = checkpointing.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"params": params, "buffers": buffers, "opt_state": opt_state,
+           "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+  b, t = config.global_batch_size, config.max_target_length
+  host = {k: np.zeros((b, t), np.float32 if k == "weights" else np.int32) for k in input_pipeline.BATCH_KEYS}
+  host = prepare_batch(config, host)
+  batch_sharding = batch_shardings(config, mesh, host)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding[k]) for k, v in host.items()}
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  return state, batch, jit_train_step(config, graphdef, tx, state_sharding, batch_sharding, mesh)
+
+
 def _peak_flops_per_device() -> float:
   """Peak FLOP/s of one device for the MFU estimate: a table for accelerators; on the CPU a
   measured fp32 matmul (so MFU there reads against what this CPU can really do)."""
@@ -198,7 +228,7 @@ def train(config: Config) -> dict:
     else:
       graphdef, params, buffers, _ = model_state.create(config, mesh)
     tx = create_optimizer(config, trainable_labels(config, params))
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = model_state.init_optimizer(tx, params, mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = {"params": params, "buffers": buffers, "opt_state": opt_state,
              "step": jax.device_put(jnp.int32(0), replicated)}
@@ -221,8 +251,7 @@ def train(config: Config) -> dict:
 
     first = prepare_batch(config, next(data))
     batch_sharding = batch_shardings(config, mesh, first)
-    step_fn = jax.jit(make_train_step(config, graphdef, tx), in_shardings=(state_sharding, batch_sharding),
-                      out_shardings=(state_sharding, replicated), donate_argnums=(0,))
+    step_fn = jit_train_step(config, graphdef, tx, state_sharding, batch_sharding, mesh)
 
     n_params = model_state.count_params(params)
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))

@@ -170,9 +170,14 @@ class Decode(_Section):
   kv_cache_dtype: Literal["float32", "bfloat16", "fp8"]
 
 
+class AheadOfTimeCompile(_Section):
+  compile_num_devices: NonNegInt
+  compile_hbm_gib: Annotated[float, Field(ge=0)]
+
+
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, Mesh, Decode,
+    Training, Data, Checkpointing, Metrics, Mesh, Decode, AheadOfTimeCompile,
 )
 
 

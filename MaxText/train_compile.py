@@ -1,0 +1,140 @@
+"""Will it fit? Compiles (never runs) the train step of train.py for a virtual mesh and reports memory.
+
+    python -m MaxText.train_compile configs/base.yml model_name=deepseek3.2-671b compile_num_devices=256 \\
+        ici_fsdp_parallelism=32 ici_expert_parallelism=8 [key=value ...]
+
+The same step function, shardings, optimizer and precision as `python MaxText/train.py` with the same
+keys, compiled on `compile_num_devices` virtual CPU devices (this sets
+--xla_force_host_platform_device_count before jax is imported). Parameters, optimizer state and
+batch are abstract (jax.ShapeDtypeStruct): nothing is allocated, so a 671B step compiles on a laptop.
+Prints a short table, then, as the LAST line of stdout, one JSON object (bytes are per device):
+peak_bytes_per_device, parameter_bytes_per_device, optimizer_bytes_per_device, temp_bytes_per_device,
+argument/output/alias bytes, flops_per_step (XLA cost analysis of the per-device program x devices),
+collectives (op -> count), compile_seconds, mesh, tokens_per_step.
+With compile_hbm_gib=N > 0 it exits 1 with one line when the peak exceeds N GiB per device.
+Config mistakes exit 2 with one line, as everywhere. Every key is documented in configs/base.yml.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _num_devices(argv) -> int:
+  """compile_num_devices from the merged config, read before jax is imported (0: leave the devices as they are)."""
+  from MaxText import pyconfig
+  from MaxText.types import ConfigError
+  try:
+    n = pyconfig.merged_values(argv).get("compile_num_devices", 0)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not isinstance(n, int) or n < 0:
+    print(f"config error: config key 'compile_num_devices' = {n!r}: a device count >= 0", file=sys.stderr)
+    sys.exit(2)
+  return n
+
+
+def _set_virtual_devices(n: int) -> None:
+  if "jax" in sys.modules:
+    raise RuntimeError("train_compile must set the virtual device count before jax is imported")
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes one device holds of the (abstract, sharded) arrays in tree (the largest shard, for uneven splits)."""
+  import jax
+  import numpy as np
+  total = 0
+  for a in jax.tree.leaves(tree):
+    shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+  return total
+
+
+def compile_train_step(config):
+  """The train step of train.py for `config` on jax.devices(), compiled from abstract inputs.
+  Returns (compiled, abstract state, abstract batch, compile seconds)."""
+  import jax
+  from MaxText import sharding, train
+  mesh = sharding.create_mesh(config)
+  with mesh, sharding.logical_rules(config, mesh):
+    state, batch, step_fn = train.abstract_train_step(config, mesh)
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    return compiled, state, batch, time.perf_counter() - t0
+
+
+def report(config, compiled, state, batch, seconds: float) -> dict:
+  """The JSON object train_compile prints (bytes per device)."""
+  from MaxText import aot
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  n = math.prod(config.mesh_shape.values())
+  peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  return {
+      "peak_bytes_per_device": int(peak),
+      "parameter_bytes_per_device": _bytes_per_device((state["params"], state["buffers"])),
+      "optimizer_bytes_per_device": _bytes_per_device(state["opt_state"]),
+      "batch_bytes_per_device": _bytes_per_device(batch),
+      "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+      "argument_bytes_per_device": int(mem.argument_size_in_bytes),
+      "output_bytes_per_device": int(mem.output_size_in_bytes),
+      "alias_bytes_per_device": int(mem.alias_size_in_bytes),
+      "flops_per_device": float(cost.get("flops", 0.0)),
+      "flops_per_step": float(cost.get("flops", 0.0)) * n,
+      "collectives": aot.collective_counts(compiled.as_text()),
+      "compile_seconds": round(seconds, 2),
+      "mesh": {a: config.mesh_shape[a] for a in config.mesh_axes},
+      "num_devices": n,
+      "tokens_per_step": config.global_batch_size * config.max_target_length,
+  }
+
+
+def _table(config, r: dict) -> str:
+  gib = lambda b: f"{b / 2**30:9.2f} GiB"
+  mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
+  rows = [
+      f"model {config.model_name}: train step of {r['tokens_per_step']:,} tokens on {r['num_devices']} devices ({mesh}); "
+      f"weights {config.weight_dtype}, compute {config.dtype}",
+      f"  parameters + buffers {gib(r['parameter_bytes_per_device'])} per device",
+      f"  optimizer state      {gib(r['optimizer_bytes_per_device'])}",
+      f"  temporaries          {gib(r['temp_bytes_per_device'])}",
+      f"  peak                 {gib(r['peak_bytes_per_device'])}",
+      f"  flops per step       {r['flops_per_step']:.3e}",
+      f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",
+      f"  compiled in          {r['compile_seconds']:.1f} s",
+  ]
+  return "\n".join(rows)
+
+
+def main(argv) -> None:
+  if len(argv) > 1 and argv[1] in ("-h", "--help"):
+    print(USAGE.strip() + "\n\n" + __doc__.split("\n\n", 2)[2].strip())
+    return
+  n = _num_devices(argv)
+  if n:
+    _set_virtual_devices(n)
+  from MaxText import pyconfig
+  config = pyconfig.initialize_or_exit(argv)
+  compiled, state, batch, seconds = compile_train_step(config)
+  r = report(config, compiled, state, batch, seconds)
+  print(_table(config, r), flush=True)
+  print(json.dumps(r), flush=True)
+  if config.compile_hbm_gib and r["peak_bytes_per_device"] > config.compile_hbm_gib * 2**30:
+    print(f"error: needs {r['peak_bytes_per_device'] / 2**30:.2f} GiB per device, the limit is "
+          f"{config.compile_hbm_gib:g} (compile_hbm_gib)", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
