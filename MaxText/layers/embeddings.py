@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.layers.linears import dtype_of
+from MaxText.sharding import constrain
 from MaxText.types import Config
 
 
@@ -27,7 +28,11 @@ class Embed(nnx.Module):
     self.dtype = dtype_of(config.dtype)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:  # [b,t] int -> [b,t,D]
-    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    # Every device looks up ALL tokens in its own slice of the (embed-sharded) table, then the rows
+    # move to their batch shard: the table is never gathered, the tokens (tiny) are.
+    tokens = constrain(tokens, (None, None))  # [b,t] replicated
+    x = jnp.take(self.embedding[...].astype(self.dtype), tokens, axis=0)  # [b,t,D]
+    return constrain(x, (None, None, "embed"))
 
 
 def rope_inv_freq(config: Config, dim: int) -> np.ndarray:
