@@ -94,7 +94,7 @@ def np_mla(m: MLA, x, positions, mask):
   x = np.asarray(x, np.float64)
   b, t, _ = x.shape
   h, nope, r, dv, c = cfg.num_query_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-  eps = cfg.normalization_layer_epsilon
+  eps = 1e-6  # q_norm, kv_norm: DeepSeek's fixed eps, whatever normalization_layer_epsilon says
   inv = rope_inv_freq(cfg, r)
   q = x @ w["wq"] if "wq" in w else _np_rms(x @ w["wq_a"], m.q_norm.scale[...], eps) @ w["wq_b"]
   q = q.reshape(b, t, h, nope + r)
@@ -125,6 +125,14 @@ def test_dense_mla_matches_float64_oracle():
   assert out.shape == x.shape and float(aux["indexer_loss"]) == 0.0 and sown is None
   want = np_mla(m, x, pos, attention_validity(pos, pos))
   assert _rel(out, want) <= 1e-5
+
+
+def test_latent_norms_keep_eps_1e6_whatever_normalization_layer_epsilon():
+  # DeepSeek's MLA and HF's DeepseekV32Attention build q_norm and kv_norm as RMSNorm(dim): eps 1e-6.
+  cfg, m = _make(0, use_indexer=False, normalization_layer_epsilon=0.5)
+  x, pos = _inputs(cfg, offset=3)
+  out, _, _ = run(m, x, pos)
+  assert _rel(out, np_mla(m, x, pos, attention_validity(pos, pos))) <= 1e-5
 
 
 def test_mla_without_query_lora_matches_oracle():
