@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from MaxText import input_pipeline, model_state, sharding, train
-from MaxText.optimizers import create_optimizer
 from tests.conftest import REPO_ROOT, make_config
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -51,7 +50,7 @@ def _one_step(cfg):
   assert cfg.warmup_steps == 0
   mesh = sharding.create_mesh(cfg)
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
-  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
+  tx = train.make_optimizer(cfg, params)
   state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0)}
   batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
   before = jax.tree.map(np.asarray, params)
@@ -75,6 +74,22 @@ def test_dense_warmup_trains_only_the_indexers(tmp_path):
   assert indexer and all(indexer.values()), indexer
   assert not any(main.values()), [k for k, v in main.items() if v]
   assert float(metrics["indexer_loss"]) > 0
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse", "none"])
+def test_the_optimizer_moves_exactly_what_the_indexer_stage_trains(tmp_path, stage):
+  # A frozen part's gradient is zero in training anyway (the main model's in the warm-up, the
+  # indexer's with stage none): only weight decay would show a broken freeze there. So: no decay,
+  # and a non-zero gradient on every parameter.
+  cfg = small(tmp_path, indexer_training_stage=stage, adam_weight_decay=0.0, warmup_steps=0)
+  params = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), model_state.abstract_model(cfg)[1].to_pure_dict())
+  tx = train.make_optimizer(cfg, params)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+  moved = _changed(jax.tree.map(np.zeros_like, updates), updates)
+  trains = {"dense_warmup": lambda k: "'indexer'" in k, "sparse": lambda k: True,
+            "none": lambda k: "'indexer'" not in k}[stage]
+  assert any("'indexer'" in k for k in moved) and any("'indexer'" not in k for k in moved)
+  assert moved == {k: trains(k) for k in moved}, [k for k, v in moved.items() if v != trains(k)]
 
 
 def test_sparse_stage_indexer_learns_only_from_its_kl_and_the_model_only_from_lm(tmp_path):
