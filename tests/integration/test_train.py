@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from MaxText import input_pipeline, model_state, sharding, train
+from MaxText.layers import indexer as indexer_lib, selection
 from tests.conftest import REPO_ROOT, make_config
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -199,12 +201,30 @@ def test_a_file_dataset_trains(tmp_path):
   assert np.isfinite(last["loss"]) and last["lm_loss"] < np.log(cfg.vocab_size)
 
 
-@pytest.mark.parametrize("extra", [["indexer_use_approx_top_k=true"], ["indexer_mask_exact_topk=false"], []])
-def test_the_main_command_runs_with_the_seed_flags(tmp_path, extra):
-  p = _run_train(["steps=3", "log_period=1", f"base_output_directory={tmp_path}", *extra])
-  out, _ = p.communicate(timeout=600)
-  assert p.returncode == 0, out
-  assert len(_losses(out)) == 3
+@pytest.mark.parametrize("flag", ["indexer_use_approx_top_k=true", "indexer_mask_exact_topk=false", None])
+def test_the_main_command_runs_with_the_seed_flags(tmp_path, monkeypatch, capsys, flag):
+  configs = []
+  monkeypatch.setattr(train, "train", lambda config, run=train.train: configs.append(config) or run(config))
+  train.main(["train.py", "base.yml", "steps=2", "log_period=1", "enable_checkpointing=false",
+              "enable_tensorboard=false", f"base_output_directory={tmp_path}", *([flag] if flag else [])])
+  assert sorted(_losses(capsys.readouterr().out)) == [1, 2]
+  # The selection the run's config makes, on causal scores with many ties (one decimal).
+  cfg, = configs
+  k, s = cfg.indexer_topk, cfg.max_target_length
+  rng = np.random.default_rng(0)
+  scores = np.where(np.tri(s, dtype=bool), np.round(rng.standard_normal((2, s, s)), 1), -np.inf).astype(np.float32)
+  mask = np.asarray(jax.jit(indexer_lib.Indexer(cfg, rngs=nnx.Rngs(0)).select)(jnp.asarray(scores))[0])
+  exact = np.asarray(selection.generate_mask_reference(jax.lax.top_k(scores, k)[1], s)) & np.isfinite(scores)
+  assert (exact.sum(-1) == np.minimum(np.arange(1, s + 1), k)).all()  # lax.top_k's set, ties lowest first
+  if flag is None:
+    np.testing.assert_array_equal(mask, exact)
+  elif flag.startswith("indexer_use_approx_top_k"):  # min(k, valid) keys, not always lax.top_k's
+    np.testing.assert_array_equal(mask.sum(-1), exact.sum(-1))
+    assert (mask != exact).any()
+  else:  # the raw cutoff: every key tied at the k-th score too
+    kth = np.sort(scores, -1)[..., -k:-k + 1]  # [b,t,1]
+    np.testing.assert_array_equal(mask, np.isfinite(scores) & (scores >= kth))
+    assert (mask.sum(-1) > k).any()
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
