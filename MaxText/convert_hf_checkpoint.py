@@ -80,24 +80,27 @@ def converted_config(output: str, overrides=()) -> Config:
                              num_devices=1, ici_data_parallelism=1)
 
 
+def write_config(hf_cfg: dict, output: str, header: str = "") -> None:
+  """OUTPUT/model.yml: config_from_hf(hf_cfg) over base.yml alone (model_name default)."""
+  import yaml
+  os.makedirs(output, exist_ok=True)
+  with open(os.path.join(output, CONFIG_FILE), "w") as f:
+    f.write(header)
+    yaml.safe_dump({"model_name": "default", **config_from_hf(hf_cfg)}, f, sort_keys=False)
+
+
 def convert_checkpoint(hf_path: str, output: str, overrides=()) -> Config:
   """Converts and writes OUTPUT (orbax params + buffers) and OUTPUT/model.yml; returns the Config used."""
-  import yaml
   hf_cfg, tensors = read_checkpoint(hf_path)
-  derived = {"model_name": "default", **config_from_hf(hf_cfg)}
-  os.makedirs(output, exist_ok=True)
-  tmp_yml = os.path.join(output, CONFIG_FILE)
-  with open(tmp_yml, "w") as f:
-    yaml.safe_dump(derived, f, sort_keys=False)
+  write_config(hf_cfg, output)
   cfg = converted_config(output, overrides)
   params, buffers = convert(dequantized(tensors), cfg)
   _, abs_p, abs_b = model_state.abstract_model(cfg)
   params = hf_format.check_against(params, abs_p.to_pure_dict(), "converted params")
   buffers = hf_format.check_against(buffers, abs_b.to_pure_dict(), "converted buffers")
   model_state.save_parameters(os.path.abspath(output), params, buffers)  # replaces the folder
-  with open(tmp_yml, "w") as f:
-    f.write(f"# Derived from {os.path.abspath(hf_path)}/config.json by MaxText.convert_hf_checkpoint\n")
-    yaml.safe_dump(derived, f, sort_keys=False)
+  write_config(hf_cfg, output,
+               f"# Derived from {os.path.abspath(hf_path)}/config.json by MaxText.convert_hf_checkpoint\n")
   return cfg
 
 

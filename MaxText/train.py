@@ -66,6 +66,11 @@ def trainable_labels(config: Config, params) -> dict:
   return jax.tree_util.tree_map_with_path(label, params)
 
 
+def make_optimizer(config: Config, params) -> optax.GradientTransformation:
+  """AdamW on the parameters the indexer training stage trains; the others frozen (trainable_labels)."""
+  return create_optimizer(config, trainable_labels(config, params))
+
+
 def update_routing_biases(config: Config, buffers, aux) -> dict:
   """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load."""
   if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0:
@@ -179,7 +184,7 @@ def abstract_train_step(config: Config, mesh):
   p_shard, b_shard = model_state.shardings_of(config, mesh, abs_params, abs_buffers)
   params = checkpointing.abstract_like(abs_params.to_pure_dict(), p_shard)
   buffers = checkpointing.abstract_like(abs_buffers.to_pure_dict(), b_shard)
-  tx = create_optimizer(config, trainable_labels(config, params))
+  tx = make_optimizer(config, params)
   opt_abstract = jax.eval_shape(tx.init, params)
   opt_state = checkpointing.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -227,7 +232,7 @@ def train(config: Config) -> dict:
       graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
     else:
       graphdef, params, buffers, _ = model_state.create(config, mesh)
-    tx = create_optimizer(config, trainable_labels(config, params))
+    tx = make_optimizer(config, params)
     opt_state = model_state.init_optimizer(tx, params, mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     state = {"params": params, "buffers": buffers, "opt_state": opt_state,

@@ -8,6 +8,10 @@
     logits       = (q_nope . k_nope + q_pe . k_pe) * softmax_scale      [b,h,t,s]
     out          = wo(softmax(logits + mask) v)           [b,t,D]
 
+q_norm and kv_norm are RMSNorms with a FIXED eps of 1e-6 (LATENT_NORM_EPS), whatever
+normalization_layer_epsilon says: DeepSeek's official MLA and HF's DeepseekV32Attention build
+them with RMSNorm's default eps; only the decoder-layer and final norms follow rms_norm_eps.
+
 With use_indexer, the lightning indexer scores every key for every query and the mask is
 `valid & top-k selection` (the mask path: an additive mask on the dense logits). When a
 query has k or fewer valid keys, the selection is all of them and this is dense attention.
@@ -56,6 +60,8 @@ from MaxText.layers.sparse_attention import sparse_mla_attention
 from MaxText.sharding import constrain, gather_sequence
 from MaxText.types import Config
 
+LATENT_NORM_EPS = 1e-6  # q_norm, kv_norm: the official RMSNorm default, not normalization_layer_epsilon
+
 
 class MLA(nnx.Module):
   """MLA self-attention over a [b,t,D] sequence; the indexer (when enabled) picks the keys."""
@@ -69,12 +75,12 @@ class MLA(nnx.Module):
     qk = self.nope + self.rope
     if config.q_lora_rank > 0:
       self.wq_a = Linear(d, config.q_lora_rank, config, axes=("embed", "q_lora"), rngs=rngs)
-      self.q_norm = RMSNorm(config.q_lora_rank, config)
+      self.q_norm = RMSNorm(config.q_lora_rank, config, eps=LATENT_NORM_EPS)
       self.wq_b = Linear(config.q_lora_rank, h * qk, config, axes=("q_lora", "q_heads"), rngs=rngs)
     else:  # no query LoRA: one projection (the indexer needs the latent, so use_indexer forbids this)
       self.wq = Linear(d, h * qk, config, axes=("embed", "q_heads"), rngs=rngs)
     self.wkv_a = Linear(d, self.kv_lora + self.rope, config, axes=("embed", "kv_lora"), rngs=rngs)
-    self.kv_norm = RMSNorm(self.kv_lora, config)
+    self.kv_norm = RMSNorm(self.kv_lora, config, eps=LATENT_NORM_EPS)
     self.wkv_b = Linear(self.kv_lora, h * (self.nope + self.v_dim), config, axes=("kv_lora", "kv_heads"), rngs=rngs)
     self.wo = Linear(h * self.v_dim, d, config, axes=("q_heads", "embed"), rngs=rngs)
     self.indexer = Indexer(config, rngs=rngs) if config.use_indexer else None

@@ -1,6 +1,7 @@
 """Whole-model parity with Hugging Face's DeepseekV32ForCausalLM through the checkpoint converter:
 logits over the whole sequence (fp32, rel err <= 1e-4) and each layer's top-k selection, with
-index_topk smaller than the sequence; plus an fp8 (e4m3, 128x128 block scales) checkpoint."""
+index_topk smaller than the sequence; plus an fp8 (e4m3, 128x128 block scales) checkpoint, and a
+config.json whose every mapped key differs from base.yml (each must reach our Config)."""
 
 import json
 import os
@@ -14,29 +15,63 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from MaxText import convert_hf_checkpoint, model_state  # noqa: E402
+from MaxText import convert_hf_checkpoint, model_state, pyconfig  # noqa: E402
 
 SEQ = 40
 TOPK = 8
 
 
-def hf_config():
-  return transformers.DeepseekV32Config(
+def hf_config(**changes):
+  kw = dict(
       vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
       first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
       n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
       kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-      index_topk=TOPK, index_head_dim=32, index_n_heads=16,  # 16 heads: an all-zero relu tie is ~2**-16 max_position_embeddings=256,
-      initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+      index_topk=TOPK, index_head_dim=32, index_n_heads=16,  # 16 heads: an all-zero relu tie is ~2**-16
+      max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                        "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
                        "mscale": 1.0, "mscale_all_dim": 1.0},
   )
+  return transformers.DeepseekV32Config(**{**kw, **changes})
 
 
-def build_hf_model(seed=0):
+# Every config.json key the converter maps, off base.yml's (and the tiny model's) value.
+# rms_norm_eps is large enough that MLA's fixed latent-norm eps (1e-6) shows in the logits.
+OFF_BASE = dict(
+    vocab_size=300, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+    first_k_dense_replace=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=2,
+    n_routed_experts=12, num_experts_per_tok=3, n_group=6, topk_group=3, routed_scaling_factor=1.7,
+    norm_topk_prob=False, kv_lora_rank=24, q_lora_rank=40, qk_rope_head_dim=4, v_head_dim=10,
+    qk_nope_head_dim=12, index_head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-2,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0,
+                     "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
+                     "mscale": 0.7, "mscale_all_dim": 0.7},
+)
+# our key <- its config.json key (a path into rope_parameters for YaRN): the converter's whole mapping.
+MAPPED = {
+    "vocab_size": "vocab_size", "emb_dim": "hidden_size", "mlp_dim": "intermediate_size",
+    "num_decoder_layers": "num_hidden_layers", "first_num_dense_layers": "first_k_dense_replace",
+    "normalization_layer_epsilon": "rms_norm_eps", "num_query_heads": "num_attention_heads",
+    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+    "max_position_embeddings": "max_position_embeddings", "indexer_n_heads": "index_n_heads",
+    "indexer_head_dim": "index_head_dim", "indexer_topk": "index_topk", "num_experts": "n_routed_experts",
+    "num_experts_per_tok": "num_experts_per_tok", "n_routing_groups": "n_group", "topk_routing_group": "topk_group",
+    "shared_experts": "n_shared_experts", "moe_mlp_dim": "moe_intermediate_size",
+    "routed_scaling_factor": "routed_scaling_factor", "norm_topk_prob": "norm_topk_prob",
+    "mtp_num_layers": "num_nextn_predict_layers", "rope_max_timescale": ("rope_parameters", "rope_theta"),
+    "rope_factor": ("rope_parameters", "factor"),
+    "original_max_position_embeddings": ("rope_parameters", "original_max_position_embeddings"),
+    "beta_fast": ("rope_parameters", "beta_fast"), "beta_slow": ("rope_parameters", "beta_slow"),
+    "mscale": ("rope_parameters", "mscale_all_dim"),
+}
+NOT_FROM_HF = {"use_indexer": True, "rope_type": "yarn"}  # fixed by the converter, not read from config.json
+
+
+def build_hf_model(seed=0, **changes):
   torch.manual_seed(seed)
-  model = transformers.DeepseekV32ForCausalLM(hf_config()).eval()
+  model = transformers.DeepseekV32ForCausalLM(hf_config(**changes)).eval()
   model.config._attn_implementation = "eager"
   with torch.no_grad():  # make norms and biases non-trivial so the test sees their mapping
     for name, p in model.named_parameters():
@@ -112,6 +147,40 @@ def test_bf16_free_fp32_checkpoint_matches_hf_logits_and_selections(tmp_path, to
   _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
   theirs, their_masks = hf_forward(model, tokens)
   ours, our_masks = our_forward(str(tmp_path), tokens, OVERRIDES)
+  _compare(ours, theirs, our_masks, their_masks)
+
+
+def _assert_every_mapped_key_arrives(cfg, hf: dict, may_be_default=()):
+  """cfg holds each mapped config.json value, and none of them (but may_be_default) is base.yml's or
+  the tiny model's."""
+  derived = convert_hf_checkpoint.config_from_hf(hf)
+  assert set(derived) == set(MAPPED) | set(NOT_FROM_HF), "a mapped key this test does not check"
+  defaults = [pyconfig.initialize(["test", "base.yml"], num_devices=1, ici_data_parallelism=1, model_name=name)
+              for name in ("default", "deepseek3.2-tiny")]
+  for key, hf_key in MAPPED.items():
+    want = hf[hf_key] if isinstance(hf_key, str) else hf[hf_key[0]][hf_key[1]]
+    assert getattr(cfg, key) == want, (key, getattr(cfg, key), want)
+    assert key in may_be_default or all(getattr(d, key) != want for d in defaults), \
+        f"{key}={want} is a default: the test cannot see it"
+  for key, want in NOT_FROM_HF.items():
+    assert getattr(cfg, key) == want, key
+
+
+def test_every_mapped_config_json_key_reaches_our_config(tmp_path):
+  hf = {**hf_config(**OFF_BASE).to_dict(), "num_nextn_predict_layers": 2}  # HF's model has no MTP layers
+  convert_hf_checkpoint.write_config(hf, str(tmp_path / "maxtext"))  # the model.yml convert_checkpoint writes
+  _assert_every_mapped_key_arrives(convert_hf_checkpoint.converted_config(str(tmp_path / "maxtext")), hf)
+
+
+def test_config_off_base_yml_in_every_mapped_key_matches_hf(tmp_path, tokens):
+  model = build_hf_model(seed=2, **OFF_BASE)
+  model.save_pretrained(tmp_path / "hf")
+  _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
+  hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+  cfg = convert_hf_checkpoint.converted_config(str(tmp_path / "maxtext"), OVERRIDES)
+  _assert_every_mapped_key_arrives(cfg, {**hf, "num_nextn_predict_layers": 0}, may_be_default=("mtp_num_layers",))
+  theirs, their_masks = hf_forward(model, tokens % OFF_BASE["vocab_size"])
+  ours, our_masks = our_forward(str(tmp_path), tokens % OFF_BASE["vocab_size"], OVERRIDES)
   _compare(ours, theirs, our_masks, their_masks)
 
 

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from MaxText import input_pipeline, model_state, sharding, train
-from MaxText.optimizers import create_optimizer
+from MaxText.layers import indexer as indexer_lib, selection
 from tests.conftest import REPO_ROOT, make_config
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -51,7 +52,7 @@ def _one_step(cfg):
   assert cfg.warmup_steps == 0
   mesh = sharding.create_mesh(cfg)
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
-  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
+  tx = train.make_optimizer(cfg, params)
   state = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": jnp.int32(0)}
   batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
   before = jax.tree.map(np.asarray, params)
@@ -75,6 +76,22 @@ def test_dense_warmup_trains_only_the_indexers(tmp_path):
   assert indexer and all(indexer.values()), indexer
   assert not any(main.values()), [k for k, v in main.items() if v]
   assert float(metrics["indexer_loss"]) > 0
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse", "none"])
+def test_the_optimizer_moves_exactly_what_the_indexer_stage_trains(tmp_path, stage):
+  # A frozen part's gradient is zero in training anyway (the main model's in the warm-up, the
+  # indexer's with stage none): only weight decay would show a broken freeze there. So: no decay,
+  # and a non-zero gradient on every parameter.
+  cfg = small(tmp_path, indexer_training_stage=stage, adam_weight_decay=0.0, warmup_steps=0)
+  params = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), model_state.abstract_model(cfg)[1].to_pure_dict())
+  tx = train.make_optimizer(cfg, params)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+  moved = _changed(jax.tree.map(np.zeros_like, updates), updates)
+  trains = {"dense_warmup": lambda k: "'indexer'" in k, "sparse": lambda k: True,
+            "none": lambda k: "'indexer'" not in k}[stage]
+  assert any("'indexer'" in k for k in moved) and any("'indexer'" not in k for k in moved)
+  assert moved == {k: trains(k) for k in moved}, [k for k, v in moved.items() if v != trains(k)]
 
 
 def test_sparse_stage_indexer_learns_only_from_its_kl_and_the_model_only_from_lm(tmp_path):
@@ -184,12 +201,30 @@ def test_a_file_dataset_trains(tmp_path):
   assert np.isfinite(last["loss"]) and last["lm_loss"] < np.log(cfg.vocab_size)
 
 
-@pytest.mark.parametrize("extra", [["indexer_use_approx_top_k=true"], ["indexer_mask_exact_topk=false"], []])
-def test_the_main_command_runs_with_the_seed_flags(tmp_path, extra):
-  p = _run_train(["steps=3", "log_period=1", f"base_output_directory={tmp_path}", *extra])
-  out, _ = p.communicate(timeout=600)
-  assert p.returncode == 0, out
-  assert len(_losses(out)) == 3
+@pytest.mark.parametrize("flag", ["indexer_use_approx_top_k=true", "indexer_mask_exact_topk=false", None])
+def test_the_main_command_runs_with_the_seed_flags(tmp_path, monkeypatch, capsys, flag):
+  configs = []
+  monkeypatch.setattr(train, "train", lambda config, run=train.train: configs.append(config) or run(config))
+  train.main(["train.py", "base.yml", "steps=2", "log_period=1", "enable_checkpointing=false",
+              "enable_tensorboard=false", f"base_output_directory={tmp_path}", *([flag] if flag else [])])
+  assert sorted(_losses(capsys.readouterr().out)) == [1, 2]
+  # The selection the run's config makes, on causal scores with many ties (one decimal).
+  cfg, = configs
+  k, s = cfg.indexer_topk, cfg.max_target_length
+  rng = np.random.default_rng(0)
+  scores = np.where(np.tri(s, dtype=bool), np.round(rng.standard_normal((2, s, s)), 1), -np.inf).astype(np.float32)
+  mask = np.asarray(jax.jit(indexer_lib.Indexer(cfg, rngs=nnx.Rngs(0)).select)(jnp.asarray(scores))[0])
+  exact = np.asarray(selection.generate_mask_reference(jax.lax.top_k(scores, k)[1], s)) & np.isfinite(scores)
+  assert (exact.sum(-1) == np.minimum(np.arange(1, s + 1), k)).all()  # lax.top_k's set, ties lowest first
+  if flag is None:
+    np.testing.assert_array_equal(mask, exact)
+  elif flag.startswith("indexer_use_approx_top_k"):  # min(k, valid) keys, not always lax.top_k's
+    np.testing.assert_array_equal(mask.sum(-1), exact.sum(-1))
+    assert (mask != exact).any()
+  else:  # the raw cutoff: every key tied at the k-th score too
+    kth = np.sort(scores, -1)[..., -k:-k + 1]  # [b,t,1]
+    np.testing.assert_array_equal(mask, np.isfinite(scores) & (scores >= kth))
+    assert (mask.sum(-1) > k).any()
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):

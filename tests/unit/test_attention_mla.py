@@ -87,14 +87,15 @@ def _np_rope_interleaved(x, positions, inv_freq):  # x [b,t,...,r]
   return out
 
 
-def np_mla(m: MLA, x, positions, mask):
-  """float64 oracle of the whole layer under a boolean mask [b,t,s]."""
+def np_mla(m: MLA, x, positions, mask, with_probs=False):
+  """float64 oracle of the whole layer under a boolean mask [b,t,s] -> out [b,t,D]
+  (and the attention probabilities [b,h,t,s] with_probs)."""
   cfg = m.config
   w = {n: np.asarray(getattr(m, n).kernel[...], np.float64) for n in MAIN + ("wq",) if hasattr(m, n)}
   x = np.asarray(x, np.float64)
   b, t, _ = x.shape
   h, nope, r, dv, c = cfg.num_query_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-  eps = cfg.normalization_layer_epsilon
+  eps = 1e-6  # q_norm, kv_norm: DeepSeek's fixed eps, whatever normalization_layer_epsilon says
   inv = rope_inv_freq(cfg, r)
   q = x @ w["wq"] if "wq" in w else _np_rms(x @ w["wq_a"], m.q_norm.scale[...], eps) @ w["wq_b"]
   q = q.reshape(b, t, h, nope + r)
@@ -112,8 +113,34 @@ def np_mla(m: MLA, x, positions, mask):
   mx = np.max(np.where(mask, logits, -1e300), -1, keepdims=True)
   e = np.where(mask, np.exp(logits - mx), 0.0)
   probs = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-  out = np.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, h * dv)
-  return out @ w["wo"]
+  out = np.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, h * dv)  # [b,t,h*v]
+  return (out @ w["wo"], probs) if with_probs else out @ w["wo"]
+
+
+def np_index_scores(m: MLA, x, positions, valid):
+  """float64 oracle of the layer's indexer scores I [b,t,s] (-inf where not valid). The optional
+  Hadamard rotation is orthogonal, so q . k, and the oracle, do without it."""
+  from test_indexer import _np_index_scores, _np_layernorm, _np_rope_half
+  cfg, idx = m.config, m.indexer
+  x = np.asarray(x, np.float64)
+  b, t, _ = x.shape
+  r, inv = cfg.qk_rope_head_dim, rope_inv_freq(cfg, cfg.qk_rope_head_dim)
+  kernel = lambda lin: np.asarray(lin.kernel[...], np.float64)
+  q_lat = _np_rms(x @ kernel(m.wq_a), m.q_norm.scale[...], 1e-6)  # [b,t,q_lora]
+  q = (q_lat @ kernel(idx.wq_b)).reshape(b, t, cfg.indexer_n_heads, cfg.indexer_head_dim)  # [b,t,H,d]
+  k = _np_layernorm(x @ kernel(idx.wk), idx.k_norm.scale[...], idx.k_norm.bias[...])  # [b,s,d]
+  q = np.concatenate([_np_rope_half(q[..., :r], positions, inv), q[..., r:]], -1)
+  k = np.concatenate([_np_rope_half(k[..., :r], positions, inv), k[..., r:]], -1)
+  w = x @ kernel(idx.weights_proj) * cfg.indexer_n_heads ** -0.5  # [b,t,H]
+  return _np_index_scores(q, w, k, valid)
+
+
+def np_topk_mask(scores, k):
+  """bool [b,t,s]: each row's min(k, #finite) highest scores, ties lowest position first (lax.top_k's set)."""
+  order = np.argsort(-scores, axis=-1, kind="stable")[..., :k]  # [b,t,k]
+  mask = np.zeros(scores.shape, bool)
+  np.put_along_axis(mask, order, True, axis=-1)
+  return mask & np.isfinite(scores)
 
 
 # ---------------------------------------------------------------- forward vs the oracle
@@ -125,6 +152,14 @@ def test_dense_mla_matches_float64_oracle():
   assert out.shape == x.shape and float(aux["indexer_loss"]) == 0.0 and sown is None
   want = np_mla(m, x, pos, attention_validity(pos, pos))
   assert _rel(out, want) <= 1e-5
+
+
+def test_latent_norms_keep_eps_1e6_whatever_normalization_layer_epsilon():
+  # DeepSeek's MLA and HF's DeepseekV32Attention build q_norm and kv_norm as RMSNorm(dim): eps 1e-6.
+  cfg, m = _make(0, use_indexer=False, normalization_layer_epsilon=0.5)
+  x, pos = _inputs(cfg, offset=3)
+  out, _, _ = run(m, x, pos)
+  assert _rel(out, np_mla(m, x, pos, attention_validity(pos, pos))) <= 1e-5
 
 
 def test_mla_without_query_lora_matches_oracle():

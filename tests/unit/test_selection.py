@@ -3,6 +3,7 @@ masks (exact-k with ties, raw cutoff, approximate index set), the all-pairs refe
 the binned approximate top-k and its recall, against lax.top_k and a float64 numpy oracle."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,28 @@ def _recall(indices, exact_indices, valid):
 
 
 def test_approx_paths_trace_and_compile_under_jit():
-  scores = jax.ShapeDtypeStruct((2, 8, 512), jnp.float32)
-  for fn in (lambda x: sel.select_topk(x, 32, approx=True),
-             lambda x: jax.lax.approx_max_k(x, 32, recall_target=0.95),
-             lambda x: sel.generate_mask(x, *sel.select_topk(x, 32, approx=True), k=32)):
-    assert jax.jit(fn).lower(scores).compile() is not None
+  shape = jax.ShapeDtypeStruct((2, 8, 512), jnp.float32)
+  approx, xla, mask = (jax.jit(fn).lower(shape).compile() for fn in (
+      lambda x: sel.select_topk(x, 32, approx=True),
+      lambda x: jax.lax.approx_max_k(x, 32, recall_target=0.95),
+      lambda x: sel.generate_mask(x, *sel.select_topk(x, 32, approx=True), k=32)))
+  exact = jax.jit(lambda x: sel.select_topk(x, 32)).lower(shape).compile()
+  top_k_op = re.compile(r"\b(TopK|sort)\b")
+  assert top_k_op.search(exact.as_text())
+  if jax.default_backend() != "tpu":  # the binned method compiled, not lax.top_k's sort
+    assert not top_k_op.search(approx.as_text())
+
+  scores = jax.random.normal(jax.random.key(2), shape.shape, jnp.float32)
+  want = np.asarray(jax.lax.top_k(scores, 32)[1])
+  valid = np.ones(want.shape, bool)
+  for values, indices in (approx(scores), xla(scores)):
+    values, indices = np.asarray(values), np.asarray(indices)  # [2,8,32]
+    assert (np.sort(indices, -1)[..., 1:] > np.sort(indices, -1)[..., :-1]).all()  # 32 distinct keys
+    np.testing.assert_array_equal(values, np.take_along_axis(np.asarray(scores), indices, -1))
+    assert _recall(indices, want, valid) >= 0.95
+  got = np.asarray(mask(scores))  # [2,8,512]: exactly the approximate index set
+  np.testing.assert_array_equal(got, np.asarray(sel.generate_mask_reference(approx(scores)[1], 512)))
+  assert (got.sum(-1) == 32).all()
 
 
 def test_approx_recall_on_random_4x16x1024_k64():

@@ -17,7 +17,7 @@ from MaxText import sharding
 from MaxText.layers import selection, sparse_attention as sa
 from MaxText.layers.attention_mla import MLA
 from MaxText.layers.masks import attention_validity
-from test_attention_mla import _inputs, _make, _rel
+from test_attention_mla import _inputs, _make, _np_kl, _rel, np_index_scores, np_mla, np_topk_mask
 
 T, K, BLOCK = 13, 4, 5  # t is no multiple of the query block: the last block is padded
 
@@ -101,6 +101,23 @@ def test_gather_equals_mask_forward_and_gradients(stage):
     assert loss > 1e-3 and all(np.abs(g).max() > 0 for n, g in grads.items() if "indexer" in n)
   else:
     assert loss == 0.0 and all(np.all(g == 0) for n, g in grads.items() if "indexer" in n)
+
+
+def test_sparse_stage_indexer_loss_is_the_float64_kl_over_the_selection_on_both_paths():
+  # L_I = mean_t KL(p_t || softmax(I_t)) over S_t: p_t the sparse attention's probabilities summed
+  # over heads, I_t the indexer scores, S_t their top-k, all from a float64 oracle of the layer.
+  cfg, mask_mla, gather_mla = _pair(22, indexer_training_stage="sparse")
+  x, pos = _inputs(cfg, t=T, seed=22)
+  scores = np_index_scores(mask_mla, x, pos, np.asarray(attention_validity(pos, pos)))  # [b,t,s]
+  assert not _kth_is_tied(scores.astype(np.float32), K), "a near tie at the k-th score: pick another seed"
+  support = np_topk_mask(scores, K)  # [b,t,s]
+  _, probs = np_mla(mask_mla, x, pos, support, with_probs=True)  # [b,h,t,s]
+  want = _np_kl(probs, scores, support)
+  assert want > 1e-2
+  for m in (mask_mla, gather_mla):
+    _, loss, inter, _ = _run(m, x, pos)
+    np.testing.assert_array_equal(_selection_of(inter, T), support)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
 def test_gather_equals_mask_with_ties_at_the_kth_score():
