@@ -91,9 +91,15 @@ class MTPModule(nnx.Module):
     self.projection = Linear(2 * d, d, config, axes=("mlp", "embed"), rngs=rngs)
     self.layer = DecoderLayer(config, moe=config.num_experts > 0, rngs=rngs)
     self.final_norm = RMSNorm(d, config)
+    self.remat_policy = config.remat_policy
 
   def __call__(self, h_prev, next_emb, positions, segment_ids):
     """h_prev, next_emb [b,t,D] -> (h [b,t,D] for the next depth, normed h for the head, aux)."""
     cat = jnp.concatenate([self.embed_norm(next_emb), self.hidden_norm(h_prev)], axis=-1)  # [b,t,2D]
-    h, aux = self.layer(self.projection(cat), positions, segment_ids)
+    def fwd(layer, x):
+      return layer(x, positions, segment_ids)
+
+    if self.remat_policy != "none":  # as the stacks' layers: a 671B MoE layer's saved activations are ~30 GiB
+      fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy])
+    h, aux = fwd(self.layer, self.projection(cat))
     return h, self.final_norm(h), aux

@@ -15,6 +15,9 @@ from MaxText.sharding import constrain
 from MaxText.types import Config
 
 
+ACTIVATION = ("activation_batch", "activation_length", "activation_embed")  # [b,t,D]
+
+
 class Transformer(nnx.Module):
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -42,7 +45,7 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     if mtp_tokens is None and self.mtp:
       mtp_tokens = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, len(self.mtp) + 1)])
-    x = constrain(self.embed(tokens), ("activation_batch", "activation_length", "activation_embed"))  # [b,t,D]
+    x = constrain(self.embed(tokens), ACTIVATION)  # [b,t,D]
     indexer_losses, aux = [], {}
     if self.dense_layers is not None:
       x, a = self.dense_layers(x, positions, segment_ids)
@@ -53,22 +56,29 @@ class Transformer(nnx.Module):
       aux["expert_load"] = a["expert_load"]  # [L_moe, E]
       aux["load_balance_loss"] = jnp.sum(a["load_balance_loss"])
       aux["moe_dropped"] = jnp.mean(a["moe_dropped"])  # fraction of assignments past capacity
-    logits = self.output_head(self.final_norm(x)).astype(jnp.float32)  # [b,t,V]
+    logits = self.logits(self.final_norm(x))  # [b,t,V]
 
     mtp_logits, mtp_loads = [], []
     h = x
     for k, module in enumerate(self.mtp, start=1):
       # Depth k at position i sees the embedding of token i+k (the shifted-in tail is ignored by the loss).
-      h, h_normed, a = module(h, self.embed(mtp_tokens[k - 1]), positions, segment_ids)
+      next_emb = constrain(self.embed(mtp_tokens[k - 1]), ACTIVATION)  # [b,t,D]
+      h, h_normed, a = module(h, next_emb, positions, segment_ids)
       indexer_losses.append(a["indexer_loss"][None])
       if "load_balance_loss" in a:
         aux["load_balance_loss"] = aux.get("load_balance_loss", 0.0) + a["load_balance_loss"]
         mtp_loads.append(a["expert_load"])
-      mtp_logits.append(self.output_head(h_normed).astype(jnp.float32))
+      mtp_logits.append(self.logits(h_normed))
     aux["mtp_logits"] = jnp.stack(mtp_logits) if mtp_logits else None
     aux["mtp_expert_load"] = jnp.stack(mtp_loads) if mtp_loads else None  # [n_mtp,E]
     aux["indexer_loss"] = jnp.mean(jnp.concatenate(indexer_losses)) if indexer_losses else jnp.float32(0)
     return logits, aux
+
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """h [b,t,D] (normed) -> logits [b,t,V] fp32, sharded like the activations (vocab over tensor)."""
+    logits = self.output_head(constrain(h, ACTIVATION)).astype(jnp.float32)  # [b,t,V]
+    return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0):
