@@ -106,7 +106,10 @@ def set_aside(manager: ocp.CheckpointManager, step: int) -> str:
 
 
 def _shapes(tree) -> dict[str, tuple]:
-  return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  """{'a/0/b': shape}: keys as strings (the stored tree spells an int key 0 as '0')."""
+  def name(path):
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  return {name(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def model_mismatch(tree_dir: str, target: dict) -> str | None:
@@ -117,7 +120,7 @@ def model_mismatch(tree_dir: str, target: dict) -> str | None:
     have, want = _shapes(stored.get(part, {})), _shapes(target[part])
     for key in sorted(set(have) | set(want)):
       if have.get(key) != want.get(key):
-        return (f"{part}{key} is {have.get(key, 'absent')} in the checkpoint but {want.get(key, 'absent')} "
+        return (f"{part}/{key} is {have.get(key, 'absent')} in the checkpoint but {want.get(key, 'absent')} "
                 "in this config")
   return None
 

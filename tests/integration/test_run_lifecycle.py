@@ -188,7 +188,7 @@ def test_learning_rate_1e6_keeps_only_good_checkpoints_and_resuming_trains_on(en
 
 
 def test_the_sparse_stage_starts_from_the_warm_up_weights_and_decode_reads_them(env, tmp_path):
-  common = ["mtp_num_layers=0", "log_period=1", f"base_output_directory={tmp_path}"]
+  common = ["log_period=1", f"base_output_directory={tmp_path}"]  # the tiny model's MTP layer: int keys in the tree
   r = cli(env, "train.py", *common, "run_name=warmup", "indexer_training_stage=dense_warmup", "steps=2")
   assert r.returncode == 0, r.stderr[-3000:]
   # Step 1 of the new run has lr 0 (warm-up from 0): its parameters are exactly those it started from.
@@ -200,12 +200,13 @@ def test_the_sparse_stage_starts_from_the_warm_up_weights_and_decode_reads_them(
   def params(step_dir):
     return ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"))["params"]
 
-  def indexer(tree):
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if "'indexer'" in jax.tree_util.keystr(p)}
+  def indexer(tree):  # {'a/0/indexer/b': array}: a tree read from disk spells the int key 0 as '0'
+    named = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): np.asarray(x)
+             for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    return {k: v for k, v in named.items() if "/indexer/" in k}
 
   warm, sparse = indexer(params(tmp_path / "warmup/checkpoints/2")), indexer(params(tmp_path / "sparse/checkpoints/1"))
-  cfg = make_config(mtp_num_layers=0)
+  cfg = make_config()
   fresh = indexer(model_state.create(cfg, sharding.create_mesh(cfg))[1])
   assert warm.keys() == sparse.keys() == fresh.keys() and warm
   for k in warm:
@@ -220,7 +221,7 @@ def test_the_sparse_stage_starts_from_the_warm_up_weights_and_decode_reads_them(
   for g in got[1:]:
     jax.tree.map(np.testing.assert_array_equal, g, got[0])
   assert indexer(got[0]).keys() == warm.keys()
-  r = cli(env, "decode.py", "mtp_num_layers=0", "prompt=1,2,3", "max_prefill_length=8", "max_target_length=12",
+  r = cli(env, "decode.py", "prompt=1,2,3", "max_prefill_length=8", "max_target_length=12",
           f"load_parameters_path={tmp_path}/warmup/checkpoints/2")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "RANDOM" not in r.stdout and f"params and buffers from {tmp_path}/warmup/checkpoints/2/state" in r.stderr
@@ -283,3 +284,34 @@ def test_help_tells_usage_the_key_value_convention_and_where_keys_are_documented
       main(argv)
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "key=value" in out and pyconfig.BASE_YML in out, out
+
+
+def test_a_checkpoint_of_another_model_is_named_by_its_first_differing_parameter(base_run):
+  """What a run folder without config.yml (or a load_parameters_path of another model) reports."""
+  from MaxText import checkpointing
+  out, _ = base_run
+  _, abs_params, abs_buffers = model_state.abstract_model(make_config(mtp_num_layers=0, emb_dim=32))
+  target = {"params": abs_params.to_pure_dict(), "buffers": abs_buffers.to_pure_dict()}
+  why = checkpointing.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), target)
+  assert why is not None and re.search(r"params/\S+ is \(.*64.*\) in the checkpoint but \(.*32.*\) in this config",
+                                       why), why
+  _, abs_params, abs_buffers = model_state.abstract_model(make_config(mtp_num_layers=0))
+  same = {"params": abs_params.to_pure_dict(), "buffers": abs_buffers.to_pure_dict()}
+  assert checkpointing.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), same) is None
+
+
+def test_eval_data_is_held_out_synthetic_rows_or_the_eval_files(tmp_path):
+  from MaxText import input_pipeline
+  cfg = make_config(eval_interval=1)
+  train_rows = next(input_pipeline.create_data_iterator(cfg, process_index=0, process_count=1))["inputs"]
+  eval_it = input_pipeline.create_eval_iterator(cfg, process_index=0, process_count=1)
+  assert not np.array_equal(eval_it.source[0]["inputs"], train_rows)
+  np.testing.assert_array_equal(eval_it.source[0]["inputs"], eval_it.source[0]["inputs"])  # the same every time
+  held_out = tmp_path / "eval.txt"
+  held_out.write_text("zebra quartz\n\nvolcano jigsaw\n")
+  cfg = make_config(eval_interval=1, dataset_type="file", dataset_path=f"{DATA}/corpus.txt",
+                    tokenizer_path=f"{DATA}/tokenizer.model", eval_dataset_path=str(held_out))
+  eval_it = input_pipeline.create_eval_iterator(cfg, process_index=0, process_count=1)
+  assert eval_it.report.files == [str(held_out)] and eval_it.report.documents == 2
+  with pytest.raises(Exception, match="needs eval_dataset_path"):
+    make_config(eval_interval=1, dataset_type="file", dataset_path=f"{DATA}/corpus.txt")
