@@ -1,13 +1,45 @@
-"""Orbax checkpoints of the whole train state (params, buffers, optimizer, step) and the data position."""
+"""Orbax checkpoints of the whole train state (params, buffers, optimizer, step) and the data position.
+
+A run's `checkpoints/<step>/` holds three items: `state` (the train state), `data` (the data
+iterator's JSON state) and `meta` (a fingerprint of the state's bits). Restoring checks the
+fingerprint and that every value is finite; a checkpoint that fails either, or fails to read, is
+reported in one line, moved to `<run>/checkpoints_unusable/` and the one before it is used.
+
+`restore_parameters` reads params + buffers from any checkpoint this project writes: a converter
+output (a parameter-only tree), a run's `checkpoints` folder (its newest usable step), one step
+folder, or its `state` subfolder (a run folder itself works too).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from MaxText.types import Config
+
+UNUSABLE_DIR = "checkpoints_unusable"
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is missing, unreadable, corrupt or of another model: one line says which and why."""
+
+
+def one_line(e: BaseException) -> str:
+  """The root cause of an exception, on one line (orbax/tensorstore messages span pages)."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def latest_step_on_disk(config: Config) -> int | None:
+  """The newest step folder in the run's checkpoints folder (read before any orbax object exists)."""
+  steps = _steps_in(config.checkpoint_dir) if os.path.isdir(config.checkpoint_dir) else []
+  return steps[0] if steps else None
 
 
 def create_manager(config: Config) -> ocp.CheckpointManager | None:
@@ -16,24 +48,183 @@ def create_manager(config: Config) -> ocp.CheckpointManager | None:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_checkpoints_to_keep, enable_async_checkpointing=config.async_checkpointing,
       create=True)
-  return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options)
+  try:
+    return ocp.CheckpointManager(os.path.abspath(config.checkpoint_dir), options=options)
+  except OSError as e:
+    raise CheckpointError(f"cannot create the checkpoint folder {config.checkpoint_dir}: {e.strerror}; "
+                          "set base_output_directory to a writable folder") from None
+
+
+@jax.jit
+def state_check(tree):
+  """(fingerprint, finite): a uint32 sum of every leaf's bits (a flipped bit changes it) and
+  whether every floating value is finite. One small program, run at save and at restore."""
+  total, finite = jnp.uint32(0), jnp.bool_(True)
+  for i, x in enumerate(jax.tree.leaves(tree)):
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    total = total + jnp.sum(bits, dtype=jnp.uint32) * jnp.uint32(2 * i + 1)  # odd weight: no change cancels
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      finite = finite & jnp.all(jnp.isfinite(x))
+  return total, finite
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: dict, data_state: dict) -> None:
-  manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                             data=ocp.args.JsonSave(data_state)), force=True)
+  fingerprint, _ = state_check(state)
+  try:
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               data=ocp.args.JsonSave(data_state),
+                                               meta=ocp.args.JsonSave({"fingerprint": int(fingerprint)})),
+                 force=True)
+  except Exception as e:  # a full disk, a folder made read-only under us: one line, not orbax's pages
+    raise CheckpointError(f"cannot write checkpoint step {step} to {manager.directory}: {one_line(e)}") from None
 
 
-def restore_latest(manager: ocp.CheckpointManager | None, abstract_state: dict):
-  """(step, state, data_state) of the newest checkpoint, or None. abstract_state carries the
-  shardings (jax.ShapeDtypeStruct leaves) the restored arrays are placed with."""
+def finish(manager: ocp.CheckpointManager | None) -> None:
+  """Waits for background writes; their failure (e.g. a full disk) is one CheckpointError."""
+  if manager is None:
+    return
+  try:
+    manager.wait_until_finished()
+  except Exception as e:
+    raise CheckpointError(f"cannot write a checkpoint to {manager.directory}: {one_line(e)}") from None
+  finally:
+    manager.close()
+
+
+def set_aside(manager: ocp.CheckpointManager, step: int) -> str:
+  """Moves checkpoint `step` to <run>/checkpoints_unusable/<step> (kept for inspection, never resumed)."""
+  manager.wait_until_finished()
+  src = os.path.join(str(manager.directory), str(step))
+  dst = os.path.join(os.path.dirname(str(manager.directory)), UNUSABLE_DIR, str(step))
+  if os.path.exists(dst):
+    shutil.rmtree(dst)
+  os.makedirs(os.path.dirname(dst), exist_ok=True)
+  shutil.move(src, dst)
+  manager.reload()
+  return dst
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  """{'a/0/b': shape}: keys as strings (the stored tree spells an int key 0 as '0')."""
+  def name(path):
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  return {name(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def model_mismatch(tree_dir: str, target: dict) -> str | None:
+  """How the params/buffers stored in tree_dir differ from target's (another model), or None.
+  Reads only the metadata; an unreadable one raises."""
+  stored = ocp.PyTreeCheckpointer().metadata(os.path.abspath(tree_dir)).item_metadata.tree
+  for part in ("params", "buffers"):
+    have, want = _shapes(stored.get(part, {})), _shapes(target[part])
+    for key in sorted(set(have) | set(want)):
+      if have.get(key) != want.get(key):
+        return (f"{part}/{key} is {have.get(key, 'absent')} in the checkpoint but {want.get(key, 'absent')} "
+                "in this config")
+  return None
+
+
+def _check_restored(tree, meta: dict | None) -> str | None:
+  """Why a restored state must not be used, or None."""
+  fingerprint, finite = jax.device_get(state_check(tree))
+  if meta is not None and int(fingerprint) != meta.get("fingerprint"):
+    return "its contents do not match the fingerprint saved with it (corrupt files)"
+  if not finite:
+    return "it holds non-finite values"
+  return None
+
+
+def restore_newest_good(manager: ocp.CheckpointManager | None, abstract_state: dict, report=print):
+  """(step, state, data_state) of the newest checkpoint that reads back intact, or None when there is
+  none at all. A bad one is reported (one line), set aside, and the one before it tried; when every
+  checkpoint is bad: CheckpointError. abstract_state carries the shardings (ShapeDtypeStruct leaves)."""
   if manager is None or manager.latest_step() is None:
     return None
-  step = manager.latest_step()
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                           data=ocp.args.JsonRestore()))
-  return step, restored.state, restored.data
+  problems = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    step_dir = os.path.join(str(manager.directory), str(step))
+    try:
+      other = model_mismatch(os.path.join(step_dir, "state"), abstract_state)
+    except Exception:  # unreadable metadata: the restore below says why
+      other = None
+    if other is not None:  # a whole other model: the checkpoints are fine, the config is not theirs
+      raise CheckpointError(f"checkpoint step {step} in {manager.directory} is of another model: {other}; "
+                            "choose another run_name (or run with the keys it was trained with)")
+    items = dict(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+    if os.path.isdir(os.path.join(step_dir, "meta")):  # checkpoints written before fingerprints have none
+      items["meta"] = ocp.args.JsonRestore()
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(**items))
+      why = _check_restored(restored.state, restored.get("meta"))
+    except Exception as e:  # truncated, missing or garbled files
+      restored, why = None, f"it cannot be read ({one_line(e)})"
+    if why is None:
+      return step, restored.state, restored.data
+    moved = set_aside(manager, step)
+    problems.append(f"step {step}")
+    report(f"checkpoint step {step} is unusable: {why}; moved to {moved}; trying the one before it")
+  raise CheckpointError(f"no usable checkpoint in {manager.directory} (unusable: {', '.join(problems)}, set aside "
+                        f"in {UNUSABLE_DIR}/); start afresh by running again, or choose another run_name")
 
 
 def abstract_like(tree, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+# ------------------------------------------------------------------------------ parameters only
+
+
+def _is_tree(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, "_METADATA"))
+
+
+def _steps_in(path: str) -> list[int]:
+  return sorted((int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n))),
+                reverse=True)
+
+
+def parameter_candidates(path: str) -> list[str]:
+  """The tree folders `path` names, best first: one for a tree or a step, every step (newest first)
+  for a `checkpoints` folder or a run folder."""
+  key = f"load_parameters_path={path!r}"
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{key}: no such checkpoint directory")
+  if _is_tree(path):
+    return [path]
+  if _is_tree(os.path.join(path, "state")):
+    return [os.path.join(path, "state")]
+  folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+  steps = _steps_in(folder)
+  if not steps:
+    raise CheckpointError(f"{key} is not a checkpoint: give a converter output, a run's checkpoints folder, "
+                          "one step folder (checkpoints/<step>) or its state subfolder")
+  return [os.path.join(folder, str(s), "state") for s in steps]
+
+
+def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict]:
+  """(the tree folder used, {"params", "buffers"}) restored onto target's shardings; only those two
+  subtrees are read (a train state's optimizer and step are left on disk)."""
+  problems = []
+  candidates = parameter_candidates(path)
+  for tree_dir in candidates:
+    try:
+      other = model_mismatch(tree_dir, target)
+    except Exception:
+      other = None
+    if other is not None:
+      raise CheckpointError(f"load_parameters_path={path!r} holds another model than this config: {other}; "
+                            "give the model keys it was trained with (a converter output has them in model.yml)")
+    try:
+      restored = ocp.PyTreeCheckpointer().restore(
+          os.path.abspath(tree_dir), args=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+      why = _check_restored(restored, None)
+    except Exception as e:
+      why = f"it does not fit the configured model or cannot be read ({one_line(e)})"
+    if why is None:
+      return tree_dir, restored
+    problems.append(f"{tree_dir}: {why}")
+    if len(candidates) > 1:
+      report(f"load_parameters_path: {tree_dir} is unusable: {why}; trying the one before it")
+  raise CheckpointError(f"load_parameters_path={path!r}: no usable parameters ({'; '.join(problems)})")

@@ -1,6 +1,6 @@
 """Long-context decode: python MaxText/decode.py configs/base.yml [key=value ...]
 
-    python MaxText/decode.py configs/base.yml load_parameters_path=ckpt/params \
+    python MaxText/decode.py configs/base.yml load_parameters_path=outputs/default/checkpoints \
         tokenizer_path=tests/data/tokenizer.model prompt="I love to|The sea" max_target_length=256
     python MaxText/decode.py configs/base.yml prompt="1,17,42|1,99" decode_sampling_strategy=top_p
 
@@ -12,7 +12,10 @@ max_target_length (the cache size; a note says so). A prompt may have up to max_
 tokens; prefill runs in chunks of prefill_chunk_size (0 = one shot), then one jitted step per token.
 Sampling: decode_sampling_strategy greedy | temperature | top_p (decode_sampling_temperature,
 decode_sampling_nucleus_p), seeded by `seed`. The cache dtype is kv_cache_dtype.
-Without load_parameters_path the model is randomly initialized (said on the first line): a smoke test.
+load_parameters_path: a converter output, a training run's checkpoints folder (its newest usable
+step), one step folder (checkpoints/<step>) or its state subfolder; the model keys must be the run's
+(its config.yml, or the converter's model.yml, can be the config file). Without it the model is
+randomly initialized (said on the first line): a smoke test.
 
 A single prompt is streamed as it is generated; a batch prints each row when all are done. Then
 one summary line per row: `row <i>: stop=<eos|max_target_length> prompt_tokens=<n> generated_tokens=<m>`
@@ -33,15 +36,11 @@ if __package__ in (None, ""):  # run as `python MaxText/decode.py`: import as th
 import re
 import time
 
-from MaxText import pyconfig
+from MaxText import cli, pyconfig
 from MaxText.types import Config, ConfigError
 
 PROMPT_SEPARATOR = "|"
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
-
-
-class CheckpointError(RuntimeError):
-  """load_parameters_path is missing or does not fit the model."""
 
 
 def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
@@ -65,10 +64,8 @@ def load_model(config: Config, mesh):
   if not config.load_parameters_path:
     graphdef, params, buffers, _ = model_state.create(config, mesh)
     return graphdef, params, buffers, True
-  try:
-    graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
-  except (FileNotFoundError, ValueError) as e:
-    raise CheckpointError(str(e)) from None
+  graphdef, params, buffers, _ = model_state.load_parameters(
+      config.load_parameters_path, config, mesh, report=lambda line: print(line, file=sys.stderr, flush=True))
   return graphdef, params, buffers, False
 
 
@@ -136,15 +133,9 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv)
-  try:
-    run(config)
-  except ConfigError as e:  # prompts, tokenizer files: the message names the key
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
-  except CheckpointError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  config = pyconfig.initialize_or_exit(argv, __doc__)
+  cli.quiet_libraries()
+  cli.run(lambda: run(config))  # bad prompts, tokenizer files: exit 2; checkpoints: exit 1
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 SYNTHETIC_STEPS = (1, 2, 3, 4)  # the progression steps d a synthetic row may use
 _SYNTHETIC_SALT = 0x5EED_DA7A   # keeps the data PRNG streams apart from other uses of `seed`
 _SHUFFLE_SALT = 0x5EED_5FF1
+_EVAL_SALT = 0x5EED_E7A1        # the held-out synthetic stream: rows no training step ever draws
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
@@ -271,8 +272,9 @@ class _Batches:
 class SyntheticBatches(_Batches):
   """Arithmetic progressions modulo the content ids (see the module docstring)."""
 
-  def __init__(self, config: Config, process_index: int, process_count: int):
+  def __init__(self, config: Config, process_index: int, process_count: int, salt: int = _SYNTHETIC_SALT):
     super().__init__(config.global_batch_size, process_index, process_count)
+    self.salt = salt
     special = {config.pad_id, config.bos_id, config.eos_id}
     self.content_ids = np.array([i for i in range(config.vocab_size) if i not in special], np.int32)  # [M]
     if len(self.content_ids) < 2:
@@ -283,7 +285,7 @@ class SyntheticBatches(_Batches):
 
   def row(self, step: int, b: int) -> dict[str, np.ndarray]:
     L, M = self.seq_len, len(self.content_ids)
-    rng = np.random.default_rng([_SYNTHETIC_SALT, self.seed % 2**63, step, b])
+    rng = np.random.default_rng([self.salt, self.seed % 2**63, step, b])
     v0 = rng.integers(0, M)
     d = SYNTHETIC_STEPS[rng.integers(0, len(SYNTHETIC_STEPS))]
     tok = self.content_ids[(v0 + d * np.arange(L + 1, dtype=np.int64)) % M]  # [L+1]
@@ -316,8 +318,11 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer, *, add_bos: bo
   return out
 
 
-def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = True) -> tuple[PackedCorpus, ReadReport]:
-  docs, report = read_documents(config.dataset_path, config.jsonl_text_field)
+def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = True,
+                      path: str | None = None) -> tuple[PackedCorpus, ReadReport]:
+  """path: dataset_path unless given (eval_dataset_path)."""
+  path = config.dataset_path if path is None else path
+  docs, report = read_documents(path, config.jsonl_text_field)
   if tokenizer.vocab_size > config.vocab_size:
     raise DataError(f"the tokenizer at tokenizer_path='{tokenizer.path}' has {tokenizer.vocab_size} tokens but "
                     f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
@@ -326,7 +331,7 @@ def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = T
   report.empty_documents += len(ids) - len(kept)  # only possible with add_bos=add_eos=false
   report.documents = len(kept)
   if not kept:
-    raise DataError(f"dataset_path='{config.dataset_path}' holds no tokens ({report.summary()})")
+    raise DataError(f"'{path}' holds no tokens ({report.summary()})")
   corpus = PackedCorpus(kept, seq_len=config.max_target_length, pad_id=config.pad_id, seed=config.seed,
                         shuffle=shuffle)
   report.tokens = corpus.tokens_per_epoch
@@ -425,3 +430,20 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
     return DataIterator(source, dataset_type="file", fingerprint=fingerprint, report=report, tokenizer=tokenizer,
                         **common)
   raise DataError(f"dataset_type={config.dataset_type!r} is not one of synthetic, file")
+
+
+def create_eval_iterator(config: Config, *, tokenizer: Tokenizer | None = None, process_index: int | None = None,
+                         process_count: int | None = None) -> DataIterator:
+  """Held-out batches: eval_dataset_path packed like the training files (unshuffled), or for
+  synthetic data a stream of its own salt (the same task, rows training never draws)."""
+  if process_index is None or process_count is None:
+    import jax
+    process_index, process_count = jax.process_index(), jax.process_count()
+  common = dict(start_step=0, num_threads=1, prefetch=1, fingerprint={})
+  if config.dataset_type == "synthetic":
+    source = SyntheticBatches(config, process_index, process_count, salt=_EVAL_SALT)
+    return DataIterator(source, dataset_type="synthetic", **common)
+  tokenizer = tokenizer or load_tokenizer(config)
+  corpus, report = build_file_corpus(config, tokenizer, shuffle=False, path=config.eval_dataset_path)
+  source = FileBatches(corpus, config.global_batch_size, process_index, process_count)
+  return DataIterator(source, dataset_type="file", report=report, tokenizer=tokenizer, **common)

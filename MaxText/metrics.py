@@ -14,8 +14,14 @@ def _fmt_duration(s: float) -> str:
   return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def fmt_loss(v: float) -> str:
+  """4 decimals, or scientific notation for small values (an indexer KL of 9e-05 is not 0.0000)."""
+  return f"{v:.2e}" if v != 0 and abs(v) < 1e-2 else f"{v:.4f}"
+
+
 class MetricsLogger:
-  """Scalars to tensorboard every step; one console line every log_period steps."""
+  """Scalars to tensorboard every step; one console line every log_period steps. A resumed run
+  purges the events past its checkpoint, so tensorboard shows each step once."""
 
   def __init__(self, config: Config, *, start_step: int = 0):
     self.config = config
@@ -23,9 +29,11 @@ class MetricsLogger:
     if config.enable_tensorboard:
       from tensorboardX import SummaryWriter
       os.makedirs(config.tensorboard_dir, exist_ok=True)
-      self.writer = SummaryWriter(config.tensorboard_dir)
+      self.writer = SummaryWriter(config.tensorboard_dir, purge_step=start_step + 1 if start_step else None)
     self.start_step = start_step
     self.t0 = None
+    self.wall0 = time.time()
+    self.last_eval: dict[str, float] = {}
 
   def log(self, step: int, scalars: dict[str, float], *, force_console: bool = False) -> None:
     if self.writer is not None:
@@ -37,13 +45,36 @@ class MetricsLogger:
       done = step - self.t0_step
       rate = (time.time() - self.t0) / done if done > 0 else 0.0
       eta = _fmt_duration(rate * (self.config.steps - step)) if done > 0 else "?"
-      parts = [f"step {step}/{self.config.steps}", f"loss {scalars['loss']:.4f}", f"lm {scalars['lm_loss']:.4f}"]
-      if self.config.use_indexer and self.config.indexer_training_stage != "none":
-        parts.append(f"indexer {scalars['indexer_loss']:.4f}")
-      if self.config.mtp_num_layers:
-        parts.append(f"mtp {scalars['mtp_loss']:.4f}")
+      parts = [f"step {step}/{self.config.steps}"] + self._losses(scalars)
       parts += [f"{scalars['tokens_per_s']:,.0f} tok/s", f"lr {scalars['learning_rate']:.2e}", f"ETA {eta}"]
       print(" | ".join(parts), flush=True)
+
+  def _losses(self, scalars: dict[str, float]) -> list[str]:
+    parts = [f"loss {fmt_loss(scalars['loss'])}", f"lm {fmt_loss(scalars['lm_loss'])}"]
+    if self.config.use_indexer and self.config.indexer_training_stage != "none":
+      parts.append(f"indexer {fmt_loss(scalars['indexer_loss'])}")
+    if self.config.mtp_num_layers:
+      parts.append(f"mtp {fmt_loss(scalars['mtp_loss'])}")
+    return parts
+
+  def log_eval(self, step: int, scalars: dict[str, float]) -> None:
+    """Eval metrics as eval_<name> in tensorboard, one console line."""
+    self.last_eval = scalars
+    if self.writer is not None:
+      for k, v in scalars.items():
+        self.writer.add_scalar(f"eval_{k}", v, step)
+    print(f"eval step {step} | " + " | ".join(self._losses(scalars)) + f" ({self.config.eval_steps} batches)",
+          flush=True)
+
+  def summary(self, first: int, last: int, scalars: dict[str, float], weights: str) -> str:
+    """The run's closing line: steps, tokens, time, final losses, where the weights are."""
+    n = last - first + 1
+    tokens = n * self.config.global_batch_size * self.config.max_target_length
+    line = (f"done: steps {first}-{last} of {self.config.steps} ({tokens:,} tokens) in "
+            f"{_fmt_duration(time.time() - self.wall0)}; final " + " | ".join(self._losses(scalars)))
+    if self.last_eval:
+      line += f"; eval loss {fmt_loss(self.last_eval['loss'])}"
+    return line + f"; weights: {weights}"
 
   def close(self) -> None:
     if self.writer is not None:

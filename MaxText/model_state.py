@@ -7,11 +7,13 @@ The trainer, decoder and converter all hold the model as (graphdef, params, buff
 
 from __future__ import annotations
 
+import os
+
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from MaxText import sharding
+from MaxText import checkpointing, sharding
 from MaxText.layers.models import Transformer
 from MaxText.types import Config
 
@@ -91,22 +93,18 @@ def save_parameters(path: str, params, buffers) -> None:
   ckptr.wait_until_finished()
 
 
-def load_parameters(path: str, config: Config, mesh):
-  """Restores params + buffers saved by `save_parameters` onto the mesh; shapes must match the config."""
-  import os
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"load_parameters_path={path!r}: no such checkpoint directory")
+def load_parameters(path: str, config: Config, mesh, report=print):
+  """Restores params + buffers onto the mesh from a converter output, a run's checkpoints folder (its
+  newest usable step), one step folder or its state subfolder; shapes must match the config.
+  Returns graphdef, params, buffers and their shardings; `report` gets a line naming the folder read
+  when `path` was not that folder itself."""
   graphdef, abs_params, abs_buffers = abstract_model(config)
   p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
   target = {
-      "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             abs_params.to_pure_dict(), p_shard),
-      "buffers": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              abs_buffers.to_pure_dict(), b_shard),
+      "params": checkpointing.abstract_like(abs_params.to_pure_dict(), p_shard),
+      "buffers": checkpointing.abstract_like(abs_buffers.to_pure_dict(), b_shard),
   }
-  try:
-    restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
-  except Exception as e:  # shape/structure mismatch: say what the config expected
-    raise ValueError(f"load_parameters_path={path!r} does not match the configured model "
-                     f"(model_name={config.model_name}): {e}") from None
+  used, restored = checkpointing.restore_parameters(path, target, report=report)
+  if os.path.normpath(used) != os.path.normpath(path):
+    report(f"load_parameters_path={path}: params and buffers from {used}")
   return graphdef, restored["params"], restored["buffers"], (p_shard, b_shard)

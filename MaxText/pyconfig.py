@@ -186,8 +186,25 @@ def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides:
   return cfg
 
 
-def initialize_or_exit(argv: Sequence[str], **overrides: Any) -> Config:
-  """For entry points: a config mistake prints one line and exits 2, no traceback."""
+def usage(program: str, doc: str | None = None) -> str:
+  """The --help text of an entry point: its docstring, the key=value convention, where keys are documented."""
+  head = (doc or "").strip()
+  return (f"{head}\n\n" if head else "") + f"""usage: {program} <config.yml> [key=value ...]
+  <config.yml>  configs/base.yml, a bare name under configs/ (base.yml), or your own YAML file
+                (it layers over base.yml)
+  key=value     sets any config key, typed as YAML: steps=300 use_indexer=false mesh_axes=[data,fsdp]
+Order: configs/base.yml -> configs/models/<model_name>.yml -> your YAML -> key=value.
+Every key, its default and a one-line comment: {BASE_YML}
+Print the resolved config without running anything: python -m MaxText.pyconfig configs/base.yml [key=value ...]
+Errors are one line; MAXTEXT_TRACEBACK=1 shows the traceback behind one."""
+
+
+def initialize_or_exit(argv: Sequence[str], doc: str | None = None, **overrides: Any) -> Config:
+  """For entry points: -h/--help prints `usage` (with `doc`) and exits 0; a config mistake prints
+  one line and exits 2, no traceback."""
+  if any(a in ("-h", "--help") for a in argv[1:]):
+    print(usage(f"python {os.path.relpath(argv[0])}" if argv[0].endswith(".py") else argv[0], doc))
+    sys.exit(0)
   try:
     return initialize(argv, **overrides)
   except ConfigError as e:
@@ -203,4 +220,4 @@ def to_yaml(cfg: Config) -> str:
 
 
 if __name__ == "__main__":
-  print(to_yaml(initialize_or_exit(sys.argv)), end="")
+  print(to_yaml(initialize_or_exit(["python -m MaxText.pyconfig"] + sys.argv[1:], __doc__)), end="")

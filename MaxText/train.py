@@ -12,7 +12,15 @@ DeepSeek-V3.2 indexer recipe selected by `indexer_training_stage`:
                 L_I restricted to its selection (inputs detached), the main model only from
                 the LM loss.
 
-Checkpoints (orbax) every checkpoint_period steps; the same command resumes from the latest.
+The run folder <base_output_directory>/<run_name>/ holds config.yml, checkpoints/ (orbax, every
+checkpoint_period steps and at the last), tensorboard/ and profile/. The same command resumes from the
+newest usable checkpoint (same model and data keys, else one line names the keys); a finished run says
+so. load_parameters_path starts a NEW run (step 0, fresh optimizer) from the params + buffers of a
+converter output, a run's checkpoints folder (newest step), one step folder or its state subfolder.
+A state is checkpointed only while its parameters are finite, and a checkpoint whose parameters then
+give a non-finite loss is set aside: the error names the newest good checkpoint to resume from.
+eval_interval > 0: the loss on held-out data (eval_dataset_path, or a held-out synthetic stream).
+profiler=xplane: a jax.profiler trace under <run>/profile.
 """
 
 from __future__ import annotations
@@ -33,16 +41,18 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from MaxText import checkpointing, input_pipeline, model_state, pyconfig, sharding
+from MaxText import checkpointing, cli, input_pipeline, model_state, pyconfig, sharding
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss
 from MaxText.layers.moe import RoutingBias, update_routing_bias
-from MaxText.metrics import MetricsLogger, model_flops_per_token
+from MaxText.metrics import MetricsLogger, model_flops_per_token, warn
 from MaxText.optimizers import create_optimizer, learning_rate_schedule
+from MaxText.profiler import Profiler
+from MaxText.run_folder import RunFolder
 from MaxText.types import Config
 
 
 class TrainingError(RuntimeError):
-  """A run that must stop (non-finite loss): the message says why and what was kept."""
+  """A run that must stop (non-finite loss or parameters): the message says why and what was kept."""
 
 
 def _path_names(path) -> list[str]:
@@ -162,7 +172,12 @@ def make_train_step(config: Config, graphdef, tx):
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     new_buffers = update_routing_biases(config, buffers, loads)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]))
+    # The state may be checkpointed only if finite: one global norm of the new parameters (a NaN or
+    # inf anywhere makes it non-finite) and the loss. The host reads it with the other metrics.
+    param_norm = optax.tree.norm(new_params)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(param_norm)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]),
+                   param_norm=param_norm, finite=finite)
     new_state = {"params": new_params, "buffers": new_buffers, "opt_state": opt_state, "step": state["step"] + 1}
     return new_state, metrics
 
@@ -199,6 +214,14 @@ def abstract_train_step(config: Config, mesh):
   return state, batch, jit_train_step(config, graphdef, tx, state_sharding, batch_sharding, mesh)
 
 
+def make_eval_step(config: Config, graphdef):
+  """(params, buffers, batch) -> the loss metrics, no gradients."""
+  def step(params, buffers, batch):
+    _, (metrics, _) = _loss_fn(config, graphdef, params, buffers, batch)
+    return metrics
+  return step
+
+
 def _peak_flops_per_device() -> float:
   """Peak FLOP/s of one device for the MFU estimate: a table for accelerators; on the CPU a
   measured fp32 matmul (so MFU there reads against what this CPU can really do)."""
@@ -224,83 +247,142 @@ def active_params(config: Config, total: int) -> int:
   return total - unused - config.vocab_size * config.emb_dim
 
 
-def train(config: Config) -> dict:
-  """Runs (or resumes) training; returns the last step's metrics as floats."""
-  mesh = sharding.create_mesh(config)
-  with mesh, sharding.logical_rules(config, mesh):
-    if config.load_parameters_path:
-      graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
-    else:
-      graphdef, params, buffers, _ = model_state.create(config, mesh)
-    tx = make_optimizer(config, params)
-    opt_state = model_state.init_optimizer(tx, params, mesh)
-    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state = {"params": params, "buffers": buffers, "opt_state": opt_state,
-             "step": jax.device_put(jnp.int32(0), replicated)}
-    # Scalars the optimizer creates (its step count) land on one device: replicate them on the mesh.
-    state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                         else jax.device_put(x, replicated), state)
-    # One sharding per leaf, used for in and out of the step: a layout that merely reads
-    # differently (P() vs P(None, None)) would otherwise recompile the step once.
-    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+def _non_finite(config: Config, manager, step: int, metrics: dict, pending: int | None) -> TrainingError:
+  """The error for a step whose loss or new parameters are not finite. Its loss is that of the
+  parameters it started from: if those were just checkpointed (`pending`), that checkpoint is
+  poisoned and set aside, so the newest good one is what the message names."""
+  said = (f"step {step}: loss {metrics['loss']} (lm_loss {metrics['lm_loss']}), grad_norm {metrics['grad_norm']}, "
+          f"norm of the updated parameters {metrics['param_norm']}; this state is not saved")
+  if manager is not None and pending is not None and not math.isfinite(metrics["loss"]):
+    moved = checkpointing.set_aside(manager, pending)
+    said += f"; checkpoint step {pending} gives this loss, set aside in {moved}"
+  good = manager.latest_step() if manager is not None else None
+  if good is None:
+    return TrainingError(f"{said}; no good checkpoint to resume from: lower learning_rate "
+                         f"(now {config.learning_rate:g}) and start again")
+  return TrainingError(f"{said}; newest good checkpoint: step {good} ({config.checkpoint_dir}/{good}); run again "
+                       f"to resume from it, with a lower learning_rate (now {config.learning_rate:g})")
 
+
+def _init_state(config: Config, mesh):
+  """graphdef, the train state (params from load_parameters_path or random, a fresh optimizer at step
+  0), its shardings, and the optimizer."""
+  if config.load_parameters_path:
+    graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
+    print(f"parameters from load_parameters_path={config.load_parameters_path} (a new run: step 0, fresh "
+          "optimizer)", flush=True)
+  else:
+    graphdef, params, buffers, _ = model_state.create(config, mesh)
+  tx = make_optimizer(config, params)
+  opt_state = model_state.init_optimizer(tx, params, mesh)
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"params": params, "buffers": buffers, "opt_state": opt_state,
+           "step": jax.device_put(jnp.int32(0), replicated)}
+  # Scalars the optimizer creates (its step count) land on one device: replicate them on the mesh.
+  state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                       else jax.device_put(x, replicated), state)
+  # One sharding per leaf, used for in and out of the step: a layout that merely reads
+  # differently (P() vs P(None, None)) would otherwise recompile the step once.
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  return graphdef, state, state_sharding, tx
+
+
+class _Eval:
+  """eval_steps held-out batches (the same each time), on the device once; their mean loss."""
+
+  def __init__(self, config: Config, graphdef, data, batch_sharding, replicated):
+    self.config = config
+    self.batches = [jax.device_put(prepare_batch(config, data.source[i]), batch_sharding)
+                    for i in range(config.eval_steps)]
+    self.fn = jax.jit(make_eval_step(config, graphdef), out_shardings=replicated)
+
+  def due(self, step: int) -> bool:
+    return bool(self.config.eval_interval) and (step % self.config.eval_interval == 0 or step == self.config.steps)
+
+  def __call__(self, state) -> dict[str, float]:
+    runs = [jax.device_get(self.fn(state["params"], state["buffers"], b)) for b in self.batches]
+    return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+
+
+def train(config: Config) -> dict:
+  """Runs (or resumes) training; returns the last step's metrics as floats ({} for a finished run)."""
+  run = RunFolder(config)
+  latest = checkpointing.latest_step_on_disk(config) if config.enable_checkpointing else None
+  if not run.open(latest):
+    return {}
+  print(run.describe(), flush=True)
+  # Data first: a bad dataset or tokenizer fails in seconds, before any compilation.
+  data = input_pipeline.create_data_iterator(config)
+  eval_data = input_pipeline.create_eval_iterator(config, tokenizer=data.tokenizer) if config.eval_interval else None
+  mesh = sharding.create_mesh(config)
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+    graphdef, state, state_sharding, tx = _init_state(config, mesh)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     manager = checkpointing.create_manager(config)
-    start_step, data_state = 0, None
-    restored = checkpointing.restore_latest(manager, checkpointing.abstract_like(state, state_sharding))
+    start_step = 0
+    restored = checkpointing.restore_newest_good(manager, checkpointing.abstract_like(state, state_sharding))
     if restored is not None:
       start_step, state, data_state = restored
-      print(f"resumed from checkpoint step {start_step} in {config.checkpoint_dir}", flush=True)
-    data = input_pipeline.create_data_iterator(config, start_step=start_step)
-    if data_state is not None:
       data.set_state(data_state)
+      print(f"resumed from checkpoint step {start_step} in {config.checkpoint_dir}", flush=True)
+    # A checkpoint whose own loss is not known yet: the next step computes it from its parameters.
+    pending = start_step if restored is not None else None
 
     first = prepare_batch(config, next(data))
     batch_sharding = batch_shardings(config, mesh, first)
     step_fn = jit_train_step(config, graphdef, tx, state_sharding, batch_sharding, mesh)
+    evaluate = _Eval(config, graphdef, eval_data, batch_sharding, replicated) if eval_data is not None else None
 
-    n_params = model_state.count_params(params)
+    n_params = model_state.count_params(state["params"])
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))
     peak = _peak_flops_per_device() * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
           f"indexer_training_stage={config.indexer_training_stage}", flush=True)
     logger = MetricsLogger(config, start_step=start_step)
+    profiler = Profiler(config, start_step)
     tokens_per_step = config.global_batch_size * config.max_target_length
     last = {}
     try:
       for step in range(start_step + 1, config.steps + 1):
         batch = first if step == start_step + 1 else prepare_batch(config, next(data))
         batch = jax.device_put(batch, batch_sharding)
+        profiler.before_step(step)
         t0 = time.perf_counter()
         state, metrics = step_fn(state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         dt = time.perf_counter() - t0
-        if not math.isfinite(metrics["loss"]):
-          kept = manager.latest_step() if manager is not None else None
-          raise TrainingError(
-              f"loss is {metrics['loss']} at step {step} (lm_loss={metrics['lm_loss']}, grad_norm="
-              f"{metrics['grad_norm']}); stopping without saving this state; last checkpoint: "
-              f"{'step ' + str(kept) if kept is not None else 'none'}")
+        profiler.after_step(step)
+        if not metrics.pop("finite"):
+          raise _non_finite(config, manager, step, metrics, pending)
+        pending = None
         metrics["tokens_per_s"] = tokens_per_step / dt
         metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
         logger.log(step, metrics)
+        if metrics["moe_dropped"] > 0 and (step % config.log_period == 0 or step == start_step + 1):
+          warn(f"step {step}: {metrics['moe_dropped']:.2%} of the expert assignments were past capacity and "
+               f"dropped (moe_capacity_factor={config.moe_capacity_factor}; -1 = dropless)")
         last = metrics
+        if evaluate is not None and evaluate.due(step):
+          logger.log_eval(step, evaluate(state))
         if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
           checkpointing.save(manager, step, state, data.get_state())
+          pending = step
+          print(f"checkpoint step {step}: {config.checkpoint_dir}/{step}", flush=True)
     finally:
-      if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+      profiler.stop()
       logger.close()
+      checkpointing.finish(manager)
+  if last:
+    weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
+               else "not saved (enable_checkpointing=false)")
+    print(logger.summary(start_step + 1, config.steps, last, weights), flush=True)
   return last
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv)
-  try:
-    train(config)
-  except (TrainingError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+  config = pyconfig.initialize_or_exit(argv, __doc__)
+  cli.quiet_libraries()
+  cli.run(lambda: train(config), also=(TrainingError,))
 
 
 if __name__ == "__main__":

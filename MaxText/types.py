@@ -146,6 +146,15 @@ class Metrics(_Section):
   enable_tensorboard: bool
 
 
+class EvalAndProfiler(_Section):
+  eval_interval: NonNegInt
+  eval_steps: PosInt
+  eval_dataset_path: str
+  profiler: Literal["", "xplane"]
+  profiler_start_step: PosInt
+  profiler_steps: PosInt
+
+
 MeshAxis = Literal["data", "fsdp", "context", "tensor", "expert"]
 
 
@@ -177,7 +186,7 @@ class AheadOfTimeCompile(_Section):
 
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, Mesh, Decode, AheadOfTimeCompile,
+    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Decode, AheadOfTimeCompile,
 )
 
 
@@ -214,6 +223,10 @@ class Config(*SECTIONS):
   @property
   def tensorboard_dir(self) -> str:
     return os.path.join(self.run_dir, "tensorboard")
+
+  @property
+  def profile_dir(self) -> str:
+    return os.path.join(self.run_dir, "profile")
 
   @property
   def softmax_scale(self) -> float:
@@ -268,6 +281,9 @@ class Config(*SECTIONS):
           f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
     if sorted(self.mesh_axes) != sorted(["data", "fsdp", "context", "tensor", "expert"]):
       bad(f"mesh_axes={list(self.mesh_axes)} must name each of data, fsdp, context, tensor, expert once")
+    if self.eval_interval and self.dataset_type == "file" and not self.eval_dataset_path:
+      bad(f"eval_interval={self.eval_interval} with dataset_type=file needs eval_dataset_path (held-out "
+          ".txt/.jsonl file or folder); or set eval_interval=0")
     if self.max_prefill_length > self.max_target_length:
       bad(f"max_prefill_length={self.max_prefill_length} exceeds max_target_length={self.max_target_length}")
     return self

@@ -122,23 +122,26 @@ def test_plain_training_leaves_the_indexer_untouched(tmp_path):
   assert any(v for k, v in changed.items() if "'indexer'" not in k)
 
 
-def test_non_finite_loss_stops_without_checkpointing_the_bad_state(tmp_path, monkeypatch):
+def test_non_finite_loss_stops_and_sets_aside_the_checkpoint_that_gave_it(tmp_path, monkeypatch):
   cfg = small(tmp_path, steps=6, enable_checkpointing=True, checkpoint_period=1, async_checkpointing=False)
   orig = train.make_train_step
 
   def poisoned(config, graphdef, tx):
     step = orig(config, graphdef, tx)
 
-    def s(state, batch):
+    def s(state, batch):  # step 3 (from the parameters of step 2) has a NaN loss
       new, m = step(state, batch)
-      return new, dict(m, loss=jnp.where(state["step"] >= 2, jnp.nan, m["loss"]))
+      bad = state["step"] >= 2
+      return new, dict(m, loss=jnp.where(bad, jnp.nan, m["loss"]), finite=jnp.where(bad, False, m["finite"]))
     return s
 
   monkeypatch.setattr(train, "make_train_step", poisoned)
-  with pytest.raises(train.TrainingError, match="loss is nan at step 3.*last checkpoint: step 2"):
+  with pytest.raises(train.TrainingError, match="step 3: loss nan.*checkpoint step 2 gives this loss.*"
+                                                "newest good checkpoint: step 1"):
     train.train(cfg)
   steps = sorted(int(d) for d in os.listdir(cfg.checkpoint_dir) if d.isdigit())
-  assert steps == [1, 2]
+  assert steps == [1]
+  assert os.listdir(os.path.join(cfg.run_dir, "checkpoints_unusable")) == ["2"]
 
 
 def _run_train(args, **popen):

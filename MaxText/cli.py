@@ -1,0 +1,50 @@
+"""What an entry point does with errors: one line and a non-zero exit for every input or
+environment problem, a traceback only for a real bug.
+
+    cli.run(lambda: train(config), also=(TrainingError,))
+
+Exit 2: the config or an input it names (ConfigError: keys, data files, tokenizer).
+Exit 1: checkpoints, the run folder, the file system (permissions, a full disk), and `also`.
+MAXTEXT_TRACEBACK=1 re-raises every error with its traceback (for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from MaxText.checkpointing import CheckpointError
+from MaxText.run_folder import RunFolderError
+from MaxText.types import ConfigError
+
+TRACEBACK_ENV = "MAXTEXT_TRACEBACK"
+
+
+def _describe(e: BaseException) -> str:
+  if isinstance(e, OSError) and e.strerror:
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror}{where} (check that the folder is writable and the disk has free space)"
+  return str(e)
+
+
+def quiet_libraries() -> None:
+  """orbax/absl warn on the console about their own internals (missing optional metadata files, ...)."""
+  import logging
+  logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def run(fn: Callable[[], object], also: tuple[type[BaseException], ...] = ()) -> None:
+  exit2 = (ConfigError,)
+  exit1 = (CheckpointError, RunFolderError, OSError) + tuple(also)
+  try:
+    fn()
+  except exit2 + exit1 as e:
+    if os.environ.get(TRACEBACK_ENV):
+      raise
+    sys.stdout.flush()
+    print(f"error: {_describe(e)}", file=sys.stderr, flush=True)
+    sys.exit(2 if isinstance(e, exit2) else 1)
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
