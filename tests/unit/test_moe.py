@@ -310,8 +310,11 @@ def _dense_reference(p, x, ids, cfg):
   return jnp.einsum("te,ted->td", g, out)  # [T,D]
 
 
-@pytest.mark.parametrize("dispatch", ["blocked", "ragged_dot"])
-def test_gradients_match_dense_oracle_and_float64_finite_differences(dispatch):
+@pytest.mark.parametrize("dispatch", ["blocked", "blocked_loop", "ragged_dot"])
+def test_gradients_match_dense_oracle_and_float64_finite_differences(dispatch, monkeypatch):
+  if dispatch == "blocked_loop":  # the blocks run in a loop reading weights in place (large layers)
+    monkeypatch.setattr(moe, "BLOCK_WEIGHT_COPY_LIMIT", 0)
+    dispatch = "blocked"
   cfg, model = make_model(shared_experts=0)
   model.dispatch = dispatch
   x = rand_x(cfg)

@@ -1,0 +1,88 @@
+"""MaxText.train_compile: the JSON it prints is the memory and cost analysis of the very step
+train.py compiles for the same config (on 8 virtual devices, a tiny model); over the HBM limit it
+exits 1 in one line; a bad key exits 2 in one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from MaxText import aot, input_pipeline, sharding, train
+from tests.conftest import REPO_ROOT, make_config
+
+KEYS = dict(ici_data_parallelism=2, ici_expert_parallelism=4, num_decoder_layers=2, first_num_dense_layers=1,
+            mtp_num_layers=1, max_target_length=32, global_batch_size=8)
+ARGV = ["configs/base.yml", "compile_num_devices=8"] + [f"{k}={v}" for k, v in KEYS.items()]
+
+
+def _tool(*extra, cache=None):
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+  if cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  return subprocess.run([sys.executable, "-m", "MaxText.train_compile", *ARGV, *extra], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def printed(cache):
+  out = _tool(cache=cache)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout.strip().splitlines()
+
+
+def test_json_equals_the_analysis_of_the_step_train_py_compiles(printed):
+  got = json.loads(printed[-1])  # the LAST line is the JSON object
+  assert any(line.strip().startswith("peak") for line in printed[:-1])  # the human table above it
+  cfg = make_config(num_devices=8, **KEYS)
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    # train()'s own construction: real (allocated) state, real batch, the jitted step it runs
+    graphdef, state, state_sharding, tx = train._init_state(cfg, mesh)
+    batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
+    batch_sharding = train.batch_shardings(cfg, mesh, batch)
+    step_fn = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
+    compiled = step_fn.lower(state, jax.device_put(batch, batch_sharding)).compile()
+  mem = compiled.memory_analysis()
+  assert got["temp_bytes_per_device"] == mem.temp_size_in_bytes
+  assert got["argument_bytes_per_device"] == mem.argument_size_in_bytes
+  assert got["output_bytes_per_device"] == mem.output_size_in_bytes
+  assert got["peak_bytes_per_device"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                          - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  assert got["flops_per_device"] == pytest.approx(compiled.cost_analysis()["flops"], rel=1e-9)
+  assert got["flops_per_step"] == pytest.approx(8 * got["flops_per_device"], rel=1e-9)
+  assert got["collectives"] == aot.collective_counts(compiled.as_text())
+  assert got["collectives"].get("all-to-all", 0) > 0  # the expert-parallel MoE dispatch
+  # the state's bytes per device, from the real arrays' shards
+  shard_bytes = lambda tree: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
+  assert got["parameter_bytes_per_device"] == shard_bytes((state["params"], state["buffers"]))
+  assert got["optimizer_bytes_per_device"] == shard_bytes(state["opt_state"])
+  assert got["mesh"] == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "expert": 4}
+  assert got["tokens_per_step"] == 8 * 32 and got["num_devices"] == 8 and got["compile_seconds"] > 0
+
+
+def test_over_the_hbm_limit_exits_1_in_one_line(printed, cache):
+  peak = json.loads(printed[-1])["peak_bytes_per_device"]
+  out = _tool(f"compile_hbm_gib={peak / 2**30 / 2:.6f}", cache=cache)
+  assert out.returncode == 1
+  lines = out.stderr.strip().splitlines()
+  assert lines[-1].startswith("error: needs ") and "GiB per device, the limit is" in lines[-1]
+  assert "Traceback" not in out.stderr
+  ok = _tool(f"compile_hbm_gib={peak / 2**30 * 2:.6f}", cache=cache)
+  assert ok.returncode == 0, ok.stderr[-1000:]
+
+
+def test_bad_key_exits_2_in_one_line():
+  out = _tool("ici_expert_parallelizm=4")
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines()[-1].startswith("config error: unknown config key 'ici_expert_parallelizm'")
+  out = _tool("num_experts=6", "n_routing_groups=2", "topk_routing_group=1")  # 6 experts over 4 devices
+  assert out.returncode == 2 and "num_experts=6 is not divisible by ici_expert_parallelism=4" in out.stderr
+  assert "Traceback" not in out.stderr
