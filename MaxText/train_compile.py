@@ -23,9 +23,6 @@ import os
 import sys
 import time
 
-USAGE = __doc__.split("\n\n")[1]
-
-
 def _num_devices(argv) -> int:
   """compile_num_devices from the merged config, read before jax is imported (0: leave the devices as they are)."""
   from MaxText import pyconfig
@@ -118,14 +115,13 @@ def _table(config, r: dict) -> str:
 
 
 def main(argv) -> None:
-  if len(argv) > 1 and argv[1] in ("-h", "--help"):
-    print(USAGE.strip() + "\n\n" + __doc__.split("\n\n", 2)[2].strip())
-    return
+  from MaxText import pyconfig
+  if any(a in ("-h", "--help") for a in argv[1:]):
+    pyconfig.initialize_or_exit(["python -m MaxText.train_compile", "--help"], __doc__)  # prints usage, exits 0
   n = _num_devices(argv)
   if n:
     _set_virtual_devices(n)
-  from MaxText import pyconfig
-  config = pyconfig.initialize_or_exit(argv)
+  config = pyconfig.initialize_or_exit(argv, __doc__)
   compiled, state, batch, seconds = compile_train_step(config)
   r = report(config, compiled, state, batch, seconds)
   print(_table(config, r), flush=True)
