@@ -12,6 +12,8 @@ Which method runs where:
   topk_threshold             the exact k-th value from bounds on strided bins closed by bisection
                              over order-preserving int32 keys (_threshold_block), every backend.
   generate_mask              one compare against the cutoff (+ a tie fix only when needed).
+  topk_mask                  topk_threshold + generate_mask fused: each block of rows reads its
+                             scores once (they no longer fit the last-level cache at s=131072).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
 Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
@@ -157,7 +159,8 @@ def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
 
 def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
   """keys [R,16,L] (16-key strided bins) -> [R,m,L]: the m largest distinct keys of each bin, or
-  with `above` [R] the m smallest distinct keys > above. One max (min) pass per level."""
+  with `above` [R] the m smallest distinct keys > above. One max (min) pass per level (a chain
+  of elementwise max/min down the 16 rows, or a multiset top 2, measured slower on XLA:CPU)."""
   levels, prev = [], None if above is None else above[:, None, None]
   for _ in range(m):
     if above is None:
@@ -169,9 +172,11 @@ def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
   return jnp.concatenate(levels, axis=1)
 
 
-def _threshold_block(x: jax.Array, k: int) -> jax.Array:
-  """x [R,s] -> [R,1], the exact k-th value of each row, 2.2x (k=2048) to 3.6x (k=64) faster on
-  CPU than a bisection over all keys (32 passes). With L = s/16 strided bins of 16 keys:
+def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.Array, jax.Array]:
+  """keys [R,16,L] -> (kth [R], n_ge [R]): each row's exact k-th largest key and, with count,
+  #(keys >= kth) (for the mask's tie check; counted once whichever way kth was found),
+  2.2x (k=2048) to 3.6x (k=64) faster on CPU than a bisection over all keys (32 passes).
+  With L = s/16 strided bins of 16 keys:
 
   lo: the k-th largest of each bin's top 2 keys. A subset's k-th is never above the row's, and is
     equal unless some bin holds 3+ of the top k (then c = #keys > lo >= k).
@@ -183,13 +188,16 @@ def _threshold_block(x: jax.Array, k: int) -> jax.Array:
   Each k-th of a candidate set is a 32-pass bisection over 2L keys (_kth_key). Measured: 2 levels
   for lo and for hi beat 1 or 3 at k in {64, 256, 2048}.
   """
-  r = x.shape[0]
-  keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
+  r = keys.shape[0]
   kth = jax.vmap(_kth_key)
   k_rows = jnp.full((r,), k, jnp.int32)
-  exact = lambda _: kth(keys.reshape(r, -1), k_rows)  # [R], 32 passes over all keys
+  with_count = lambda tau: (tau, _count_ge(keys, tau) if count else jnp.zeros_like(tau))
+
+  def exact(_):  # 32 passes over all keys
+    return with_count(kth(keys.reshape(r, -1), k_rows))
+
   if 2 * keys.shape[-1] < k:  # too few candidates: k close to s
-    return _from_keys(exact(None))[:, None]
+    return exact(None)
   lo = kth(_bin_levels(keys, 2).reshape(r, -1), k_rows)  # [R]
   c = jnp.where(lo == _IMAX, 0, _count_ge(keys, lo + 1))  # #keys > lo (none above the top key)
 
@@ -197,10 +205,36 @@ def _threshold_block(x: jax.Array, k: int) -> jax.Array:
     low = _bin_levels(keys, 2, above=lo).reshape(r, -1)  # [R,2L]
     hi = ~kth(~low, jnp.where(c >= k, c - k + 1, 1))  # ~ reverses the order: r-th smallest
     tau = jnp.where(c >= k, hi, lo)
-    proven = jnp.all((c < k) | (_count_ge(keys, hi) >= k))
-    return lax.cond(proven, lambda _: tau, exact, None)
+    n_ge = _count_ge(keys, tau)  # proves hi <= the k-th where c >= k (lo is exact elsewhere)
+    return lax.cond(jnp.all((c < k) | (n_ge >= k)), lambda _: (tau, n_ge), exact, None)
 
-  return _from_keys(lax.cond(jnp.any(c >= k), close, lambda _: lo, None))[:, None]
+  return lax.cond(jnp.any(c >= k), close, lambda _: with_count(lo), None)
+
+
+def _threshold_block(x: jax.Array, k: int) -> jax.Array:
+  """x [R,s] -> [R,1], the exact k-th value of each row (see _threshold_keys)."""
+  r = x.shape[0]
+  keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
+  return _from_keys(_threshold_keys(keys, k)[0])[:, None]
+
+
+def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True) -> jax.Array:
+  """bool [..., s], True = attend: generate_mask(scores, topk_threshold(scores, k), exact_topk, k)
+  in one pass over the scores. On CPU each cache-resident block of rows finds its k-th values and
+  writes its mask while its keys are still in cache (the two calls read every score twice, from
+  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB)."""
+  if k < 1:
+    raise ValueError(f"topk_mask: k must be >= 1, got {k}")
+  kk = min(k, scores.shape[-1])
+  return _map_blocks(lambda x: _topk_mask_block(x, kk, exact_topk), scores)
+
+
+def _topk_mask_block(x: jax.Array, k: int, exact_topk: bool) -> jax.Array:
+  """x [R,s] -> bool [R,s]: see topk_mask."""
+  r, s = x.shape
+  keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
+  kth, n_ge = _threshold_keys(keys, k, count=exact_topk)  # [R], [R]
+  return _mask_from_keys(keys.reshape(r, -1), kth[:, None], k, exact_topk, n_ge if exact_topk else None)[:, :s]
 
 
 # ----------------------------------------------------------------------------- approximate top-k
@@ -360,16 +394,21 @@ def generate_mask(scores: jax.Array, topk_values: jax.Array, topk_indices: jax.A
 
 def _threshold_mask_block(scores: jax.Array, cutoff: jax.Array, k: int, exact_topk: bool) -> jax.Array:
   """scores [R,s], cutoff [R,1] -> bool [R,s]: see generate_mask (threshold form)."""
-  cut = _to_keys(cutoff)  # [R,1]
+  return _mask_from_keys(_to_keys(scores), _to_keys(cutoff), k, exact_topk)
+
+
+def _mask_from_keys(keys: jax.Array, cut: jax.Array, k: int, exact_topk: bool, n_ge=None) -> jax.Array:
+  """keys [R,n], cut [R,1] (the cutoff's key) -> bool [R,n]: keys >= cut, never -inf/NaN; with
+  exact_topk, ties at the cutoff lowest position first up to k. n_ge [R]: #(keys >= cut) if
+  already counted (else counted here)."""
   floor = jnp.maximum(cut, _NEG_INF_KEY + 1)  # >= cutoff, and never -inf/NaN
-  raw = _to_keys(scores) >= floor
+  raw = keys >= floor  # [R,n]
   if not exact_topk:
     return raw
 
-  def keep_first_ties(scores):
+  def keep_first_ties(keys):
     # Keep everything strictly above the cutoff; prune only the ties (a cumsum over the whole
     # raw mask would drop maxima that come after ties).
-    keys = _to_keys(scores)
     above = keys > jnp.maximum(cut, _NEG_INF_KEY)
     tied = (keys == cut) & (cut > _NEG_INF_KEY)
     need = k - jnp.sum(above, axis=-1, keepdims=True)
@@ -377,8 +416,11 @@ def _threshold_mask_block(scores: jax.Array, cutoff: jax.Array, k: int, exact_to
 
   # Rows with more ties at the cutoff than they need are rare: pay for the prefix count only in
   # the blocks that have one (a lax.cond per block; under vmap it becomes a select).
-  count = _count_ge(_pad_last(_to_keys(scores), 16, _IMIN).reshape(scores.shape[0], 16, -1), floor[:, 0])
-  return lax.cond(jnp.any(count > k), keep_first_ties, lambda _: raw, scores)
+  if n_ge is None:
+    count = _count_ge(_pad_last(keys, 16, _IMIN).reshape(keys.shape[0], 16, -1), floor[:, 0])
+  else:  # a -inf (or NaN) cutoff: fewer than k finite keys, all kept, no ties to prune
+    count = jnp.where(cut[:, 0] > _NEG_INF_KEY, n_ge, 0)
+  return lax.cond(jnp.any(count > k), keep_first_ties, lambda _: raw, keys)
 
 
 def generate_mask_reference(topk_indices: jax.Array, s: int) -> jax.Array:

@@ -20,6 +20,7 @@ NEG_INF = -np.inf
 # Module-level jits (static k / flags) so tests that share a shape share one compile.
 select_topk = jax.jit(sel.select_topk, static_argnames=("k", "approx", "recall_target"))
 topk_threshold = jax.jit(sel.topk_threshold, static_argnames=("k",))
+topk_mask = jax.jit(sel.topk_mask, static_argnames=("k", "exact_topk"))
 generate_mask = jax.jit(sel.generate_mask, static_argnames=("exact_topk", "k"))
 
 
@@ -42,7 +43,8 @@ def _all_paths(scores, k):
   raw = sel.generate_mask(scores, threshold, exact_topk=False, k=k)
   values, indices = sel.select_topk(scores, k, approx=True, recall_target=0.9)
   approx = sel.generate_mask(scores, values, indices, exact_topk=True, k=k)
-  return threshold, exact, raw, values, indices, approx
+  fused = sel.topk_mask(scores, k), sel.topk_mask(scores, k, exact_topk=False)
+  return threshold, exact, raw, values, indices, approx, fused
 
 
 def _recall(indices, exact_indices, valid):
@@ -167,7 +169,7 @@ def test_every_path_keeps_the_selection_invariants(batch):
   x, k = batch
   s = x.shape[-1]
   kk = min(k, s)
-  threshold, exact, raw, values, indices, approx = map(np.asarray, _all_paths(jnp.asarray(x), k))
+  threshold, exact, raw, values, indices, approx, fused = jax.tree.map(np.asarray, _all_paths(jnp.asarray(x), k))
   finite = ~np.isnan(x) & (x > NEG_INF)
   want = _reference_mask(x, k)
   expected_count = np.minimum(kk, finite.sum(-1))
@@ -179,6 +181,9 @@ def test_every_path_keeps_the_selection_invariants(batch):
   np.testing.assert_array_equal(exact, want)
   np.testing.assert_array_equal(exact.sum(-1), expected_count)
   assert not (exact & ~finite).any() and not (raw & ~finite).any() and not (approx & ~finite).any()
+  # the fused threshold + mask: the same masks
+  np.testing.assert_array_equal(fused[0], exact)
+  np.testing.assert_array_equal(fused[1], raw)
   # raw cutoff: a superset, at least min(k, valid)
   assert not (want & ~raw).any()
   assert (raw.sum(-1) >= expected_count).all()
@@ -224,6 +229,8 @@ def test_threshold_is_exact_in_every_branch_of_its_bounds():
            (jnp.ones((2, 64)), 5), (jnp.tile(periodic, (2, 1)), 8)]
   for x, k in cases:
     np.testing.assert_array_equal(topk_threshold(x, k), jax.lax.top_k(x, k)[0][..., -1:])
+    # topk_mask reuses each branch's count of keys >= the k-th for its tie check
+    np.testing.assert_array_equal(topk_mask(x, k), _numpy_topk_positions(np.asarray(x), k)[0])
 
 
 # ----------------------------------------------------------------------------- recall of the binned method
@@ -284,6 +291,38 @@ def test_row_blocks_with_padding_match_top_k():
   values, indices = select_topk(x, 300, approx=True)
   np.testing.assert_array_equal(values, jnp.take_along_axis(x, indices, -1))
   np.testing.assert_array_equal(generate_mask(x, values, indices, k=300).sum(-1), np.full((3, 7), 300))
+
+
+def test_fused_mask_counts_ties_per_row_in_a_block_mixing_both_bounds():
+  """One block, two rows: row 0's bin 0 holds 3 of its top 8 (lo misses one, hi closes it);
+  row 1's lo is exact but 252 zeros tie at it. The tie check must count keys >= each row's own
+  k-th (row 1: lo, not the hi its block computed)."""
+  row0 = np.arange(256, dtype=np.float32)
+  top = np.array([0, 16, 32, 1, 17, 2, 18, 3])  # bins 0,0,0,1,1,2,2,3 (bin = position mod 16)
+  row0[top], row0[248:] = row0[248:], row0[top]
+  row1 = np.zeros(256, np.float32)
+  row1[[5, 70, 135, 200]] = 1.0
+  x = np.stack([row0, row1])
+  got = np.asarray(topk_mask(jnp.asarray(x), 8))
+  np.testing.assert_array_equal(np.flatnonzero(got[0]), np.sort(top))
+  np.testing.assert_array_equal(np.flatnonzero(got[1]), [0, 1, 2, 3, 5, 70, 135, 200])
+
+
+def test_fused_mask_at_s131072_two_rows_per_block_with_causal_rows():
+  """The seed's shape regime: at s=131072 a cache-sized block holds 2 rows, so 5 rows are 3 blocks
+  (one padded). Causal rows (valid prefixes shorter than, equal to, just above k, and full) with
+  a few planted ties at each row's k-th value, against a float64 numpy oracle."""
+  s, k = 131072, 2048
+  assert sel._block_rows(s, sel._CACHE_BYTES) == 2
+  rng = np.random.default_rng(19)
+  valid_len = np.array([1000, k, k + 1, 70000, s])
+  x = np.where(np.arange(s) < valid_len[:, None], rng.standard_normal((5, s)), -np.inf).astype(np.float32)
+  for row in (2, 3, 4):  # 3 extra copies of the row's k-th value, anywhere in its valid prefix
+    x[row, rng.choice(valid_len[row], 3, replace=False)] = np.sort(x[row])[-k]
+  want, _ = _numpy_topk_positions(x, k)
+  got = np.asarray(topk_mask(jnp.asarray(x), k))
+  np.testing.assert_array_equal(got.sum(-1), np.minimum(k, valid_len))
+  np.testing.assert_array_equal(got, want)
 
 
 def test_shapes_are_batch_agnostic_and_vmappable():
