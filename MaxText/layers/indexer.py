@@ -27,7 +27,7 @@ from MaxText.layers.embeddings import apply_rope_half, rope_cos_sin, rope_inv_fr
 from MaxText.layers.linears import PRECISION, Linear
 from MaxText.layers.normalizations import LayerNorm
 from MaxText.layers.selection import (  # noqa: F401  (re-exported: indexer.generate_mask_reference, ...)
-    additive_mask, generate_mask, generate_mask_reference, select_topk, topk_threshold)
+    additive_mask, generate_mask, generate_mask_reference, select_topk, topk_mask, topk_threshold)
 from MaxText.sharding import constrain, gather_sequence
 from MaxText.types import Config
 
@@ -175,8 +175,8 @@ class Indexer(nnx.Module):
     cfg = self.config
     k = min(cfg.indexer_topk, scores.shape[-1])
     if not cfg.indexer_use_approx_top_k:
-      threshold = topk_threshold(scores, k)  # [b,t,1]
-      return generate_mask(scores, threshold, exact_topk=cfg.indexer_mask_exact_topk, k=k), None
+      # the k-th value and the mask in one pass over the scores (topk_threshold + generate_mask fused)
+      return topk_mask(scores, k, exact_topk=cfg.indexer_mask_exact_topk), None
     values, indices = select_topk(scores, k, approx=True, recall_target=cfg.indexer_approx_top_k_recall)
     if cfg.indexer_mask_exact_topk:
       mask = generate_mask(scores, values, indices, exact_topk=True, k=k)
@@ -194,4 +194,4 @@ class Indexer(nnx.Module):
 
 
 __all__ = ["Indexer", "index_scores", "indexer_kl_loss", "hadamard_matrix",
-           "select_topk", "topk_threshold", "generate_mask", "generate_mask_reference", "additive_mask"]
+           "select_topk", "topk_threshold", "topk_mask", "generate_mask", "generate_mask_reference", "additive_mask"]

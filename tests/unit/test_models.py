@@ -147,24 +147,24 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   configured recall target) or the exact threshold, counted per layer while tracing."""
   from MaxText.layers import indexer as indexer_mod
   calls = []
-  real_select, real_threshold = indexer_mod.select_topk, indexer_mod.topk_threshold
+  real_select, real_mask = indexer_mod.select_topk, indexer_mod.topk_mask
 
   def select_spy(scores, k, *, approx=False, recall_target=0.95):
     calls.append(("approx" if approx else "exact-topk", recall_target))
     return real_select(scores, k, approx=approx, recall_target=recall_target)
 
-  def threshold_spy(scores, k):
-    calls.append(("threshold", None))
-    return real_threshold(scores, k)
+  def mask_spy(scores, k, *, exact_topk=True):
+    calls.append(("threshold", exact_topk))
+    return real_mask(scores, k, exact_topk=exact_topk)
 
   monkeypatch.setattr(indexer_mod, "select_topk", select_spy)
-  monkeypatch.setattr(indexer_mod, "topk_threshold", threshold_spy)
+  monkeypatch.setattr(indexer_mod, "topk_mask", mask_spy)
   # remat off: jax.checkpoint would trace identical layers once and hide the per-layer count.
   cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=1,
                     remat_policy="none", indexer_use_approx_top_k=approx, indexer_approx_top_k_recall=0.9)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   model(jnp.ones((1, 32), jnp.int32))
-  want = [("approx", 0.9)] if approx else [("threshold", None)]
+  want = [("approx", 0.9)] if approx else [("threshold", True)]
   assert calls == want * 5  # 4 decoder layers + the MTP layer
 
 
