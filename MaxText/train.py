@@ -33,10 +33,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from MaxText import checkpointing, input_pipeline, model_state, pyconfig, sharding
+from MaxText import checkpointing, distributed, input_pipeline, model_state, pyconfig, sharding
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss
 from MaxText.layers.moe import RoutingBias, update_routing_bias
 from MaxText.metrics import MetricsLogger, model_flops_per_token
+from MaxText.metrics_prefetch import DeferredMetrics
 from MaxText.optimizers import create_optimizer, learning_rate_schedule
 from MaxText.types import Config
 
@@ -125,12 +126,13 @@ def prepare_batch(config: Config, batch: dict) -> dict:
 
 
 def batch_shardings(config: Config, mesh, batch: dict) -> dict:
-  """Batch over the batch axes, the sequence (last axis) over `context`."""
+  """Batch over the batch axes, the sequence (last axis) over `context`. `batch` may be one
+  process's rows: the shardings are those of the global batch."""
   rules = sharding.rules_of(config)
 
   def one(x):
     names = ("activation_batch",) + (None,) * (x.ndim - 2) + ("activation_length",)
-    return NamedSharding(mesh, sharding.logical_to_spec(names, rules, mesh, x.shape))
+    return NamedSharding(mesh, sharding.logical_to_spec(names, rules, mesh, (config.global_batch_size,) + x.shape[1:]))
 
   return {k: one(v) for k, v in batch.items()}
 
@@ -250,7 +252,8 @@ def train(config: Config) -> dict:
     if restored is not None:
       start_step, state, data_state = restored
       print(f"resumed from checkpoint step {start_step} in {config.checkpoint_dir}", flush=True)
-    data = input_pipeline.create_data_iterator(config, start_step=start_step)
+    # each process loads only the rows of the global batch its devices hold
+    data = input_pipeline.create_data_iterator(config, start_step=start_step, **distributed.batch_rows(config, mesh))
     if data_state is not None:
       data.set_state(data_state)
 
@@ -263,29 +266,38 @@ def train(config: Config) -> dict:
     peak = _peak_flops_per_device() * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
           f"indexer_training_stage={config.indexer_training_stage}", flush=True)
-    logger = MetricsLogger(config, start_step=start_step)
+    logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()
     tokens_per_step = config.global_batch_size * config.max_target_length
     last = {}
+
+    def report(step, metrics, dt):
+      nonlocal last
+      if not math.isfinite(metrics["loss"]):
+        kept = manager.latest_step() if manager is not None else None
+        raise TrainingError(
+            f"loss is {metrics['loss']} at step {step} (lm_loss={metrics['lm_loss']}, grad_norm="
+            f"{metrics['grad_norm']}); stopping without saving this state; last checkpoint: "
+            f"{'step ' + str(kept) if kept is not None else 'none'}")
+      metrics["tokens_per_s"] = tokens_per_step / dt
+      metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
+      logger.log(step, metrics)
+      last = metrics
+
+    deferred = DeferredMetrics()  # step n's metrics are read once step n+1 is dispatched
     try:
       for step in range(start_step + 1, config.steps + 1):
         batch = first if step == start_step + 1 else prepare_batch(config, next(data))
-        batch = jax.device_put(batch, batch_sharding)
+        batch = distributed.global_batch(batch, batch_sharding, config.global_batch_size)
         t0 = time.perf_counter()
         state, metrics = step_fn(state, batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        dt = time.perf_counter() - t0
-        if not math.isfinite(metrics["loss"]):
-          kept = manager.latest_step() if manager is not None else None
-          raise TrainingError(
-              f"loss is {metrics['loss']} at step {step} (lm_loss={metrics['lm_loss']}, grad_norm="
-              f"{metrics['grad_norm']}); stopping without saving this state; last checkpoint: "
-              f"{'step ' + str(kept) if kept is not None else 'none'}")
-        metrics["tokens_per_s"] = tokens_per_step / dt
-        metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
-        logger.log(step, metrics)
-        last = metrics
+        for done in deferred.push(step, metrics, t0):
+          report(*done)
         if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
+          for done in deferred.flush():  # this step's metrics are good before its state is saved
+            report(*done)
           checkpointing.save(manager, step, state, data.get_state())
+      for done in deferred.flush():
+        report(*done)
     finally:
       if manager is not None:
         manager.wait_until_finished()
@@ -304,4 +316,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  distributed.run_main(main, sys.argv)
