@@ -139,4 +139,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  from MaxText import distributed
+  distributed.run_main(main, sys.argv)

@@ -24,7 +24,7 @@ import pydantic
 import yaml
 from omegaconf import OmegaConf
 
-from MaxText.types import SECTIONS, Config, ConfigError, schema_keys
+from MaxText.types import SECTIONS, Config, ConfigError, Distributed, schema_keys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
@@ -172,10 +172,10 @@ def merged_values(argv: Sequence[str], **overrides: Any) -> dict[str, Any]:
 def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides: Any) -> Config:
   """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value."""
   values = merged_values(argv, **overrides)
-  if num_devices is None:
-    import jax  # only here: the rest of the config system must not need jax
-    num_devices = jax.device_count()
   try:
+    if num_devices is None:  # a real run: join the other processes first, then count every device
+      from MaxText import distributed  # only here: the rest of the config system must not need jax
+      num_devices = distributed.initialize(Distributed(**{k: values[k] for k in Distributed.model_fields}))
     _resolve_mesh(values, num_devices)
     cfg = Config(**values)
   except pydantic.ValidationError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import yaml
 
 from MaxText import pyconfig
@@ -78,7 +79,8 @@ class RunFolder:
               f"{latest_step + self.config.steps}); to start over, choose another run_name. The weights: "
               f"load_parameters_path={self.config.checkpoint_dir}", flush=True)
         return False
-    self.write_config()
+    if jax.process_index() == 0:  # one writer for the whole (multi-process) run
+      self.write_config()
     return True
 
   def write_config(self) -> None:

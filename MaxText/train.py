@@ -41,10 +41,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from MaxText import checkpointing, cli, input_pipeline, model_state, pyconfig, sharding
+from MaxText import checkpointing, cli, distributed, input_pipeline, model_state, pyconfig, sharding
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss
 from MaxText.layers.moe import RoutingBias, update_routing_bias
 from MaxText.metrics import MetricsLogger, model_flops_per_token, warn
+from MaxText.metrics_prefetch import DeferredMetrics
 from MaxText.optimizers import create_optimizer, learning_rate_schedule
 from MaxText.profiler import Profiler
 from MaxText.run_folder import RunFolder
@@ -135,12 +136,13 @@ def prepare_batch(config: Config, batch: dict) -> dict:
 
 
 def batch_shardings(config: Config, mesh, batch: dict) -> dict:
-  """Batch over the batch axes, the sequence (last axis) over `context`."""
+  """Batch over the batch axes, the sequence (last axis) over `context`. `batch` may be one
+  process's rows: the shardings are those of the global batch."""
   rules = sharding.rules_of(config)
 
   def one(x):
     names = ("activation_batch",) + (None,) * (x.ndim - 2) + ("activation_length",)
-    return NamedSharding(mesh, sharding.logical_to_spec(names, rules, mesh, x.shape))
+    return NamedSharding(mesh, sharding.logical_to_spec(names, rules, mesh, (config.global_batch_size,) + x.shape[1:]))
 
   return {k: one(v) for k, v in batch.items()}
 
@@ -292,8 +294,8 @@ class _Eval:
 
   def __init__(self, config: Config, graphdef, data, batch_sharding, replicated):
     self.config = config
-    self.batches = [jax.device_put(prepare_batch(config, data.source[i]), batch_sharding)
-                    for i in range(config.eval_steps)]
+    self.batches = [distributed.global_batch(prepare_batch(config, data.source[i]), batch_sharding,
+                                             config.global_batch_size) for i in range(config.eval_steps)]
     self.fn = jax.jit(make_eval_step(config, graphdef), out_shardings=replicated)
 
   def due(self, step: int) -> bool:
@@ -311,10 +313,12 @@ def train(config: Config) -> dict:
   if not run.open(latest):
     return {}
   print(run.describe(), flush=True)
-  # Data first: a bad dataset or tokenizer fails in seconds, before any compilation.
-  data = input_pipeline.create_data_iterator(config)
-  eval_data = input_pipeline.create_eval_iterator(config, tokenizer=data.tokenizer) if config.eval_interval else None
   mesh = sharding.create_mesh(config)
+  rows = distributed.batch_rows(config, mesh)  # each process loads only the rows its devices hold
+  # Data first: a bad dataset or tokenizer fails in seconds, before any compilation.
+  data = input_pipeline.create_data_iterator(config, **rows)
+  eval_data = input_pipeline.create_eval_iterator(config, tokenizer=data.tokenizer, **rows) \
+      if config.eval_interval else None
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     graphdef, state, state_sharding, tx = _init_state(config, mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -338,41 +342,54 @@ def train(config: Config) -> dict:
     peak = _peak_flops_per_device() * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
           f"indexer_training_stage={config.indexer_training_stage}", flush=True)
-    logger = MetricsLogger(config, start_step=start_step)
+    logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()
     profiler = Profiler(config, start_step)
     tokens_per_step = config.global_batch_size * config.max_target_length
     last = {}
+
+    def report(step, metrics, seconds):
+      """Step `step`'s metrics, read: the NaN guard, then console and tensorboard."""
+      nonlocal last, pending
+      if not metrics.pop("finite"):
+        raise _non_finite(config, manager, step, metrics, pending)
+      pending = None
+      metrics["tokens_per_s"] = tokens_per_step / seconds
+      metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
+      logger.log(step, metrics)
+      if metrics["moe_dropped"] > 0 and (step % config.log_period == 0 or step == start_step + 1):
+        warn(f"step {step}: {metrics['moe_dropped']:.2%} of the expert assignments were past capacity and "
+             f"dropped (moe_capacity_factor={config.moe_capacity_factor}; -1 = dropless)")
+      last = metrics
+
+    deferred = DeferredMetrics()  # step n's metrics are read once step n+1 is dispatched
     try:
       for step in range(start_step + 1, config.steps + 1):
         batch = first if step == start_step + 1 else prepare_batch(config, next(data))
-        batch = jax.device_put(batch, batch_sharding)
+        batch = distributed.global_batch(batch, batch_sharding, config.global_batch_size)
         profiler.before_step(step)
         t0 = time.perf_counter()
         state, metrics = step_fn(state, batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        dt = time.perf_counter() - t0
+        for done in deferred.push(step, metrics, t0):
+          report(*done)
         profiler.after_step(step)
-        if not metrics.pop("finite"):
-          raise _non_finite(config, manager, step, metrics, pending)
-        pending = None
-        metrics["tokens_per_s"] = tokens_per_step / dt
-        metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
-        logger.log(step, metrics)
-        if metrics["moe_dropped"] > 0 and (step % config.log_period == 0 or step == start_step + 1):
-          warn(f"step {step}: {metrics['moe_dropped']:.2%} of the expert assignments were past capacity and "
-               f"dropped (moe_capacity_factor={config.moe_capacity_factor}; -1 = dropless)")
-        last = metrics
-        if evaluate is not None and evaluate.due(step):
+        eval_due = evaluate is not None and evaluate.due(step)
+        save_due = manager is not None and (step % config.checkpoint_period == 0 or step == config.steps)
+        if eval_due or save_due:
+          for done in deferred.flush():  # this step's own metrics first: only a good state is saved
+            report(*done)
+        if eval_due:
           logger.log_eval(step, evaluate(state))
-        if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
+        if save_due:
           checkpointing.save(manager, step, state, data.get_state())
           pending = step
           print(f"checkpoint step {step}: {config.checkpoint_dir}/{step}", flush=True)
+      for done in deferred.flush():
+        report(*done)
     finally:
       profiler.stop()
       logger.close()
       checkpointing.finish(manager)
-  if last:
+  if last and distributed.is_main_process():
     weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
                else "not saved (enable_checkpointing=false)")
     print(logger.summary(start_step + 1, config.steps, last, weights), flush=True)
@@ -386,4 +403,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  distributed.run_main(main, sys.argv)

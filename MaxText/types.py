@@ -169,6 +169,31 @@ class Mesh(_Section):
   logical_axis_rules: tuple[tuple[str, tuple[MeshAxis, ...]], ...]
 
 
+class Distributed(_Section):
+  distributed_coordinator_address: str
+  distributed_num_processes: Annotated[int, Field(ge=-1)]
+  distributed_process_id: Annotated[int, Field(ge=-1)]
+  distributed_initialization_timeout: PosInt
+
+  @model_validator(mode="after")
+  def _check_processes(self) -> "Distributed":
+    n, i = self.distributed_num_processes, self.distributed_process_id
+    if n == 0:
+      raise ValueError("distributed_num_processes=0: use -1 (from the cluster) or the number of processes (>= 1)")
+    if n > 0 and i >= n:
+      raise ValueError(f"distributed_process_id={i} is not below distributed_num_processes={n} "
+                       f"(ids run 0 .. {n - 1})")
+    if self.distributed_coordinator_address:
+      if n < 0 or i < 0:
+        raise ValueError(f"distributed_coordinator_address={self.distributed_coordinator_address!r} needs "
+                         "distributed_num_processes and distributed_process_id on every process")
+      host, _, port = self.distributed_coordinator_address.rpartition(":")
+      if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"distributed_coordinator_address={self.distributed_coordinator_address!r} is not "
+                         "host:port (e.g. 10.0.0.1:1234)")
+    return self
+
+
 class Decode(_Section):
   prompt: str
   max_prefill_length: PosInt
@@ -186,7 +211,7 @@ class AheadOfTimeCompile(_Section):
 
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Decode, AheadOfTimeCompile,
+    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, AheadOfTimeCompile,
 )
 
 

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxText.distributed import to_host
 from MaxText.inference import kv_cache
 from MaxText.inference.sampling import sample
 from MaxText.layers.indexer import index_scores
@@ -436,7 +437,7 @@ class Engine:
     b = len(prompts)
     key = jax.random.key(cfg.seed if seed is None else seed)
     state, logits = self.prefill(self.init_state(b), prompts, pad_id)
-    nxt = np.asarray(self._sample_jit(logits, jax.random.fold_in(key, 0)))
+    nxt = to_host(self._sample_jit(logits, jax.random.fold_in(key, 0)))
     results = [Generation(list(map(int, p)), [], "") for p in prompts]
     limit = [cfg.max_target_length - len(p) for p in prompts]  # room left for generated tokens
     if max_new_tokens is not None:
@@ -459,7 +460,7 @@ class Engine:
         return results
       step += 1
       state, nxt_dev, _ = self.step(state, nxt, active, jax.random.fold_in(key, step))
-      nxt = np.asarray(nxt_dev)
+      nxt = to_host(nxt_dev)
 
 
 

@@ -1,0 +1,274 @@
+"""One program, many processes: jax.distributed start-up, each process's rows of the global batch,
+host reads of global arrays, and failing fast together.
+
+Every process runs the same command. `initialize` (called by pyconfig before anything reads the
+device count) joins them: with `distributed_coordinator_address` set, process 0 checks first, over
+a plain socket on that port, that every process came with the same `distributed_num_processes` and
+a distinct `distributed_process_id` (a mistake is one line naming the key, within
+`distributed_initialization_timeout`, where jax.distributed would abort with a stack trace);
+with it empty, JAX's own cluster detection (SLURM, Open MPI, Cloud TPU pods) decides, and nothing
+detected means one process.
+
+Each process then builds only its rows of each batch (`batch_slice` tells the input pipeline
+which) and `global_batch` assembles the global arrays from them without any host seeing the
+whole batch. A failure in one process ends every process quickly and non-zero (`run_main`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+from MaxText.types import ConfigError, Distributed
+
+_ANSWER_BYTES = 1 << 16
+
+
+def _cluster_detected() -> str | None:
+  """The name of the cluster environment JAX's initialize() would bootstrap from, or None."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return "JAX_COORDINATOR_ADDRESS"
+  from jax._src import clusters  # the detectors jax.distributed.initialize() itself consults
+  for env in clusters.ClusterEnv._cluster_types:
+    if not env.opt_in_only_method and env.is_env_present():
+      return env.__name__
+  return None
+
+
+def initialize(d: Distributed) -> int:
+  """Starts jax.distributed when the keys (or the environment) ask for several processes;
+  returns the global device count. Idempotent; raises ConfigError naming the key on a mistake."""
+  import jax
+  if jax.distributed.is_initialized():
+    return jax.device_count()
+  n, pid, address = d.distributed_num_processes, d.distributed_process_id, d.distributed_coordinator_address
+  timeout = d.distributed_initialization_timeout
+  if not address:
+    cluster = _cluster_detected()
+    if cluster is None:
+      if n > 1:
+        raise ConfigError(f"distributed_num_processes={n} needs distributed_coordinator_address=host:port "
+                          "(no cluster environment such as SLURM, Open MPI or a TPU pod was detected)")
+      return jax.device_count()
+    _use_gloo_on_cpu(jax)
+    jax.distributed.initialize(num_processes=None if n < 0 else n, process_id=None if pid < 0 else pid,
+                               initialization_timeout=timeout)
+    _quiet_unless_main(jax)
+    return jax.device_count()
+  if n == 1:
+    return jax.device_count()
+  _rendezvous(address, n, pid, timeout)
+  _use_gloo_on_cpu(jax)
+  jax.distributed.initialize(address, n, pid, initialization_timeout=timeout)
+  _quiet_unless_main(jax)
+  return jax.device_count()
+
+
+def _use_gloo_on_cpu(jax) -> None:
+  # CPU collectives across processes need an implementation; gloo ships with jaxlib. Must be set
+  # before the CPU client exists; harmless on GPU/TPU hosts (it only concerns the CPU backend).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _quiet_unless_main(jax) -> None:
+  # Process 0 speaks for all on the console: the others' stdout (fd 1: print, streams bound early,
+  # native libraries) goes nowhere; stderr stays, for errors.
+  if jax.process_index() != 0:
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+# ---------------------------------------------------------------- the pre-flight check
+
+
+def _rendezvous(address: str, n: int, pid: int, timeout: float) -> None:
+  """Process 0 listens on the coordinator's port until the other n-1 processes have told it
+  (num_processes, process_id); any disagreement, or a process missing at the deadline, is a
+  ConfigError in every process that got that far. The port is then free for jax.distributed."""
+  host, port = address.rsplit(":", 1)
+  deadline = time.monotonic() + timeout
+  if pid == 0:
+    _rendezvous_host(int(port), n, timeout, deadline, address)
+  else:
+    _rendezvous_peer(host, int(port), n, pid, timeout, deadline, address)
+
+
+def _rendezvous_host(port: int, n: int, timeout: float, deadline: float, address: str) -> None:
+  try:
+    srv = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+        if socket.has_dualstack_ipv6() else socket.create_server(("", port))
+  except OSError as e:
+    raise ConfigError(f"distributed_coordinator_address={address!r}: process 0 cannot listen on port {port} "
+                      f"({e.strerror}): another program holds it, or distributed_process_id=0 is given twice") from None
+  peers: dict[int, socket.socket] = {}
+  error = None
+  with srv:
+    while len(peers) < n - 1 and error is None:
+      srv.settimeout(max(deadline - time.monotonic(), 0.001))
+      try:
+        conn, _ = srv.accept()
+      except socket.timeout:
+        missing = sorted(set(range(1, n)) - set(peers))
+        error = (f"distributed_num_processes={n}: process(es) {missing} did not reach the coordinator "
+                 f"{address} within distributed_initialization_timeout={timeout} s (started? same "
+                 "distributed_coordinator_address?)")
+        break
+      conn.settimeout(max(deadline - time.monotonic(), 0.001))
+      try:
+        hello = json.loads(conn.recv(_ANSWER_BYTES).decode())
+        their_n, their_id = int(hello["num_processes"]), int(hello["process_id"])
+      except (OSError, ValueError, KeyError):
+        conn.close()  # not one of ours (a port scanner, a stale client): ignore it
+        continue
+      if their_n != n:
+        error = (f"distributed_num_processes differs: process {their_id} has {their_n}, process 0 has {n}; "
+                 "give every process the same value")
+      elif their_id == 0 or their_id in peers:
+        error = f"distributed_process_id={their_id} is given to two processes; each needs its own id in 0 .. {n - 1}"
+      if error is not None:
+        _answer(conn, error)
+        break
+      peers[their_id] = conn
+    for conn in peers.values():
+      _answer(conn, error)
+  if error is not None:
+    raise ConfigError(error)
+
+
+def _answer(conn: socket.socket, error: str | None) -> None:
+  try:
+    conn.sendall(json.dumps({"error": error}).encode())
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(1)  # the peer closes first: no TIME_WAIT left on the coordinator's port
+  except OSError:
+    pass
+  conn.close()
+
+
+def _rendezvous_peer(host: str, port: int, n: int, pid: int, timeout: float, deadline: float, address: str) -> None:
+  while True:
+    try:
+      conn = socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 5.0), 0.001))
+      break
+    except OSError:
+      if time.monotonic() >= deadline:
+        raise ConfigError(f"distributed_coordinator_address={address!r}: no process 0 answered within "
+                          f"distributed_initialization_timeout={timeout} s (is it started, and the address "
+                          "reachable from this host?)") from None
+      time.sleep(0.1)
+  with conn:
+    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+    try:
+      conn.sendall(json.dumps({"num_processes": n, "process_id": pid}).encode())
+      answer = json.loads(conn.recv(_ANSWER_BYTES).decode())
+    except socket.timeout:
+      raise ConfigError(f"distributed_num_processes={n}: not every process reached the coordinator {address} "
+                        f"within distributed_initialization_timeout={timeout} s") from None
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"distributed_coordinator_address={address!r}: the coordinator broke off the "
+                        f"start-up check ({e})") from None
+  if answer.get("error"):
+    raise ConfigError(answer["error"])
+
+
+# ---------------------------------------------------------------- batches and host reads
+
+
+def batch_slice(sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+  """(index, count): this process feeds rows [index * B/count, (index+1) * B/count) of a global
+  batch [B,...] laid out by `sharding`: the rows its devices hold. count is the process count
+  when every process holds other rows, fewer when processes share rows (the sequence split
+  across them): those then load the same rows."""
+  b = global_shape[0]
+  spans = sorted({(idx[0].start or 0, b if idx[0].stop is None else idx[0].stop)
+                  for idx in sharding.addressable_devices_indices_map(tuple(global_shape)).values()})
+  start, stop = spans[0][0], max(s for _, s in spans)
+  covered = start
+  for s, e in spans:
+    if s > covered:
+      break
+    covered = max(covered, e)
+  rows = stop - start
+  if covered < stop or b % rows or start % rows:
+    raise ValueError(f"this process's devices hold rows {spans} of the batch: not one contiguous block of "
+                     "B / k rows; order the mesh so each process's devices are neighbours on the batch axes")
+  return start // rows, b // rows
+
+
+def batch_rows(config, mesh) -> dict:
+  """create_data_iterator's process_index / process_count for this process: the block of rows of
+  the global batch its devices hold under the "activation_batch" rule (train.batch_shardings)."""
+  from jax.sharding import NamedSharding
+
+  from MaxText import sharding
+  b = config.global_batch_size
+  spec = sharding.logical_to_spec(("activation_batch",), sharding.rules_of(config), mesh, (b,))
+  index, count = batch_slice(NamedSharding(mesh, spec), (b,))
+  return {"process_index": index, "process_count": count}
+
+
+def global_batch(local: dict, shardings: dict, global_batch_size: int) -> dict:
+  """This process's rows [B/count, ...] of each array -> global jax.Arrays [B, ...] (no host holds them all)."""
+  import jax
+  return {k: jax.make_array_from_process_local_data(shardings[k], v, (global_batch_size,) + v.shape[1:])
+          for k, v in local.items()}
+
+
+def to_host(x):
+  """A jax.Array as numpy on every process, also when its shards live on other processes."""
+  import jax
+  import numpy as np
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def is_main_process() -> bool:
+  """Process 0: the one that prints progress and writes logs, events and single files."""
+  import jax
+  return jax.process_index() == 0
+
+
+class Silent:
+  """Stands in for a logger (any method, any arguments) on processes other than 0."""
+
+  def __getattr__(self, name):
+    return lambda *args, **kwargs: None
+
+
+# ---------------------------------------------------------------- exiting together
+
+
+def run_main(main, argv) -> None:
+  """Runs an entry point's main(argv). With several processes, a failure (an exception, a
+  sys.exit != 0) ends this process at once with a non-zero code, skipping jax.distributed's
+  shutdown barrier, which would hold it for minutes waiting for peers that wait for it; the peers'
+  next collective then fails (connection closed by peer), so they end too. One process: as usual."""
+  import jax
+  code = 0
+  try:
+    main(argv)
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if e.code is not None and not isinstance(e.code, int):
+      print(e.code, file=sys.stderr)
+  except BaseException as e:  # noqa: BLE001 - every failure must end every process
+    traceback.print_exc()
+    if jax.distributed.is_initialized():
+      first = (str(e).strip().splitlines() or [""])[0]
+      print(f"error: process {jax.process_index()} of {jax.process_count()} failed ({type(e).__name__}: "
+            f"{first}); ending it, and with it the others", file=sys.stderr)
+    code = 1
+  if code and jax.distributed.is_initialized():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  if code:
+    sys.exit(code)
