@@ -244,3 +244,23 @@ def test_decode_engine_runs_expert_parallel():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_exchange_lowers_with_its_gradient():
+  # XLA:CPU cannot compile ragged-all-to-all, but the program GPU/TPU run lowers here, its backward
+  # pass included.
+  b, t, d, e, k, i = 8, 8, 16, 8, 2, 8
+  cfg = make_config(num_devices=8, num_experts=e, ici_data_parallelism=2, ici_expert_parallelism=4)
+  mesh, rules = sharding.create_mesh(cfg), sharding.rules_of(cfg)
+  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+
+  def loss(x, wi_0, wi_1, wo):
+    y = moe_dispatch.moe_on_mesh(x, jnp.ones((b, t), bool), args[1], args[2], wi_0, wi_1, wo, route_fn=_route_fn(k),
+                                 mesh=mesh, rules=rules, capacity_factor=-1.0, exchange="ragged_all_to_all",
+                                 impl="blocked", balance=False)[0]
+    return jnp.sum(y ** 2)
+
+  fwd = jax.jit(loss).lower(args[0], *args[3:]).as_text()
+  assert fwd.count("ragged_all_to_all") == 3  # rows and their expert ids there, outputs back
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(args[0], *args[3:]).as_text()
+  assert grad.count("ragged_all_to_all") == 5  # + the transposes of the two float exchanges
