@@ -91,26 +91,27 @@ def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
     return mem.temp_size_in_bytes, mem.argument_size_in_bytes, aot.collective_counts(compiled.as_text()), secs
 
 
-def mesh_table(reps: int) -> None:
+def mesh_table(reps: int, kinds, counts, cfs) -> None:
   print("\none MoE layer fwd+bwd, E=64 k=8 D=512 I=256, 16 x 1024 tokens (fixed); moe_capacity_factor -1 "
         f"(dropless) and 1.25; median of {reps} steps")
   print(f"{'mesh':>14} {'n':>2} {'cf':>5} {'temp MiB/dev':>13} {'vs n=1':>7} {'step s':>7}  collectives")
   dims = ["num_experts=64", "num_experts_per_tok=8", "n_routing_groups=8", "topk_routing_group=4", "emb_dim=512",
           "moe_mlp_dim=256", "global_batch_size=16"]
   base = None
-  for kind in ("data", "expert", "data x expert"):
-    for n in (1, 2, 4, 8):
+  for kind in kinds:
+    for n in counts:
       if kind == "data x expert" and n < 4:
         continue
       axes = {"data": {"data": n}, "expert": {"data": 1, "expert": n},
               "data x expert": {"data": 2, "expert": n // 2}}[kind]
-      for cf in ((-1.0, 1.25) if "expert" in kind and n > 1 else (-1.0,)):
+      for cf in (cfs if "expert" in kind and n > 1 else (-1.0,)):
         cfg = pyconfig.initialize(["bench", "base.yml", *dims, f"moe_capacity_factor={cf}",
                                    *[f"ici_{a}_parallelism={v}" for a, v in axes.items()]], num_devices=n)
         temp, _, coll, secs = _layer_grad(cfg, jax.devices()[:n], 16, 1024, run=True, reps=reps)
-        base = base or temp
+        base = base or (temp if n == 1 else None)
         names = ", ".join(f"{k} {v}" for k, v in coll.items()) or "-"
-        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {temp / base:>7.2f} {secs:>7.2f}  {names}", flush=True)
+        ratio = f"{temp / base:>7.2f}" if base else f"{'-':>7}"
+        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {ratio} {secs:>7.2f}  {names}", flush=True)
 
 
 def table_671b() -> None:
@@ -165,12 +166,15 @@ def main() -> None:
   ap.add_argument("--tables", nargs="*", default=["matmul", "mesh", "671b"], choices=["matmul", "mesh", "671b"])
   ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="matmul table: T,k,E,D,I")
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--kinds", nargs="*", default=["data", "expert", "data x expert"], help="mesh table: mesh kinds")
+  ap.add_argument("--devices", nargs="*", type=int, default=[1, 2, 4, 8], help="mesh table: device counts")
+  ap.add_argument("--cfs", nargs="*", type=float, default=[-1.0, 1.25], help="mesh table: moe_capacity_factor values")
   ap.add_argument("--skip-dense-above", type=int, default=2**31, help="skip dense/ragged-on-CPU past T*E*D*I")
   args = ap.parse_args()
   if "matmul" in args.tables:
     matmul_table(args)
   if "mesh" in args.tables:
-    mesh_table(args.reps)
+    mesh_table(args.reps, args.kinds, args.devices, args.cfs)
   if "671b" in args.tables:
     table_671b()
 
