@@ -95,6 +95,16 @@ def routing_kwargs(config: Config) -> dict:
 # ---------------------------------------------------------------- dropless dispatch
 
 
+def rank_within(keys: jax.Array, num_keys: int) -> jax.Array:
+  """keys [M] in [0, num_keys) -> [M] int32: each element's rank among equal keys, in order."""
+  m = keys.shape[0]
+  order = jnp.argsort(keys, stable=True)  # [M]
+  counts = jnp.bincount(keys, length=num_keys)  # [K]
+  starts = jnp.cumsum(counts) - counts  # [K]
+  ranked = jnp.arange(m, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)  # [M] in sorted order
+  return jnp.zeros((m,), jnp.int32).at[order].set(ranked)  # [M]
+
+
 class DispatchPlan(NamedTuple):
   """Where each (row, slot) assignment lives in the expert-sorted row layout.
 
@@ -118,20 +128,16 @@ def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_rows: int = 1,
   ids = expert_ids.reshape(m)  # [M], assignment a = s*j + i
   if valid is not None:
     ids = jnp.where(valid.reshape(m), ids, num_experts)  # [M] invalid -> the null group
-  order = jnp.argsort(ids, stable=True)  # [M] assignments sorted by expert
-  ids_sorted = ids[order]  # [M]
   sizes = jnp.bincount(ids, length=groups).astype(jnp.int32)  # [E+1]
-  starts = jnp.cumsum(sizes) - sizes  # [E+1] first sorted row of each group
   padded = (sizes + b - 1) // b * b  # [E+1]
   padded_ends = jnp.cumsum(padded)  # [E+1]
   padded_starts = padded_ends - padded  # [E+1]
-  row_of_sorted = padded_starts[ids_sorted] + jnp.arange(m) - starts[ids_sorted]  # [M]
 
   num_blocks = -(-(m + groups * (b - 1)) // b)  # sum_g ceil(size_g / B) never exceeds this
   num_rows = num_blocks * b
-  row_of_assignment = jnp.zeros((m,), jnp.int32).at[order].set(row_of_sorted)  # [M]
-  token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row_of_sorted].set(order // j)  # [R]
-  row_valid = jnp.zeros((num_rows,), bool).at[row_of_sorted].set(ids_sorted < num_experts)  # [R]
+  row_of_assignment = padded_starts[ids] + rank_within(ids, groups)  # [M]
+  token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row_of_assignment].set(jnp.arange(m) // j)  # [R]
+  row_valid = jnp.zeros((num_rows,), bool).at[row_of_assignment].set(ids < num_experts)  # [R]
   block_expert = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * b, side="right")  # [R/B]
   block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)  # null/trailing blocks: zero rows
   return DispatchPlan(token_of_row, row_valid, row_of_assignment, sizes[:num_experts], block_expert)
@@ -245,7 +251,11 @@ def expert_counts(expert_ids: jax.Array, num_experts: int, valid: jax.Array | No
 def expert_load(expert_ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
   """expert_ids [...,k] -> [E] fp32: the fraction of all (valid) assignments each expert received
   (sums to 1; all zeros when nothing is valid)."""
-  counts = expert_counts(expert_ids, num_experts, valid)  # [E]
+  return load_of(expert_counts(expert_ids, num_experts, valid))
+
+
+def load_of(counts: jax.Array) -> jax.Array:
+  """counts [E] -> [E] fp32: each expert's fraction of all assignments (all zeros for none)."""
   return counts.astype(jnp.float32) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
 
 
@@ -359,7 +369,7 @@ class DeepSeekMoE(nnx.Module):
       y = y + self.shared_experts(xc)  # [b,t,D]
     y = checkpoint_name(y, "moe_out")  # [b,t,D]
     total = jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
-    aux = {"expert_load": counts.astype(jnp.float32) / total, "load_balance_loss": balance,
+    aux = {"expert_load": load_of(counts), "load_balance_loss": balance,
            "moe_dropped": dropped.astype(jnp.float32) / total}
     return y, aux
 

@@ -72,16 +72,6 @@ def capacity(assignments: int, ep: int, capacity_factor: float) -> int:
   return max(1, min(assignments, math.ceil(capacity_factor * assignments / ep)))
 
 
-def rank_within(keys: jax.Array, num_keys: int) -> jax.Array:
-  """keys [M] in [0, num_keys) -> [M] int32: each element's rank among equal keys, in order."""
-  m = keys.shape[0]
-  order = jnp.argsort(keys, stable=True)  # [M]
-  counts = jnp.bincount(keys, length=num_keys)  # [K]
-  starts = jnp.cumsum(counts) - counts  # [K]
-  ranked = jnp.arange(m, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)  # [M] in sorted order
-  return jnp.zeros((m,), jnp.int32).at[order].set(ranked)  # [M]
-
-
 # ---------------------------------------------------------------- the two exchanges
 
 
@@ -188,7 +178,7 @@ def moe_on_mesh(x, token_valid, gate, bias, wi_0, wi_1, wo, *, route_fn, mesh: M
       cap = capacity(m, pl.ep, capacity_factor)
       flat_valid = valid.reshape(m)  # [M]
       dest = jnp.where(flat_valid, ids.reshape(m) // e_l, pl.ep)  # [M] owner device; ep = not routed
-      pos = rank_within(dest, pl.ep + 1)  # [M] rank among this device's rows for that owner
+      pos = moe.rank_within(dest, pl.ep + 1)  # [M] rank among this device's rows for that owner
       kept = flat_valid & (pos < cap)  # [M]
       dropped = jnp.sum(flat_valid & ~kept).astype(jnp.int32)
       token = jnp.arange(m, dtype=jnp.int32) // k  # [M] the token of assignment t*k + j
