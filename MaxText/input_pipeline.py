@@ -23,6 +23,19 @@ synthetic (dataset_type=synthetic): each row is one arithmetic progression modul
   the next token is determined by the two before it (v_{i+1} = 2 v_i - v_{i-1} mod M): a model must
   infer d from context. Token 0 -> 1 is a guess among len(SYNTHETIC_STEPS) choices.
 
+synthetic_retrieval (dataset_type=synthetic_retrieval): multi-query associative recall over a long
+  context, the task of benchmarks/dsa_study.py. The content ids are split into retrieval_values value
+  ids, retrieval_keys key ids and the rest filler. Each row (a PRNG seeded by (seed, step, row)):
+  retrieval_pairs (key, value) pairs, distinct keys and random values, each at a uniform random place
+  in a context of filler tokens: two adjacent tokens, key then value (retrieval_pair_tokens=2: a
+  query needs two hops, the value's position must first read its key), or one token of its own per
+  (key, value) combination (retrieval_pair_tokens=1: one hop; the vocabulary then holds keys x
+  values pair ids); then, in the row's last
+  2 * retrieval_queries tokens, retrieval_queries of those keys (distinct, random order), each
+  followed by its value. weights are 1 only where the input is a queried key (the target is its
+  value), so the loss and accuracy count retrieval alone: guessing gets 1/retrieval_values, and a
+  query can answer only by attending to its pair (far back, anywhere in the context).
+
 file (dataset_type=file): `dataset_path` is a .txt or .jsonl file, or a folder searched recursively
   for them (sorted; other files are counted and ignored). .txt: one document per paragraph
   (paragraphs are separated by blank lines; a paragraph keeps its inner newlines). .jsonl: one JSON
@@ -58,6 +71,7 @@ log = logging.getLogger(__name__)
 SYNTHETIC_STEPS = (1, 2, 3, 4)  # the progression steps d a synthetic row may use
 _SYNTHETIC_SALT = 0x5EED_DA7A   # keeps the data PRNG streams apart from other uses of `seed`
 _SHUFFLE_SALT = 0x5EED_5FF1
+_RETRIEVAL_SALT = 0x5EED_4E7A
 _EVAL_SALT = 0x5EED_E7A1        # the held-out synthetic stream: rows no training step ever draws
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
@@ -269,14 +283,19 @@ class _Batches:
     raise NotImplementedError
 
 
+def _content_ids(config: Config) -> np.ndarray:
+  """Every id below vocab_size except pad/bos/eos, in order: the synthetic tasks' tokens."""
+  special = {config.pad_id, config.bos_id, config.eos_id}
+  return np.array([i for i in range(config.vocab_size) if i not in special], np.int32)
+
+
 class SyntheticBatches(_Batches):
   """Arithmetic progressions modulo the content ids (see the module docstring)."""
 
   def __init__(self, config: Config, process_index: int, process_count: int, salt: int = _SYNTHETIC_SALT):
     super().__init__(config.global_batch_size, process_index, process_count)
     self.salt = salt
-    special = {config.pad_id, config.bos_id, config.eos_id}
-    self.content_ids = np.array([i for i in range(config.vocab_size) if i not in special], np.int32)  # [M]
+    self.content_ids = _content_ids(config)  # [M]
     if len(self.content_ids) < 2:
       raise DataError(f"vocab_size={config.vocab_size} leaves {len(self.content_ids)} ids besides pad_id/bos_id/"
                       "eos_id; dataset_type=synthetic needs at least 2")
@@ -296,6 +315,75 @@ class SyntheticBatches(_Batches):
         "positions": np.arange(L, dtype=np.int32),
         "weights": np.ones(L, np.float32),
     }
+
+
+class RetrievalBatches(_Batches):
+  """Multi-query associative recall: key-value pairs scattered in filler, queries at the end (module doc)."""
+
+  def __init__(self, config: Config, process_index: int, process_count: int, salt: int = _RETRIEVAL_SALT):
+    super().__init__(config.global_batch_size, process_index, process_count)
+    self.salt, self.seed, self.seq_len = salt, config.seed, config.max_target_length
+    content = _content_ids(config)
+    nv, nk = config.retrieval_values, config.retrieval_keys
+    self.fused = config.retrieval_pair_tokens == 1
+    used = nv + nk + (nk * nv if self.fused else 0)
+    if used >= len(content):
+      raise DataError(f"synthetic_retrieval uses {used} ids (retrieval_values={nv}, retrieval_keys={nk}"
+                      f"{', and their key x value pair tokens' if self.fused else ''}) and needs filler ids too: "
+                      f"vocab_size={config.vocab_size} has {len(content)} content ids; raise it to > {used + 3}")
+    self.values, self.keys = content[:nv], content[nv:nv + nk]  # disjoint id sets
+    self.pair_ids = content[nv + nk:used].reshape(nk, nv) if self.fused else None  # [nk,nv]: the pair (i, j)
+    self.filler = content[used:]
+    self.pairs, self.queries, self.vocab_size = config.retrieval_pairs, config.retrieval_queries, config.vocab_size
+
+  def row(self, step: int, b: int) -> dict[str, np.ndarray]:
+    L, n, q = self.seq_len, self.pairs, self.queries
+    rng = np.random.default_rng([self.salt, self.seed % 2**63, step, b])
+    ki = rng.choice(len(self.keys), n, replace=False)  # [n] distinct keys (indices)
+    vi = rng.integers(0, len(self.values), n)  # [n]
+    keys, values = self.keys[ki], self.values[vi]
+    c = L + 1 - 2 * q  # context tokens; the stream is L + 1 long (inputs = [:L], targets = [1:])
+    tok = rng.choice(self.filler, L + 1)  # [L+1]
+    if self.fused:  # one token per pair, at n distinct places
+      tok[rng.choice(c, n, replace=False)] = self.pair_ids[ki, vi]
+    else:  # key then value, in non-overlapping 2-token slots; pair j at slot order[j]
+      starts = (np.sort(rng.choice(c - n, n, replace=False)) + np.arange(n))[rng.permutation(n)]
+      tok[starts], tok[starts + 1] = keys, values
+    asked = rng.choice(n, q, replace=False)  # [q] distinct pairs, random order
+    tok[c::2], tok[c + 1::2] = keys[asked], values[asked]
+    weights = np.zeros(L, np.float32)
+    weights[c::2] = 1.0  # input = a queried key, target = its value
+    return {
+        "inputs": tok[:L].astype(np.int32),
+        "targets": tok[1:].astype(np.int32),
+        "segment_ids": np.ones(L, np.int32),
+        "positions": np.arange(L, dtype=np.int32),
+        "weights": weights,
+    }
+
+
+  def pair_positions(self, inputs: np.ndarray) -> np.ndarray:
+    """inputs [..., L] of this task's rows -> [..., L] int: at each query (weights 1), the context
+    position of the pair it asks for (the pair token, or with two-token pairs the value), else -1."""
+    L, q = inputs.shape[-1], self.queries
+    c = L + 1 - 2 * q
+    out = np.full(inputs.shape, -1, np.int64)
+    ctx = inputs[..., :c]  # [..., c]
+    key_of = np.full(self.vocab_size, -1, np.int64)  # token id -> the key of the pair it opens, else -1
+    if self.fused:
+      key_of[self.pair_ids] = self.keys[:, None]
+    else:
+      key_of[self.keys] = self.keys
+    key_of = key_of[ctx]  # [..., c]
+    shift = 0 if self.fused else 1  # two-token pairs: the value follows its key
+    for i in range(c, L, 2):
+      match = key_of == inputs[..., i:i + 1]  # [..., c]: exactly one place per row
+      out[..., i] = np.argmax(match, axis=-1) + shift
+    return out
+
+
+SYNTHETIC_TASKS = {"synthetic": SyntheticBatches, "synthetic_retrieval": RetrievalBatches}
+RETRIEVAL_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys", "retrieval_values", "retrieval_pair_tokens")
 
 
 class FileBatches(_Batches):
@@ -412,11 +500,13 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
   if config.global_batch_size % process_count:
     raise DataError(f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} processes")
   common = dict(start_step=start_step, num_threads=num_threads, prefetch=prefetch)
-  if config.dataset_type == "synthetic":
-    source = SyntheticBatches(config, process_index, process_count)
+  if config.dataset_type in SYNTHETIC_TASKS:
+    source = SYNTHETIC_TASKS[config.dataset_type](config, process_index, process_count)
     fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,
                    "max_target_length": config.max_target_length, "vocab_size": config.vocab_size}
-    return DataIterator(source, dataset_type="synthetic", fingerprint=fingerprint, **common)
+    if config.dataset_type == "synthetic_retrieval":
+      fingerprint.update({k: getattr(config, k) for k in RETRIEVAL_KEYS})
+    return DataIterator(source, dataset_type=config.dataset_type, fingerprint=fingerprint, **common)
   if config.dataset_type == "file":
     tokenizer = tokenizer or load_tokenizer(config)
     corpus, report = build_file_corpus(config, tokenizer, shuffle=shuffle)
@@ -429,7 +519,7 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
                    "tokens_per_epoch": corpus.tokens_per_epoch}
     return DataIterator(source, dataset_type="file", fingerprint=fingerprint, report=report, tokenizer=tokenizer,
                         **common)
-  raise DataError(f"dataset_type={config.dataset_type!r} is not one of synthetic, file")
+  raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(SYNTHETIC_TASKS)}, file")
 
 
 def create_eval_iterator(config: Config, *, tokenizer: Tokenizer | None = None, process_index: int | None = None,
@@ -440,9 +530,9 @@ def create_eval_iterator(config: Config, *, tokenizer: Tokenizer | None = None, 
     import jax
     process_index, process_count = jax.process_index(), jax.process_count()
   common = dict(start_step=0, num_threads=1, prefetch=1, fingerprint={})
-  if config.dataset_type == "synthetic":
-    source = SyntheticBatches(config, process_index, process_count, salt=_EVAL_SALT)
-    return DataIterator(source, dataset_type="synthetic", **common)
+  if config.dataset_type in SYNTHETIC_TASKS:
+    source = SYNTHETIC_TASKS[config.dataset_type](config, process_index, process_count, salt=_EVAL_SALT)
+    return DataIterator(source, dataset_type=config.dataset_type, **common)
   tokenizer = tokenizer or load_tokenizer(config)
   corpus, report = build_file_corpus(config, tokenizer, shuffle=False, path=config.eval_dataset_path)
   source = FileBatches(corpus, config.global_batch_size, process_index, process_count)

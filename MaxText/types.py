@@ -122,7 +122,12 @@ class Training(_Section):
 
 
 class Data(_Section):
-  dataset_type: Literal["synthetic", "file"]
+  dataset_type: Literal["synthetic", "synthetic_retrieval", "file"]
+  retrieval_pairs: PosInt
+  retrieval_queries: PosInt
+  retrieval_keys: PosInt
+  retrieval_values: PosInt
+  retrieval_pair_tokens: Literal[1, 2]
   dataset_path: str
   jsonl_text_field: str
   tokenizer_type: Literal["sentencepiece", "hf"]
@@ -309,6 +314,14 @@ class Config(*SECTIONS):
     if self.eval_interval and self.dataset_type == "file" and not self.eval_dataset_path:
       bad(f"eval_interval={self.eval_interval} with dataset_type=file needs eval_dataset_path (held-out "
           ".txt/.jsonl file or folder); or set eval_interval=0")
+    if self.dataset_type == "synthetic_retrieval":
+      if self.retrieval_queries > self.retrieval_pairs or self.retrieval_pairs > self.retrieval_keys:
+        bad(f"synthetic_retrieval needs retrieval_queries ({self.retrieval_queries}) <= retrieval_pairs "
+            f"({self.retrieval_pairs}) <= retrieval_keys ({self.retrieval_keys}): queries ask distinct pairs, "
+            "pairs have distinct keys")
+      if 2 * (self.retrieval_pairs + self.retrieval_queries) > self.max_target_length:
+        bad(f"synthetic_retrieval: {self.retrieval_pairs} pairs and {self.retrieval_queries} queries take "
+            f"{2 * (self.retrieval_pairs + self.retrieval_queries)} tokens > max_target_length={self.max_target_length}")
     if self.max_prefill_length > self.max_target_length:
       bad(f"max_prefill_length={self.max_prefill_length} exceeds max_target_length={self.max_target_length}")
     return self

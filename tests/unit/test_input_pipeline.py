@@ -61,9 +61,20 @@ def tokenized_docs(config):
 # ------------------------------------------------------------------------------------- layout
 
 
-@pytest.mark.parametrize("dataset_type", ["synthetic", "file"])
+def retrieval_config(**kw):
+  kw = {"dataset_type": "synthetic_retrieval", "retrieval_pairs": 6, "retrieval_queries": 4, "retrieval_keys": 12,
+        "retrieval_values": 5, "vocab_size": 128, **kw}
+  return make_config(**kw)
+
+
+def config_of(dataset_type):
+  return {"file": lambda: file_config(max_target_length=16), "synthetic": make_config,
+          "synthetic_retrieval": retrieval_config}[dataset_type]()
+
+
+@pytest.mark.parametrize("dataset_type", ["synthetic", "synthetic_retrieval", "file"])
 def test_batch_is_int32_arrays_of_global_batch_by_length_and_float32_weights(dataset_type):
-  config = file_config() if dataset_type == "file" else make_config()
+  config = config_of(dataset_type)
   batch = next(iterator(config))
   assert set(batch) == set(ip.BATCH_KEYS)
   for k, v in batch.items():
@@ -159,9 +170,10 @@ def test_epochs_are_shuffled_differently_and_keep_every_document():
 # ------------------------------------------------------------------------------------- determinism and resume
 
 
-@pytest.mark.parametrize("dataset_type", ["synthetic", "file"])
+@pytest.mark.parametrize("dataset_type", ["synthetic", "synthetic_retrieval", "file"])
 def test_same_seed_gives_the_same_batches_and_another_seed_others(dataset_type):
-  make = (lambda **kw: file_config(max_target_length=16, **kw)) if dataset_type == "file" else make_config
+  make = {"file": lambda **kw: file_config(max_target_length=16, **kw), "synthetic": make_config,
+          "synthetic_retrieval": retrieval_config}[dataset_type]
   a = take(iterator(make(seed=3)), 12)
   b = take(iterator(make(seed=3), num_threads=0), 12)
   c = take(iterator(make(seed=4)), 12)
@@ -171,10 +183,10 @@ def test_same_seed_gives_the_same_batches_and_another_seed_others(dataset_type):
   assert not all(np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
 
 
-@pytest.mark.parametrize("dataset_type", ["synthetic", "file"])
+@pytest.mark.parametrize("dataset_type", ["synthetic", "synthetic_retrieval", "file"])
 @pytest.mark.parametrize("n", [0, 5, 13])
 def test_set_state_resumes_at_exactly_the_next_batch(dataset_type, n):
-  config = file_config(max_target_length=16) if dataset_type == "file" else make_config()
+  config = config_of(dataset_type)
   run = iterator(config)
   seen = take(run, n + 1)                        # batches 0..n
   state = json.loads(json.dumps(run.get_state()))
@@ -241,6 +253,64 @@ def test_synthetic_next_token_is_a_function_of_the_two_before_it():
     np.testing.assert_array_equal(batch["positions"], np.broadcast_to(np.arange(64), (8, 64)))
     np.testing.assert_array_equal(batch["weights"], 1)
   assert steps == set(ip.SYNTHETIC_STEPS)  # the step varies: it must be read from context
+
+
+@pytest.mark.parametrize("pair_tokens", [1, 2])
+def test_retrieval_scores_only_queries_whose_answer_is_their_pair_far_back_in_the_context(pair_tokens):
+  config = retrieval_config(retrieval_pair_tokens=pair_tokens)
+  n, q, nk, nv, L = 6, 4, 12, 5, 64
+  content = np.array([i for i in range(128) if i not in (PAD, BOS, EOS)])
+  values, keys = content[:nv], content[nv:nv + nk]
+  pair_ids = content[nv + nk:nv + nk + nk * nv].reshape(nk, nv) if pair_tokens == 1 else None
+  filler = content[nv + nk + (nk * nv if pair_tokens == 1 else 0):]
+  answers = set()
+  it = iterator(config)
+  for batch in take(it, 3):
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+    np.testing.assert_array_equal(batch["segment_ids"], 1)
+    for row in range(config.global_batch_size):
+      tok = np.append(batch["inputs"][row], batch["targets"][row, -1])  # the stream [L+1]
+      c = L + 1 - 2 * q
+      ctx = tok[:c]
+      scored = np.flatnonzero(batch["weights"][row])
+      np.testing.assert_array_equal(scored, np.arange(c, L, 2))  # exactly the queried keys' positions
+      asked = tok[scored]
+      assert len(set(asked.tolist())) == q and np.isin(asked, keys).all()
+      if pair_tokens == 1:
+        placed = ctx[np.isin(ctx, pair_ids)]
+        assert len(placed) == n and not np.isin(ctx, keys).any() and not np.isin(ctx, values).any()
+        kv = {int(keys[i // nv]): int(values[i % nv]) for i in np.searchsorted(pair_ids.reshape(-1), placed)}
+      else:
+        at = np.flatnonzero(np.isin(ctx, keys))
+        assert len(at) == n and np.isin(ctx[at + 1], values).all()
+        assert np.isin(ctx, values).sum() == n  # values only right after their key
+        kv = {int(ctx[i]): int(ctx[i + 1]) for i in at}
+      pair_tokens_at = np.isin(ctx, pair_ids) if pair_tokens == 1 else np.isin(ctx, keys) | np.isin(ctx, values)
+      assert len(kv) == n and np.isin(ctx[~pair_tokens_at], filler).all()  # the rest is filler
+      where = it.source.pair_positions(batch["inputs"][row])  # [L]
+      np.testing.assert_array_equal(np.flatnonzero(where >= 0), scored)
+      for i in scored:
+        assert batch["targets"][row, i] == kv[int(tok[i])]  # the answer is the value of that key's pair
+        at = where[i]
+        assert (kv[int(tok[i])] == tok[at] if pair_tokens == 2 else  # pair_positions points at the pair
+                pair_ids[list(keys).index(tok[i]), list(values).index(kv[int(tok[i])])] == tok[at])
+        answers.add(int(batch["targets"][row, i]))
+  assert answers == set(values.tolist())  # every value id answers some query: 1/nv is chance
+
+
+def test_retrieval_eval_stream_is_disjoint_from_training_and_bad_sizes_are_named():
+  config = retrieval_config()
+  train_rows = {tuple(r) for b in take(iterator(config), 20) for r in b["inputs"]}
+  eval_it = ip.create_eval_iterator(config, process_index=0, process_count=1)
+  eval_rows = {tuple(r) for i in range(20) for r in eval_it.source[i]["inputs"]}
+  assert len(train_rows) == 160 and len(eval_rows) == 160 and not train_rows & eval_rows
+  with pytest.raises(ip.DataError, match="vocab_size=64.*raise it to > 80"):
+    iterator(retrieval_config(vocab_size=64, retrieval_pair_tokens=1))
+  from MaxText.types import ConfigError
+  with pytest.raises(ConfigError, match="retrieval_queries"):
+    retrieval_config(retrieval_queries=7)
+  with pytest.raises(ConfigError, match="max_target_length=16"):
+    retrieval_config(max_target_length=16, max_prefill_length=16)
 
 
 # ------------------------------------------------------------------------------------- file formats
