@@ -63,7 +63,8 @@ class MetricsLogger:
     if self.writer is not None:
       for k, v in scalars.items():
         self.writer.add_scalar(f"eval_{k}", v, step)
-    print(f"eval step {step} | " + " | ".join(self._losses(scalars)) + f" ({self.config.eval_steps} batches)",
+    print(f"eval step {step} | " + " | ".join(self._losses(scalars)) + f" | accuracy {scalars['accuracy']:.3f} "
+          f"({self.config.eval_steps} batches)",
           flush=True)
 
   def summary(self, first: int, last: int, scalars: dict[str, float], weights: str) -> str:

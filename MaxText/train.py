@@ -42,7 +42,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from MaxText import checkpointing, cli, distributed, input_pipeline, model_state, pyconfig, sharding
-from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss
+from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from MaxText.layers.moe import RoutingBias, update_routing_bias
 from MaxText.metrics import MetricsLogger, model_flops_per_token, warn
 from MaxText.metrics_prefetch import DeferredMetrics
@@ -116,7 +116,8 @@ def _loss_fn(config: Config, graphdef, params, buffers, mb):
     total = lm + z + config.mtp_loss_scaling_factor * mtp + balance
     if stage == "sparse":
       total = total + config.indexer_loss_weight * indexer
-  metrics = {"loss": total, "lm_loss": lm, "z_loss": z, "mtp_loss": mtp, "indexer_loss": indexer,
+  metrics = {"loss": total, "lm_loss": lm, "accuracy": token_accuracy(logits, mb["targets"], mb["weights"]),
+             "z_loss": z, "mtp_loss": mtp, "indexer_loss": indexer,
              "load_balance_loss": balance, "moe_dropped": aux.get("moe_dropped", jnp.float32(0))}
   loads = {k: aux[k] for k in ("expert_load", "mtp_expert_load") if aux.get(k) is not None}
   return total, (metrics, loads)
@@ -307,7 +308,8 @@ class _Eval:
 
 
 def train(config: Config) -> dict:
-  """Runs (or resumes) training; returns the last step's metrics as floats ({} for a finished run)."""
+  """Runs (or resumes) training; returns the last step's metrics as floats, and the last eval's as
+  eval_<name> ({} for a finished run)."""
   run = RunFolder(config)
   latest = checkpointing.latest_step_on_disk(config) if config.enable_checkpointing else None
   if not run.open(latest):
@@ -345,7 +347,7 @@ def train(config: Config) -> dict:
     logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()
     profiler = Profiler(config, start_step)
     tokens_per_step = config.global_batch_size * config.max_target_length
-    last = {}
+    last, last_eval = {}, {}
 
     def report(step, metrics, seconds):
       """Step `step`'s metrics, read: the NaN guard, then console and tensorboard."""
@@ -378,7 +380,8 @@ def train(config: Config) -> dict:
           for done in deferred.flush():  # this step's own metrics first: only a good state is saved
             report(*done)
         if eval_due:
-          logger.log_eval(step, evaluate(state))
+          last_eval = evaluate(state)
+          logger.log_eval(step, last_eval)
         if save_due:
           checkpointing.save(manager, step, state, data.get_state())
           pending = step
@@ -393,7 +396,7 @@ def train(config: Config) -> dict:
     weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
                else "not saved (enable_checkpointing=false)")
     print(logger.summary(start_step + 1, config.steps, last, weights), flush=True)
-  return last
+  return dict(last, **{f"eval_{k}": v for k, v in last_eval.items()}) if last else last
 
 
 def main(argv) -> None:

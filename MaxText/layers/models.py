@@ -93,6 +93,12 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   return lm + z, lm, z
 
 
+def token_accuracy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+  """Weighted fraction of tokens whose argmax logit is the target; logits [b,t,V], targets/weights [b,t]."""
+  hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [b,t]
+  return jnp.sum(hit * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
 def mtp_inputs(tokens: jax.Array, targets: jax.Array, weights: jax.Array, segment_ids: jax.Array | None,
                n: int) -> dict:
   """What MTP depth k = 1..n needs, computed in ORIGINAL sequence order (before any reordering):

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from MaxText import model_state
-from MaxText.layers.models import Transformer, cross_entropy, mtp_inputs, mtp_loss
+from MaxText.layers.models import Transformer, cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from tests.conftest import make_config
 
 # From the official 671B shapes (see the closing note of the model issue for the sum):
@@ -90,6 +90,13 @@ def test_cross_entropy_ignores_padding_and_matches_numpy():
   logits2 = logits.copy()
   logits2[0, 4] += 100.0
   np.testing.assert_allclose(cross_entropy(jnp.asarray(logits2), jnp.asarray(targets), jnp.asarray(weights))[1], lm)
+  # accuracy: the weighted share of argmax hits; the padded position's (now certain) hit counts nothing
+  hits = (logits.argmax(-1) == targets).astype(np.float64)
+  acc = float(token_accuracy(jnp.asarray(logits2), jnp.asarray(targets), jnp.asarray(weights)))
+  np.testing.assert_allclose(acc, (hits * weights).sum() / weights.sum(), rtol=1e-6)
+  logits2[0, 0, targets[0, 0]] += 100.0  # a weighted position made a hit: +1/8
+  assert float(token_accuracy(jnp.asarray(logits2), jnp.asarray(targets), jnp.asarray(weights))) == \
+      pytest.approx(acc + (1 - hits[0, 0]) / 8)
 
 
 def test_mtp_loss_targets_are_shifted_by_depth_and_stay_in_the_document():
