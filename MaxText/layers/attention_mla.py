@@ -26,7 +26,10 @@ the indexer's inputs are detached too, so L_I trains only the indexer and the at
 output sends no gradient into the indexer (the top-k mask is boolean).
 aux["indexer_loss"] is the unweighted per-layer L_I (indexer_kl_loss: mean over query tokens);
 the model applies indexer_loss_weight. Each layer's selection (bool [b,t,s]) is sown as
-Intermediate "indexer_mask" when the call runs under nnx.capture(model, nnx.Intermediate).
+Intermediate "indexer_mask" when the call runs under nnx.capture(model, nnx.Intermediate), with
+"indexer_recall" [b,t]: the share of each query's DENSE attention mass (all valid keys, at this
+layer's input, whatever the stage attends to) that the selection holds (attention_recall): the
+indexer's recall of dense attention (the mask path only; computed only when captured).
 
 Two implementations of the sparse attention (sparse_attention_impl):
   mask    the above: a [b,t,s] selection mask over dense logits, O(t*s) time and memory.
@@ -61,6 +64,13 @@ from MaxText.sharding import constrain, gather_sequence
 from MaxText.types import Config
 
 LATENT_NORM_EPS = 1e-6  # q_norm, kv_norm: the official RMSNorm default, not normalization_layer_epsilon
+
+
+def attention_recall(probs: jax.Array, selected: jax.Array) -> jax.Array:
+  """probs [b,h,t,s] (dense attention), selected [b,t,s] bool -> [b,t]: the fraction of each query's
+  attention mass (summed over heads) on the selected keys; 0 for a query with no key."""
+  p = jnp.sum(probs.astype(jnp.float32), axis=1)  # [b,t,s]
+  return jnp.sum(jnp.where(selected, p, 0.0), axis=-1) / jnp.maximum(jnp.sum(p, axis=-1), 1e-30)
 
 
 class MLA(nnx.Module):
@@ -210,6 +220,10 @@ class MLA(nnx.Module):
         out, probs = self.attend(q_nope, q_pe, k_nope, k_pe, v, support)
         if cfg.indexer_training_stage != "none":
           indexer_loss = indexer_kl_loss(probs, scores, support)
+        if hasattr(self, "__captures__"):  # the selection's share of DENSE attention at this layer's input
+          dense = probs if cfg.indexer_training_stage == "dense_warmup" else \
+              self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)[1]  # [b,h,t,s]; only when captured
+          self.sow(nnx.Intermediate, "indexer_recall", attention_recall(dense, selected))
     out = self.wo(out.reshape(b, t, self.num_heads * self.v_dim))  # [b,t,D]
     out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
     return out, {"indexer_loss": indexer_loss}

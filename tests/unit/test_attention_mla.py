@@ -255,6 +255,19 @@ def test_dense_warmup_attends_densely_and_trains_indexer():
   assert float(aux["indexer_loss"]) > 1e-3
 
 
+@pytest.mark.parametrize("stage", ["dense_warmup", "none"])
+def test_captured_layer_sows_the_indexers_recall_of_dense_attention(stage):
+  cfg, m = _make(5, indexer_topk=3, indexer_training_stage=stage)
+  x, pos = _inputs(cfg, seed=5)
+  _, _, inter = _forward(*nnx.split(m), x, pos, None)
+  sel = np.asarray(inter["indexer_mask"][0])
+  _, probs = np_mla(m, x, pos, attention_validity(pos, pos), with_probs=True)  # float64 dense [b,h,t,s]
+  p = probs.sum(1)  # [b,t,s]
+  want = (p * sel).sum(-1) / p.sum(-1)  # [b,t]: the share of the DENSE mass on the selection, either stage
+  np.testing.assert_allclose(np.asarray(inter["indexer_recall"][0]), want, rtol=1e-5)
+  assert (want[:, :3] == 1).all() and (want[:, 3:] < 0.999).all()  # <= k keys: all selected; then not
+
+
 def _np_kl(probs, scores, support):
   p = np.asarray(probs, np.float64).sum(1)
   p = np.where(support, p, 0)
