@@ -172,21 +172,43 @@ def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
   return jnp.concatenate(levels, axis=1)
 
 
+def _fold(cand: jax.Array, m: int) -> jax.Array:
+  """cand [R,n] -> [R, m*ceil(n/16)]: the m largest distinct entries of each strided bin of 16
+  entries; a subset (so its k-th is a bound) small enough to make a bisection over it cheap."""
+  return _bin_levels(_pad_last(cand, 16, _IMIN).reshape(cand.shape[0], 16, -1), m).reshape(cand.shape[0], -1)
+
+
+def _one_level_closes(s: int, k: int, rows: int) -> bool:
+  """Whether hi from each bin's single smallest key above lo (see _threshold_keys) is likely to
+  close a block of `rows` rows: it fails where a bin holds 2 of the r smallest keys above lo, with
+  r ~ the keys the top-2 bins lose (the recall estimate of 16-key bins keeping 2)."""
+  if s < 32 * 16 or k > s // 8:
+    return False
+  r = 1 + (1.0 - _binned_recall(s - s % 16, k, 16, 2)) * k
+  return rows * (s // 16) * 120 * (r / s) ** 2 < 0.05  # 120 = C(16, 2) pairs per bin
+
+
 def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.Array, jax.Array]:
   """keys [R,16,L] -> (kth [R], n_ge [R]): each row's exact k-th largest key and, with count,
   #(keys >= kth) (for the mask's tie check; counted once whichever way kth was found),
   2.2x (k=2048) to 3.6x (k=64) faster on CPU than a bisection over all keys (32 passes).
   With L = s/16 strided bins of 16 keys:
 
-  lo: the k-th largest of each bin's top 2 keys. A subset's k-th is never above the row's, and is
-    equal unless some bin holds 3+ of the top k (then c = #keys > lo >= k).
+  lo: the k-th largest of each bin's top 2 keys (the second keys folded to the top 3 of each 16
+    bins (_fold) when that leaves k). A subset's k-th is never above the row's, and is equal
+    unless some bin holds 3+ of the top k (then c = #keys > lo >= k).
   hi: the r-th smallest key above lo, r = c - k + 1 (r - 1 = the keys the bins missed, about
     L*E[(N-2)+]: ~67 at k=2048, s=65536), from each bin's 2 smallest keys above lo: a subset
     again, so hi >= the k-th, and #keys >= hi being >= k proves hi <= the k-th too. Where that
     fails (a bin holding 3 of those r keys, ~3e-3 of rows at k=2048; heavy ties; adversarial
     rows with the top keys in one bin) the block falls back to the bisection over all keys.
-  Each k-th of a candidate set is a 32-pass bisection over 2L keys (_kth_key). Measured: 2 levels
-  for lo and for hi beat 1 or 3 at k in {64, 256, 2048}.
+    Where r is small (_one_level_closes: s=131072, k=2048 has r ~ 17) hi is first tried from each
+    bin's single smallest key above lo, folded (_fold) to 2 per 16 bins: one pass over the keys
+    and a bisection over 2L/16 instead of two passes and one over 2L; the 2-key hi runs only in
+    the blocks where that proof fails (~2% of rows there).
+  Each k-th of a candidate set is a 32-pass bisection over it (_kth_key). Measured: 2 levels
+  for lo and for hi beat 1 or 3 at k in {64, 256, 2048}; the folds and the 1-level-first hi
+  cut topk_mask by 5-20% at s >= 65536 (1 core; f32[1,1024,131072], k=2048: 323 -> 288 ms).
   """
   r = keys.shape[0]
   kth = jax.vmap(_kth_key)
@@ -198,17 +220,28 @@ def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.A
 
   if 2 * keys.shape[-1] < k:  # too few candidates: k close to s
     return exact(None)
-  lo = kth(_bin_levels(keys, 2).reshape(r, -1), k_rows)  # [R]
+  top2 = _bin_levels(keys, 2)  # [R,2,L]
+  n_bins = keys.shape[-1]
+  if n_bins + 3 * -(-n_bins // 16) >= k:  # the second keys folded: fewer candidates, the same bound but rarely
+    lo = kth(jnp.concatenate([top2[:, 0], _fold(top2[:, 1], 3)], axis=1), k_rows)  # [R]
+  else:
+    lo = kth(top2.reshape(r, -1), k_rows)  # [R]
   c = jnp.where(lo == _IMAX, 0, _count_ge(keys, lo + 1))  # #keys > lo (none above the top key)
 
-  def close(_):
-    low = _bin_levels(keys, 2, above=lo).reshape(r, -1)  # [R,2L]
+  def close_with(low, otherwise):  # low [R,n]: keys above lo (a subset, IMAX = none)
     hi = ~kth(~low, jnp.where(c >= k, c - k + 1, 1))  # ~ reverses the order: r-th smallest
     tau = jnp.where(c >= k, hi, lo)
     n_ge = _count_ge(keys, tau)  # proves hi <= the k-th where c >= k (lo is exact elsewhere)
-    return lax.cond(jnp.all((c < k) | (n_ge >= k)), lambda _: (tau, n_ge), exact, None)
+    return lax.cond(jnp.all((c < k) | (n_ge >= k)), lambda _: (tau, n_ge), otherwise, None)
 
-  return lax.cond(jnp.any(c >= k), close, lambda _: with_count(lo), None)
+  def close(_):
+    return close_with(_bin_levels(keys, 2, above=lo).reshape(r, -1), exact)  # low [R,2L]
+
+  def close_one_level(_):
+    return close_with(~_fold(~_bin_levels(keys, 1, above=lo)[:, 0], 2), close)  # low [R,2L/16]
+
+  first = close_one_level if _one_level_closes(16 * keys.shape[-1], k, r) else close
+  return lax.cond(jnp.any(c >= k), first, lambda _: with_count(lo), None)
 
 
 def _threshold_block(x: jax.Array, k: int) -> jax.Array:
