@@ -14,6 +14,8 @@ Which method runs where:
   generate_mask              one compare against the cutoff (+ a tie fix only when needed).
   topk_mask                  topk_threshold + generate_mask fused: each block of rows reads its
                              scores once (they no longer fit the last-level cache at s=131072).
+                             approx=True: select_topk(approx)'s set; off TPU for k >= s/128 the
+                             binned selection writes its mask per block (_binned_mask_block).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
 Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
@@ -251,14 +253,31 @@ def _threshold_block(x: jax.Array, k: int) -> jax.Array:
   return _from_keys(_threshold_keys(keys, k)[0])[:, None]
 
 
-def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True) -> jax.Array:
+def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: bool = False,
+              recall_target: float = 0.95) -> jax.Array:
   """bool [..., s], True = attend: generate_mask(scores, topk_threshold(scores, k), exact_topk, k)
   in one pass over the scores. On CPU each cache-resident block of rows finds its k-th values and
   writes its mask while its keys are still in cache (the two calls read every score twice, from
-  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB)."""
-  if k < 1:
-    raise ValueError(f"topk_mask: k must be >= 1, got {k}")
+  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB).
+
+  approx=True: the mask of select_topk(approx=True, recall_target)'s selection, the same set:
+  with exact_topk its index set minus -inf/NaN scores (off TPU and for k >= s/128 written per
+  block by _binned_mask_block, with no indices), else every key >= its smallest value.
+  """
+  if k < 1 or not 0.0 < recall_target <= 1.0:
+    raise ValueError(f"topk_mask: need k >= 1 and 0 < recall_target <= 1, got k={k}, "
+                     f"recall_target={recall_target}")
   kk = min(k, scores.shape[-1])
+  on_tpu = jax.default_backend() == "tpu"
+  config = _binned_config(scores.shape[-1], kk, recall_target) if approx and not on_tpu else None
+  # Writing the mask per block costs more than a scatter of few indices: measured faster from
+  # k >= s/128 (f32[1,1024,s], k=2048: 1.2x at s=131072, 1.5x at 65536; k=256: 0.8x at s >= 65536).
+  if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
+    return _map_blocks(lambda x: _binned_mask_block(x, kk, *config), scores)
+  if approx and (on_tpu or config is not None):
+    values, indices = select_topk(scores, kk, approx=True, recall_target=recall_target)
+    return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
+  # Exact; also approx off TPU where no binning pays (select_topk is then lax.top_k: this set).
   return _map_blocks(lambda x: _topk_mask_block(x, kk, exact_topk), scores)
 
 
@@ -306,13 +325,13 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
   return None if best is None else best[1:]
 
 
-def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
-  """Approximate top-k of a block x [R,s]: the top m of each strided bin of `rows` keys, then the
-  exact top k of those m * bins candidates. (values [R,k], indices [R,k]), unsorted but for the
-  last slot, which holds each row's smallest selected value."""
+def _binned_take(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The binned selection of a block x [R,s]: the top m of each strided bin of `rows` keys, then
+  the exact top k of those m * bins candidates. -> (packed [R,G,L], cand [R,m,L], take [R,m,L]):
+  the keys of position g*L + l with the bin row in their low bits, each bin's m largest of them
+  (decreasing), and which candidates are taken (exactly k per row, a prefix of each bin)."""
   r, s = x.shape
   keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
-  bins = keys.shape[-1]
   g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
   # The low log2(G) bits carry the bin row (reversed: ties go to the lower position), so the keys
   # of a bin are distinct and each max pass knocks out exactly one key per bin.
@@ -331,6 +350,31 @@ def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Arr
     return above | (tied & (_exclusive_cumsum(tied.reshape(r, -1)).reshape(tied.shape) < need))
 
   take = lax.cond(jnp.any(jnp.sum(above | tied, axis=(1, 2)) > k), first_ties, lambda _: above | tied, None)
+  return packed, cand, take
+
+
+def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int) -> jax.Array:
+  """x [R,s] -> bool [R,s]: the positions _binned_topk_block selects, minus -inf/NaN scores,
+  written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
+  are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
+  gather (they cost more than the selection itself on CPU)."""
+  r, s = x.shape
+  packed, cand, take = _binned_take(x, k, rows, m)
+  floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
+  some = jnp.any(take, axis=1)  # [R,L]
+  xs = _pad_last(x, rows, -jnp.inf).reshape(packed.shape)  # [R,G,L]
+  # One [R,L] compare per bin row, concatenated: XLA:CPU writes a compare against a [R,1,L]
+  # broadcast ~1.5x slower.
+  return jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
+                          for g in range(rows)], axis=1)[:, :s]
+
+
+def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
+  """Approximate top-k of a block x [R,s] (_binned_take): (values [R,k], indices [R,k]), unsorted
+  but for the last slot, which holds each row's smallest selected value."""
+  r, s = x.shape
+  packed, cand, take = _binned_take(x, k, rows, m)
+  bins = cand.shape[-1]
   # Exactly k taken per row, a prefix of each bin's levels: slot = bin offset + level.
   offset = _exclusive_cumsum(jnp.sum(take, axis=1))  # [R,L]
   level = lax.broadcasted_iota(jnp.int32, cand.shape, 1)

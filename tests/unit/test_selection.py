@@ -43,7 +43,8 @@ def _all_paths(scores, k):
   raw = sel.generate_mask(scores, threshold, exact_topk=False, k=k)
   values, indices = sel.select_topk(scores, k, approx=True, recall_target=0.9)
   approx = sel.generate_mask(scores, values, indices, exact_topk=True, k=k)
-  fused = sel.topk_mask(scores, k), sel.topk_mask(scores, k, exact_topk=False)
+  fused = (sel.topk_mask(scores, k), sel.topk_mask(scores, k, exact_topk=False),
+           sel.topk_mask(scores, k, approx=True, recall_target=0.9))
   return threshold, exact, raw, values, indices, approx, fused
 
 
@@ -193,6 +194,7 @@ def test_every_path_keeps_the_selection_invariants(batch):
   assert all(len(np.unique(r)) == kk for r in indices.reshape(-1, kk))
   ref = np.asarray(sel.generate_mask_reference(jnp.asarray(indices), s)) & finite
   np.testing.assert_array_equal(approx, ref)
+  np.testing.assert_array_equal(fused[2], approx)  # the approx mask written per block: that set
   np.testing.assert_array_equal(approx.sum(-1), (values > NEG_INF).sum(-1))
   np.testing.assert_array_equal(values[..., -1], values.min(-1))  # the cutoff sits last
 
@@ -392,3 +394,5 @@ def test_binned_ties_across_bins_never_displace_a_larger_candidate():
   values, indices = jax.jit(lambda x: sel._binned_topk_block(x, 6, 16, 2))(row[None])
   assert {60, 61, 62, 63} <= set(np.asarray(indices[0]).tolist())
   assert len(set(np.asarray(indices[0]).tolist())) == 6 and float(values[0, -1]) == 0.0
+  mask = jax.jit(lambda x: sel._binned_mask_block(x, 6, 16, 2))(row[None])  # the same set, as a mask
+  np.testing.assert_array_equal(np.flatnonzero(mask[0]), np.sort(np.asarray(indices[0])))
