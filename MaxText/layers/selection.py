@@ -13,7 +13,9 @@ Which method runs where:
                              over order-preserving int32 keys (_threshold_block), every backend.
   generate_mask              one compare against the cutoff (+ a tie fix only when needed).
   topk_mask                  topk_threshold + generate_mask fused: each block of rows reads its
-                             scores once (they no longer fit the last-level cache at s=131072).
+                             scores once (they no longer fit the last-level cache at s=131072);
+                             exact k: a fast path checked per row, failed rows redone in full
+                             (_topk_mask_checked).
                              approx=True: select_topk(approx)'s set; off TPU for k >= s/128 the
                              binned selection writes its mask per block (_binned_mask_block).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
@@ -333,12 +335,12 @@ def _checked_mask_block(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   rarely miss keys (_keys_missed), else hi from 1 or 2 keys per bin (_hi_key)."""
   r, s = x.shape
   keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
-  lo, c = _lo_key(keys, k)
+  tau, c = _lo_key(keys, k)  # [R] x2 (c is dead code, dropped by XLA, where lo alone is used)
   if _keys_missed(16 * keys.shape[-1], k) >= 0.05:
-    lo = _hi_key(keys, k, lo, c, 1 if _one_level_closes(16 * keys.shape[-1], k, r) else 2)
-  floor = jnp.maximum(lo, _NEG_INF_KEY + 1)  # [R]: never -inf/NaN
+    tau = _hi_key(keys, k, tau, c, 1 if _one_level_closes(16 * keys.shape[-1], k, r) else 2)
+  floor = jnp.maximum(tau, _NEG_INF_KEY + 1)  # [R]: never -inf/NaN
   n_ge = _count_ge(keys, floor)
-  bad = (n_ge != k) & ((lo > _NEG_INF_KEY) | (n_ge > k))
+  bad = (n_ge != k) & ((tau > _NEG_INF_KEY) | (n_ge > k))
   return (keys.reshape(r, -1) >= floor[:, None])[:, :s], bad
 
 
