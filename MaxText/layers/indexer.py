@@ -162,27 +162,20 @@ class Indexer(nnx.Module):
 
   # ---- selection
   def select(self, scores: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """scores [b,t,s] -> (bool mask [b,t,s] True = selected, top-k indices [b,t,k'] or None).
+    """scores [b,t,s] -> (bool mask [b,t,s] True = selected, None).
 
     k' = min(indexer_topk, s). Exact (default): the k-th value from the fast threshold, then
     the mask keeps exactly k' keys (indexer_mask_exact_topk, ties lowest position first) or
     every key >= the threshold. Approximate (indexer_use_approx_top_k): approx top-k at
     indexer_approx_top_k_recall; the mask is its index set (exact_topk) or its k-th value as
-    a raw cutoff. A -inf (not valid) score is never selected; approx indices of a row with
-    fewer than k' valid keys include some masked slots (see selection.selection_indices).
-    The mask carries no gradient.
+    a raw cutoff. Both in one pass over the scores where that pays (selection.topk_mask), so
+    no indices come back: a gather path takes them from selection.selection_indices.
+    A -inf (not valid) score is never selected. The mask carries no gradient.
     """
     cfg = self.config
     k = min(cfg.indexer_topk, scores.shape[-1])
-    if not cfg.indexer_use_approx_top_k:
-      # the k-th value and the mask in one pass over the scores (topk_threshold + generate_mask fused)
-      return topk_mask(scores, k, exact_topk=cfg.indexer_mask_exact_topk), None
-    values, indices = select_topk(scores, k, approx=True, recall_target=cfg.indexer_approx_top_k_recall)
-    if cfg.indexer_mask_exact_topk:
-      mask = generate_mask(scores, values, indices, exact_topk=True, k=k)
-    else:
-      mask = generate_mask(scores, values, exact_topk=False, k=k)  # cutoff = the smallest approx value
-    return mask, indices
+    return topk_mask(scores, k, exact_topk=cfg.indexer_mask_exact_topk, approx=cfg.indexer_use_approx_top_k,
+                     recall_target=cfg.indexer_approx_top_k_recall), None
 
   def generate_mask(self, index_score: jax.Array, topk_values: jax.Array, topk_indices: jax.Array | None = None,
                     *, k: int | None = None, dtype=jnp.float32) -> jax.Array:

@@ -13,7 +13,11 @@ Which method runs where:
                              over order-preserving int32 keys (_threshold_block), every backend.
   generate_mask              one compare against the cutoff (+ a tie fix only when needed).
   topk_mask                  topk_threshold + generate_mask fused: each block of rows reads its
-                             scores once (they no longer fit the last-level cache at s=131072).
+                             scores once (they no longer fit the last-level cache at s=131072);
+                             exact k: a fast path checked per row, failed rows redone in full
+                             (_topk_mask_checked).
+                             approx=True: select_topk(approx)'s set; off TPU for k >= s/128 the
+                             binned selection writes its mask per block (_binned_mask_block).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
 Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
@@ -172,21 +176,48 @@ def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
   return jnp.concatenate(levels, axis=1)
 
 
+def _fold(cand: jax.Array, m: int) -> jax.Array:
+  """cand [R,n] -> [R, m*ceil(n/16)]: the m largest distinct entries of each strided bin of 16
+  entries; a subset (so its k-th is a bound) small enough to make a bisection over it cheap."""
+  return _bin_levels(_pad_last(cand, 16, _IMIN).reshape(cand.shape[0], 16, -1), m).reshape(cand.shape[0], -1)
+
+
+def _keys_missed(s: int, k: int) -> float:
+  """The expected number of a random row's top k keys that lo's bins (16 keys, top 2) miss."""
+  return (1.0 - _binned_recall(s - s % 16, k, 16, 2)) * k
+
+
+def _one_level_closes(s: int, k: int, rows: int) -> bool:
+  """Whether hi from each bin's single smallest key above lo (see _threshold_keys) is likely to
+  close a block of `rows` rows: it fails where a bin holds 2 of the r smallest keys above lo, with
+  r ~ the keys the top-2 bins lose (the recall estimate of 16-key bins keeping 2)."""
+  if s < 32 * 16 or k > s // 8:
+    return False
+  r = 1 + _keys_missed(s, k)
+  return rows * (s // 16) * 120 * (r / s) ** 2 < 0.05  # 120 = C(16, 2) pairs per bin
+
+
 def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.Array, jax.Array]:
   """keys [R,16,L] -> (kth [R], n_ge [R]): each row's exact k-th largest key and, with count,
   #(keys >= kth) (for the mask's tie check; counted once whichever way kth was found),
   2.2x (k=2048) to 3.6x (k=64) faster on CPU than a bisection over all keys (32 passes).
   With L = s/16 strided bins of 16 keys:
 
-  lo: the k-th largest of each bin's top 2 keys. A subset's k-th is never above the row's, and is
-    equal unless some bin holds 3+ of the top k (then c = #keys > lo >= k).
+  lo: the k-th largest of each bin's top 2 keys (the second keys folded to the top 3 of each 16
+    bins (_fold) when that leaves k). A subset's k-th is never above the row's, and is equal
+    unless some bin holds 3+ of the top k (then c = #keys > lo >= k).
   hi: the r-th smallest key above lo, r = c - k + 1 (r - 1 = the keys the bins missed, about
     L*E[(N-2)+]: ~67 at k=2048, s=65536), from each bin's 2 smallest keys above lo: a subset
     again, so hi >= the k-th, and #keys >= hi being >= k proves hi <= the k-th too. Where that
     fails (a bin holding 3 of those r keys, ~3e-3 of rows at k=2048; heavy ties; adversarial
     rows with the top keys in one bin) the block falls back to the bisection over all keys.
-  Each k-th of a candidate set is a 32-pass bisection over 2L keys (_kth_key). Measured: 2 levels
-  for lo and for hi beat 1 or 3 at k in {64, 256, 2048}.
+    Where r is small (_one_level_closes: s=131072, k=2048 has r ~ 17) hi is first tried from each
+    bin's single smallest key above lo, folded (_fold) to 2 per 16 bins: one pass over the keys
+    and a bisection over 2L/16 instead of two passes and one over 2L; the 2-key hi runs only in
+    the blocks where that proof fails (~2% of rows there).
+  Each k-th of a candidate set is a 32-pass bisection over it (_kth_key). Measured: 2 levels
+  for lo and for hi beat 1 or 3 at k in {64, 256, 2048}; the folds and the 1-level-first hi
+  cut topk_mask by 5-20% at s >= 65536 (1 core; f32[1,1024,131072], k=2048: 323 -> 288 ms).
   """
   r = keys.shape[0]
   kth = jax.vmap(_kth_key)
@@ -198,17 +229,41 @@ def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.A
 
   if 2 * keys.shape[-1] < k:  # too few candidates: k close to s
     return exact(None)
-  lo = kth(_bin_levels(keys, 2).reshape(r, -1), k_rows)  # [R]
-  c = jnp.where(lo == _IMAX, 0, _count_ge(keys, lo + 1))  # #keys > lo (none above the top key)
+  lo, c = _lo_key(keys, k)
 
-  def close(_):
-    low = _bin_levels(keys, 2, above=lo).reshape(r, -1)  # [R,2L]
-    hi = ~kth(~low, jnp.where(c >= k, c - k + 1, 1))  # ~ reverses the order: r-th smallest
-    tau = jnp.where(c >= k, hi, lo)
+  def close_with(levels, otherwise):
+    tau = _hi_key(keys, k, lo, c, levels)
     n_ge = _count_ge(keys, tau)  # proves hi <= the k-th where c >= k (lo is exact elsewhere)
-    return lax.cond(jnp.all((c < k) | (n_ge >= k)), lambda _: (tau, n_ge), exact, None)
+    return lax.cond(jnp.all((c < k) | (n_ge >= k)), lambda _: (tau, n_ge), otherwise, None)
 
-  return lax.cond(jnp.any(c >= k), close, lambda _: with_count(lo), None)
+  close = lambda _: close_with(2, exact)
+  first = (lambda _: close_with(1, close)) if _one_level_closes(16 * keys.shape[-1], k, r) else close
+  return lax.cond(jnp.any(c >= k), first, lambda _: with_count(lo), None)
+
+
+def _lo_key(keys: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """keys [R,16,L] -> (lo [R], c [R]): _threshold_keys' lower bound and #keys > lo. Needs 2L >= k."""
+  r, n_bins = keys.shape[0], keys.shape[-1]
+  top2 = _bin_levels(keys, 2)  # [R,2,L]
+  if n_bins + 3 * -(-n_bins // 16) >= k:  # the second keys folded: fewer candidates, the same bound but rarely
+    cand = jnp.concatenate([top2[:, 0], _fold(top2[:, 1], 3)], axis=1)  # [R, L + 3L/16]
+  else:
+    cand = top2.reshape(r, -1)  # [R,2L]
+  lo = jax.vmap(_kth_key)(cand, jnp.full((r,), k, jnp.int32))  # [R]
+  return lo, jnp.where(lo == _IMAX, 0, _count_ge(keys, lo + 1))  # none above the top key
+
+
+def _hi_key(keys: jax.Array, k: int, lo: jax.Array, c: jax.Array, levels: int) -> jax.Array:
+  """[R]: where c >= k, the r-th smallest key above lo (r = c - k + 1) among each bin's `levels`
+  (1 or 2) smallest keys above lo (1: folded to 2 per 16 bins), an upper bound of the k-th
+  (_threshold_keys' hi); elsewhere lo."""
+  r = keys.shape[0]
+  if levels == 1:
+    low = ~_fold(~_bin_levels(keys, 1, above=lo)[:, 0], 2)  # [R,2L/16]; IMAX = none
+  else:
+    low = _bin_levels(keys, 2, above=lo).reshape(r, -1)  # [R,2L]
+  hi = ~jax.vmap(_kth_key)(~low, jnp.where(c >= k, c - k + 1, 1))  # ~ reverses the order: r-th smallest
+  return jnp.where(c >= k, hi, lo)
 
 
 def _threshold_block(x: jax.Array, k: int) -> jax.Array:
@@ -218,15 +273,75 @@ def _threshold_block(x: jax.Array, k: int) -> jax.Array:
   return _from_keys(_threshold_keys(keys, k)[0])[:, None]
 
 
-def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True) -> jax.Array:
+def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: bool = False,
+              recall_target: float = 0.95) -> jax.Array:
   """bool [..., s], True = attend: generate_mask(scores, topk_threshold(scores, k), exact_topk, k)
   in one pass over the scores. On CPU each cache-resident block of rows finds its k-th values and
   writes its mask while its keys are still in cache (the two calls read every score twice, from
-  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB)."""
-  if k < 1:
-    raise ValueError(f"topk_mask: k must be >= 1, got {k}")
+  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB).
+
+  approx=True: the mask of select_topk(approx=True, recall_target)'s selection, the same set:
+  with exact_topk its index set minus -inf/NaN scores (off TPU and for k >= s/128 written per
+  block by _binned_mask_block, with no indices), else every key >= its smallest value.
+  """
+  if k < 1 or not 0.0 < recall_target <= 1.0:
+    raise ValueError(f"topk_mask: need k >= 1 and 0 < recall_target <= 1, got k={k}, "
+                     f"recall_target={recall_target}")
   kk = min(k, scores.shape[-1])
+  on_tpu = jax.default_backend() == "tpu"
+  config = _binned_config(scores.shape[-1], kk, recall_target) if approx and not on_tpu else None
+  # Writing the mask per block costs more than a scatter of few indices: measured faster from
+  # k >= s/128 (f32[1,1024,s], k=2048: 1.2x at s=131072, 1.5x at 65536; k=256: 0.8x at s >= 65536).
+  if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
+    return _map_blocks(lambda x: _binned_mask_block(x, kk, *config), scores)
+  if approx and (on_tpu or config is not None):
+    values, indices = select_topk(scores, kk, approx=True, recall_target=recall_target)
+    return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
+  # Exact; also approx off TPU where no binning pays (select_topk is then lax.top_k: this set).
+  if exact_topk and 2 * -(-scores.shape[-1] // 16) >= kk:
+    return _topk_mask_checked(scores, kk)
   return _map_blocks(lambda x: _topk_mask_block(x, kk, exact_topk), scores)
+
+
+def _topk_mask_checked(scores: jax.Array, k: int) -> jax.Array:
+  """topk_mask(exact_topk=True) as a fast path with no lax.cond, then a repair of the rows it
+  could not prove. A lax.cond in a block makes XLA:CPU write the block's keys out as the branch
+  operand (recomputed from the scores in every pass otherwise): with the proof fallbacks and the
+  tie check ~60 ms of the ~290 at f32[1,1024,131072], k=2048.
+
+  Fast path per block (_checked_mask_block): a bound tau on the k-th, the mask keys >= tau, and
+  the check that it holds exactly k keys (exactly the top k, whatever tau's derivation; or, with
+  tau <= -inf, at most k finite keys: all of them). Rows failing it (a bound that missed, ties at
+  the k-th) are redone, a block of rows at a time, by _topk_mask_block (bounds, fallbacks, ties).
+  """
+  s = scores.shape[-1]
+  mask, bad = _map_blocks(lambda x: _checked_mask_block(x, k), scores)  # [..., s], [...]
+  x, mask, bad = scores.reshape(-1, s), mask.reshape(-1, s), bad.reshape(-1)  # [N,s], [N,s], [N]
+  n = x.shape[0]
+  m = min(n, _block_rows(s, _CACHE_BYTES))
+
+  def repair(state):  # the first m rows still bad (index n: none, dropped)
+    mask, bad = state
+    idx = jnp.nonzero(bad, size=m, fill_value=n)[0]  # [m]
+    fixed = _topk_mask_block(x[jnp.minimum(idx, n - 1)], k, True)  # [m,s]
+    return mask.at[idx].set(fixed, mode="drop"), bad.at[idx].set(False, mode="drop")
+
+  mask, _ = lax.while_loop(lambda state: jnp.any(state[1]), repair, (mask, bad))
+  return mask.reshape(scores.shape)
+
+
+def _checked_mask_block(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """x [R,s] -> (mask [R,s], bad [R]): see _topk_mask_checked. tau: lo alone where lo's bins
+  rarely miss keys (_keys_missed), else hi from 1 or 2 keys per bin (_hi_key)."""
+  r, s = x.shape
+  keys = _pad_last(_to_keys(x), 16, _IMIN).reshape(r, 16, -1)  # [R,16,L]: key of position g*L + l
+  tau, c = _lo_key(keys, k)  # [R] x2 (c is dead code, dropped by XLA, where lo alone is used)
+  if _keys_missed(16 * keys.shape[-1], k) >= 0.05:
+    tau = _hi_key(keys, k, tau, c, 1 if _one_level_closes(16 * keys.shape[-1], k, r) else 2)
+  floor = jnp.maximum(tau, _NEG_INF_KEY + 1)  # [R]: never -inf/NaN
+  n_ge = _count_ge(keys, floor)
+  bad = (n_ge != k) & ((tau > _NEG_INF_KEY) | (n_ge > k))
+  return (keys.reshape(r, -1) >= floor[:, None])[:, :s], bad
 
 
 def _topk_mask_block(x: jax.Array, k: int, exact_topk: bool) -> jax.Array:
@@ -273,13 +388,13 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
   return None if best is None else best[1:]
 
 
-def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
-  """Approximate top-k of a block x [R,s]: the top m of each strided bin of `rows` keys, then the
-  exact top k of those m * bins candidates. (values [R,k], indices [R,k]), unsorted but for the
-  last slot, which holds each row's smallest selected value."""
+def _binned_take(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The binned selection of a block x [R,s]: the top m of each strided bin of `rows` keys, then
+  the exact top k of those m * bins candidates. -> (packed [R,G,L], cand [R,m,L], take [R,m,L]):
+  the keys of position g*L + l with the bin row in their low bits, each bin's m largest of them
+  (decreasing), and which candidates are taken (exactly k per row, a prefix of each bin)."""
   r, s = x.shape
   keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
-  bins = keys.shape[-1]
   g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
   # The low log2(G) bits carry the bin row (reversed: ties go to the lower position), so the keys
   # of a bin are distinct and each max pass knocks out exactly one key per bin.
@@ -298,6 +413,31 @@ def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Arr
     return above | (tied & (_exclusive_cumsum(tied.reshape(r, -1)).reshape(tied.shape) < need))
 
   take = lax.cond(jnp.any(jnp.sum(above | tied, axis=(1, 2)) > k), first_ties, lambda _: above | tied, None)
+  return packed, cand, take
+
+
+def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int) -> jax.Array:
+  """x [R,s] -> bool [R,s]: the positions _binned_topk_block selects, minus -inf/NaN scores,
+  written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
+  are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
+  gather (they cost more than the selection itself on CPU)."""
+  r, s = x.shape
+  packed, cand, take = _binned_take(x, k, rows, m)
+  floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
+  some = jnp.any(take, axis=1)  # [R,L]
+  xs = _pad_last(x, rows, -jnp.inf).reshape(packed.shape)  # [R,G,L]
+  # One [R,L] compare per bin row, concatenated: XLA:CPU writes a compare against a [R,1,L]
+  # broadcast ~1.5x slower.
+  return jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
+                          for g in range(rows)], axis=1)[:, :s]
+
+
+def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
+  """Approximate top-k of a block x [R,s] (_binned_take): (values [R,k], indices [R,k]), unsorted
+  but for the last slot, which holds each row's smallest selected value."""
+  r, s = x.shape
+  packed, cand, take = _binned_take(x, k, rows, m)
+  bins = cand.shape[-1]
   # Exactly k taken per row, a prefix of each bin's levels: slot = bin offset + level.
   offset = _exclusive_cumsum(jnp.sum(take, axis=1))  # [R,L]
   level = lax.broadcasted_iota(jnp.int32, cand.shape, 1)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import make_config
-from MaxText.layers import indexer as indexer_lib
+from MaxText.layers import indexer as indexer_lib, selection
 from MaxText.layers.embeddings import rope_inv_freq
 from MaxText.layers.indexer import Indexer, hadamard_matrix, index_scores
 from MaxText.layers.masks import attention_validity
@@ -225,21 +225,22 @@ def test_select_never_picks_masked_keys_when_fewer_valid_than_k():
 
 
 def test_select_approx_path_follows_config():
+  """The approx mask is select_topk(approx)'s index set (exact_topk) or its smallest value as a
+  raw cutoff, at k = s/16 (the fused per-block mask) and k = s/256 (the index scatter)."""
   rng = np.random.default_rng(7)
-  scores = jnp.asarray(rng.standard_normal((2, 4, 256)), jnp.float32)
-  k = 16
-  exact_mask, _ = _select(scores, indexer_topk=k)
-  mask, idx = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_approx_top_k_recall=0.95)
-  assert idx is not None and idx.shape == (2, 4, k)
-  np.testing.assert_array_equal(np.asarray(mask).sum(-1), np.full((2, 4), k))
-  np.testing.assert_array_equal(np.asarray(mask), np.asarray(indexer_lib.generate_mask_reference(idx, 256)))
-  recall = (np.asarray(mask) & np.asarray(exact_mask)).sum() / np.asarray(exact_mask).sum()
-  assert recall >= 0.9, recall
-  raw, idx_raw = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_mask_exact_topk=False)
-  assert idx_raw is not None
-  kth = np.sort(np.asarray(scores[jnp.arange(2)[:, None, None], jnp.arange(4)[None, :, None], idx_raw]), -1)[..., :1]
-  np.testing.assert_array_equal(np.asarray(raw), np.asarray(scores) >= kth)  # the approx k-th value as raw cutoff
-  assert (np.asarray(raw).sum(-1) >= k).all()
+  scores = jnp.asarray(rng.standard_normal((2, 4, 4096)), jnp.float32)
+  for k in (256, 16):
+    exact_mask, _ = _select(scores, indexer_topk=k)
+    mask, idx = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_approx_top_k_recall=0.95)
+    assert idx is None
+    values, indices = indexer_lib.select_topk(scores, k, approx=True, recall_target=0.95)
+    assert selection._binned_config(4096, k, 0.95) is not None
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(indexer_lib.generate_mask_reference(indices, 4096)))
+    recall = (np.asarray(mask) & np.asarray(exact_mask)).sum() / np.asarray(exact_mask).sum()
+    assert recall >= 0.95, (k, recall)
+    raw, _ = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_mask_exact_topk=False)
+    kth = np.asarray(values).min(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(raw), np.asarray(scores) >= kth)  # the approx k-th value as raw cutoff
 
 
 def test_additive_generate_mask_follows_exact_topk_flag():

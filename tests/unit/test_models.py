@@ -160,9 +160,9 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
     calls.append(("approx" if approx else "exact-topk", recall_target))
     return real_select(scores, k, approx=approx, recall_target=recall_target)
 
-  def mask_spy(scores, k, *, exact_topk=True):
-    calls.append(("threshold", exact_topk))
-    return real_mask(scores, k, exact_topk=exact_topk)
+  def mask_spy(scores, k, *, exact_topk=True, approx=False, recall_target=0.95):
+    calls.append(("approx", recall_target) if approx else ("threshold", exact_topk))
+    return real_mask(scores, k, exact_topk=exact_topk, approx=approx, recall_target=recall_target)
 
   monkeypatch.setattr(indexer_mod, "select_topk", select_spy)
   monkeypatch.setattr(indexer_mod, "topk_mask", mask_spy)

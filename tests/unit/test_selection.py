@@ -43,7 +43,8 @@ def _all_paths(scores, k):
   raw = sel.generate_mask(scores, threshold, exact_topk=False, k=k)
   values, indices = sel.select_topk(scores, k, approx=True, recall_target=0.9)
   approx = sel.generate_mask(scores, values, indices, exact_topk=True, k=k)
-  fused = sel.topk_mask(scores, k), sel.topk_mask(scores, k, exact_topk=False)
+  fused = (sel.topk_mask(scores, k), sel.topk_mask(scores, k, exact_topk=False),
+           sel.topk_mask(scores, k, approx=True, recall_target=0.9))
   return threshold, exact, raw, values, indices, approx, fused
 
 
@@ -193,6 +194,7 @@ def test_every_path_keeps_the_selection_invariants(batch):
   assert all(len(np.unique(r)) == kk for r in indices.reshape(-1, kk))
   ref = np.asarray(sel.generate_mask_reference(jnp.asarray(indices), s)) & finite
   np.testing.assert_array_equal(approx, ref)
+  np.testing.assert_array_equal(fused[2], approx)  # the approx mask written per block: that set
   np.testing.assert_array_equal(approx.sum(-1), (values > NEG_INF).sum(-1))
   np.testing.assert_array_equal(values[..., -1], values.min(-1))  # the cutoff sits last
 
@@ -219,15 +221,31 @@ def test_exact_paths_match_a_float64_numpy_oracle_under_heavy_ties(k):
   np.testing.assert_array_equal(generate_mask(xj, threshold, k=k), want_mask)
 
 
+def _one_level_rows():
+  """8 rows of 4096 (one block, hi tried from each bin's smallest key above lo first). Row 0:
+  the 4 smallest of its top 64 (1000..1003) and its largest background key (0.999) share bin 0
+  (bin = position mod 256), so lo misses 1000 and 1001, r = 3, and the 3 smallest keys above lo
+  are the top background key of another bin, 0.999 and 1000: one level per bin sees 0.999 but not
+  1000, its proof fails, and two levels close it. Rows 1..7: random (some close at one level)."""
+  assert sel._one_level_closes(4096, 64, 8)
+  x = np.random.default_rng(4).uniform(0.0, 0.99, (8, 4096)).astype(np.float32)
+  x[1:] = np.random.default_rng(5).standard_normal((7, 4096))
+  x[0, [0, 256, 512, 768]] = [1000.0, 1001.0, 1002.0, 1003.0]
+  x[0, 5:65] = 1004.0 + np.arange(60)
+  x[0, 1024] = 0.999
+  return jnp.asarray(x)
+
+
 def test_threshold_is_exact_in_every_branch_of_its_bounds():
-  """_threshold_block's three outcomes: lo already exact (k=1), lo closed by hi (random, k=64),
-  and the fallback bisection over all keys: heavy ties (all equal) and an adversarial row whose
-  top keys all sit in one strided bin (positions = 3 mod 16)."""
+  """_threshold_block's outcomes: lo already exact (k=1), lo closed by hi (random, k=64), hi
+  from one key per bin closing some rows and failing on one that two keys per bin close
+  (_one_level_rows), and the fallback bisection over all keys: heavy ties (all equal) and an
+  adversarial row whose top keys all sit in one strided bin (positions = 3 mod 16)."""
   periodic = jnp.where(jnp.arange(256) % 16 == 3, 1000.0, 0.0) + jnp.arange(256.0)
   rand = jax.random.normal(jax.random.key(0), (2, 1024))
   cases = [(rand, 1), (rand, 64),
            (jnp.ones((2, 64)), 5), (jnp.tile(periodic, (2, 1)), 8)]
-  for x, k in cases:
+  for x, k in cases + [(_one_level_rows(), 64)]:
     np.testing.assert_array_equal(topk_threshold(x, k), jax.lax.top_k(x, k)[0][..., -1:])
     # topk_mask reuses each branch's count of keys >= the k-th for its tie check
     np.testing.assert_array_equal(topk_mask(x, k), _numpy_topk_positions(np.asarray(x), k)[0])
@@ -376,3 +394,5 @@ def test_binned_ties_across_bins_never_displace_a_larger_candidate():
   values, indices = jax.jit(lambda x: sel._binned_topk_block(x, 6, 16, 2))(row[None])
   assert {60, 61, 62, 63} <= set(np.asarray(indices[0]).tolist())
   assert len(set(np.asarray(indices[0]).tolist())) == 6 and float(values[0, -1]) == 0.0
+  mask = jax.jit(lambda x: sel._binned_mask_block(x, 6, 16, 2))(row[None])  # the same set, as a mask
+  np.testing.assert_array_equal(np.flatnonzero(mask[0]), np.sort(np.asarray(indices[0])))
