@@ -29,9 +29,11 @@ def _describe(e: BaseException) -> str:
 
 
 def quiet_libraries() -> None:
-  """orbax/absl warn on the console about their own internals (missing optional metadata files, ...)."""
+  """orbax/absl warn on the console about their own internals (missing optional metadata files, ...);
+  tensorboardX about a non-finite scalar, which the training loop's own guard reports in one line."""
   import logging
   logging.getLogger("absl").setLevel(logging.ERROR)
+  logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 
 def run(fn: Callable[[], object], also: tuple[type[BaseException], ...] = ()) -> None:

@@ -289,8 +289,8 @@ class Config(*SECTIONS):
       if self.indexer_head_dim <= self.qk_rope_head_dim:
         bad(f"indexer_head_dim={self.indexer_head_dim} must exceed qk_rope_head_dim={self.qk_rope_head_dim}: "
             "the indexer rotates its first qk_rope_head_dim dims")
-    elif self.indexer_training_stage != "none":
-      bad(f"indexer_training_stage={self.indexer_training_stage} needs use_indexer=true")
+    elif self.indexer_training_stage == "dense_warmup":  # sparse (the default) means nothing without an indexer
+      bad("indexer_training_stage=dense_warmup needs use_indexer=true: it trains only the indexers")
     if self.num_experts_per_tok > self.num_experts:
       bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
     if self.num_experts % self.n_routing_groups:

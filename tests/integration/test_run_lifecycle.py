@@ -91,7 +91,8 @@ def test_console_names_the_paths_each_checkpoint_and_sums_up(base_run):
   assert f"tensorboard --logdir {run}/tensorboard" in first
   assert f"checkpoint step 2: {run}/checkpoints/2" in stdout and f"checkpoint step 4: {run}/checkpoints/4" in stdout
   last = stdout.strip().splitlines()[-1]
-  assert re.match(r"done: steps 1-4 of 4 \(2,048 tokens\) in \dm\d\ds; final loss \S+ \| lm \S+; eval loss \S+; "
+  assert re.match(r"done: steps 1-4 of 4 \(2,048 tokens\) in \dm\d\ds; final loss \S+ \| lm \S+ \| indexer \S+; "
+                  r"eval loss \S+; "
                   rf"weights: load_parameters_path={run}/checkpoints$", last), last
   assert (run / "config.yml").is_file()
 

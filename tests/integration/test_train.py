@@ -115,8 +115,8 @@ def test_sparse_stage_indexer_learns_only_from_its_kl_and_the_model_only_from_lm
   assert max(norms(g_idx, True)) > 0.0 and max(norms(g_lm, False)) > 0.0
 
 
-def test_plain_training_leaves_the_indexer_untouched(tmp_path):
-  before, after, _, _ = _one_step(small(tmp_path, warmup_steps=0))
+def test_stage_none_leaves_the_indexer_untouched(tmp_path):
+  before, after, _, _ = _one_step(small(tmp_path, warmup_steps=0, indexer_training_stage="none"))
   changed = _changed(before, after)
   assert not any(v for k, v in changed.items() if "'indexer'" in k)
   assert any(v for k, v in changed.items() if "'indexer'" not in k)

@@ -120,6 +120,7 @@ def test_bad_value_names_key_value_and_what_is_allowed(arg, key, allowed):
     (dict(first_num_dense_layers=9), ["first_num_dense_layers", "num_decoder_layers"]),
     (dict(num_experts=6), ["num_experts", "n_routing_groups"]),
     (dict(max_prefill_length=100), ["max_prefill_length", "max_target_length"]),
+    (dict(use_indexer=False, indexer_training_stage="dense_warmup"), ["dense_warmup", "use_indexer=true"]),
     (dict(moe_capacity_factor=0.5), ["moe_capacity_factor=0.5", "-1 (dropless)", ">= 1"]),
     (dict(moe_capacity_factor=0.0), ["moe_capacity_factor=0.0"]),
     (dict(num_devices=3, ici_expert_parallelism=3), ["num_experts=8", "ici_expert_parallelism=3"]),
