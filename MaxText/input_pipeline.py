@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 SYNTHETIC_STEPS = (1, 2, 3, 4)  # the progression steps d a synthetic row may use
 _SYNTHETIC_SALT = 0x5EED_DA7A   # keeps the data PRNG streams apart from other uses of `seed`
 _SHUFFLE_SALT = 0x5EED_5FF1
-_RETRIEVAL_SALT = 0x5EED_4E7A
+_RETRIEVAL_SALT = 0x5EED_4E7A  # synthetic_retrieval's training rows
 _EVAL_SALT = 0x5EED_E7A1        # the held-out synthetic stream: rows no training step ever draws
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
@@ -342,7 +342,7 @@ class RetrievalBatches(_Batches):
     ki = rng.choice(len(self.keys), n, replace=False)  # [n] distinct keys (indices)
     vi = rng.integers(0, len(self.values), n)  # [n]
     keys, values = self.keys[ki], self.values[vi]
-    c = L + 1 - 2 * q  # context tokens; the stream is L + 1 long (inputs = [:L], targets = [1:])
+    c = self.context_length(L)
     tok = rng.choice(self.filler, L + 1)  # [L+1]
     if self.fused:  # one token per pair, at n distinct places
       tok[rng.choice(c, n, replace=False)] = self.pair_ids[ki, vi]
@@ -361,12 +361,15 @@ class RetrievalBatches(_Batches):
         "weights": weights,
     }
 
+  def context_length(self, L: int) -> int:
+    """Filler-and-pairs tokens before the queries; the stream is L + 1 long (inputs [:L], targets [1:])."""
+    return L + 1 - 2 * self.queries
 
   def pair_positions(self, inputs: np.ndarray) -> np.ndarray:
     """inputs [..., L] of this task's rows -> [..., L] int: at each query (weights 1), the context
     position of the pair it asks for (the pair token, or with two-token pairs the value), else -1."""
-    L, q = inputs.shape[-1], self.queries
-    c = L + 1 - 2 * q
+    L = inputs.shape[-1]
+    c = self.context_length(L)
     out = np.full(inputs.shape, -1, np.int64)
     ctx = inputs[..., :c]  # [..., c]
     key_of = np.full(self.vocab_size, -1, np.int64)  # token id -> the key of the pair it opens, else -1
