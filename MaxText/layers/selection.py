@@ -17,7 +17,8 @@ Which method runs where:
                              exact k: a fast path checked per row, failed rows redone in full
                              (_topk_mask_checked).
                              approx=True: select_topk(approx)'s set; off TPU for k >= s/128 the
-                             binned selection writes its mask per block (_binned_mask_block).
+                             binned selection writes its mask per block, checked per row, rows
+                             with ties at the k-th redone (_binned_mask_checked).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
 Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
@@ -108,13 +109,21 @@ def _count_ge(keys: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.sum(lax.optimization_barrier(partial), axis=-1)
 
 
+def _rows_of_16(keys: jax.Array) -> jax.Array:
+  """keys [n] -> [16, width] (IMIN pads, which never raise a count), for _count_ge."""
+  width = -(-keys.shape[0] // 16)
+  if width % 1024 == 0:  # rows 4 KiB apart share one L1 set (16 > its 8 ways): 1.6x slower at n=16384
+    width += 16
+  return jnp.pad(keys, (0, 16 * width - keys.shape[0]), constant_values=_IMIN).reshape(16, width)
+
+
 def _kth_key(keys: jax.Array, kk) -> jax.Array:
   """The kk-th largest of keys [n] (an int32 key): the largest v with #(keys >= v) >= kk.
 
   Built bit by bit from the top in the offset encoding u = v - INT_MIN, so 32 counting passes
   find it exactly, ties included, with no sort and nothing data dependent. kk <= n.
   """
-  keys_16x = _pad_last(keys, 16, _IMIN).reshape(16, -1)  # [16, n/16]; pads never raise a count
+  keys_16x = _rows_of_16(keys)  # [16, n/16]
 
   def step(b, u):
     trial = u | jnp.left_shift(jnp.int32(1), 31 - b)  # int32 wraps: bit 31 is the sign bit
@@ -282,7 +291,7 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
 
   approx=True: the mask of select_topk(approx=True, recall_target)'s selection, the same set:
   with exact_topk its index set minus -inf/NaN scores (off TPU and for k >= s/128 written per
-  block by _binned_mask_block, with no indices), else every key >= its smallest value.
+  block with no indices: _binned_mask_checked), else every key >= its smallest value.
   """
   if k < 1 or not 0.0 < recall_target <= 1.0:
     raise ValueError(f"topk_mask: need k >= 1 and 0 < recall_target <= 1, got k={k}, "
@@ -293,7 +302,7 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
   # Writing the mask per block costs more than a scatter of few indices: measured faster from
   # k >= s/128 (f32[1,1024,s], k=2048: 1.2x at s=131072, 1.5x at 65536; k=256: 0.8x at s >= 65536).
   if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
-    return _map_blocks(lambda x: _binned_mask_block(x, kk, *config), scores)
+    return _binned_mask_checked(scores, kk, *config)
   if approx and (on_tpu or config is not None):
     values, indices = select_topk(scores, kk, approx=True, recall_target=recall_target)
     return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
@@ -314,8 +323,15 @@ def _topk_mask_checked(scores: jax.Array, k: int) -> jax.Array:
   tau <= -inf, at most k finite keys: all of them). Rows failing it (a bound that missed, ties at
   the k-th) are redone, a block of rows at a time, by _topk_mask_block (bounds, fallbacks, ties).
   """
-  s = scores.shape[-1]
   mask, bad = _map_blocks(lambda x: _checked_mask_block(x, k), scores)  # [..., s], [...]
+  return _repair_rows(scores, mask, bad, lambda x: _topk_mask_block(x, k, True))
+
+
+def _repair_rows(scores: jax.Array, mask: jax.Array, bad: jax.Array, full_block_fn) -> jax.Array:
+  """mask [..., s] with the rows where bad [...] is True rewritten by full_block_fn ([R,s] -> bool
+  [R,s], the same set computed without shortcuts), a cache block of bad rows at a time; a while
+  loop that runs no block where no row is bad."""
+  s = scores.shape[-1]
   x, mask, bad = scores.reshape(-1, s), mask.reshape(-1, s), bad.reshape(-1)  # [N,s], [N,s], [N]
   n = x.shape[0]
   m = min(n, _block_rows(s, _CACHE_BYTES))
@@ -323,7 +339,7 @@ def _topk_mask_checked(scores: jax.Array, k: int) -> jax.Array:
   def repair(state):  # the first m rows still bad (index n: none, dropped)
     mask, bad = state
     idx = jnp.nonzero(bad, size=m, fill_value=n)[0]  # [m]
-    fixed = _topk_mask_block(x[jnp.minimum(idx, n - 1)], k, True)  # [m,s]
+    fixed = full_block_fn(x[jnp.minimum(idx, n - 1)])  # [m,s]
     return mask.at[idx].set(fixed, mode="drop"), bad.at[idx].set(False, mode="drop")
 
   mask, _ = lax.while_loop(lambda state: jnp.any(state[1]), repair, (mask, bad))
@@ -388,11 +404,14 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
   return None if best is None else best[1:]
 
 
-def _binned_take(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _binned_take(x: jax.Array, k: int, rows: int, m: int,
+                 ties: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The binned selection of a block x [R,s]: the top m of each strided bin of `rows` keys, then
   the exact top k of those m * bins candidates. -> (packed [R,G,L], cand [R,m,L], take [R,m,L]):
   the keys of position g*L + l with the bin row in their low bits, each bin's m largest of them
-  (decreasing), and which candidates are taken (exactly k per row, a prefix of each bin)."""
+  (decreasing), and which candidates are taken (exactly k per row, a prefix of each bin).
+  ties=False: take every candidate >= the k-th (more than k only where packed keys of different
+  bins tie at it; _binned_mask_checked checks the count) with no lax.cond in the block."""
   r, s = x.shape
   keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
   g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
@@ -406,6 +425,8 @@ def _binned_take(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, ja
     levels.append(prev)
   cand = jnp.concatenate(levels, axis=1)  # [R,m,L], decreasing down each bin
   thr = jax.vmap(_kth_key, in_axes=(0, None))(cand.reshape(r, -1), k)[:, None, None]  # [R,1,1]
+  if not ties:
+    return packed, cand, cand >= thr
   above, tied = cand > thr, cand == thr
 
   def first_ties(_):  # packed keys of different bins can tie at thr: take the first ones up to k
@@ -416,20 +437,31 @@ def _binned_take(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, ja
   return packed, cand, take
 
 
-def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int) -> jax.Array:
+def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Array:
+  """The mask of _binned_mask_block with no lax.cond per block (one made XLA:CPU materialize the
+  candidates' operands: ~20 ms of ~200 at f32[1,1024,131072], k=2048): each block takes every
+  candidate >= the k-th; rows that took more than k (packed keys of two bins tied at the k-th)
+  are rewritten by _binned_mask_block, which takes the first ties."""
+  mask, bad = _map_blocks(lambda x: _binned_mask_block(x, k, rows, m, ties=False), scores)
+  return _repair_rows(scores, mask, bad, lambda x: _binned_mask_block(x, k, rows, m))
+
+
+def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int, ties: bool = True):
   """x [R,s] -> bool [R,s]: the positions _binned_topk_block selects, minus -inf/NaN scores,
   written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
   are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
-  gather (they cost more than the selection itself on CPU)."""
+  gather (they cost more than the selection itself on CPU). ties=False (_binned_take): returns
+  (mask, bad [R]), bad where more than k candidates were taken."""
   r, s = x.shape
-  packed, cand, take = _binned_take(x, k, rows, m)
+  packed, cand, take = _binned_take(x, k, rows, m, ties)
   floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
   some = jnp.any(take, axis=1)  # [R,L]
   xs = _pad_last(x, rows, -jnp.inf).reshape(packed.shape)  # [R,G,L]
   # One [R,L] compare per bin row, concatenated: XLA:CPU writes a compare against a [R,1,L]
   # broadcast ~1.5x slower.
-  return jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
+  mask = jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
                           for g in range(rows)], axis=1)[:, :s]
+  return mask if ties else (mask, jnp.sum(take, axis=(1, 2)) > k)
 
 
 def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:

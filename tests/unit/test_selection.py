@@ -396,3 +396,34 @@ def test_binned_ties_across_bins_never_displace_a_larger_candidate():
   assert len(set(np.asarray(indices[0]).tolist())) == 6 and float(values[0, -1]) == 0.0
   mask = jax.jit(lambda x: sel._binned_mask_block(x, 6, 16, 2))(row[None])  # the same set, as a mask
   np.testing.assert_array_equal(np.flatnonzero(mask[0]), np.sort(np.asarray(indices[0])))
+
+
+def test_kth_key_at_a_width_padded_off_the_l1_set_stride():
+  """n = 16 * 1024 keys would put the 16 counting rows 4 KiB apart (one L1 set): _rows_of_16 pads
+  them to 1040 wide; the k-th is still exact, ties and the padding included."""
+  rng = np.random.default_rng(5)
+  kth = jax.jit(jax.vmap(sel._kth_key, in_axes=(0, None)), static_argnums=1)
+  for n in (16384, 16384 - 21):
+    assert sel._rows_of_16(jnp.zeros((n,), jnp.int32)).shape == (16, 1040 if n == 16384 else 1023)
+    keys = np.stack([rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32),
+                     rng.integers(-3, 3, n).astype(np.int32)])  # [2,n]: random, heavy ties
+    for k in (1, 2048, n):
+      want = np.sort(keys, axis=1)[:, ::-1][:, k - 1]
+      np.testing.assert_array_equal(kth(jnp.asarray(keys), k), want)
+
+
+def test_fused_approx_mask_repairs_the_rows_whose_bins_tie_at_the_kth():
+  """topk_mask(approx) takes every candidate >= the k-th with no lax.cond per block; rows where
+  packed keys of several bins tie at it take more than k and are redone by the first-ties block.
+  A block mixing such rows with random ones: select_topk(approx)'s set, exactly k per row."""
+  s, k = 4096, 64
+  config = sel._binned_config(s, k, 0.95)
+  assert config is not None and 128 * k >= s  # the per-block fused mask runs
+  x = jax.random.normal(jax.random.key(11), (1, 8, s), jnp.float32)
+  x = x.at[0, ::2].set(jnp.round(x[0, ::2] * 2) / 2)  # even rows: 15 distinct values, ties everywhere
+  fast = sel._map_blocks(lambda b: sel._binned_mask_block(b, k, *config, ties=False), x)[1]
+  assert bool(fast[0, ::2].all()) and not bool(fast[0, 1::2].any())  # the repair runs on the tied rows only
+  mask = np.asarray(jax.jit(lambda x: sel.topk_mask(x, k, approx=True))(x))
+  values, indices = select_topk(x, k, approx=True, recall_target=0.95)
+  np.testing.assert_array_equal(mask, np.asarray(generate_mask(x, values, indices, k=k)))
+  np.testing.assert_array_equal(mask.sum(-1), k)
