@@ -29,6 +29,9 @@ RESUME_KEYS = (
     "dataset_type", "dataset_path", "jsonl_text_field", "tokenizer_type", "tokenizer_path", "add_bos", "add_eos",
     "pad_id", "bos_id", "eos_id", "seed", "global_batch_size", "max_target_length",
 )
+# Data keys of dataset_type=synthetic_retrieval alone (other data ignores them).
+RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys", "retrieval_values",
+                         "retrieval_pair_tokens")
 
 
 class RunFolderError(RuntimeError):
@@ -62,7 +65,8 @@ class RunFolder:
     if saved is None:
       return
     now = yaml.safe_load(pyconfig.to_yaml(self.config))
-    changed = [k for k in RESUME_KEYS if k in saved and saved[k] != now[k]]
+    keys = RESUME_KEYS + (RETRIEVAL_RESUME_KEYS if now["dataset_type"] == "synthetic_retrieval" else ())
+    changed = [k for k in keys if k in saved and saved[k] != now[k]]
     if changed:
       diffs = ", ".join(f"{k}={saved[k]!r} in the run, {now[k]!r} now" for k in changed)
       raise ResumeMismatchError(f"run_name={self.config.run_name!r} ({self.path}) holds checkpoints up to step "

@@ -181,3 +181,20 @@ def test_cli_typo_exits_nonzero_with_one_line_and_no_traceback(entry):
   assert r.returncode == 2
   assert "did you mean 'indexer_use_approx_top_k'" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_a_resumed_retrieval_run_keeps_its_retrieval_keys_and_other_data_ignores_them(tmp_path, tiny_config):
+  """The synthetic_retrieval keys decide the batches: a resume that changes one is refused in one
+  line naming it; with another dataset_type they are not data keys and a resume may change them."""
+  from MaxText.run_folder import ResumeMismatchError, RunFolder
+
+  make_config = tiny_config
+  for dataset_type, refused in (("synthetic_retrieval", True), ("synthetic", False)):
+    out = str(tmp_path / dataset_type)
+    RunFolder(make_config(base_output_directory=out, dataset_type=dataset_type)).write_config()
+    resumed = RunFolder(make_config(base_output_directory=out, dataset_type=dataset_type, retrieval_values=8))
+    if refused:
+      with pytest.raises(ResumeMismatchError, match="retrieval_values=16 in the run, 8 now"):
+        resumed.check_same_run(latest_step=3)
+    else:
+      resumed.check_same_run(latest_step=3)
