@@ -114,7 +114,7 @@ def _rows_of_16(keys: jax.Array) -> jax.Array:
   width = -(-keys.shape[0] // 16)
   if width % 1024 == 0:  # rows 4 KiB apart share one L1 set (16 > its 8 ways): 1.6x slower at n=16384
     width += 16
-  return jnp.pad(keys, (0, 16 * width - keys.shape[0]), constant_values=_IMIN).reshape(16, width)
+  return _pad_last(keys, 16 * width, _IMIN).reshape(16, width)
 
 
 def _kth_key(keys: jax.Array, kk) -> jax.Array:
@@ -443,15 +443,16 @@ def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Ar
   candidate >= the k-th; rows that took more than k (packed keys of two bins tied at the k-th)
   are rewritten by _binned_mask_block, which takes the first ties."""
   mask, bad = _map_blocks(lambda x: _binned_mask_block(x, k, rows, m, ties=False), scores)
-  return _repair_rows(scores, mask, bad, lambda x: _binned_mask_block(x, k, rows, m))
+  return _repair_rows(scores, mask, bad, lambda x: _binned_mask_block(x, k, rows, m)[0])
 
 
-def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int, ties: bool = True):
-  """x [R,s] -> bool [R,s]: the positions _binned_topk_block selects, minus -inf/NaN scores,
+def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int,
+                       ties: bool = True) -> tuple[jax.Array, jax.Array]:
+  """x [R,s] -> (bool [R,s], over [R]): the positions _binned_topk_block selects, minus -inf/NaN scores,
   written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
   are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
-  gather (they cost more than the selection itself on CPU). ties=False (_binned_take): returns
-  (mask, bad [R]), bad where more than k candidates were taken."""
+  gather (they cost more than the selection itself on CPU). over: more than k candidates were
+  taken (only with ties=False, _binned_take; always False with ties)."""
   r, s = x.shape
   packed, cand, take = _binned_take(x, k, rows, m, ties)
   floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
@@ -461,7 +462,7 @@ def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int, ties: bool = Tru
   # broadcast ~1.5x slower.
   mask = jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
                           for g in range(rows)], axis=1)[:, :s]
-  return mask if ties else (mask, jnp.sum(take, axis=(1, 2)) > k)
+  return mask, jnp.sum(take, axis=(1, 2)) > k
 
 
 def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:

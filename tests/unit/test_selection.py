@@ -394,7 +394,7 @@ def test_binned_ties_across_bins_never_displace_a_larger_candidate():
   values, indices = jax.jit(lambda x: sel._binned_topk_block(x, 6, 16, 2))(row[None])
   assert {60, 61, 62, 63} <= set(np.asarray(indices[0]).tolist())
   assert len(set(np.asarray(indices[0]).tolist())) == 6 and float(values[0, -1]) == 0.0
-  mask = jax.jit(lambda x: sel._binned_mask_block(x, 6, 16, 2))(row[None])  # the same set, as a mask
+  mask = jax.jit(lambda x: sel._binned_mask_block(x, 6, 16, 2)[0])(row[None])  # the same set, as a mask
   np.testing.assert_array_equal(np.flatnonzero(mask[0]), np.sort(np.asarray(indices[0])))
 
 
