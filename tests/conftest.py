@@ -10,12 +10,27 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   # Tests are compile-bound (tiny shapes): LLVM -O0 compiles ~40% faster, same numerics.
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  # One persistent compilation cache per test session, shared by the xdist workers (they inherit
+  # this environment from the controller) and the CLI subprocesses: many tests build the same
+  # tiny programs afresh (new closures miss jit's in-memory cache, not this one).
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="maxtext-test-jax-cache-")
+  os.environ["MAXTEXT_TEST_CACHE_OWNER"] = str(os.getpid())
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
 
+import shutil  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  """The session's compilation cache goes with the process that made it (the xdist controller)."""
+  if os.environ.get("MAXTEXT_TEST_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def make_config(**overrides):

@@ -157,13 +157,13 @@ def test_decode_engine_prefill_is_context_parallel():
   # latent cache is replicated); a decode step (t = 1) runs replicated. Both equal one device.
   prompts = [list(range(3, 3 + 2 * T - 5)), list(range(7, 7 + T // 2))]  # ragged, over two chunks
   (want, (flops1, temp1)) = _engine_prefill(1, T, prompts)
-  for cp in (2, 4):
-    got, (flops, temp) = _engine_prefill(cp, T, prompts)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    assert flops < 1.5 * flops1 / cp, (cp, flops, flops1)  # each device works on its own C/cp queries
+  cp = 4  # cp = 2 is covered by the forward equality tests above
+  got, (flops, temp) = _engine_prefill(cp, T, prompts)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert flops < 1.5 * flops1 / cp, (cp, flops, flops1)  # each device works on its own C/cp queries
   # per-device memory of a long chunk (scores dominate) shrinks as 1/cp
   temps = {cp: _engine_prefill(cp, 256)[1][1] for cp in (1, 4)}
   assert temps[4] <= 1.35 * temps[1] / 4, temps
