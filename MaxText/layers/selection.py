@@ -29,6 +29,7 @@ On CPU the row-wise work runs in blocks of rows small enough to stay in the L2 c
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -78,24 +79,64 @@ def _block_rows(s: int, cache_bytes: int) -> int:
   return max(1, min(64, 2 ** int(math.log2(max(1, cache_bytes // (4 * s))))))
 
 
+@jax.tree_util.register_pytree_node_class
+class Columns(tuple):
+  """A block function's output given as [R, w_i] pieces that stand side by side in one [R, sum w_i]
+  array. _map_blocks writes each piece in place on CPU: a concatenate of them is a copy of the
+  block that XLA:CPU does not fuse into the write (~10 ms of ~140 at f32[1,1024,131072])."""
+
+  def join(self) -> jax.Array:
+    return self[0] if len(self) == 1 else jnp.concatenate(self, axis=1)
+
+  def tree_flatten(self):
+    return tuple(self), None
+
+  @classmethod
+  def tree_unflatten(cls, _, children):
+    return cls(children)
+
+
+def _is_columns(o) -> bool:
+  return isinstance(o, Columns)
+
+
+def _as_columns(o) -> Columns:
+  return o if _is_columns(o) else Columns((o,))
+
+
 def _map_blocks(block_fn, *arrays: jax.Array, cache_bytes: int = _CACHE_BYTES):
   """Apply block_fn to blocks of rows: arrays [..., n_i] (same batch dims) -> outputs [..., *].
 
-  block_fn takes [R, n_i] arrays. On CPU R = _block_rows(s, cache_bytes) and the blocks run one
-  after another under lax.map (not vmap, so a lax.cond in block_fn stays a branch per block),
-  each block's working set staying in cache through every pass. Other backends: one block.
+  block_fn takes [R, n_i] arrays and returns arrays [R, *] or Columns of [R, w_i] pieces. On CPU
+  R = _block_rows(s, cache_bytes) and the blocks run one after another in a loop (not vmap, so a
+  lax.cond in block_fn stays a branch per block) that writes each block's outputs, piece by piece,
+  in place, each block's working set staying in cache through every pass. Other backends: one block.
   """
   batch = arrays[0].shape[:-1]
   rows = [a.reshape(-1, a.shape[-1]) for a in arrays]  # [N, n_i]
   n = rows[0].shape[0]
   r = _block_rows(arrays[0].shape[-1], cache_bytes) if jax.default_backend() == "cpu" else n
   if r >= n:
-    out = block_fn(*rows)
+    out = jax.tree.map(lambda o: o.join() if _is_columns(o) else o, block_fn(*rows), is_leaf=_is_columns)
   else:
     pad = -n % r  # rare (batch not a multiple of R): pad with -inf rows, sliced off below
     rows = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=-jnp.inf) if pad else a for a in rows]
-    out = lax.map(lambda blk: block_fn(*blk), [a.reshape(-1, r, a.shape[-1]) for a in rows])
-    out = jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)  # [N, ...]
+    shapes, tree = jax.tree.flatten(jax.eval_shape(block_fn, *[a[:r] for a in rows]), is_leaf=_is_columns)
+    init = [jnp.zeros((n + pad,) + ((sum(p.shape[1] for p in c),) + c[0].shape[2:] if c[0].ndim > 1 else ()),
+                      c[0].dtype) for c in map(_as_columns, shapes)]  # each output, [N, ...]
+
+    def write(i, outs):  # block i's outputs into rows i*R .. i*R + R - 1 of outs, piece by piece
+      res = jax.tree.leaves(block_fn(*[lax.dynamic_slice_in_dim(a, i * r, r) for a in rows]), is_leaf=_is_columns)
+      new = []
+      for o, c in zip(outs, map(_as_columns, res)):
+        col = 0
+        for p in c:  # [R, w, ...] at column col, or [R]
+          o = lax.dynamic_update_slice(o, p, (i * r,) + ((col,) + (0,) * (p.ndim - 2) if p.ndim > 1 else ()))
+          col += p.shape[1] if p.ndim > 1 else 0
+        new.append(o)
+      return new
+
+    out = jax.tree.unflatten(tree, [o[:n] for o in lax.fori_loop(0, (n + pad) // r, write, init)])
   return jax.tree.map(lambda o: o.reshape(*batch, *o.shape[1:]), out)
 
 
@@ -171,7 +212,7 @@ def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
 
 
 def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
-  """keys [R,16,L] (16-key strided bins) -> [R,m,L]: the m largest distinct keys of each bin, or
+  """keys [R,B,L] (strided bins of B <= 16 keys) -> [R,m,L]: the m largest distinct keys of each bin, or
   with `above` [R] the m smallest distinct keys > above. One max (min) pass per level (a chain
   of elementwise max/min down the 16 rows, or a multiset top 2, measured slower on XLA:CPU)."""
   levels, prev = [], None if above is None else above[:, None, None]
@@ -391,42 +432,62 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
   target with a margin (a quarter of 1 - target), or None when no binning beats exact top_k."""
   want = recall_target + 0.25 * (1.0 - recall_target)
   best = None
-  for rows in (16, 8, 4):  # taller bins reduce far slower on XLA:CPU
+  for rows in (32, 16, 8, 4):  # 32: two 16-row bins merged (_binned_take)
     bins = -(-s // rows)
     for m in range(1, min(rows, 8)):  # m == rows would keep everything
       if m * bins < k:
         continue
       if _binned_recall(bins * rows, k, rows, m) >= want:
-        cost = m * bins * rows + 64 * m * bins  # m knock-out passes + bisection/scatter on candidates
+        # m knock-out passes over every key + bisection/scatter on the candidates (measured on
+        # XLA:CPU, f32[1,1024,131072], k=2048: ~0.15 ns per key and pass, ~2.1 ns per candidate)
+        cost = m * bins * rows + 16 * m * bins
         if best is None or cost < best[0]:
           best = (cost, rows, m)
         break
   return None if best is None else best[1:]
 
 
+def _pack(keys: jax.Array, g, rows: int) -> jax.Array:
+  """Keys of bin row g (of `rows`) with the row in their low log2(rows) bits, reversed (ties go
+  to the lower position): the keys of a bin are distinct, so each max pass knocks out one."""
+  return (keys & ~(rows - 1)) | (rows - 1 - g)
+
+
+def _merge_top(a: list, b: list) -> list:
+  """The m largest of two decreasing lists of m [R,L] arrays (distinct entries), elementwise:
+  the j-th (from 0) is max over p + q = j + 1 of min(a[p-1], b[q-1]), a[-1] = b[-1] = +inf.
+  Elementwise on slices of one reduce's output: a reduce over them XLA:CPU fuses into the
+  16-row reduce before it, and that fusion does not vectorize (~7x slower)."""
+  m = len(a)
+  out = []
+  for j in range(m):
+    terms = [a[j], b[j]] + [jnp.minimum(a[p - 1], b[j - p]) for p in range(1, j + 1)]
+    out.append(functools.reduce(jnp.maximum, terms))
+  return out
+
+
 def _binned_take(x: jax.Array, k: int, rows: int, m: int,
                  ties: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The binned selection of a block x [R,s]: the top m of each strided bin of `rows` keys, then
-  the exact top k of those m * bins candidates. -> (packed [R,G,L], cand [R,m,L], take [R,m,L]):
-  the keys of position g*L + l with the bin row in their low bits, each bin's m largest of them
-  (decreasing), and which candidates are taken (exactly k per row, a prefix of each bin).
+  the exact top k of those m * bins candidates. -> (keys [R,G,L], cand [R,m,L], take [R,m,L]):
+  the int32 keys of position g*L + l (bin l, bin row g; IMIN pads); the m largest of each bin's
+  keys packed with their bin row in the low bits (_pack; decreasing); and which candidates are
+  taken (exactly k per row, a prefix of each bin).
   ties=False: take every candidate >= the k-th (more than k only where packed keys of different
   bins tie at it; _binned_mask_checked checks the count) with no lax.cond in the block."""
   r, s = x.shape
+  h, f = min(rows, 16), max(1, rows // 16)  # a reduce over > 16 rows is ~8x slower per key on XLA:CPU
   keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
+  bins = keys.shape[-1]
   g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
-  # The low log2(G) bits carry the bin row (reversed: ties go to the lower position), so the keys
-  # of a bin are distinct and each max pass knocks out exactly one key per bin.
-  packed = (keys & ~(rows - 1)) | (rows - 1 - g)  # [R,G,L]
-  levels, prev = [], None
-  for _ in range(m):
-    live = packed if prev is None else jnp.where(packed < prev, packed, _IMIN)
-    prev = jnp.max(live, axis=1, keepdims=True)  # [R,1,L]: a bin of <= 16 rows vectorizes on CPU
-    levels.append(prev)
-  cand = jnp.concatenate(levels, axis=1)  # [R,m,L], decreasing down each bin
+  packed = _pack(keys, g, rows).reshape(r, h, -1)  # [R,H,F*L]: bin row g = h*F + j // L of column j
+  cand = _bin_levels(packed, m)  # [R,m,F*L]: the top m of each H-row bin
+  if rows > h:  # the top m of a G-row bin: the top m of its F sub-bins' top m, merged
+    subs = [[cand[:, j, i * bins:(i + 1) * bins] for j in range(m)] for i in range(f)]  # F x m x [R,L]
+    cand = jnp.stack(functools.reduce(_merge_top, subs), axis=1)  # [R,m,L]
   thr = jax.vmap(_kth_key, in_axes=(0, None))(cand.reshape(r, -1), k)[:, None, None]  # [R,1,1]
   if not ties:
-    return packed, cand, cand >= thr
+    return keys, cand, cand >= thr
   above, tied = cand > thr, cand == thr
 
   def first_ties(_):  # packed keys of different bins can tie at thr: take the first ones up to k
@@ -434,7 +495,7 @@ def _binned_take(x: jax.Array, k: int, rows: int, m: int,
     return above | (tied & (_exclusive_cumsum(tied.reshape(r, -1)).reshape(tied.shape) < need))
 
   take = lax.cond(jnp.any(jnp.sum(above | tied, axis=(1, 2)) > k), first_ties, lambda _: above | tied, None)
-  return packed, cand, take
+  return keys, cand, take
 
 
 def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Array:
@@ -443,33 +504,34 @@ def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Ar
   candidate >= the k-th; rows that took more than k (packed keys of two bins tied at the k-th)
   are rewritten by _binned_mask_block, which takes the first ties."""
   mask, bad = _map_blocks(lambda x: _binned_mask_block(x, k, rows, m, ties=False), scores)
-  return _repair_rows(scores, mask, bad, lambda x: _binned_mask_block(x, k, rows, m)[0])
+  return _repair_rows(scores, mask, bad, lambda x: _binned_mask_block(x, k, rows, m)[0].join())
 
 
 def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int,
-                       ties: bool = True) -> tuple[jax.Array, jax.Array]:
-  """x [R,s] -> (bool [R,s], over [R]): the positions _binned_topk_block selects, minus -inf/NaN scores,
-  written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
+                       ties: bool = True) -> tuple[Columns, jax.Array]:
+  """x [R,s] -> (bool [R,s] as Columns, over [R]): the positions _binned_topk_block selects, minus
+  -inf/NaN scores, written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
   are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
   gather (they cost more than the selection itself on CPU). over: more than k candidates were
   taken (only with ties=False, _binned_take; always False with ties)."""
   r, s = x.shape
-  packed, cand, take = _binned_take(x, k, rows, m, ties)
+  keys, cand, take = _binned_take(x, k, rows, m, ties)
   floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
   some = jnp.any(take, axis=1)  # [R,L]
-  xs = _pad_last(x, rows, -jnp.inf).reshape(packed.shape)  # [R,G,L]
-  # One [R,L] compare per bin row, concatenated: XLA:CPU writes a compare against a [R,1,L]
-  # broadcast ~1.5x slower.
-  mask = jnp.concatenate([(packed[:, g] >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN compares False
-                          for g in range(rows)], axis=1)[:, :s]
-  return mask, jnp.sum(take, axis=(1, 2)) > k
+  xs = _pad_last(x, rows, -jnp.inf).reshape(keys.shape)  # [R,G,L]
+  # One [R,L] compare per bin row g (its row a constant), the columns g*L .. g*L + L - 1 of the
+  # mask: XLA:CPU writes a compare against a [R,1,L] broadcast ~2.5x slower.
+  bins = keys.shape[-1]
+  mask = Columns((_pack(keys[:, g], g, rows) >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN: False
+                 for g in range(rows) if g * bins < s)
+  return Columns(mask[:-1] + (mask[-1][:, :s - (len(mask) - 1) * bins],)), jnp.sum(take, axis=(1, 2)) > k
 
 
 def _binned_topk_block(x: jax.Array, k: int, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
   """Approximate top-k of a block x [R,s] (_binned_take): (values [R,k], indices [R,k]), unsorted
   but for the last slot, which holds each row's smallest selected value."""
   r, s = x.shape
-  packed, cand, take = _binned_take(x, k, rows, m)
+  _, cand, take = _binned_take(x, k, rows, m)
   bins = cand.shape[-1]
   # Exactly k taken per row, a prefix of each bin's levels: slot = bin offset + level.
   offset = _exclusive_cumsum(jnp.sum(take, axis=1))  # [R,L]
@@ -499,10 +561,11 @@ def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
 
   approx=False: jax.lax.top_k (sorted, ties lowest index first), every backend.
   approx=True:  on TPU jax.lax.approx_max_k(recall_target=...). Elsewhere the binned method:
-    strided bins (bin = position mod s/G) of G in {4,8,16} keys, the top m of each bin by m
-    knock-out max passes over int32 keys, then the exact top k' of the m*bins candidates by
-    bisection (_kth_key) and a scatter. (G, m) is the cheapest pair whose hypergeometric recall
-    estimate (_binned_recall) clears recall_target; when none does, exact lax.top_k runs.
+    strided bins (bin = position mod s/G) of G in {4,8,16,32} keys, the top m of each bin by m
+    knock-out max passes over int32 keys (G=32: two 16-key bins' top m, merged), then the exact
+    top k' of the m*bins candidates by bisection (_kth_key) and a scatter. (G, m) is the cheapest
+    pair whose hypergeometric recall estimate (_binned_recall) clears recall_target; when none
+    does, exact lax.top_k runs.
     The off-TPU result is unsorted except that the last entry is the smallest value.
   NaN counts as -inf; entries with value -inf (row with fewer than k' finite keys) are not
   valid selections (see selection_indices).
