@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from MaxText.layers import selection as sel
+from MaxText.layers import selection as sel, selection_keys as sk
 
 NEG_INF = -np.inf
 
@@ -302,7 +302,7 @@ def test_binned_config_falls_back_to_exact_when_binning_cannot_pay():
 def test_row_blocks_with_padding_match_top_k():
   """On CPU rows go through lax.map in cache-sized blocks (16 rows at s=16384); 21 rows need padding."""
   x = jax.random.normal(jax.random.key(5), (3, 7, 16384), jnp.float32)
-  assert sel._block_rows(16384, sel._CACHE_BYTES) == 16
+  assert sk._block_rows(16384, sk._CACHE_BYTES) == 16
   threshold = topk_threshold(x, 300)
   np.testing.assert_array_equal(threshold, jax.lax.top_k(x, 300)[0][..., -1:])
   np.testing.assert_array_equal(generate_mask(x, threshold, k=300), _reference_mask(x, 300))
@@ -331,7 +331,7 @@ def test_fused_mask_at_s131072_two_rows_per_block_with_causal_rows():
   (one padded). Causal rows (valid prefixes shorter than, equal to, just above k, and full) with
   a few planted ties at each row's k-th value, against a float64 numpy oracle."""
   s, k = 131072, 2048
-  assert sel._block_rows(s, sel._CACHE_BYTES) == 2
+  assert sk._block_rows(s, sk._CACHE_BYTES) == 2
   rng = np.random.default_rng(19)
   valid_len = np.array([1000, k, k + 1, 70000, s])
   x = np.where(np.arange(s) < valid_len[:, None], rng.standard_normal((5, s)), -np.inf).astype(np.float32)
@@ -433,19 +433,6 @@ def test_binned_selection_matches_a_numpy_oracle_of_its_bins(s, rows, m):
   np.testing.assert_array_equal(got, want)
 
 
-def test_kth_key_at_a_width_padded_off_the_l1_set_stride():
-  """n = 16 * 1024 keys would put the 16 counting rows 4 KiB apart (one L1 set): _rows_of_16 pads
-  them to 1040 wide; the k-th is still exact, ties and the padding included."""
-  rng = np.random.default_rng(5)
-  kth = jax.jit(jax.vmap(sel._kth_key, in_axes=(0, None)), static_argnums=1)
-  for n in (16384, 16384 - 21):
-    assert sel._rows_of_16(jnp.zeros((n,), jnp.int32)).shape == (16, 1040 if n == 16384 else 1023)
-    keys = np.stack([rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32),
-                     rng.integers(-3, 3, n).astype(np.int32)])  # [2,n]: random, heavy ties
-    for k in (1, 2048, n):
-      want = np.sort(keys, axis=1)[:, ::-1][:, k - 1]
-      np.testing.assert_array_equal(kth(jnp.asarray(keys), k), want)
-
 
 def test_fused_approx_mask_repairs_the_rows_whose_bins_tie_at_the_kth():
   """topk_mask(approx) takes every candidate >= the k-th with no lax.cond per block; rows where
@@ -456,28 +443,9 @@ def test_fused_approx_mask_repairs_the_rows_whose_bins_tie_at_the_kth():
   assert config is not None and 128 * k >= s  # the per-block fused mask runs
   x = jax.random.normal(jax.random.key(11), (1, 8, s), jnp.float32)
   x = x.at[0, ::2].set(jnp.round(x[0, ::2] * 2) / 2)  # even rows: 15 distinct values, ties everywhere
-  fast = sel._map_blocks(lambda b: sel._binned_mask_block(b, k, *config, ties=False), x)[1]
+  fast = sk._map_blocks(lambda b: sel._binned_mask_block(b, k, *config, ties=False), x)[1]
   assert bool(fast[0, ::2].any()) and not bool(fast[0, 1::2].any())  # the repair runs on tied rows only
   mask = np.asarray(jax.jit(lambda x: sel.topk_mask(x, k, approx=True))(x))
   values, indices = select_topk(x, k, approx=True, recall_target=0.95)
   np.testing.assert_array_equal(mask, np.asarray(generate_mask(x, values, indices, k=k)))
   np.testing.assert_array_equal(mask.sum(-1), k)
-
-
-def test_map_blocks_writes_column_pieces_and_vectors_in_place_with_padded_blocks():
-  """A block function returning Columns (pieces of uneven widths, side by side) and a per-row
-  vector: on CPU written piece by piece into each output; 21 rows at 2 rows per block (s=131072)
-  pad the last block. Equal to the function applied to all rows at once."""
-  s = 131072
-  assert sel._block_rows(s, sel._CACHE_BYTES) == 2
-  x = jax.random.normal(jax.random.key(2), (3, 7, s), jnp.float32)
-
-  def block_fn(b):  # [R,s] -> (Columns of [R,100], [R,s-107], [R,7] pieces; [R])
-    pieces = sel.Columns((b[:, :100] > 0, b[:, 100:s - 7] > 1, b[:, s - 7:] < 0))
-    return pieces, jnp.sum(b > 0, axis=1)
-
-  mask, count = jax.jit(lambda x: sel._map_blocks(block_fn, x))(x)
-  want_mask, want_count = block_fn(x.reshape(-1, s))
-  np.testing.assert_array_equal(np.asarray(mask).reshape(-1, s), np.asarray(want_mask.join()))
-  np.testing.assert_array_equal(np.asarray(count).reshape(-1), np.asarray(want_count))
-  assert mask.shape == (3, 7, s) and count.shape == (3, 7)
