@@ -338,10 +338,10 @@ def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Ar
 def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int,
                        ties: bool = True) -> tuple[Columns, jax.Array]:
   """x [R,s] -> (bool [R,s] as Columns, over [R]): the positions _binned_topk_block selects, minus
-  -inf/NaN scores, written directly: a key is taken iff it is >= its bin's smallest taken candidate (packed keys
-  are distinct within a bin and the taken ones are a prefix of it), so no indices, scatter or
-  gather (they cost more than the selection itself on CPU). over: more than k candidates were
-  taken (only with ties=False, _binned_take; always False with ties)."""
+  -inf/NaN scores, written directly: a key is taken iff it is >= its bin's smallest taken
+  candidate (packed keys are distinct within a bin and the taken ones are a prefix of it), so no
+  indices, scatter or gather (they cost more than the selection itself on CPU). over: more than k
+  candidates were taken (only with ties=False, _binned_take; always False with ties)."""
   r, s = x.shape
   keys, cand, take = _binned_take(x, k, rows, m, ties)
   floor = jnp.min(jnp.where(take, cand, _IMAX), axis=1)  # [R,L]
