@@ -26,18 +26,17 @@ one `error:` line naming the key and value and exits non-zero (2 for input, 1 fo
 
 from __future__ import annotations
 
-import os
 import sys
 
-if __package__ in (None, ""):  # run as `python MaxText/decode.py`: import as the package, not from MaxText/
-  _HERE = os.path.dirname(os.path.abspath(__file__))
-  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
+if not __package__:  # run as `python MaxText/decode.py`: import the package, not from MaxText/
+  import _script_path  # noqa: F401
 
 import re
 import time
 
-from MaxText import cli, pyconfig
-from MaxText.types import Config, ConfigError
+from MaxText.config import pyconfig
+from MaxText.config.types import Config, ConfigError
+from MaxText.runtime import cli, distributed
 
 PROMPT_SEPARATOR = "|"
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
@@ -60,7 +59,7 @@ def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
 
 def load_model(config: Config, mesh):
   """(graphdef, params, buffers, random?) from load_parameters_path, else random init."""
-  from MaxText import model_state
+  from MaxText.checkpoint import model_state
   if not config.load_parameters_path:
     graphdef, params, buffers, _ = model_state.create(config, mesh)
     return graphdef, params, buffers, True
@@ -72,10 +71,11 @@ def load_model(config: Config, mesh):
 def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
   import jax
 
-  from MaxText import model_state, sharding
+  from MaxText.checkpoint import model_state
+  from MaxText.data.tokenizer import TextStreamer, load_tokenizer
   from MaxText.inference import kv_cache
   from MaxText.inference.engine import Engine, check_prompts
-  from MaxText.tokenizer import TextStreamer, load_tokenizer
+  from MaxText.runtime import sharding
 
   tokenizer = load_tokenizer(config) if config.tokenizer_path else None
   prompts = parse_prompts(config, tokenizer)
@@ -133,11 +133,10 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__)
+  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)  # joins the processes
   cli.quiet_libraries()
   cli.run(lambda: run(config))  # bad prompts, tokenizer files: exit 2; checkpoints: exit 1
 
 
 if __name__ == "__main__":
-  from MaxText import distributed
   distributed.run_main(main, sys.argv)

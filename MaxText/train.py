@@ -3,14 +3,8 @@
 The loop jit-compiles one train step over the device mesh: AdamW (warmup + cosine, global-norm
 clipping), gradient accumulation, LM cross-entropy ignoring padding (+ z-loss, + MTP, + the
 optional MoE balance loss), the aux-loss-free routing-bias update after each step, and the
-DeepSeek-V3.2 indexer recipe selected by `indexer_training_stage`:
-
-  none          the indexer selects keys; it has no loss of its own and is not updated.
-  dense_warmup  the main model runs DENSE attention and is frozen; only the indexers train,
-                on L_I = KL(p_t || softmax(I_t)) (p_t: main attention summed over heads).
-  sparse        top-k sparse attention; every parameter trains; the indexer learns only from
-                L_I restricted to its selection (inputs detached), the main model only from
-                the LM loss.
+DeepSeek-V3.2 indexer recipe selected by `indexer_training_stage` (what each stage means:
+layers/indexer.py STAGES; here it decides which parameters train and which losses count).
 
 The run folder <base_output_directory>/<run_name>/ holds config.yml, checkpoints/ (orbax, every
 checkpoint_period steps and at the last), tensorboard/ and profile/. The same command resumes from the
@@ -25,12 +19,10 @@ profiler=xplane: a jax.profiler trace under <run>/profile.
 
 from __future__ import annotations
 
-import os
 import sys
 
-if __package__ in (None, ""):  # run as `python MaxText/train.py`: import as the package, not from MaxText/
-  _HERE = os.path.dirname(os.path.abspath(__file__))
-  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
+if not __package__:  # run as `python MaxText/train.py`: import the package, not from MaxText/
+  import _script_path  # noqa: F401
 
 import math
 import time
@@ -41,18 +33,23 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from MaxText import checkpointing, cli, distributed, input_pipeline, model_state, pyconfig, sharding
+from MaxText.checkpoint import model_state, orbax_state
+from MaxText.checkpoint.run_folder import RunFolder
+from MaxText.config import pyconfig
+from MaxText.config.types import Config
+from MaxText.data import input_pipeline
+from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
-from MaxText.layers.moe import RoutingBias, update_routing_bias
-from MaxText.metrics import MetricsLogger, model_flops_per_token, warn
-from MaxText.metrics_prefetch import DeferredMetrics
-from MaxText.optimizers import create_optimizer, learning_rate_schedule
-from MaxText.profiler import Profiler
-from MaxText.run_folder import RunFolder
-from MaxText.types import Config
+from MaxText.layers.moe import update_routing_bias
+from MaxText.runtime import cli, distributed, sharding
+from MaxText.runtime.cli import RunError
+from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, warn
+from MaxText.runtime.metrics_prefetch import DeferredMetrics
+from MaxText.runtime.optimizers import create_optimizer, learning_rate_schedule
+from MaxText.runtime.profiler import Profiler
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunError):
   """A run that must stop (non-finite loss or parameters): the message says why and what was kept."""
 
 
@@ -61,18 +58,13 @@ def _path_names(path) -> list[str]:
 
 
 def trainable_labels(config: Config, params) -> dict:
-  """'train' / 'freeze' per parameter, from the indexer training stage."""
-  stage = config.indexer_training_stage
+  """'train' / 'freeze' per parameter, from the indexer training stage: an indexer trains where its
+  stage has an indexer loss (no loss: no update, no decay), the rest where the main model trains."""
+  stage = indexer_stage(config)
 
   def label(path, _):
-    is_indexer = "indexer" in _path_names(path)
-    if not config.use_indexer:
-      return "train"
-    if stage == "dense_warmup":
-      return "train" if is_indexer else "freeze"
-    if stage == "sparse":
-      return "train"
-    return "freeze" if is_indexer else "train"  # none: selection only, no loss, no decay
+    trains = stage.indexer_loss if "indexer" in _path_names(path) else stage.trains_main_model
+    return "train" if trains else "freeze"
 
   return jax.tree_util.tree_map_with_path(label, params)
 
@@ -109,13 +101,10 @@ def _loss_fn(config: Config, graphdef, params, buffers, mb):
       if config.mtp_num_layers else jnp.float32(0)
   balance = aux.get("load_balance_loss", jnp.float32(0))
   indexer = aux["indexer_loss"]
-  stage = config.indexer_training_stage if config.use_indexer else "none"
-  if stage == "dense_warmup":
-    total = config.indexer_loss_weight * indexer
-  else:
-    total = lm + z + config.mtp_loss_scaling_factor * mtp + balance
-    if stage == "sparse":
-      total = total + config.indexer_loss_weight * indexer
+  stage = indexer_stage(config)
+  total = lm + z + config.mtp_loss_scaling_factor * mtp + balance if stage.trains_main_model else jnp.float32(0)
+  if stage.indexer_loss:
+    total = total + config.indexer_loss_weight * indexer
   metrics = {"loss": total, "lm_loss": lm, "accuracy": token_accuracy(logits, mb["targets"], mb["weights"]),
              "z_loss": z, "mtp_loss": mtp, "indexer_loss": indexer,
              "load_balance_loss": balance, "moe_dropped": aux.get("moe_dropped", jnp.float32(0))}
@@ -200,11 +189,11 @@ def abstract_train_step(config: Config, mesh):
   allocated: ShapeDtypeStruct leaves carrying train()'s shardings. Call under the mesh and rules."""
   graphdef, abs_params, abs_buffers = model_state.abstract_model(config)
   p_shard, b_shard = model_state.shardings_of(config, mesh, abs_params, abs_buffers)
-  params = checkpointing.abstract_like(abs_params.to_pure_dict(), p_shard)
-  buffers = checkpointing.abstract_like(abs_buffers.to_pure_dict(), b_shard)
+  params = orbax_state.abstract_like(abs_params.to_pure_dict(), p_shard)
+  buffers = orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard)
   tx = make_optimizer(config, params)
   opt_abstract = jax.eval_shape(tx.init, params)
-  opt_state = checkpointing.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))
+  opt_state = orbax_state.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = {"params": params, "buffers": buffers, "opt_state": opt_state,
            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
@@ -257,7 +246,7 @@ def _non_finite(config: Config, manager, step: int, metrics: dict, pending: int 
   said = (f"step {step}: loss {metrics['loss']} (lm_loss {metrics['lm_loss']}), grad_norm {metrics['grad_norm']}, "
           f"norm of the updated parameters {metrics['param_norm']}; this state is not saved")
   if manager is not None and pending is not None and not math.isfinite(metrics["loss"]):
-    moved = checkpointing.set_aside(manager, pending)
+    moved = orbax_state.set_aside(manager, pending)
     said += f"; checkpoint step {pending} gives this loss, set aside in {moved}"
   good = manager.latest_step() if manager is not None else None
   if good is None:
@@ -311,7 +300,7 @@ def train(config: Config) -> dict:
   """Runs (or resumes) training; returns the last step's metrics as floats, and the last eval's as
   eval_<name> ({} for a finished run)."""
   run = RunFolder(config)
-  latest = checkpointing.latest_step_on_disk(config) if config.enable_checkpointing else None
+  latest = orbax_state.latest_step_on_disk(config) if config.enable_checkpointing else None
   if not run.open(latest):
     return {}
   print(run.describe(), flush=True)
@@ -324,9 +313,9 @@ def train(config: Config) -> dict:
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     graphdef, state, state_sharding, tx = _init_state(config, mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    manager = checkpointing.create_manager(config)
+    manager = orbax_state.create_manager(config)
     start_step = 0
-    restored = checkpointing.restore_newest_good(manager, checkpointing.abstract_like(state, state_sharding))
+    restored = orbax_state.restore_newest_good(manager, orbax_state.abstract_like(state, state_sharding))
     if restored is not None:
       start_step, state, data_state = restored
       data.set_state(data_state)
@@ -383,7 +372,7 @@ def train(config: Config) -> dict:
           last_eval = evaluate(state)
           logger.log_eval(step, last_eval)
         if save_due:
-          checkpointing.save(manager, step, state, data.get_state())
+          orbax_state.save(manager, step, state, data.get_state())
           pending = step
           print(f"checkpoint step {step}: {config.checkpoint_dir}/{step}", flush=True)
       for done in deferred.flush():
@@ -391,7 +380,7 @@ def train(config: Config) -> dict:
     finally:
       profiler.stop()
       logger.close()
-      checkpointing.finish(manager)
+      orbax_state.finish(manager)
   if last and distributed.is_main_process():
     weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
                else "not saved (enable_checkpointing=false)")
@@ -400,9 +389,9 @@ def train(config: Config) -> dict:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__)
+  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)  # joins the processes
   cli.quiet_libraries()
-  cli.run(lambda: train(config), also=(TrainingError,))
+  cli.run(lambda: train(config))
 
 
 if __name__ == "__main__":

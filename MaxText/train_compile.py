@@ -23,10 +23,11 @@ import os
 import sys
 import time
 
+
 def _num_devices(argv) -> int:
   """compile_num_devices from the merged config, read before jax is imported (0: leave the devices as they are)."""
-  from MaxText import pyconfig
-  from MaxText.types import ConfigError
+  from MaxText.config import pyconfig
+  from MaxText.config.types import ConfigError
   try:
     n = pyconfig.merged_values(argv).get("compile_num_devices", 0)
   except ConfigError as e:
@@ -60,8 +61,8 @@ def _bytes_per_device(tree) -> int:
 def compile_train_step(config):
   """The train step of train.py for `config` on jax.devices(), compiled from abstract inputs.
   Returns (compiled, abstract state, abstract batch, compile seconds)."""
-  import jax
-  from MaxText import sharding, train
+  from MaxText import train
+  from MaxText.runtime import sharding
   mesh = sharding.create_mesh(config)
   with mesh, sharding.logical_rules(config, mesh):
     state, batch, step_fn = train.abstract_train_step(config, mesh)
@@ -72,7 +73,7 @@ def compile_train_step(config):
 
 def report(config, compiled, state, batch, seconds: float) -> dict:
   """The JSON object train_compile prints (bytes per device)."""
-  from MaxText import aot
+  from MaxText.runtime import aot
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -115,7 +116,7 @@ def _table(config, r: dict) -> str:
 
 
 def main(argv) -> None:
-  from MaxText import pyconfig
+  from MaxText.config import pyconfig
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.train_compile", "--help"], __doc__)  # prints usage, exits 0
   n = _num_devices(argv)

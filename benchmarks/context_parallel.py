@@ -13,17 +13,19 @@ needs no device memory), so sequences too long to run on this machine still get 
 
 import argparse
 import os
-import sys
 import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import input_pipeline, model_state, pyconfig, sharding, train  # noqa: E402
-from MaxText.optimizers import create_optimizer  # noqa: E402
+from MaxText import train  # noqa: E402
+from MaxText.checkpoint import model_state
+from MaxText.config import pyconfig
+from MaxText.data import input_pipeline
+from MaxText.runtime import sharding
+from MaxText.runtime.optimizers import create_optimizer  # noqa: E402
 
 
 def measure(seq: int, cp: int, repeats: int, extra: list[str], compile_only: bool = False):

@@ -20,18 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText import model_state, pyconfig, sharding  # noqa: E402
+from MaxText.checkpoint import model_state  # noqa: E402
+from MaxText.config import pyconfig
 from MaxText.inference import kv_cache  # noqa: E402
 from MaxText.inference.engine import DecodeState, Engine  # noqa: E402
+from MaxText.runtime import sharding
 
 WIDE = dict(  # official attention dims, narrow everything else
     model_name="default", vocab_size=512, emb_dim=1024, mlp_dim=1024, first_num_dense_layers=1,

@@ -35,14 +35,16 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from MaxText import cli, input_pipeline, model_state, pyconfig, sharding, train  # noqa: E402
+from MaxText import train  # noqa: E402
+from MaxText.checkpoint import model_state
+from MaxText.config import pyconfig
+from MaxText.data import input_pipeline
+from MaxText.layers.attention_mla import capture_selection
+from MaxText.runtime import cli, sharding
 
 ARMS = ["dense", "sparse_random_indexer", "warmup_then_sparse", "sparse_from_scratch",
         "approx_0.8", "approx_0.9", "approx_0.95", "approx_0.99", "raw_threshold"]
@@ -121,7 +123,7 @@ class Study:
       @jax.jit
       def per_layer(params, buffers, batch, pair_at):  # pair_at [b,t] -> recall, pair hit: [L,b,t] each
         model = model_state.merge(graphdef, params, buffers)
-        _, inter = nnx.capture(model, nnx.Intermediate)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        _, inter = capture_selection(model, batch["inputs"], batch["positions"], batch["segment_ids"])
         inter = inter.to_pure_dict() if hasattr(inter, "to_pure_dict") else inter
         layers = [inter["dense_layers"]["layers"][i]["attention"] for i in sorted(inter["dense_layers"]["layers"])]
         recall = jnp.stack([a["indexer_recall"][0] for a in layers])  # [L,b,t]

@@ -9,11 +9,8 @@ by side in one run (median of --repeats after a warm-up; jit compile time exclud
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -21,7 +18,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from MaxText import convert_hf_checkpoint, model_state  # noqa: E402
+from MaxText.checkpoint import (
+  hf_import,  # noqa: E402
+  model_state,
+)
 
 
 def hf_config(topk):
@@ -58,7 +58,7 @@ def main():
   with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(os.path.join(d, "hf"))
     out = os.path.join(d, "maxtext")
-    cfg = convert_hf_checkpoint.convert_checkpoint(os.path.join(d, "hf"), out)
+    cfg = hf_import.convert_checkpoint(os.path.join(d, "hf"), out)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), cfg.mesh_axes)
     graphdef, params, buffers, _ = model_state.load_parameters(out, cfg, mesh)
   fwd = jax.jit(lambda p, b, x: model_state.merge(graphdef, p, b)(x)[0])

@@ -1,4 +1,4 @@
-"""Indexer top-k selection + mask: lax.top_k vs approx_max_k vs MaxText/layers/selection.py.
+"""Indexer top-k selection + mask: lax.top_k vs approx_max_k vs MaxText/kernels/selection.py.
 
     python benchmarks/indexer_topk.py                 # the full table
     python benchmarks/indexer_topk.py --quick         # one shape, fewer repeats
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.layers import selection as sel  # noqa: E402
+from MaxText.kernels import selection as sel  # noqa: E402
 
 SHAPES = ["1x1024x8192", "1x1024x65536", "1x1024x131072"]  # the last: 128K context at 128-way cp
 KS = [64, 256, 2048]

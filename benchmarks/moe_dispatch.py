@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from MaxText import aot, pyconfig, sharding  # noqa: E402
+from MaxText.config import pyconfig  # noqa: E402
+from MaxText.kernels import moe_experts  # noqa: E402
+from MaxText.kernels.moe_experts import ExpertWeights  # noqa: E402
 from MaxText.layers import moe  # noqa: E402
 from MaxText.layers.linears import dtype_of  # noqa: E402
+from MaxText.runtime import aot, sharding
 
 DEFAULT_SHAPES = ["1024,2,8,64,32", "2048,8,64,256,128", "4096,8,16,512,256"]
 
@@ -130,7 +131,7 @@ def table_671b() -> None:
 
 
 def matmul_table(args) -> None:
-  print(f"backend {jax.default_backend()}, dispatch_impl() = {moe.dispatch_impl()!r}; times in ms")
+  print(f"backend {jax.default_backend()}, dispatch_impl() = {moe_experts.dispatch_impl()!r}; times in ms")
   cols = ["ragged_dot", "blocked", "dense", "1 matmul"]
   print(f"{'T,k,E,D,I':>22} {'pass':>8} " + " ".join(f"{c:>11}" for c in cols))
   for spec in args.shapes:
@@ -142,8 +143,8 @@ def matmul_table(args) -> None:
     wi_0, wi_1 = (jax.random.normal(kk, (e, d, i)) * d ** -0.5 for kk in jax.random.split(keys[3]))
     wo = jax.random.normal(keys[4], (e, i, d)) * i ** -0.5
     impls = {
-        "ragged_dot": lambda *a: moe.routed_experts(*a, impl="ragged_dot"),
-        "blocked": lambda *a: moe.routed_experts(*a, impl="blocked"),
+        "ragged_dot": lambda x, w, ids, *e: moe_experts.routed_experts(x, w, ids, ExpertWeights(*e), impl="ragged_dot"),
+        "blocked": lambda x, w, ids, *e: moe_experts.routed_experts(x, w, ids, ExpertWeights(*e), impl="blocked"),
         "dense": _dense,
         "1 matmul": _one_matmul,
     }

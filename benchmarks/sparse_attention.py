@@ -1,4 +1,4 @@
-"""Sparse MLA prefill: the mask path vs the gather path (MaxText/layers/sparse_attention.py).
+"""Sparse MLA prefill: the mask path vs the gather path (MaxText/kernels/sparse_attention.py).
 
     python benchmarks/sparse_attention.py                 # t = s in 4K, 8K, 16K, 32K, k = 2048
     python benchmarks/sparse_attention.py --quick         # 2K and 4K, small enough for a minute
@@ -26,7 +26,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 GIB = 1 << 30
 
@@ -48,7 +47,7 @@ def run_one(a, impl: str, t: int) -> dict:
   import numpy as np
   from flax import nnx
 
-  from MaxText import pyconfig
+  from MaxText.config import pyconfig
   from MaxText.layers.attention_mla import MLA
 
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **model_overrides(a, impl, t))

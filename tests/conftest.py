@@ -35,7 +35,7 @@ def pytest_unconfigure(config):
 
 def make_config(**overrides):
   """The tiny model's config on a single-device mesh (tests that want a mesh set ici_* keys)."""
-  from MaxText import pyconfig
+  from MaxText.config import pyconfig
   overrides.setdefault("ici_data_parallelism", 1)
   return pyconfig.initialize(["test", "base.yml"], num_devices=overrides.pop("num_devices", 1), **overrides)
 

@@ -27,7 +27,7 @@ the gathered rows, and come back as `entries` that a separate jitted `commit` wr
 place and fed it to a matmul.) Prefill chunks see earlier chunks through the cache and their own
 tokens through the splice, under the same causal mask.
 
-Selection is sparse_attention.topk_indices, the model's own: for exact top-k it is the mask path's
+Selection is topk_indices.topk_indices, the model's own: for exact top-k it is the mask path's
 set (topk_threshold + generate_mask: ties at the k-th score lowest position first), so decode
 and the teacher-forced forward break ties identically. With indexer_mask_exact_topk=false the
 training mask keeps every key tied at the k-th score; decode keeps exactly k (a fixed-size gather).
@@ -51,13 +51,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.distributed import to_host
+from MaxText.config.types import Config, ConfigError
 from MaxText.inference import kv_cache
 from MaxText.inference.sampling import sample
-from MaxText.layers.indexer import index_scores
+from MaxText.kernels.index_scores import index_scores
+from MaxText.kernels.sparse_attention import absorb_q, gather_attend, unabsorb_out
+from MaxText.kernels.topk_indices import topk_indices
 from MaxText.layers.linears import PRECISION
-from MaxText.layers.sparse_attention import absorb_q, gather_attend, topk_indices, unabsorb_out
-from MaxText.types import Config, ConfigError
+from MaxText.runtime.distributed import to_host
 
 STACKS = ("dense_layers", "moe_layers")  # the Transformer's layer stacks, in order
 
@@ -98,10 +99,10 @@ class Absorbed(NamedTuple):
   """wkv_b of one layer (or a stack: a leading L axis) split and laid out head-major, once per engine.
 
   sparse_attention.absorb_q / unabsorb_out take a [kv_lora, h*(nope+v)] kernel. Handed wkv_b itself
-  at t = 1, XLA:CPU transposes its [c,h,d] blocks to head-major on every step (200+ ms of a step at
-  the 671B shapes). So the engine keeps these head-major copies and hands those functions the
+  at t = 1, XLA:CPU transposes its [c,h,d] blocks to head-major on every step (most of a step at
+  the 671B shapes: docs/measured_choices.md). So the engine keeps these head-major copies and hands those functions the
   [c, h*nope] key kernel (v=0) and the [c, h*v] value kernel (nope=0) as transposed VIEWS of them,
-  which XLA folds into the matmuls (3-4 ms each): the same functions, the same results bit for bit.
+  which XLA folds into the matmuls: the same functions, the same results bit for bit.
   """
   w_uk: jax.Array  # [(L,) h, kv_lora, nope]
   w_uv: jax.Array  # [(L,) h, v, kv_lora]
@@ -167,7 +168,7 @@ def latent_attention_dense(q_abs, q_pe, view: kv_cache.LayerCache, new: dict, va
 
   logits = splice(scores(c_old, pe_old), scores(c_new, pe_new), start)  # [b,h,t,S]
   probs = jax.nn.softmax(jnp.where(valid[:, None], logits * scale, -jnp.inf), axis=-1)  # every query sees itself
-  t, s = q_abs.shape[1], valid.shape[-1]
+  t = q_abs.shape[1]
   slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b,t] the new tokens' slots
   p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1)
   p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead

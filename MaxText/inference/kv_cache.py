@@ -16,7 +16,7 @@ only reads (engine.py says why the two are separate programs).
 The indexer keys are stored transposed, [.., b, d, S] (positions minor): every step multiplies
 the whole key cache by the indexer queries, q [h,d] x k^T [d,S], and with this layout the matmul
 reads the cache in place; a [S,d] layout made XLA:CPU transpose all of it first, every step
-(3x slower at 128K). c_kv and k_pe stay [S, n]: a step gathers whole rows of them.
+(benchmarks/decode.py; docs/measured_choices.md). c_kv and k_pe stay [S, n]: a step gathers whole rows of them.
 
 kv_cache_dtype:
   float32 / bfloat16  every vector stored in that dtype.
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

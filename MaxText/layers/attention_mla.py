@@ -16,20 +16,12 @@ With use_indexer, the lightning indexer scores every key for every query and the
 `valid & top-k selection` (the mask path: an additive mask on the dense logits). When a
 query has k or fewer valid keys, the selection is all of them and this is dense attention.
 
-Indexer training (indexer_training_stage):
-  none          attention over the selection; no indexer loss (aux["indexer_loss"] = 0).
-  dense_warmup  attention is DENSE (valid keys only, the selection is ignored); the indexer
-                learns L_I = KL(p_t || softmax(I_t)) over all valid keys.
-  sparse        attention over the selection; L_I restricted to the selected set S_t.
-p_t is the main attention's probabilities summed over heads and L1-normalized, detached;
-the indexer's inputs are detached too, so L_I trains only the indexer and the attention
-output sends no gradient into the indexer (the top-k mask is boolean).
-aux["indexer_loss"] is the unweighted per-layer L_I (indexer_kl_loss: mean over query tokens);
-the model applies indexer_loss_weight. Each layer's selection (bool [b,t,s]) is sown as
-Intermediate "indexer_mask" when the call runs under nnx.capture(model, nnx.Intermediate), with
-"indexer_recall" [b,t]: the share of each query's DENSE attention mass (all valid keys, at this
-layer's input, whatever the stage attends to) that the selection holds (attention_recall): the
-indexer's recall of dense attention (the mask path only; computed only when captured).
+Indexer training (indexer_training_stage, defined in indexer.STAGES): the stage says whether the
+attention is dense (every valid key) or over the selection, and whether the indexer learns
+L_I = KL(p_t || softmax(I_t)) over the keys attended to. aux["indexer_loss"] is the unweighted
+per-layer L_I (indexer_kl_loss: mean over query tokens; 0 without one); the model applies
+indexer_loss_weight. `capture_selection(model, ...)` runs a forward in which every layer sows
+what its indexer selected (see there), with the indexer's recall of dense attention.
 
 Two implementations of the sparse attention (sparse_attention_impl):
   mask    the above: a [b,t,s] selection mask over dense logits, O(t*s) time and memory.
@@ -38,7 +30,7 @@ Two implementations of the sparse attention (sparse_attention_impl):
           attention and memory linear in t; the selection is sown as "indexer_topk_indices"
           [b,t,k] (-1 on invalid slots) instead of a mask.
   auto    mask below sparse_attention_gather_min_length keys, gather from there on.
-The dense_warmup stage and use_indexer=false always run the mask path (dense attention).
+A stage with dense attention and use_indexer=false always run the mask path.
 
 Context parallelism: queries stay sharded over `context` ([b,t/cp,...] per device: indexer
 scores [b,t/cp,s]); the keys each query needs (c_kv, k_pe, the indexer key, their positions and
@@ -54,14 +46,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.config.types import Config
+from MaxText.kernels.index_scores import indexer_kl_loss
+from MaxText.kernels.masks import attention_validity
+from MaxText.kernels.selection import additive_mask
+from MaxText.kernels.sparse_attention import SparseKeys, SparseQueries, SparseSpec, sparse_mla_attention
 from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
-from MaxText.layers.indexer import Indexer, additive_mask, indexer_kl_loss
+from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
-from MaxText.layers.masks import attention_validity
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.layers.sparse_attention import sparse_mla_attention
-from MaxText.sharding import constrain, gather_sequence
-from MaxText.types import Config
+from MaxText.runtime.sharding import constrain, gather_sequence
 
 LATENT_NORM_EPS = 1e-6  # q_norm, kv_norm: the official RMSNorm default, not normalization_layer_epsilon
 
@@ -96,6 +90,7 @@ class MLA(nnx.Module):
     self.indexer = Indexer(config, rngs=rngs) if config.use_indexer else None
     self.dtype = dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
+    self.record_selection = False  # set by capture_selection: sow what the indexer selected
 
   # ---- projections
   def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -141,7 +136,7 @@ class MLA(nnx.Module):
     f32, p = jnp.float32, self.precision
     q_nope, q_pe, k_nope, k_pe = (a.astype(self.dtype) for a in (q_nope, q_pe, k_nope, k_pe))
     # One contraction over [nope | rope]: the shared k_pe broadcast to every head. Two einsums
-    # (one with k_pe [b,s,r] shared) cost ~3x as much on the CPU (a [t,h,s] -> [h,t,s] transpose).
+    # (one with k_pe [b,s,r] shared) cost more on the CPU: a [t,h,s] -> [h,t,s] transpose.
     q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [b,t,h,nope+rope]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])],
                         axis=-1)  # [b,s,h,nope+rope]
@@ -167,37 +162,41 @@ class MLA(nnx.Module):
   def use_gather(self, s: int) -> bool:
     """Whether a call over s keys takes the gather path (sparse_attention_impl; see the module doc)."""
     cfg = self.config
-    if self.indexer is None or cfg.indexer_training_stage == "dense_warmup":
+    if self.indexer is None or indexer_stage(cfg).dense_attention:
       return False  # nothing selected, or attention is dense by definition
     return cfg.sparse_attention_impl == "gather" or (
         cfg.sparse_attention_impl == "auto" and s >= cfg.sparse_attention_gather_min_length)
+
+  def sparse_spec(self) -> SparseSpec:
+    """The gather kernel's static arguments, from the config."""
+    cfg = self.config
+    return SparseSpec(num_heads=self.num_heads, nope=self.nope, v=self.v_dim, scale=cfg.softmax_scale,
+                      topk=cfg.indexer_topk, query_block=cfg.sparse_attention_query_block,
+                      head_chunk=cfg.indexer_head_chunk, approx=cfg.indexer_use_approx_top_k,
+                      recall_target=cfg.indexer_approx_top_k_recall,
+                      with_kl=indexer_stage(cfg).indexer_loss, precision=self.precision)
 
   def attend_gather(self, x: jax.Array, q_nope: jax.Array, q_pe: jax.Array, q_lat: jax.Array, c_kv: jax.Array,
                     k_pe: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
                     ) -> tuple[jax.Array, jax.Array]:
     """The gather path (sparse_attention.sparse_mla_attention) -> out [b,t,h,v], indexer loss (f32)."""
-    cfg = self.config
     x_d, q_lat_d = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat)  # the indexer's inputs are detached
     index_k = self.indexer.gathered_keys(x_d, positions)  # [b,s,d] all keys, original order
     index_q, index_w = self.indexer.queries(x_d, q_lat_d, positions)  # [b,t,H,d], [b,t,H]
     c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)
-    out, idx, idx_valid, kl = sparse_mla_attention(
-        q_nope, q_pe, c_kv, k_pe, self.wkv_b.kernel[...], index_q, index_w, index_k,
-        positions, k_pos, segment_ids, k_seg,
-        num_heads=self.num_heads, nope=self.nope, v=self.v_dim, scale=cfg.softmax_scale, topk=cfg.indexer_topk,
-        query_block=cfg.sparse_attention_query_block, head_chunk=cfg.indexer_head_chunk,
-        approx=cfg.indexer_use_approx_top_k, recall_target=cfg.indexer_approx_top_k_recall,
-        with_kl=cfg.indexer_training_stage == "sparse", precision=self.precision)
-    if hasattr(self, "__captures__"):  # the selection as indices: a [b,t,s] mask is what this path avoids
-      self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(idx_valid, idx, -1))
-    return checkpoint_name(out, "attention_out"), kl
+    result = sparse_mla_attention(
+        SparseQueries(q_nope, q_pe, index_q, index_w, positions, segment_ids),
+        SparseKeys(c_kv, k_pe, index_k, k_pos, k_seg), self.wkv_b.kernel[...], self.sparse_spec())
+    if self.record_selection:  # the selection as indices: a [b,t,s] mask is what this path avoids
+      self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(result.idx_valid, result.idx, -1))
+    return checkpoint_name(result.out, "attention_out"), result.indexer_loss
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [b,t,D], positions [b,t] (original token positions), segment_ids [b,t] | None (0 = padding)
     -> out [b,t,D], aux {"indexer_loss": scalar f32}."""
     b, t, _ = x.shape
-    cfg = self.config
+    stage = indexer_stage(self.config)
     q_nope, q_pe, q_lat = self.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
     c_kv, k_pe = self.project_kv(x, positions)  # [b,s,kv_lora], [b,s,rope]
 
@@ -212,18 +211,31 @@ class MLA(nnx.Module):
         out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
       else:
         scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
-        selected, _ = self.indexer.select(scores)
-        selected = selected & valid  # [b,t,s]
-        if hasattr(self, "__captures__"):  # inside nnx.capture: a sow outside it would mutate the module
-          self.sow(nnx.Intermediate, "indexer_mask", selected)  # read via nnx.capture(model, nnx.Intermediate)
-        support = valid if cfg.indexer_training_stage == "dense_warmup" else selected
+        selected = self.indexer.select(scores) & valid  # [b,t,s]
+        support = valid if stage.dense_attention else selected
         out, probs = self.attend(q_nope, q_pe, k_nope, k_pe, v, support)
-        if cfg.indexer_training_stage != "none":
+        if stage.indexer_loss:
           indexer_loss = indexer_kl_loss(probs, scores, support)
-        if hasattr(self, "__captures__"):  # the selection's share of DENSE attention at this layer's input
-          dense = probs if cfg.indexer_training_stage == "dense_warmup" else \
-              self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)[1]  # [b,h,t,s]; only when captured
+        if self.record_selection:  # the selection, and its share of DENSE attention at this layer's input
+          dense = probs if stage.dense_attention else \
+              self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)[1]  # [b,h,t,s]; only when recording
+          self.sow(nnx.Intermediate, "indexer_mask", selected)
           self.sow(nnx.Intermediate, "indexer_recall", attention_recall(dense, selected))
     out = self.wo(out.reshape(b, t, self.num_heads * self.v_dim))  # [b,t,D]
     out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
     return out, {"indexer_loss": indexer_loss}
+
+
+def capture_selection(model: nnx.Module, *args, **kwargs):
+  """model(*args, **kwargs) under nnx.capture(model, nnx.Intermediate), every MLA recording what its
+  indexer selected -> (outputs, intermediates). The mask path sows "indexer_mask" [b,t,s] and
+  "indexer_recall" [b,t] (the selection's share of DENSE attention: one extra dense attention per
+  layer, run only here); the gather path sows "indexer_topk_indices" [b,t,k] (-1 = invalid slot)."""
+  layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, MLA)]
+  for m in layers:
+    m.record_selection = True
+  try:
+    return nnx.capture(model, nnx.Intermediate)(*args, **kwargs)
+  finally:
+    for m in layers:
+      m.record_selection = False

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.config.types import Config
 from MaxText.layers.attention_mla import MLA
 from MaxText.layers.linears import MLP, Linear
 from MaxText.layers.moe import DeepSeekMoE
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.types import Config
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxText.config.types import Config
 from MaxText.layers.linears import dtype_of
-from MaxText.sharding import constrain
-from MaxText.types import Config
+from MaxText.runtime.sharding import constrain
 
 
 class Embed(nnx.Module):

@@ -12,24 +12,27 @@ Official DeepSeek-V3.2 math (after the 2025-11-17 RoPE fix):
 then top-k over s selects the keys. The indexer reads detached inputs: it never sends
 gradient into the main model, and learns only from the indexer KL loss on its scores.
 
-The selection functions (top-k, fast threshold masks, the reference mask) live in
-selection.py and are re-exported here.
+The scores and the indexer's KL loss are computed in kernels/index_scores.py, the selection
+(top-k, fast threshold masks, the reference mask) in kernels/selection.py; this module holds the
+indexer's parameters, its projections, and what each training stage means (`STAGES`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxText.config.types import Config
+from MaxText.kernels.index_scores import index_scores
+from MaxText.kernels.selection import additive_mask, generate_mask, topk_mask
 from MaxText.layers.embeddings import apply_rope_half, rope_cos_sin, rope_inv_freq
 from MaxText.layers.linears import PRECISION, Linear
 from MaxText.layers.normalizations import LayerNorm
-from MaxText.layers.selection import (  # noqa: F401  (re-exported: indexer.generate_mask_reference, ...)
-    additive_mask, generate_mask, generate_mask_reference, select_topk, topk_mask, topk_threshold)
-from MaxText.sharding import constrain, gather_sequence
-from MaxText.types import Config
+from MaxText.runtime.sharding import constrain, gather_sequence
 
 
 def hadamard_matrix(d: int) -> np.ndarray:
@@ -42,64 +45,29 @@ def hadamard_matrix(d: int) -> np.ndarray:
   return (h / np.sqrt(d)).astype(np.float32)
 
 
-def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, valid: jax.Array, *, head_chunk: int,
-                 precision=None) -> jax.Array:
-  """I [b,t,s] fp32 = sum_h w[t,h] * d**-0.5 * relu(q[t,h] . k[s]); -inf where not valid.
+class IndexerStage(NamedTuple):
+  """What one `indexer_training_stage` means: the one definition that MLA, the trainer and base.yml follow.
 
-  q [b,t,h,d], w [b,t,h] (fp32, already scaled by h**-0.5), k [b,s,d], valid [b,t,s] bool.
-  Heads are scored `head_chunk` at a time (a lax.scan accumulating [b,t,s]) so at most
-  [b,t,s,head_chunk] is live, never [b,t,s,h]. A head count that `head_chunk` does not divide
-  is padded with zero-weight heads (they add exactly 0). Each chunk is rematerialized in the
-  backward pass, so the gradient does not store the [b,t,s,h] relu pattern either.
+  L_I = KL(p_t || softmax(I_t)) over the keys the main attention attends to (indexer_kl_loss):
+  p_t is the main attention's probabilities summed over heads, L1-normalized and detached; the
+  indexer's inputs are detached too, so L_I trains only the indexer, and the attention sends no
+  gradient into the indexer (the selection is boolean).
   """
-  b, t, h, d = q.shape
-  scale = d ** -0.5
-  qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-  wf = w.astype(jnp.float32) * scale  # [b,t,h]
-
-  def chunk_scores(q_c, w_c):  # q_c [b,t,c,d], w_c [b,t,c] -> [b,t,s]
-    logits = jnp.einsum("btcd,bsd->btcs", q_c, kf, precision=precision)  # [b,t,c,s]
-    return jnp.einsum("btcs,btc->bts", jax.nn.relu(logits), w_c, precision=precision)
-
-  if head_chunk >= h:
-    scores = chunk_scores(qf, wf)
-  else:
-    n = -(-h // head_chunk)
-    pad = n * head_chunk - h
-    if pad:  # zero q and zero weight: relu(0) * 0 = 0 exactly
-      qf = jnp.pad(qf, ((0, 0), (0, 0), (0, pad), (0, 0)))
-      wf = jnp.pad(wf, ((0, 0), (0, 0), (0, pad)))
-    q_chunks = jnp.moveaxis(qf.reshape(b, t, n, head_chunk, d), 2, 0)  # [n,b,t,c,d]
-    w_chunks = jnp.moveaxis(wf.reshape(b, t, n, head_chunk), 2, 0)  # [n,b,t,c]
-    body_scores = jax.checkpoint(chunk_scores, prevent_cse=False)
-
-    def body(acc, qw):
-      return acc + body_scores(*qw), None
-
-    scores, _ = jax.lax.scan(body, jnp.zeros((b, t, k.shape[1]), jnp.float32), (q_chunks, w_chunks))
-  return jnp.where(valid, scores, -jnp.inf)
+  dense_attention: bool  # the main attention attends to every valid key (else to the selection)
+  indexer_loss: bool  # the indexer learns L_I (over all valid keys when dense, else over its selection)
+  trains_main_model: bool  # every parameter outside the indexers trains on the LM loss (else frozen)
 
 
-def indexer_kl_loss(attn_probs: jax.Array, scores: jax.Array, support: jax.Array) -> jax.Array:
-  """L_I = mean over query tokens of KL(p_t || softmax(I_t)), both restricted to `support`.
+STAGES = {
+    "none": IndexerStage(dense_attention=False, indexer_loss=False, trains_main_model=True),  # a fixed selector
+    "dense_warmup": IndexerStage(dense_attention=True, indexer_loss=True, trains_main_model=False),
+    "sparse": IndexerStage(dense_attention=False, indexer_loss=True, trains_main_model=True),
+}
 
-  attn_probs [b,h,t,s] (the main attention's probabilities), scores [b,t,s] (indexer I),
-  support [b,t,s] bool: the keys the KL runs over (all valid keys in the dense warm-up, the
-  selected set S_t in the sparse stage). p_t = sum_h attn_probs, renormalized (L1) over the
-  support, and detached: the loss trains only the indexer. softmax(I_t) is taken over the
-  support too. Reduction: the mean over (b,t) of the queries whose support is non-empty
-  (padding queries count for nothing), so the loss does not grow with batch or length.
-  Returns a scalar f32; 0 when no query has a support.
-  """
-  p = jnp.sum(jax.lax.stop_gradient(attn_probs).astype(jnp.float32), axis=1)  # [b,t,s]
-  p = jnp.where(support, p, 0.0)
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # L1 over the support
-  logq = jax.nn.log_softmax(jnp.where(support, scores.astype(jnp.float32), -1e30), axis=-1)  # [b,t,s]
-  pos = support & (p > 0)
-  kl_terms = jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1.0)) - jnp.where(pos, logq, 0.0)), 0.0)
-  kl_t = jnp.sum(kl_terms, axis=-1)  # [b,t]
-  has = jnp.any(support, axis=-1)  # [b,t]
-  return jnp.sum(jnp.where(has, kl_t, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+def indexer_stage(config: Config) -> IndexerStage:
+  """The stage in force: `indexer_training_stage`, or "none" without an indexer."""
+  return STAGES[config.indexer_training_stage if config.use_indexer else "none"]
 
 
 class Indexer(nnx.Module):
@@ -161,21 +129,21 @@ class Indexer(nnx.Module):
     return constrain(scores, ("activation_batch", "activation_length", None))
 
   # ---- selection
-  def select(self, scores: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """scores [b,t,s] -> (bool mask [b,t,s] True = selected, None).
+  def select(self, scores: jax.Array) -> jax.Array:
+    """scores [b,t,s] -> bool mask [b,t,s], True = selected.
 
     k' = min(indexer_topk, s). Exact (default): the k-th value from the fast threshold, then
     the mask keeps exactly k' keys (indexer_mask_exact_topk, ties lowest position first) or
     every key >= the threshold. Approximate (indexer_use_approx_top_k): approx top-k at
     indexer_approx_top_k_recall; the mask is its index set (exact_topk) or its k-th value as
     a raw cutoff. Both in one pass over the scores where that pays (selection.topk_mask), so
-    no indices come back: a gather path takes them from selection.selection_indices.
+    no indices come back: the gather path takes them from topk_indices.topk_indices.
     A -inf (not valid) score is never selected. The mask carries no gradient.
     """
     cfg = self.config
     k = min(cfg.indexer_topk, scores.shape[-1])
     return topk_mask(scores, k, exact_topk=cfg.indexer_mask_exact_topk, approx=cfg.indexer_use_approx_top_k,
-                     recall_target=cfg.indexer_approx_top_k_recall), None
+                     recall_target=cfg.indexer_approx_top_k_recall)
 
   def generate_mask(self, index_score: jax.Array, topk_values: jax.Array, topk_indices: jax.Array | None = None,
                     *, k: int | None = None, dtype=jnp.float32) -> jax.Array:
@@ -186,5 +154,4 @@ class Indexer(nnx.Module):
     return additive_mask(mask, dtype)
 
 
-__all__ = ["Indexer", "index_scores", "indexer_kl_loss", "hadamard_matrix",
-           "select_topk", "topk_threshold", "topk_mask", "generate_mask", "generate_mask_reference", "additive_mask"]
+__all__ = ["Indexer", "IndexerStage", "STAGES", "indexer_stage", "hadamard_matrix"]

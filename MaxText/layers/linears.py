@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 PRECISION = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
              "highest": jax.lax.Precision.HIGHEST}

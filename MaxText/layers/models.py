@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.config.types import Config
 from MaxText.layers.decoder import LayerStack, MTPModule
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import Linear
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.sharding import constrain
-from MaxText.types import Config
-
+from MaxText.runtime.sharding import constrain
 
 ACTIVATION = ("activation_batch", "activation_length", "activation_embed")  # [b,t,D]
 

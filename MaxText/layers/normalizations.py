@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.config.types import Config
 from MaxText.layers.linears import dtype_of
-from MaxText.types import Config
 
 
 class RMSNorm(nnx.Module):

@@ -5,7 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import input_pipeline, model_state, sharding, train
+from MaxText import train
+from MaxText.checkpoint import model_state
+from MaxText.data import input_pipeline
+from MaxText.runtime import sharding
 from tests.conftest import make_config
 
 T = 32

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import model_state, sharding, train
+from MaxText import train
+from MaxText.checkpoint import model_state
 from MaxText.layers.indexer import Indexer  # noqa: F401  (the module under test, via the model)
+from MaxText.runtime import sharding
 from tests.integration.sharded import T, assert_same, run_loss_and_grads, small_config
 
 _config, _run, _assert_same = small_config, run_loss_and_grads, assert_same
@@ -88,7 +90,8 @@ def _indexer_scores_bytes(cp: int, t: int) -> int:
   cfg = _config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp, max_target_length=t,
                 global_batch_size=1)
   from flax import nnx
-  from MaxText.layers.masks import attention_validity
+
+  from MaxText.kernels.masks import attention_validity
   mesh = sharding.create_mesh(cfg)
   with mesh, sharding.logical_rules(cfg, mesh):
     idx = nnx.eval_shape(lambda: Indexer(cfg, rngs=nnx.Rngs(0)))
@@ -98,7 +101,7 @@ def _indexer_scores_bytes(cp: int, t: int) -> int:
       m = nnx.merge(graphdef, state)
       valid = attention_validity(pos, sharding.gather_sequence(pos, cfg, names=("activation_batch", None)))
       scores = m(x, q_lat, pos, valid)
-      return m.select(scores)[0]
+      return m.select(scores)
 
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
     args = (jax.ShapeDtypeStruct((1, t, cfg.emb_dim), jnp.float32, sharding=spec),

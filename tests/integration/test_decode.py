@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import model_state, sharding
+from MaxText.checkpoint import model_state
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import kv_cache
 from MaxText.inference.engine import Engine, StepOptions
 from MaxText.inference.sampling import sample
+from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA
-from MaxText.layers.masks import attention_validity
+from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -85,11 +86,11 @@ def test_prefill_and_step_decode_equal_the_teacher_forced_forward(scan_layers):
 def test_decode_selection_breaks_ties_like_the_training_mask():
   # The model's mask path and the decode path must pick the same keys when scores tie at the k-th
   # value (relu makes exact ties common: a key every indexer head scores <= 0 gets exactly 0).
+  from MaxText.kernels.topk_indices import topk_indices
   from MaxText.layers.indexer import Indexer
-  from MaxText.layers.sparse_attention import topk_indices
   cfg = make_config(indexer_topk=5)
   scores = jnp.asarray([[[0.0, 3.0, 0.0, -0.0, 0.0, 2.0, 0.0, -1.0, 0.0, 0.0, -jnp.inf, 1.0]]], jnp.float32)
-  mask, _ = Indexer(cfg, rngs=nnx.Rngs(0)).select(scores)  # what the teacher-forced forward attends to
+  mask = Indexer(cfg, rngs=nnx.Rngs(0)).select(scores)  # what the teacher-forced forward attends to
   idx, ok = topk_indices(scores, cfg.indexer_topk)  # what a decode step gathers
   chosen = np.zeros(12, bool)
   chosen[np.asarray(idx)[0, 0][np.asarray(ok)[0, 0]]] = True
@@ -310,7 +311,7 @@ def test_cli_streams_text_with_a_sentencepiece_tokenizer():
   assert stops == {"0": "max_target_length"} or stops == {"0": "eos"}
   streamed = r.stdout.splitlines()[1]
   assert streamed.startswith("I love to")  # the prompt, then the generated text as it came
-  from MaxText.tokenizer import load_tokenizer
+  from MaxText.data.tokenizer import load_tokenizer
   tok = load_tokenizer(tokenizer_type="sentencepiece", tokenizer_path=f"{DATA}/tokenizer.model")
   prompt = [tok.bos_id] + tok.encode("I love to")
   assert len(prompt) + len(ids[0]) == 24 or stops["0"] == "eos"

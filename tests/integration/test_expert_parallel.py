@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import aot, sharding
-from MaxText.layers import moe, moe_dispatch
+from MaxText.kernels import moe_dispatch, moe_experts
+from MaxText.kernels.moe_experts import ExpertWeights
+from MaxText.layers import moe
+from MaxText.runtime import aot, sharding
 from tests.conftest import make_config
 from tests.integration.sharded import assert_same, run_loss_and_grads, small_config
 
@@ -62,17 +64,19 @@ def _layer_inputs(b, t, d, e, i, skew, seed=0):
 
 
 def _route_fn(k):
-  kw = dict(num_experts_per_tok=k, n_routing_groups=1, topk_routing_group=1, routed_score_func="sigmoid",
-            norm_topk_prob=True, routed_scaling_factor=1.0)
-  return lambda x, gate, bias: moe.route(jnp.dot(x, gate, precision="highest"), bias, **kw)
+  routing = moe.Routing(num_experts_per_tok=k, n_routing_groups=1, topk_routing_group=1, routed_score_func="sigmoid",
+                        norm_topk_prob=True, routed_scaling_factor=1.0)
+  return lambda x, gate, bias: moe.route(jnp.dot(x, gate, precision="highest"), bias, routing)
 
 
 def _on_mesh(cfg, args, token_valid, k, **kw):
   mesh = sharding.create_mesh(cfg)
   rules = sharding.rules_of(cfg)
-  f = jax.jit(lambda *a: moe_dispatch.moe_on_mesh(*a, route_fn=_route_fn(k), mesh=mesh, rules=rules,
-                                                  impl="blocked", balance=False, **kw)[:3])
-  return f(args[0], token_valid, *args[1:])
+  def f(x, token_valid, gate, bias, *experts):
+    r = moe_dispatch.moe_on_mesh(x, token_valid, gate, bias, ExpertWeights(*experts), route_fn=_route_fn(k), mesh=mesh,
+                                 rules=rules, impl="blocked", balance=False, **kw)
+    return r.y, r.counts, r.dropped
+  return jax.jit(f)(args[0], token_valid, *args[1:])
 
 
 def _single_device(args, k, valid=None):
@@ -80,7 +84,7 @@ def _single_device(args, k, valid=None):
   x, gate, bias, wi_0, wi_1, wo = args
   xf = x.reshape(-1, x.shape[-1])  # [T,D]
   weights, ids, _ = _route_fn(k)(xf, gate, bias)
-  return moe.routed_experts(xf, weights, ids, wi_0, wi_1, wo, impl="blocked", valid=valid), ids
+  return moe_experts.routed_experts(xf, weights, ids, ExpertWeights(wi_0, wi_1, wo), impl="blocked", valid=valid), ids
 
 
 def _kept_reference(ids, token_valid, ep, e, cap, token_shards):
@@ -220,7 +224,7 @@ def test_hlo_has_all_to_all_and_no_token_row_all_gather_or_all_reduce(scaling):
 
 def _decode(mesh_kw, prompts):
   """The decode engine's prefill logits, one generate step's logits and the cache, on a mesh."""
-  from MaxText import model_state
+  from MaxText.checkpoint import model_state
   from MaxText.inference.engine import Engine
   cfg = small_config(num_devices=math.prod(mesh_kw.values()), ici_data_parallelism=1, mtp_num_layers=0,
                      param_init_std=0.2, max_prefill_length=24, **mesh_kw)
@@ -255,9 +259,9 @@ def test_ragged_exchange_lowers_with_its_gradient():
   args = _layer_inputs(b, t, d, e, i, skew=0.3)
 
   def loss(x, wi_0, wi_1, wo):
-    y = moe_dispatch.moe_on_mesh(x, jnp.ones((b, t), bool), args[1], args[2], wi_0, wi_1, wo, route_fn=_route_fn(k),
-                                 mesh=mesh, rules=rules, capacity_factor=-1.0, exchange="ragged_all_to_all",
-                                 impl="blocked", balance=False)[0]
+    y = moe_dispatch.moe_on_mesh(x, jnp.ones((b, t), bool), args[1], args[2], ExpertWeights(wi_0, wi_1, wo),
+                                 route_fn=_route_fn(k), mesh=mesh, rules=rules, capacity_factor=-1.0,
+                                 exchange="ragged_all_to_all", impl="blocked", balance=False).y
     return jnp.sum(y ** 2)
 
   fwd = jax.jit(loss).lower(args[0], *args[3:]).as_text()

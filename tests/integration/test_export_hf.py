@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from MaxText import convert_hf_checkpoint, export_hf_checkpoint, hf_format, model_state, train  # noqa: E402
+from MaxText import convert_hf_checkpoint, export_hf_checkpoint, train  # noqa: E402
+from MaxText.checkpoint import hf_export, hf_format, hf_import, model_state
 from tests.conftest import REPO_ROOT, make_config  # noqa: E402
 from tests.integration.test_hf_parity import build_hf_model  # noqa: E402
 
@@ -52,7 +53,7 @@ def converted(tmp_path_factory):
   root = tmp_path_factory.mktemp("export")
   build_hf_model().save_pretrained(root / "hf")
   _add_mtp_layer(str(root / "hf"))
-  convert_hf_checkpoint.convert_checkpoint(str(root / "hf"), str(root / "ours"))
+  hf_import.convert_checkpoint(str(root / "hf"), str(root / "ours"))
   return str(root / "hf"), str(root / "ours")
 
 
@@ -128,7 +129,7 @@ def test_training_checkpoint_exports_to_hf_with_equal_logits(tmp_path, capsys):
           "indexer_n_heads=16")
 
   cfg = make_config(matmul_precision="highest", indexer_n_heads=16)
-  params, buffers = export_hf_checkpoint.restore_parameters(str(ckpts / "2"), cfg)  # the newest step
+  params, buffers = hf_export.restore_parameters(str(ckpts / "2"), cfg)  # the newest step
   assert np.abs(buffers["moe_layers"]["layers"]["mlp"]["routing_bias"]).max() > 0.1
   graphdef, _, _ = model_state.abstract_model(cfg)
   tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 40))
@@ -141,7 +142,7 @@ def test_training_checkpoint_exports_to_hf_with_equal_logits(tmp_path, capsys):
   # One step folder: that step's weights (step 1 = init: its learning rate is 0), not the newest.
   _export(capsys, "--checkpoint", ckpts / "1", "--output", tmp_path / "hf1", "--config", "base.yml",
           "indexer_n_heads=16")
-  step1, _ = export_hf_checkpoint.restore_parameters(str(ckpts / "1"), cfg)
+  step1, _ = hf_export.restore_parameters(str(ckpts / "1"), cfg)
   embed = load_file(str(tmp_path / "hf1" / "model.safetensors"))["model.embed_tokens.weight"]
   assert torch.equal(embed, torch.as_tensor(step1["embed"]["embedding"]).to(torch.bfloat16))
   assert not np.array_equal(step1["embed"]["embedding"], params["embed"]["embedding"])

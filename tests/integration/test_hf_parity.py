@@ -10,12 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from MaxText import convert_hf_checkpoint, model_state, pyconfig  # noqa: E402
+from MaxText.checkpoint import (
+  hf_import,  # noqa: E402
+  model_state,
+)
+from MaxText.config import pyconfig
+from MaxText.layers.attention_mla import capture_selection
 
 SEQ = 40
 TOPK = 8
@@ -105,11 +109,11 @@ def hf_forward(model, tokens):
 
 
 def our_forward(ckpt_dir, tokens, overrides):
-  cfg = convert_hf_checkpoint.converted_config(os.path.join(ckpt_dir, "maxtext"), overrides)
+  cfg = hf_import.converted_config(os.path.join(ckpt_dir, "maxtext"), overrides)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), cfg.mesh_axes)
   graphdef, params, buffers, _ = model_state.load_parameters(os.path.join(ckpt_dir, "maxtext"), cfg, mesh)
   model = model_state.merge(graphdef, params, buffers)
-  (logits, _), inter = nnx.capture(model, nnx.Intermediate)(jnp.asarray(tokens))
+  (logits, _), inter = capture_selection(model, jnp.asarray(tokens))
   inter = inter.to_pure_dict() if hasattr(inter, "to_pure_dict") else inter
   masks = []
   for stack in ("dense_layers", "moe_layers"):
@@ -119,7 +123,7 @@ def our_forward(ckpt_dir, tokens, overrides):
 
 
 def _convert(hf_dir, out_dir, overrides):
-  convert_hf_checkpoint.convert_checkpoint(hf_dir, os.path.join(out_dir, "maxtext"), overrides)
+  hf_import.convert_checkpoint(hf_dir, os.path.join(out_dir, "maxtext"), overrides)
 
 
 OVERRIDES = ["scan_layers=false", "matmul_precision=highest"]
@@ -153,7 +157,7 @@ def test_bf16_free_fp32_checkpoint_matches_hf_logits_and_selections(tmp_path, to
 def _assert_every_mapped_key_arrives(cfg, hf: dict, may_be_default=()):
   """cfg holds each mapped config.json value, and none of them (but may_be_default) is base.yml's or
   the tiny model's."""
-  derived = convert_hf_checkpoint.config_from_hf(hf)
+  derived = hf_import.config_from_hf(hf)
   assert set(derived) == set(MAPPED) | set(NOT_FROM_HF), "a mapped key this test does not check"
   defaults = [pyconfig.initialize(["test", "base.yml"], num_devices=1, ici_data_parallelism=1, model_name=name)
               for name in ("default", "deepseek3.2-tiny")]
@@ -168,8 +172,8 @@ def _assert_every_mapped_key_arrives(cfg, hf: dict, may_be_default=()):
 
 def test_every_mapped_config_json_key_reaches_our_config(tmp_path):
   hf = {**hf_config(**OFF_BASE).to_dict(), "num_nextn_predict_layers": 2}  # HF's model has no MTP layers
-  convert_hf_checkpoint.write_config(hf, str(tmp_path / "maxtext"))  # the model.yml convert_checkpoint writes
-  _assert_every_mapped_key_arrives(convert_hf_checkpoint.converted_config(str(tmp_path / "maxtext")), hf)
+  hf_import.write_config(hf, str(tmp_path / "maxtext"))  # the model.yml convert_checkpoint writes
+  _assert_every_mapped_key_arrives(hf_import.converted_config(str(tmp_path / "maxtext")), hf)
 
 
 def test_config_off_base_yml_in_every_mapped_key_matches_hf(tmp_path, tokens):
@@ -177,7 +181,7 @@ def test_config_off_base_yml_in_every_mapped_key_matches_hf(tmp_path, tokens):
   model.save_pretrained(tmp_path / "hf")
   _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
   hf = json.loads((tmp_path / "hf" / "config.json").read_text())
-  cfg = convert_hf_checkpoint.converted_config(str(tmp_path / "maxtext"), OVERRIDES)
+  cfg = hf_import.converted_config(str(tmp_path / "maxtext"), OVERRIDES)
   _assert_every_mapped_key_arrives(cfg, {**hf, "num_nextn_predict_layers": 0}, may_be_default=("mtp_num_layers",))
   theirs, their_masks = hf_forward(model, tokens % OFF_BASE["vocab_size"])
   ours, our_masks = our_forward(str(tmp_path), tokens % OFF_BASE["vocab_size"], OVERRIDES)
@@ -235,7 +239,7 @@ def test_fp8_block_quantized_checkpoint_matches_hf_on_dequantized_weights(tmp_pa
 
 def test_converter_errors_name_the_problem(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
-    convert_hf_checkpoint.read_checkpoint(str(tmp_path))
+    hf_import.read_checkpoint(str(tmp_path))
   (tmp_path / "config.json").write_text(json.dumps({}))
   with pytest.raises(FileNotFoundError, match="safetensors"):
-    convert_hf_checkpoint.read_checkpoint(str(tmp_path))
+    hf_import.read_checkpoint(str(tmp_path))

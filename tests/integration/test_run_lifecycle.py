@@ -18,8 +18,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from MaxText import model_state, sharding, train
-from MaxText.metrics import fmt_loss
+from MaxText import train
+from MaxText.checkpoint import model_state
+from MaxText.runtime import sharding
+from MaxText.runtime.metrics import fmt_loss
 from tests.conftest import REPO_ROOT, make_config
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -278,9 +280,10 @@ def test_help_tells_usage_the_key_value_convention_and_where_keys_are_documented
                      text=True, timeout=120)
   assert r.returncode == 0 and "usage: python MaxText/train.py <config.yml> [key=value ...]" in r.stdout, r.stderr
   assert "configs/base.yml" in r.stdout and "not found" not in r.stdout + r.stderr
-  from MaxText import decode, pyconfig
+  from MaxText import decode
+  from MaxText.config import pyconfig
   for main, argv in ((decode.main, ["MaxText/decode.py", "-h"]),
-                     (lambda a: pyconfig.initialize_or_exit(a, pyconfig.__doc__), ["python -m MaxText.pyconfig", "--help"])):
+                     (lambda a: pyconfig.initialize_or_exit(a, pyconfig.__doc__), ["python -m MaxText.config", "--help"])):
     with pytest.raises(SystemExit) as exit_:
       main(argv)
     out = capsys.readouterr().out
@@ -289,20 +292,20 @@ def test_help_tells_usage_the_key_value_convention_and_where_keys_are_documented
 
 def test_a_checkpoint_of_another_model_is_named_by_its_first_differing_parameter(base_run):
   """What a run folder without config.yml (or a load_parameters_path of another model) reports."""
-  from MaxText import checkpointing
+  from MaxText.checkpoint import orbax_state
   out, _ = base_run
   _, abs_params, abs_buffers = model_state.abstract_model(make_config(mtp_num_layers=0, emb_dim=32))
   target = {"params": abs_params.to_pure_dict(), "buffers": abs_buffers.to_pure_dict()}
-  why = checkpointing.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), target)
+  why = orbax_state.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), target)
   assert why is not None and re.search(r"params/\S+ is \(.*64.*\) in the checkpoint but \(.*32.*\) in this config",
                                        why), why
   _, abs_params, abs_buffers = model_state.abstract_model(make_config(mtp_num_layers=0))
   same = {"params": abs_params.to_pure_dict(), "buffers": abs_buffers.to_pure_dict()}
-  assert checkpointing.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), same) is None
+  assert orbax_state.model_mismatch(str(out / "base" / "checkpoints" / "2" / "state"), same) is None
 
 
 def test_eval_data_is_held_out_synthetic_rows_or_the_eval_files(tmp_path):
-  from MaxText import input_pipeline
+  from MaxText.data import input_pipeline
   cfg = make_config(eval_interval=1)
   train_rows = next(input_pipeline.create_data_iterator(cfg, process_index=0, process_count=1))["inputs"]
   eval_it = input_pipeline.create_eval_iterator(cfg, process_index=0, process_count=1)

@@ -10,7 +10,9 @@ import sys
 import jax
 import pytest
 
-from MaxText import aot, input_pipeline, sharding, train
+from MaxText import train
+from MaxText.data import input_pipeline
+from MaxText.runtime import aot, sharding
 from tests.conftest import REPO_ROOT, make_config
 
 KEYS = dict(ici_data_parallelism=2, ici_expert_parallelism=4, num_decoder_layers=2, first_num_dense_layers=1,

@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 
-from conftest import make_config
-from MaxText.layers import indexer as indexer_lib
-from MaxText.layers.attention_mla import MLA
+from MaxText.kernels import selection
+from MaxText.kernels.index_scores import indexer_kl_loss
+from MaxText.kernels.masks import attention_validity
+from MaxText.layers.attention_mla import MLA, capture_selection
 from MaxText.layers.embeddings import rope_inv_freq
-from MaxText.layers.indexer import indexer_kl_loss
-from MaxText.layers.masks import attention_validity
 
 MAIN = ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
 T = 12  # one sequence length for most tests: compiled programs are shared
@@ -24,7 +24,7 @@ T = 12  # one sequence length for most tests: compiled programs are shared
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, x, pos, seg):
-  (out, aux), inter = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(x, pos, seg)
+  (out, aux), inter = capture_selection(nnx.merge(graphdef, state), x, pos, seg)
   return out, aux, inter
 
 
@@ -190,7 +190,7 @@ def test_sparse_mla_matches_oracle_with_reference_topk_mask():
   out, _, sown = run(m, x, pos)
 
   scores = jax.jit(lambda x: m.indexer(x, m.project_q(x, pos)[2], pos, valid))(x)
-  ref = np.asarray(indexer_lib.generate_mask_reference(jax.lax.top_k(scores, k)[1], T)) & np.asarray(valid)
+  ref = np.asarray(selection.generate_mask_reference(jax.lax.top_k(scores, k)[1], T)) & np.asarray(valid)
   np.testing.assert_array_equal(np.asarray(sown), ref)
   assert (ref.sum(-1)[:, k:] == k).all() and (ref.sum(-1)[:, :k] == np.arange(1, k + 1)).all()
   want = np_mla(m, x, pos, ref)
@@ -291,7 +291,7 @@ def test_indexer_kl_loss_value_and_zero_when_indexer_matches_attention(stage):
     c_kv, k_pe = m.project_kv(x, pos)
     k_nope, v = m.expand_kv(c_kv)
     scores = m.indexer(x, q_lat, pos, valid)
-    support = valid if stage == "dense_warmup" else m.indexer.select(scores)[0] & valid
+    support = valid if stage == "dense_warmup" else m.indexer.select(scores) & valid
     return scores, support, m.attend(q_nope, q_pe, k_nope, k_pe, v, support)[1]
 
   scores, support, probs = parts(x)
@@ -350,8 +350,7 @@ def test_stage_none_has_zero_indexer_loss_and_attends_over_selection():
 def test_mla_matches_hf_deepseek_v32_attention():
   torch = pytest.importorskip("torch")
   from test_indexer import _hf_config, _t, copy_indexer_to_hf
-  from transformers.models.deepseek_v32.modeling_deepseek_v32 import (DeepseekV32Attention,
-                                                                      DeepseekV32RotaryEmbedding)
+  from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
   topk, t = 6, 20
   # 16 indexer heads make an all-relu-zero (tied) score rare; chunks of 6 exercise the padded head scan
   cfg, m = _make(10, indexer_topk=topk, indexer_n_heads=16, indexer_head_chunk=6)

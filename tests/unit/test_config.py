@@ -8,8 +8,8 @@ import pydantic
 import pytest
 import yaml
 
-from MaxText import pyconfig
-from MaxText.types import Config, ConfigError, schema_keys
+from MaxText.config import pyconfig
+from MaxText.config.types import Config, ConfigError, schema_keys
 
 REPO = pyconfig.REPO_ROOT
 
@@ -174,7 +174,7 @@ def test_the_671b_config_builds_from_its_file():
   assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * 1.0 * __import__("math").log(40.0) + 1) ** 2)
 
 
-@pytest.mark.parametrize("entry", [["-m", "MaxText.pyconfig"], ["MaxText/pyconfig.py"]])
+@pytest.mark.parametrize("entry", [["-m", "MaxText.config"], ["MaxText/decode.py"]])
 def test_cli_typo_exits_nonzero_with_one_line_and_no_traceback(entry):
   r = subprocess.run([sys.executable, *entry, "base.yml", "indexer_use_aprox_top_k=true"], cwd=REPO,
                      capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -186,7 +186,7 @@ def test_cli_typo_exits_nonzero_with_one_line_and_no_traceback(entry):
 def test_a_resumed_retrieval_run_keeps_its_retrieval_keys_and_other_data_ignores_them(tmp_path, tiny_config):
   """The synthetic_retrieval keys decide the batches: a resume that changes one is refused in one
   line naming it; with another dataset_type they are not data keys and a resume may change them."""
-  from MaxText.run_folder import ResumeMismatchError, RunFolder
+  from MaxText.checkpoint.run_folder import ResumeMismatchError, RunFolder
 
   make_config = tiny_config
   for dataset_type, refused in (("synthetic_retrieval", True), ("synthetic", False)):

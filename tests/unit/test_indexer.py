@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 
-from conftest import make_config
-from MaxText.layers import indexer as indexer_lib, selection
+from MaxText.kernels import selection
+from MaxText.kernels.index_scores import index_scores
+from MaxText.kernels.masks import attention_validity
 from MaxText.layers.embeddings import rope_inv_freq
-from MaxText.layers.indexer import Indexer, hadamard_matrix, index_scores
-from MaxText.layers.masks import attention_validity
+from MaxText.layers.indexer import Indexer, hadamard_matrix
 
 
 def _np_index_scores(q, w, k, valid):
@@ -205,13 +206,12 @@ def _tied_scores():
 
 def test_select_exact_topk_keeps_k_under_ties_and_raw_cutoff_keeps_more():
   scores = _tied_scores()
-  exact, idx = _select(scores, indexer_topk=3, indexer_mask_exact_topk=True)
-  raw, _ = _select(scores, indexer_topk=3, indexer_mask_exact_topk=False)
-  assert idx is None
+  exact = _select(scores, indexer_topk=3, indexer_mask_exact_topk=True)
+  raw = _select(scores, indexer_topk=3, indexer_mask_exact_topk=False)
   np.testing.assert_array_equal(np.asarray(exact).sum(-1), [[3, 3]])
   np.testing.assert_array_equal(np.asarray(raw).sum(-1), [[4, 4]])
   # exact = lax.top_k's set (ties lowest position first); the top score is always in
-  want = indexer_lib.generate_mask_reference(jax.lax.top_k(scores, 3)[1], scores.shape[-1])
+  want = selection.generate_mask_reference(jax.lax.top_k(scores, 3)[1], scores.shape[-1])
   np.testing.assert_array_equal(np.asarray(exact), np.asarray(want))
   assert bool(exact[0, 0, 2]) and bool(exact[0, 1, 5])
   assert not raw[0, 0, 7] and not raw[0, 1, 0]  # -inf never selected
@@ -220,7 +220,7 @@ def test_select_exact_topk_keeps_k_under_ties_and_raw_cutoff_keeps_more():
 def test_select_never_picks_masked_keys_when_fewer_valid_than_k():
   s = jnp.asarray([[[1.0, 2.0, -jnp.inf, -jnp.inf, -jnp.inf]]], jnp.float32)
   for exact in (True, False):
-    mask, _ = _select(s, indexer_topk=4, indexer_mask_exact_topk=exact)
+    mask = _select(s, indexer_topk=4, indexer_mask_exact_topk=exact)
     np.testing.assert_array_equal(np.asarray(mask), [[[True, True, False, False, False]]])
 
 
@@ -230,15 +230,14 @@ def test_select_approx_path_follows_config():
   rng = np.random.default_rng(7)
   scores = jnp.asarray(rng.standard_normal((2, 4, 4096)), jnp.float32)
   for k in (256, 16):
-    exact_mask, _ = _select(scores, indexer_topk=k)
-    mask, idx = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_approx_top_k_recall=0.95)
-    assert idx is None
-    values, indices = indexer_lib.select_topk(scores, k, approx=True, recall_target=0.95)
+    exact_mask = _select(scores, indexer_topk=k)
+    mask = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_approx_top_k_recall=0.95)
+    values, indices = selection.select_topk(scores, k, approx=True, recall_target=0.95)
     assert selection._binned_config(4096, k, 0.95) is not None
-    np.testing.assert_array_equal(np.asarray(mask), np.asarray(indexer_lib.generate_mask_reference(indices, 4096)))
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(selection.generate_mask_reference(indices, 4096)))
     recall = (np.asarray(mask) & np.asarray(exact_mask)).sum() / np.asarray(exact_mask).sum()
     assert recall >= 0.95, (k, recall)
-    raw, _ = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_mask_exact_topk=False)
+    raw = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_mask_exact_topk=False)
     kth = np.asarray(values).min(-1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(raw), np.asarray(scores) >= kth)  # the approx k-th value as raw cutoff
 
@@ -324,7 +323,7 @@ def test_indexer_matches_hf_deepseek_v32_indexer():
   valid = attention_validity(pos, pos)
 
   ours = np.asarray(jax.jit(idx.__call__)(x, q_lat, pos, valid))
-  mask_ours, _ = jax.jit(idx.select)(jnp.asarray(ours))
+  mask_ours = jax.jit(idx.select)(jnp.asarray(ours))
 
   hx, hq, hpos = _t(x), _t(q_lat), torch.from_numpy(np.asarray(pos, np.int64))
   cos, sin = DeepseekV32RotaryEmbedding(hf_cfg)(hx, hpos)

@@ -1,4 +1,4 @@
-"""MaxText/input_pipeline.py and MaxText/tokenizer.py: batch layout, packing, resume, errors, tokenizers."""
+"""MaxText/data/input_pipeline.py and MaxText/data/tokenizer.py: batch layout, packing, resume, errors, tokenizers."""
 
 import json
 import logging
@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import make_config
-from MaxText import input_pipeline as ip
-from MaxText.tokenizer import TextStreamer, TokenizerError, load_tokenizer
+
+from MaxText.data import input_pipeline as ip
+from MaxText.data.tokenizer import TextStreamer, TokenizerError, load_tokenizer
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CORPUS_TXT = os.path.join(DATA, "corpus.txt")
@@ -306,7 +306,7 @@ def test_retrieval_eval_stream_is_disjoint_from_training_and_bad_sizes_are_named
   assert len(train_rows) == 160 and len(eval_rows) == 160 and not train_rows & eval_rows
   with pytest.raises(ip.DataError, match="vocab_size=64.*raise it to > 80"):
     iterator(retrieval_config(vocab_size=64, retrieval_pair_tokens=1))
-  from MaxText.types import ConfigError
+  from MaxText.config.types import ConfigError
   with pytest.raises(ConfigError, match="retrieval_queries"):
     retrieval_config(retrieval_queries=7)
   with pytest.raises(ConfigError, match="max_target_length=16"):

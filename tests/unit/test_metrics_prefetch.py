@@ -5,7 +5,7 @@ import time
 
 import jax.numpy as jnp
 
-from MaxText.metrics_prefetch import DeferredMetrics
+from MaxText.runtime.metrics_prefetch import DeferredMetrics
 
 
 def test_a_step_is_read_when_the_next_is_pushed_or_by_flush():

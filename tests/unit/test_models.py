@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import model_state
+from MaxText.checkpoint import model_state
+from MaxText.layers.attention_mla import capture_selection
 from MaxText.layers.models import Transformer, cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from tests.conftest import make_config
 
@@ -120,7 +121,7 @@ def test_mtp_loss_targets_are_shifted_by_depth_and_stay_in_the_document():
 
 
 def _layer_masks(model, tokens):
-  (_, _), inter = nnx.capture(model, nnx.Intermediate)(tokens)
+  (_, _), inter = capture_selection(model, tokens)
   inter = inter.to_pure_dict() if hasattr(inter, "to_pure_dict") else inter
   masks = []
   for stack in ("dense_layers", "moe_layers"):
@@ -154,17 +155,12 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   configured recall target) or the exact threshold, counted per layer while tracing."""
   from MaxText.layers import indexer as indexer_mod
   calls = []
-  real_select, real_mask = indexer_mod.select_topk, indexer_mod.topk_mask
-
-  def select_spy(scores, k, *, approx=False, recall_target=0.95):
-    calls.append(("approx" if approx else "exact-topk", recall_target))
-    return real_select(scores, k, approx=approx, recall_target=recall_target)
+  real_mask = indexer_mod.topk_mask
 
   def mask_spy(scores, k, *, exact_topk=True, approx=False, recall_target=0.95):
     calls.append(("approx", recall_target) if approx else ("threshold", exact_topk))
     return real_mask(scores, k, exact_topk=exact_topk, approx=approx, recall_target=recall_target)
 
-  monkeypatch.setattr(indexer_mod, "select_topk", select_spy)
   monkeypatch.setattr(indexer_mod, "topk_mask", mask_spy)
   # remat off: jax.checkpoint would trace identical layers once and hide the per-layer count.
   cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=1,

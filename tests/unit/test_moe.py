@@ -5,20 +5,20 @@ Hugging Face's DeepseekV32TopkRouter / DeepseekV32MoE with the same weights, and
 all-experts jnp einsum for gradients.
 """
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
 from flax import nnx
 
-from conftest import make_config
+from MaxText.kernels import moe_experts
 from MaxText.layers import moe
 
 ROUTE_CFG = dict(num_experts=16, n_routing_groups=4, topk_routing_group=2, num_experts_per_tok=4)
 
 # jitted entry points: one compile per config instead of one per eager op
-route = jax.jit(moe.route, static_argnames=tuple(moe.routing_kwargs(make_config())))
+route = jax.jit(moe.route, static_argnames=("routing",))
 apply = nnx.jit(lambda model, x: model(x))
 
 
@@ -119,7 +119,7 @@ def test_route_matches_numpy_oracle(overrides):
   logits = randn((32, cfg.num_experts), 0, 2.0)
   bias = randn((cfg.num_experts,), 1, 0.3)
   for b in (None, bias):
-    w, ids, s = route(logits, b, **moe.routing_kwargs(cfg))
+    w, ids, s = route(logits, b, moe.Routing.of(cfg))
     w_ref, ids_ref, s_ref = np_route(logits, b, cfg)
     np.testing.assert_array_equal(np.asarray(ids), ids_ref)  # both sort by descending score
     np.testing.assert_allclose(w, w_ref, rtol=1e-5)
@@ -131,8 +131,8 @@ def test_bias_changes_selection_but_weights_stay_unbiased_scores():
   cfg = make_config(**ROUTE_CFG)
   logits = randn((64, 16), 0, 2.0)
   bias = jnp.zeros(16).at[jnp.array([0, 5, 11])].set(0.6)
-  w0, ids0, _ = route(logits, None, **moe.routing_kwargs(cfg))
-  w, ids, s = route(logits, bias, **moe.routing_kwargs(cfg))
+  w0, ids0, _ = route(logits, None, moe.Routing.of(cfg))
+  w, ids, s = route(logits, bias, moe.Routing.of(cfg))
   assert np.mean(np.asarray(ids0) != np.asarray(ids)) > 0.1  # the bias moved many selections
   chosen = np.take_along_axis(np.asarray(s), np.asarray(ids), -1)  # unbiased scores at the chosen experts
   np.testing.assert_allclose(w, chosen / chosen.sum(-1, keepdims=True) * 2.5, rtol=1e-6)
@@ -144,7 +144,7 @@ def test_group_limit_keeps_experts_inside_the_best_groups():
   cfg = make_config(**ROUTE_CFG)  # 4 groups of 4, 2 kept, k=4
   # group 0 holds the single best expert but group 1 and 2 have the best top-2 sums
   logits = jnp.array([[5., -9, -9, -9, 3, 3, -9, -9, 2.9, 2.9, -9, -9, 1, 1, 1, 1]])
-  _, ids, _ = route(logits, None, **moe.routing_kwargs(cfg))
+  _, ids, _ = route(logits, None, moe.Routing.of(cfg))
   assert set(np.asarray(ids[0]).tolist()) == {4, 5, 8, 9}
 
 
@@ -176,7 +176,7 @@ def test_route_matches_hf_topk_router():
     router.e_score_correction_bias.copy_(_t(model.routing_bias[...]))
     _, w_hf, ids_hf = router(_t(x))
   logits = x @ model.gate_kernel[...]
-  w, ids, _ = route(logits, model.routing_bias[...], **moe.routing_kwargs(cfg))
+  w, ids, _ = route(logits, model.routing_bias[...], moe.Routing.of(cfg))
   w_hf, ids_hf = w_hf.numpy(), ids_hf.numpy()
   for t in range(x.shape[0]):  # HF's top-k is unsorted: compare as sets, weights matched by expert
     assert set(ids[t].tolist()) == set(ids_hf[t].tolist())
@@ -191,7 +191,7 @@ def test_route_matches_hf_topk_router():
 def test_dispatch_plan_places_every_assignment_in_its_experts_block(block_rows):
   ids = np.random.default_rng(0).integers(0, 8, (24, 3))
   ids[:10, 0] = 5  # one expert crowded
-  plan = jax.jit(moe.plan_dispatch, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), 8, block_rows)
+  plan = jax.jit(moe_experts.plan_dispatch, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), 8, block_rows)
   flat = np.asarray(ids).reshape(-1)
   rows = np.asarray(plan.row_of_assignment)
   assert len(set(rows.tolist())) == flat.size  # one row per assignment
@@ -207,9 +207,10 @@ def test_routed_experts_impls_match_token_loop(impl, block_rows):
   x = rand_x(cfg).reshape(-1, cfg.emb_dim)
   p = params64(model)
   w, ids, _ = np_route(np.asarray(x, np.float64) @ p["gate"], None, cfg)
-  experts = jax.jit(moe.routed_experts, static_argnames=("impl", "block_rows"))
-  y = experts(x, jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32), model.wi_0[...],
-              model.wi_1[...], model.wo[...], impl=impl, block_rows=block_rows)
+  experts = jax.jit(moe_experts.routed_experts, static_argnames=("impl", "block_rows"))
+  y = experts(x, jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
+              moe_experts.ExpertWeights(model.wi_0[...], model.wi_1[...], model.wo[...]), impl=impl,
+              block_rows=block_rows)
   y_ref = np.stack([sum(wj * np_swiglu(np.asarray(x[t], np.float64), p["wi_0"][e], p["wi_1"][e], p["wo"][e])
                         for wj, e in zip(w[t], ids[t])) for t in range(x.shape[0])])
   assert rel_err(y, y_ref) <= 1e-5
@@ -313,7 +314,7 @@ def _dense_reference(p, x, ids, cfg):
 @pytest.mark.parametrize("dispatch", ["blocked", "blocked_loop", "ragged_dot"])
 def test_gradients_match_dense_oracle_and_float64_finite_differences(dispatch, monkeypatch):
   if dispatch == "blocked_loop":  # the blocks run in a loop reading weights in place (large layers)
-    monkeypatch.setattr(moe, "BLOCK_WEIGHT_COPY_LIMIT", 0)
+    monkeypatch.setattr(moe_experts, "BLOCK_WEIGHT_COPY_LIMIT", 0)
     dispatch = "blocked"
   cfg, model = make_model(shared_experts=0)
   model.dispatch = dispatch
@@ -328,7 +329,7 @@ def test_gradients_match_dense_oracle_and_float64_finite_differences(dispatch, m
   grads = jax.jit(jax.grad(loss))(params)
   p = {n: getattr(model, n)[...] for n in ("gate_kernel", "wi_0", "wi_1", "wo")}
   xf = x.reshape(-1, cfg.emb_dim)
-  _, ids, _ = route(xf @ p["gate_kernel"], model.routing_bias[...], **moe.routing_kwargs(cfg))
+  _, ids, _ = route(xf @ p["gate_kernel"], model.routing_bias[...], moe.Routing.of(cfg))
   dense_grads = jax.jit(jax.grad(lambda p: jnp.sum(_dense_reference(p, xf, ids, cfg) * r.reshape(xf.shape))))(p)
 
   p64 = params64(model)
@@ -357,14 +358,14 @@ def test_update_routing_bias_direction_and_magnitude():
 
 def test_bias_updates_even_out_a_skewed_load():
   cfg, model = make_model(**ROUTE_CFG)
-  route_kwargs = moe.routing_kwargs(cfg)
+  routing = moe.Routing.of(cfg)
   x = rand_x(cfg, b=4, t=16).reshape(-1, cfg.emb_dim)
   logits = x @ model.gate_kernel[...] + jnp.zeros(16).at[:4].set(1.5)  # group 0 favoured
 
   @jax.jit
   def run(bias):
     def step(b, _):
-      _, ids, _ = moe.route(logits, b, **route_kwargs)
+      _, ids, _ = moe.route(logits, b, routing)
       load = moe.expert_load(ids, 16)
       return moe.update_routing_bias(b, load, 0.01), load.max()
     return jax.lax.scan(step, bias, None, length=300)

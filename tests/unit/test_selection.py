@@ -1,4 +1,4 @@
-"""Top-k selection for the lightning indexer (MaxText/layers/selection.py): exact k-th value,
+"""Top-k selection for the lightning indexer (MaxText/kernels/selection.py): exact k-th value,
 masks (exact-k with ties, raw cutoff, approximate index set), the all-pairs reference mask,
 the binned approximate top-k and its recall, against lax.top_k and a float64 numpy oracle."""
 
@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from MaxText.layers import selection as sel, selection_keys as sk
+from MaxText.kernels import selection as sel
+from MaxText.kernels import selection_keys as sk
 
 NEG_INF = -np.inf
 

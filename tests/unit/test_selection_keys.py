@@ -1,11 +1,11 @@
-"""MaxText/layers/selection_keys.py: the exact k-th int32 key by bisection, and cache-sized row
+"""MaxText/kernels/selection_keys.py: the exact k-th int32 key by bisection, and cache-sized row
 blocks whose outputs (arrays and Columns of pieces) are written in place."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.layers import selection_keys as sk
+from MaxText.kernels import selection_keys as sk
 
 
 def test_kth_key_at_a_width_padded_off_the_l1_set_stride():

@@ -1,4 +1,4 @@
-"""The gather path of sparse MLA (MaxText/layers/sparse_attention.py) against the mask path:
+"""The gather path of sparse MLA (MaxText/kernels/sparse_attention.py) against the mask path:
 forward and gradients (x and every parameter) under ties, short rows, padding, approximate
 selection, ragged query blocks and the sparse indexer stage; the absorbed pieces against the
 expanded attention; the selection as indices; and context parallelism on simulated devices."""
@@ -9,15 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import make_config
-from MaxText import sharding
-from MaxText.layers import selection, sparse_attention as sa
-from MaxText.layers.attention_mla import MLA
-from MaxText.layers.masks import attention_validity
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_attention_mla import _inputs, _make, _np_kl, _rel, np_index_scores, np_mla, np_topk_mask
+
+from MaxText.kernels import selection
+from MaxText.kernels import sparse_attention as sa
+from MaxText.kernels import topk_indices as ti
+from MaxText.kernels.masks import attention_validity
+from MaxText.layers.attention_mla import MLA, capture_selection
+from MaxText.runtime import sharding
 
 T, K, BLOCK = 13, 4, 5  # t is no multiple of the query block: the last block is padded
 
@@ -26,7 +29,7 @@ T, K, BLOCK = 13, 4, 5  # t is no multiple of the query block: the last block is
 def _forward_and_grads(graphdef, params, rest, x, pos, seg, r):
   """out, aux, the sown selection, and d(sum(out * r) + indexer_loss) / d(params, x)."""
   def loss(params, x):
-    (out, aux), inter = nnx.capture(nnx.merge(graphdef, params, rest), nnx.Intermediate)(x, pos, seg)
+    (out, aux), inter = capture_selection(nnx.merge(graphdef, params, rest), x, pos, seg)
     return jnp.sum(out * r) + aux["indexer_loss"], (out, aux, inter)
 
   (_, (out, aux, inter)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
@@ -260,7 +263,7 @@ def test_topk_indices_is_lax_top_k_set_with_ties_nan_and_short_rows():
   x[:, 1, :] = -np.inf  # none
   x[:, 2, ::3] = np.nan
   x[:, 3] = rng.standard_normal(s)  # no ties
-  idx, ok = jax.jit(lambda x: sa.topk_indices(x, k))(jnp.asarray(x))
+  idx, ok = jax.jit(lambda x: ti.topk_indices(x, k))(jnp.asarray(x))
   idx, ok = np.asarray(idx), np.asarray(ok)
   clean = np.where(np.isnan(x), -np.inf, x)
   want_idx = np.asarray(jax.lax.top_k(jnp.asarray(clean), k)[1])
@@ -270,8 +273,8 @@ def test_topk_indices_is_lax_top_k_set_with_ties_nan_and_short_rows():
     assert ok[r].sum() == want_ok[r].sum() and (np.diff(idx[r][ok[r]]) > 0).all()  # ascending, distinct
   assert ok[:, 0].sum(-1).tolist() == [5] * 4 and not ok[:, 1].any()
   # approximate: the select_topk indices, valid where finite
-  values, a_idx = sa.select_topk(jnp.asarray(x), k, approx=True)
-  idx_a, ok_a = sa.topk_indices(jnp.asarray(x), k, approx=True)
+  values, a_idx = selection.select_topk(jnp.asarray(x), k, approx=True)
+  idx_a, ok_a = ti.topk_indices(jnp.asarray(x), k, approx=True)
   np.testing.assert_array_equal(np.asarray(idx_a), np.asarray(a_idx))
   np.testing.assert_array_equal(np.asarray(ok_a), np.asarray(values) > -np.inf)
 
@@ -282,7 +285,7 @@ def test_mask_to_indices_round_trips_random_masks():
     k = max(1, s // 3)
     scores = rng.standard_normal((3, 5, s))
     mask = (scores > np.sort(scores, -1)[..., -k:][..., :1] - 1e-9) & (rng.random((3, 5, s)) < 0.8)
-    idx, ok = jax.jit(sa.mask_to_indices, static_argnums=1)(jnp.asarray(mask), k)
+    idx, ok = jax.jit(ti.mask_to_indices, static_argnums=1)(jnp.asarray(mask), k)
     back = np.zeros_like(mask)
     for r in np.ndindex(*mask.shape[:2]):
       back[r][np.asarray(idx)[r][np.asarray(ok)[r]]] = True
@@ -296,7 +299,7 @@ def _driver_inputs(seed=30, b=2, t=11, s=11, h=3, nope=4, r=2, v=5, c=6, H=2, d=
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return dict(q_nope=f(b, t, h, nope), q_pe=f(b, t, h, r), c_kv=f(b, s, c), k_pe=f(b, s, r),
               wkv_b_kernel=f(c, h * (nope + v)), index_q=f(b, t, H, d), index_w=f(b, t, H), index_k=f(b, s, d),
-              q_pos=pos, kv_pos=pos, q_seg=None, kv_seg=None), dict(num_heads=h, nope=nope, v=v)
+              positions=pos), dict(num_heads=h, nope=nope, v=v)
 
 
 @pytest.mark.parametrize("b", [1, 2])
@@ -308,9 +311,12 @@ def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
 
   def run(query_block, query_loop):
     def loss(*xs):
-      kw = dict(arrays, **dict(zip(diff, xs)))
-      out, idx, ok, kl = sa.sparse_mla_attention(**kw, **dims, scale=0.3, topk=4, query_block=query_block,
-                                                 head_chunk=1, with_kl=True, query_loop=query_loop)
+      a = dict(arrays, **dict(zip(diff, xs)))
+      queries = sa.SparseQueries(a["q_nope"], a["q_pe"], a["index_q"], a["index_w"], a["positions"], None)
+      keys = sa.SparseKeys(a["c_kv"], a["k_pe"], a["index_k"], a["positions"], None)
+      spec = sa.SparseSpec(**dims, scale=0.3, topk=4, query_block=query_block, head_chunk=1, with_kl=True,
+                           query_loop=query_loop)
+      out, idx, ok, kl = sa.sparse_mla_attention(queries, keys, a["wkv_b_kernel"], spec)
       return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))) + kl, (out, idx, ok, kl)
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(diff))), has_aux=True))(
         *(arrays[n] for n in diff))
@@ -392,7 +398,7 @@ def test_training_scanned_layers_on_the_gather_path_keeps_no_t_by_s_buffer(stage
   # The whole model's gradient with scanned, rematerialized layers (the training default): no
   # buffer of t*s/2 or more elements anywhere, not even a bool [t,s] validity mask (JAX split the
   # per-block masks of the query loop into a loop of their own and stacked them: 16 GiB at 128K).
-  from MaxText import model_state
+  from MaxText.checkpoint import model_state
   t = 2048
   cfg = make_config(max_target_length=t, max_position_embeddings=t, indexer_topk=16, mtp_num_layers=0,
                     sparse_attention_impl="gather", sparse_attention_query_block=64, scan_layers=True,

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 
 def _fmt_duration(s: float) -> str:

@@ -30,8 +30,8 @@ one [b,s,c+r] carry. Plain autodiff would keep every query's gathered keys for t
 pass (O(t*k*(c+r)): 16x the whole KV at k = s/16) or, rematerialized, transpose each query's
 gather into a fresh zero [b,s,c+r] cotangent: O(s) work per query, O(t*s) in all.
 On CPU a block's attention loops over its queries with 2-D matmuls, so each query's gathered
-keys stay in cache between its score and output matmuls: measured 1.7x faster forward and 6x
-faster forward+backward than one block-wide batched gather (which other backends run).
+keys stay in cache between its score and output matmuls: faster on CPU than one block-wide
+batched gather, which other backends run (benchmarks/sparse_attention.py; docs/measured_choices.md).
 
 Selection (the same semantics as the mask path, see selection.py):
   exact    topk_threshold + generate_mask(exact_topk=True): exactly min(k, #valid) keys, ties at
@@ -44,27 +44,28 @@ Selection (the same semantics as the mask path, see selection.py):
   the mask path takes every key >= the k-th value (more than k under ties, or under an
   approximate cutoff) and the two agree only where no such extra key exists.
 
-The indexer loss of the sparse stage, KL(p_t || softmax(I_t)) over the selected set S_t, is
-computed per block from the attention probabilities of the selected keys and their indexer
-scores, recomputed from the gathered indexer keys, so its gradient costs O(t*k), not O(t*s).
-The dense warm-up stage attends densely over all valid keys by definition: MLA runs the mask
-path there.
+The indexer loss over the selected sets (spec.with_kl: a stage that attends to the selection
+and trains the indexer, layers/indexer.py STAGES) is computed per block from the attention
+probabilities of the selected keys and their indexer scores, recomputed from the gathered
+indexer keys, so its gradient costs O(t*k), not O(t*s). A stage with dense attention never
+comes here: MLA runs the mask path there.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from MaxText.layers.indexer import index_scores, indexer_kl_loss
-from MaxText.layers.masks import attention_validity
-from MaxText.layers.selection import additive_mask, generate_mask, select_topk, topk_threshold
-from MaxText.sharding import constrain
+from MaxText.kernels.index_scores import gathered_index_scores, index_scores, indexer_kl_loss
+from MaxText.kernels.masks import attention_validity
+from MaxText.kernels.selection import additive_mask
+from MaxText.kernels.topk_indices import gather_rows, topk_indices
+from MaxText.runtime.sharding import constrain
 
-_WORD = 32  # mask bits packed per uint32 word when compacting a mask to indices
 _PAD_POSITION = jnp.iinfo(jnp.int32).min  # padding queries' position: no key is <= it
 
 
@@ -90,11 +91,6 @@ def unabsorb_out(o_lat: jax.Array, wkv_b_kernel: jax.Array, num_heads: int, nope
   """o_lat [b,t,h,c] (probabilities . c_kv) -> out [b,t,h,v] = o_lat . w_uv (= probabilities . v)."""
   _, w_uv = _split_wkv_b(wkv_b_kernel, num_heads, nope, v)  # [c,h,v]
   return jnp.einsum("bthc,chv->bthv", o_lat, w_uv.astype(o_lat.dtype), precision=precision)  # [b,t,h,v]
-
-
-def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """x [b,s,e], idx [b,t,k] int32 in [0, s) -> x[b, idx] [b,t,k,e] (a batched gather of rows)."""
-  return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0, mode="clip"))(x, idx)  # [b,t,k,e]
 
 
 def _masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
@@ -226,88 +222,6 @@ def _attend_block_bwd(scale, c, loop, precision, res, cts):
 _attend_block.defvjp(_attend_block_fwd, _attend_block_bwd)
 
 
-# ----------------------------------------------------------------------------- selection as indices
-
-
-def _cumsum_last(x: jax.Array) -> jax.Array:
-  """Inclusive prefix sum over the last axis (a log-depth scan: XLA:CPU's cumsum is a slow
-  reduce-window)."""
-  return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
-
-
-def _nth_set_bit(word: jax.Array, n: jax.Array) -> jax.Array:
-  """Position (0..31) of the n-th (0-based) set bit of each uint32 word; n < popcount(word)."""
-  pos = jnp.zeros(word.shape, jnp.int32)
-  for width in (16, 8, 4, 2, 1):  # halve the window that holds the bit
-    low = word & jnp.uint32((1 << width) - 1)
-    below = lax.population_count(low).astype(jnp.int32)
-    up = n >= below
-    n = jnp.where(up, n - below, n)
-    pos = jnp.where(up, pos + width, pos)
-    word = jnp.where(up, word >> width, low)
-  return pos
-
-
-def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """A selection mask [..., s] with at most k True per row -> (idx [..., k] int32: the selected
-  positions ascending, then 0; idx_valid [..., k] bool: slot < the row's count).
-
-  O(s) per row for packing the mask into 32-bit words and counting, O(k log s) for placing the
-  slots (a binary search over the words' prefix counts, then the n-th set bit of one word): no
-  scatter and no [s]-long prefix sum, which are slow on XLA:CPU.
-  """
-  s = mask.shape[-1]
-  pad = -s % _WORD
-  m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)]) if pad else mask
-  m = m.reshape(*mask.shape[:-1], -1, _WORD)  # [..., L, 32]
-  bit = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))  # [32]
-  words = jnp.sum(jnp.where(m, bit, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [..., L] (distinct bits: sum = or)
-  count = lax.population_count(words).astype(jnp.int32)  # [..., L]
-  incl = _cumsum_last(count)  # [..., L]
-  slots = jnp.arange(k, dtype=jnp.int32)  # [k]
-  flat_incl = incl.reshape(-1, incl.shape[-1])  # [N, L]
-  word_of = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(flat_incl)  # [N, k]
-  word_of = jnp.minimum(word_of, incl.shape[-1] - 1).reshape(*mask.shape[:-1], k).astype(jnp.int32)
-  before = jnp.take_along_axis(incl - count, word_of, axis=-1)  # [..., k] selected keys in earlier words
-  bit_pos = _nth_set_bit(jnp.take_along_axis(words, word_of, axis=-1), slots - before)  # [..., k]
-  valid = slots < incl[..., -1:]  # [..., k]
-  idx = jnp.where(valid, word_of * _WORD + bit_pos, 0)
-  return idx.astype(jnp.int32), valid
-
-
-def topk_indices(scores: jax.Array, k: int, *, approx: bool = False,
-                 recall_target: float = 0.95) -> tuple[jax.Array, jax.Array]:
-  """The indexer's selection as indices: scores [..., s] (-inf where not valid) -> (idx [..., k']
-  int32, idx_valid [..., k'] bool), k' = min(k, s).
-
-  exact: the set of selection.generate_mask(exact_topk=True) (= lax.top_k's: exactly
-  min(k', #finite) keys, ties lowest position first), ascending, from the fast k-th value.
-  approx: selection.select_topk(approx=True)'s indices, a slot valid where its score is finite.
-  A -inf or NaN score is never a valid slot.
-  """
-  kk = min(k, scores.shape[-1])
-  if approx:
-    values, idx = select_topk(scores, kk, approx=True, recall_target=recall_target)
-    return idx.astype(jnp.int32), values > -jnp.inf  # select_topk reads NaN as -inf
-  mask = generate_mask(scores, topk_threshold(scores, kk), exact_topk=True, k=kk)  # [..., s]
-  return mask_to_indices(mask, kk)
-
-
-def gathered_index_scores(q: jax.Array, w: jax.Array, k: jax.Array, idx: jax.Array, idx_valid: jax.Array, *,
-                          precision=None) -> jax.Array:
-  """The indexer scores of the selected keys only: I[t, idx] [b,t,k'] fp32, -inf on invalid slots.
-
-  q [b,t,H,d], w [b,t,H] (fp32, times H**-0.5), k [b,s,d] as for indexer.index_scores; the same
-  sum_h w * d**-0.5 * relu(q . k), over k' gathered keys instead of all s.
-  """
-  d = q.shape[-1]
-  k_g = gather_rows(k.astype(jnp.float32), idx)  # [b,t,k',d]
-  logits = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), k_g, precision=precision)  # [b,t,H,k']
-  scores = jnp.einsum("bthk,bth->btk", jax.nn.relu(logits), w.astype(jnp.float32) * d ** -0.5,
-                      precision=precision)  # [b,t,k']
-  return jnp.where(idx_valid, scores, -jnp.inf)
-
-
 # ----------------------------------------------------------------------------- the blocked driver
 
 
@@ -328,28 +242,66 @@ def _unblocks(a: jax.Array, t: int) -> jax.Array:
   return constrain(a, ("activation_batch", "activation_length") + (None,) * (a.ndim - 2))
 
 
-def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
-                         wkv_b_kernel: jax.Array, index_q: jax.Array, index_w: jax.Array, index_k: jax.Array,
-                         q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
-                         *, num_heads: int, nope: int, v: int, scale: float, topk: int, query_block: int,
-                         head_chunk: int, approx: bool = False, recall_target: float = 0.95,
-                         with_kl: bool = False, precision=None, query_loop: bool | None = None
-                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+class SparseQueries(NamedTuple):
+  """This call's queries, MLA's and the indexer's, and where they sit in their sequences."""
+  q_nope: jax.Array  # [b,t,h,nope]
+  q_pe: jax.Array  # [b,t,h,r], RoPE'd
+  index_q: jax.Array  # [b,t,H,d], the indexer's queries (from detached inputs)
+  index_w: jax.Array  # [b,t,H] fp32, the indexer's head weights (times H**-0.5)
+  positions: jax.Array  # [b,t] original positions
+  segments: jax.Array | None  # [b,t] (0 = padding); None = one segment, no padding
+
+
+class SparseKeys(NamedTuple):
+  """Every key those queries may select, in original order (context parallelism gathers them)."""
+  c_kv: jax.Array  # [b,s,c], the MLA latent
+  k_pe: jax.Array  # [b,s,r], the shared rotary key
+  index_k: jax.Array  # [b,s,d], the indexer's key
+  positions: jax.Array  # [b,s]
+  segments: jax.Array | None  # [b,s], None exactly when the queries' segments are None
+
+
+class SparseSpec(NamedTuple):
+  """The static shape of one call: MLA's dims, the selection, blocking and precision."""
+  num_heads: int
+  nope: int
+  v: int
+  scale: float  # the softmax scale
+  topk: int
+  query_block: int  # queries per block of the lax.map
+  head_chunk: int  # indexer heads scored at a time (index_scores)
+  approx: bool = False  # approximate top-k (selection.select_topk) instead of exact
+  recall_target: float = 0.95
+  with_kl: bool = False  # compute the sparse stage's indexer KL over the selected sets
+  precision: object = None
+  query_loop: bool | None = None  # one query at a time inside a block (None: on CPU)
+
+
+class SparseOutput(NamedTuple):
+  out: jax.Array  # [b,t,h,v] in q_nope's dtype
+  idx: jax.Array  # [b,t,k'] int32 selected key positions, k' = min(topk, s)
+  idx_valid: jax.Array  # [b,t,k'] bool
+  indexer_loss: jax.Array  # [] f32: the KL over the selected sets (0 unless spec.with_kl)
+
+
+def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel: jax.Array,
+                         spec: SparseSpec) -> SparseOutput:
   """Blocked gather-based sparse MLA (training and prefill): indexer scores, top-k, attention.
 
-  q_nope [b,t,h,nope], q_pe [b,t,h,r] (RoPE'd), c_kv [b,s,c], k_pe [b,s,r]; wkv_b_kernel
-  [c, h*(nope+v)]; the indexer's index_q [b,t,H,d], index_w [b,t,H] (fp32, times H**-0.5), index_k
-  [b,s,d] (from detached inputs, as Indexer.__call__); q_pos [b,t], kv_pos [b,s] original
-  positions and q_seg [b,t], kv_seg [b,s] segments (None = one segment, no padding), as
-  masks.attention_validity. Returns out [b,t,h,v] (q_nope's dtype), the selection idx [b,t,k']
-  int32 and idx_valid [b,t,k'] bool, and the sparse stage's indexer KL over the selected sets
-  (mean over the queries that select any key; 0 unless with_kl). k' = min(topk, s).
+  wkv_b_kernel [c, h*(nope+v)] is MLA's up-projection (absorbed, see absorb_q). Positions and
+  segments decide which keys each query may see (masks.attention_validity). The KL is the mean
+  over the queries that select any key.
 
-  Per block of query_block queries (t padded to whole blocks): scores [b,blk,s] (index_scores,
-  heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (one query at a time if
-  query_loop, else vmapped over the block; None = loop on CPU), unabsorb_out. The attention sends no gradient into the
-  indexer (the indices are integers); the KL reaches only the indexer's q, w and k.
+  Per block of spec.query_block queries (t padded to whole blocks): scores [b,blk,s]
+  (index_scores, heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (one
+  query at a time if query_loop, else vmapped over the block; None = loop on CPU), unabsorb_out.
+  The attention sends no gradient into the indexer (the indices are integers); the KL reaches
+  only the indexer's q, w and k.
   """
+  q_nope, q_pe, index_q, index_w, q_pos, q_seg = queries
+  c_kv, k_pe, index_k, kv_pos, kv_seg = keys
+  num_heads, nope, v, scale, topk, query_block, head_chunk, approx, recall_target, with_kl, precision, \
+      query_loop = spec
   b, t = q_nope.shape[:2]
   c = c_kv.shape[-1]
   dt = q_nope.dtype
@@ -399,8 +351,8 @@ def sparse_mla_attention(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_
 
   out, idx, ok, kl_sum, n_rows = lax.map(block, xs)  # [n,b,blk,h,v], [n,b,blk,k'] x2, [n] x2
   kl = jnp.sum(kl_sum) / jnp.maximum(jnp.sum(n_rows), 1.0)
-  return _unblocks(out, t), _unblocks(idx, t), _unblocks(ok, t), kl
+  return SparseOutput(_unblocks(out, t), _unblocks(idx, t), _unblocks(ok, t), kl)
 
 
-__all__ = ["absorb_q", "unabsorb_out", "gather_rows", "gather_attend", "mask_to_indices", "topk_indices",
-           "gathered_index_scores", "sparse_mla_attention"]
+__all__ = ["SparseQueries", "SparseKeys", "SparseSpec", "SparseOutput", "absorb_q", "unabsorb_out",
+           "gather_attend", "sparse_mla_attention"]

@@ -19,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 KEY_VALUE_HELP = ("key=value arguments override config keys (e.g. scan_layers=false); every key, its default "
                   "and a one-line comment: configs/base.yml")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 
 def learning_rate_schedule(config: Config) -> optax.Schedule:

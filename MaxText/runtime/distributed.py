@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-from MaxText.types import ConfigError, Distributed
+from MaxText.config.types import ConfigError, Distributed
 
 _ANSWER_BYTES = 1 << 16
 
@@ -206,7 +206,7 @@ def batch_rows(config, mesh) -> dict:
   the global batch its devices hold under the "activation_batch" rule (train.batch_shardings)."""
   from jax.sharding import NamedSharding
 
-  from MaxText import sharding
+  from MaxText.runtime import sharding
   b = config.global_batch_size
   spec = sharding.logical_to_spec(("activation_batch",), sharding.rules_of(config), mesh, (b,))
   index, count = batch_slice(NamedSharding(mesh, spec), (b,))
@@ -222,7 +222,6 @@ def global_batch(local: dict, shardings: dict, global_batch_size: int) -> dict:
 
 def to_host(x):
   """A jax.Array as numpy on every process, also when its shards live on other processes."""
-  import jax
   import numpy as np
   if x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)

@@ -16,8 +16,9 @@ import os
 import jax
 import yaml
 
-from MaxText import pyconfig
-from MaxText.types import Config, ConfigError
+from MaxText.config import pyconfig
+from MaxText.config.types import Config, ConfigError
+from MaxText.runtime.cli import RunError
 
 # Keys a resumed run must share with the run that wrote the checkpoints: the parameter and optimizer
 # trees (model shape, which parameters train), and which batches come next (data).
@@ -34,7 +35,7 @@ RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys
                          "retrieval_pair_tokens")
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(RunError):
   """The run folder cannot be written, or holds another run: one line says which key or path."""
 
 

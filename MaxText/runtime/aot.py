@@ -12,8 +12,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from MaxText import sharding
-from MaxText.types import Config
+from MaxText.config.types import Config
+from MaxText.runtime import sharding
 
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                "ragged-all-to-all")

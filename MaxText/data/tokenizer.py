@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Sequence
 
-from MaxText.types import ConfigError
+from MaxText.config.types import ConfigError
 
 log = logging.getLogger(__name__)
 

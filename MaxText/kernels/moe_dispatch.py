@@ -11,7 +11,7 @@ assignments; ep devices on the `expert` axis, each owning E_l = E/ep consecutive
                             (XLA:CPU; C from moe_capacity_factor, -1 = dropless: C = M);
        "ragged_all_to_all": compact rows sorted by destination, `jax.lax.ragged_all_to_all`
                             into an [ep*C, D] buffer (GPU / TPU: bytes on the wire = real rows);
-  3. the owner runs its E_l experts on what it received (moe.expert_outputs: a grouped matmul);
+  3. the owner runs its E_l experts on what it received (moe_experts.expert_outputs: a grouped matmul);
   4. the results go back by the reverse exchange and are combined with the routing weights on
      the token's device.
 
@@ -31,12 +31,31 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from MaxText.layers import moe
-from MaxText.sharding import logical_to_spec
+from MaxText.kernels import moe_experts as experts_lib
+from MaxText.kernels.moe_experts import ExpertWeights
+from MaxText.runtime.sharding import logical_to_spec
 
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
+
+
+def exchange_impl(key: str) -> str:
+  """moe_exchange: 'auto' is ragged_all_to_all on GPU / TPU and the fixed-capacity all_to_all on
+  CPU (XLA:CPU, jax 0.10.2, does not implement ragged-all-to-all)."""
+  if key != "auto":
+    return key
+  return "all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all"
+
+
+class MeshMoEOutput(NamedTuple):
+  """What moe_on_mesh returns; every count is over the whole global batch."""
+  y: jax.Array  # [b,t,D] in x's dtype: the routed experts' weighted sum
+  counts: jax.Array  # [E] int32: valid assignments per expert
+  dropped: jax.Array  # [] int32: assignments past capacity
+  balance_sum: jax.Array  # [] f32: sum over sequences of the balance-loss terms (0 unless balance)
+  balance_seqs: jax.Array  # [] f32: sequences with real tokens (0 unless balance)
 
 
 class Placement(NamedTuple):
@@ -101,7 +120,7 @@ def _exchange_ragged(rows, ids, dest, pos, kept, *, axis, ep, cap, compute):
   into the owner's [ep*C] buffer. Arguments and result as `_exchange_fixed`."""
   x, token = rows
   m = token.shape[0]
-  sent = moe.expert_counts(dest, ep, kept)  # [ep] rows to each destination
+  sent = experts_lib.expert_counts(dest, ep, kept)  # [ep] rows to each destination
   in_off = jnp.cumsum(sent) - sent  # [ep] where each destination's rows start here
   row = jnp.where(kept, in_off[dest] + pos, m)  # [M]; m: nowhere
   row_token = jnp.zeros((m,), jnp.int32).at[row].set(token, mode="drop")  # [M]
@@ -131,18 +150,16 @@ def _exchange_ragged(rows, ids, dest, pos, kept, *, axis, ep, cap, compute):
 # ---------------------------------------------------------------- the layer's entry point
 
 
-def moe_on_mesh(x, token_valid, gate, bias, wi_0, wi_1, wo, *, route_fn, mesh: Mesh, rules: dict,
-                capacity_factor: float, exchange: str, impl: str, balance: bool, precision=None):
+def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax.Array, experts: ExpertWeights, *,
+                route_fn, mesh: Mesh, rules: dict, capacity_factor: float, exchange: str, impl: str,
+                balance: bool, precision=None) -> MeshMoEOutput:
   """DeepSeekMoE's routing and routed experts over the mesh, each device on its own tokens.
 
   x [b,t,D], token_valid [b,t] bool (padding: not routed, not counted), gate [D,E], bias [E] (the
-  selection-only routing bias), wi_0/wi_1 [E,D,I], wo [E,I,D]; route_fn(x [T,D] fp32, gate, bias)
-  -> (weights [T,k], ids [T,k], scores [T,E]) is `moe.route` with the config bound.
-  Returns (y [b,t,D] in x.dtype, counts [E] int32: valid assignments per expert over the whole
-  batch, dropped [] int32: assignments past capacity over the whole batch, balance (sum over
-  sequences of the balance loss terms, number of sequences with real tokens), or zeros if not
-  `balance`).
+  selection-only routing bias), experts: all E experts' weights (sharded as the rules say);
+  route_fn(x [T,D] fp32, gate, bias) -> (weights [T,k], ids [T,k], scores [T,E]) is DeepSeekMoE.route.
   """
+  wi_0, wi_1, wo = experts
   if exchange not in EXCHANGES:
     raise ValueError(f"moe exchange={exchange!r}: expected one of {EXCHANGES}")
   num_experts = wi_0.shape[0]
@@ -164,8 +181,8 @@ def moe_on_mesh(x, token_valid, gate, bias, wi_0, wi_1, wo, *, route_fn, mesh: M
     weights, ids, scores = route_fn(xf.astype(jnp.float32), gate, bias)  # [T_l,k], [T_l,k], [T_l,E]
     k = ids.shape[-1]
     valid = jnp.broadcast_to(token_valid.reshape(n, 1), (n, k))  # [T_l,k]
-    ffn = lambda rows, rid, rvalid: moe.expert_outputs(
-        rows, rid, wi_0, wi_1, wo, impl=impl, valid=rvalid, precision=precision)
+    ffn = lambda rows, rid, rvalid: experts_lib.expert_outputs(
+        rows, rid, ExpertWeights(wi_0, wi_1, wo), impl=impl, valid=rvalid, precision=precision)
     dropped = jnp.int32(0)
     if pl.ep == 1:
       out = ffn(xf, ids, valid)  # [T_l,k,D]
@@ -178,7 +195,7 @@ def moe_on_mesh(x, token_valid, gate, bias, wi_0, wi_1, wo, *, route_fn, mesh: M
       cap = capacity(m, pl.ep, capacity_factor)
       flat_valid = valid.reshape(m)  # [M]
       dest = jnp.where(flat_valid, ids.reshape(m) // e_l, pl.ep)  # [M] owner device; ep = not routed
-      pos = moe.rank_within(dest, pl.ep + 1)  # [M] rank among this device's rows for that owner
+      pos = experts_lib.rank_within(dest, pl.ep + 1)  # [M] rank among this device's rows for that owner
       kept = flat_valid & (pos < cap)  # [M]
       dropped = jnp.sum(flat_valid & ~kept).astype(jnp.int32)
       token = jnp.arange(m, dtype=jnp.int32) // k  # [M] the token of assignment t*k + j
@@ -189,24 +206,25 @@ def moe_on_mesh(x, token_valid, gate, bias, wi_0, wi_1, wo, *, route_fn, mesh: M
       back = exchange_fn((xf, token), ids.reshape(m) % e_l, jnp.minimum(dest, pl.ep - 1), pos, kept,
                          axis=pl.expert_axis, ep=pl.ep, cap=cap, compute=compute)  # [M,D]
       out = jnp.where(kept[:, None], back, jnp.zeros((), back.dtype)).reshape(n, k, d)  # [T_l,k,D]
-    y = moe.combine(out, weights, precision)  # [T_l,D] fp32
+    y = experts_lib.combine(out, weights, precision)  # [T_l,D] fp32
     if pl.ep > 1 and not tokens_over_experts:
       y = jax.lax.psum(y, pl.expert_axis)
     if pl.tensor_axis is not None:
       y = jax.lax.psum(y, pl.tensor_axis)  # partial sums over the hidden dim I
-    counts = moe.expert_counts(ids, num_experts, valid)  # [E]
+    counts = experts_lib.expert_counts(ids, num_experts, valid)  # [E]
     if pl.token_axes:
       counts, dropped = jax.lax.psum((counts, dropped), pl.token_axes)
     terms = (jnp.float32(0), jnp.float32(0))
     if balance:  # per-sequence sums are additive over the sequence's shards, then over sequences
-      stats = moe.balance_stats(scores.reshape(b_l, t_l, -1), ids.reshape(b_l, t_l, k), token_valid)
+      stats = experts_lib.balance_stats(scores.reshape(b_l, t_l, -1), ids.reshape(b_l, t_l, k), token_valid)
       if length_axes:
         stats = jax.lax.psum(stats, length_axes)  # whole sequences: [b_l,E], [b_l,E], [b_l]
-      terms = moe.balance_loss_terms(*stats, k)
+      terms = experts_lib.balance_loss_terms(*stats, k)
       if batch_axes:
         terms = jax.lax.psum(terms, batch_axes)
     return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok2, P(), P(), w_in, w_in, w_out),
                      out_specs=(tok, P(), P(), (P(), P())))
-  return fn(x, token_valid, gate, bias, wi_0, wi_1, wo)
+  y, counts, dropped, (balance_sum, balance_seqs) = fn(x, token_valid, gate, bias, wi_0, wi_1, wo)
+  return MeshMoEOutput(y, counts, dropped, balance_sum, balance_seqs)

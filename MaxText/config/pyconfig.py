@@ -3,30 +3,25 @@
     config = pyconfig.initialize(["train.py", "base.yml", "indexer_topk=8"])
     config = pyconfig.initialize(argv, indexer_topk=8)   # keyword overrides win over argv
 
-`python -m MaxText.pyconfig base.yml key=value ...` prints the resolved config (a dry run).
+`python -m MaxText.config base.yml key=value ...` prints the resolved config (a dry run).
 Every user mistake raises `ConfigError` with a message that names the key, the value and
 what is allowed; `initialize_or_exit` turns it into one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-
-if __package__ in (None, ""):  # run as `python MaxText/pyconfig.py`: import as the package, not from MaxText/
-  _HERE = os.path.dirname(os.path.abspath(__file__))
-  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
-
-import difflib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pydantic
 import yaml
 from omegaconf import OmegaConf
 
-from MaxText.types import SECTIONS, Config, ConfigError, Distributed, schema_keys
+from MaxText.config.types import SECTIONS, Config, ConfigError, Distributed, schema_keys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # MaxText/config/ -> repo
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
 BASE_YML = os.path.join(CONFIGS_DIR, "base.yml")
 
@@ -169,13 +164,20 @@ def merged_values(argv: Sequence[str], **overrides: Any) -> dict[str, Any]:
   return values
 
 
-def initialize(argv: Sequence[str], num_devices: int | None = None, **overrides: Any) -> Config:
-  """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value."""
+def initialize(argv: Sequence[str], num_devices: int | Callable[[Distributed], int] | None = None,
+               **overrides: Any) -> Config:
+  """argv[0] is the program, argv[1] a YAML path or bare name, the rest key=value.
+
+  num_devices sizes the mesh: a count; a function of the Distributed keys that returns one (an entry
+  point passes runtime.distributed.initialize, which first joins the other processes); or None,
+  the devices this process sees (jax.device_count())."""
   values = merged_values(argv, **overrides)
   try:
-    if num_devices is None:  # a real run: join the other processes first, then count every device
-      from MaxText import distributed  # only here: the rest of the config system must not need jax
-      num_devices = distributed.initialize(Distributed(**{k: values[k] for k in Distributed.model_fields}))
+    if callable(num_devices):
+      num_devices = num_devices(Distributed(**{k: values[k] for k in Distributed.model_fields}))
+    elif num_devices is None:
+      import jax  # only here: the rest of the config system does not need jax
+      num_devices = jax.device_count()
     _resolve_mesh(values, num_devices)
     cfg = Config(**values)
   except pydantic.ValidationError as e:
@@ -195,18 +197,19 @@ def usage(program: str, doc: str | None = None) -> str:
   key=value     sets any config key, typed as YAML: steps=300 use_indexer=false mesh_axes=[data,fsdp]
 Order: configs/base.yml -> configs/models/<model_name>.yml -> your YAML -> key=value.
 Every key, its default and a one-line comment: {BASE_YML}
-Print the resolved config without running anything: python -m MaxText.pyconfig configs/base.yml [key=value ...]
+Print the resolved config without running anything: python -m MaxText.config configs/base.yml [key=value ...]
 Errors are one line; MAXTEXT_TRACEBACK=1 shows the traceback behind one."""
 
 
-def initialize_or_exit(argv: Sequence[str], doc: str | None = None, **overrides: Any) -> Config:
+def initialize_or_exit(argv: Sequence[str], doc: str | None = None,
+                       num_devices: int | Callable[[Distributed], int] | None = None, **overrides: Any) -> Config:
   """For entry points: -h/--help prints `usage` (with `doc`) and exits 0; a config mistake prints
-  one line and exits 2, no traceback."""
+  one line and exits 2, no traceback. num_devices as for `initialize`."""
   if any(a in ("-h", "--help") for a in argv[1:]):
     print(usage(f"python {os.path.relpath(argv[0])}" if argv[0].endswith(".py") else argv[0], doc))
     sys.exit(0)
   try:
-    return initialize(argv, **overrides)
+    return initialize(argv, num_devices, **overrides)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -217,7 +220,3 @@ def to_yaml(cfg: Config) -> str:
     return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
   ordered = {k: plain(getattr(cfg, k)) for section in SECTIONS for k in section.model_fields}
   return yaml.safe_dump(ordered, sort_keys=False, width=120)
-
-
-if __name__ == "__main__":
-  print(to_yaml(initialize_or_exit(["python -m MaxText.pyconfig"] + sys.argv[1:], __doc__)), end="")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 
 class Profiler:

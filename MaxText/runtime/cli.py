@@ -1,10 +1,11 @@
 """What an entry point does with errors: one line and a non-zero exit for every input or
 environment problem, a traceback only for a real bug.
 
-    cli.run(lambda: train(config), also=(TrainingError,))
+    cli.run(lambda: train(config))
 
 Exit 2: the config or an input it names (ConfigError: keys, data files, tokenizer).
-Exit 1: checkpoints, the run folder, the file system (permissions, a full disk), and `also`.
+Exit 1: a run that cannot go on (RunError: checkpoints, the run folder, training), the file system
+(permissions, a full disk), and `also`.
 MAXTEXT_TRACEBACK=1 re-raises every error with its traceback (for debugging).
 """
 
@@ -14,11 +15,14 @@ import os
 import sys
 from typing import Callable
 
-from MaxText.checkpointing import CheckpointError
-from MaxText.run_folder import RunFolderError
-from MaxText.types import ConfigError
+from MaxText.config.types import ConfigError
 
 TRACEBACK_ENV = "MAXTEXT_TRACEBACK"
+
+
+class RunError(RuntimeError):
+  """A run cannot go on, through no bug of ours (a checkpoint, the run folder, a non-finite loss):
+  one line and exit 1. Each concern subclasses it (CheckpointError, RunFolderError, TrainingError)."""
 
 
 def _describe(e: BaseException) -> str:
@@ -38,7 +42,7 @@ def quiet_libraries() -> None:
 
 def run(fn: Callable[[], object], also: tuple[type[BaseException], ...] = ()) -> None:
   exit2 = (ConfigError,)
-  exit1 = (CheckpointError, RunFolderError, OSError) + tuple(also)
+  exit1 = (RunError, OSError) + tuple(also)
   try:
     fn()
   except exit2 + exit1 as e:

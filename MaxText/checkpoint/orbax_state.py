@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from MaxText.types import Config
+from MaxText.config.types import Config
+from MaxText.runtime.cli import RunError
 
 UNUSABLE_DIR = "checkpoints_unusable"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
   """A checkpoint is missing, unreadable, corrupt or of another model: one line says which and why."""
 
 

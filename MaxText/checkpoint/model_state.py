@@ -13,9 +13,10 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from MaxText import checkpointing, sharding
+from MaxText.checkpoint import orbax_state
+from MaxText.config.types import Config
 from MaxText.layers.models import Transformer
-from MaxText.types import Config
+from MaxText.runtime import sharding
 
 
 def abstract_model(config: Config):
@@ -101,10 +102,10 @@ def load_parameters(path: str, config: Config, mesh, report=print):
   graphdef, abs_params, abs_buffers = abstract_model(config)
   p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
   target = {
-      "params": checkpointing.abstract_like(abs_params.to_pure_dict(), p_shard),
-      "buffers": checkpointing.abstract_like(abs_buffers.to_pure_dict(), b_shard),
+      "params": orbax_state.abstract_like(abs_params.to_pure_dict(), p_shard),
+      "buffers": orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard),
   }
-  used, restored = checkpointing.restore_parameters(path, target, report=report)
+  used, restored = orbax_state.restore_parameters(path, target, report=report)
   if os.path.normpath(used) != os.path.normpath(path):
     report(f"load_parameters_path={path}: params and buffers from {used}")
   return graphdef, restored["params"], restored["buffers"], (p_shard, b_shard)

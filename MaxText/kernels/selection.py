@@ -21,8 +21,8 @@ Which method runs where:
                              with ties at the k-th redone (_binned_mask_checked).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
-Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant
-(about 1.3 s for f32[1,1024,65536], k=2048), and the mask path needs only each row's k-th value.
+Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant, and
+the mask path needs only each row's k-th value (benchmarks/indexer_topk.py compares them).
 On CPU the row-wise work runs in blocks of rows small enough to stay in the L2 cache
 (_map_blocks); other backends take all rows at once.
 """
@@ -36,10 +36,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from MaxText.layers.selection_keys import (_IMAX, _IMIN, _NEG_INF_KEY, Columns, _count_ge, _exclusive_cumsum,
-                                           _from_keys, _kth_key, _map_blocks, _pad_last, _repair_rows,
-                                           _sanitize, _to_keys)
-
+from MaxText.kernels.selection_keys import (
+  _IMAX,
+  _IMIN,
+  _NEG_INF_KEY,
+  Columns,
+  _count_ge,
+  _exclusive_cumsum,
+  _from_keys,
+  _kth_key,
+  _map_blocks,
+  _pad_last,
+  _repair_rows,
+  _sanitize,
+  _to_keys,
+)
 
 # ----------------------------------------------------------------------------- the k-th value
 
@@ -61,7 +72,7 @@ def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
 def _bin_levels(keys: jax.Array, m: int, above=None) -> jax.Array:
   """keys [R,B,L] (strided bins of B <= 16 keys) -> [R,m,L]: the m largest distinct keys of each bin, or
   with `above` [R] the m smallest distinct keys > above. One max (min) pass per level (a chain
-  of elementwise max/min down the 16 rows, or a multiset top 2, measured slower on XLA:CPU)."""
+  of elementwise max/min down the 16 rows, or a multiset top 2, slower on XLA:CPU: docs/measured_choices.md)."""
   levels, prev = [], None if above is None else above[:, None, None]
   for _ in range(m):
     if above is None:
@@ -112,9 +123,9 @@ def _threshold_keys(keys: jax.Array, k: int, count: bool = False) -> tuple[jax.A
     bin's single smallest key above lo, folded (_fold) to 2 per 16 bins: one pass over the keys
     and a bisection over 2L/16 instead of two passes and one over 2L; the 2-key hi runs only in
     the blocks where that proof fails (~2% of rows there).
-  Each k-th of a candidate set is a 32-pass bisection over it (_kth_key). Measured: 2 levels
-  for lo and for hi beat 1 or 3 at k in {64, 256, 2048}; the folds and the 1-level-first hi
-  cut topk_mask by 5-20% at s >= 65536 (1 core; f32[1,1024,131072], k=2048: 323 -> 288 ms).
+  Each k-th of a candidate set is a 32-pass bisection over it (_kth_key). 2 levels for lo and
+  for hi, the folds and the 1-level-first hi are the fastest measured (docs/measured_choices.md,
+  benchmarks/indexer_topk.py).
   """
   r = keys.shape[0]
   kth = jax.vmap(_kth_key)
@@ -187,8 +198,8 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
   kk = min(k, scores.shape[-1])
   on_tpu = jax.default_backend() == "tpu"
   config = _binned_config(scores.shape[-1], kk, recall_target) if approx and not on_tpu else None
-  # Writing the mask per block costs more than a scatter of few indices: measured faster from
-  # k >= s/128 (f32[1,1024,s], k=2048: 1.2x at s=131072, 1.5x at 65536; k=256: 0.8x at s >= 65536).
+  # Writing the mask per block costs more than a scatter of few indices: it pays from k >= s/128
+  # (docs/measured_choices.md; benchmarks/indexer_topk.py).
   if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
     return _binned_mask_checked(scores, kk, *config)
   if approx and (on_tpu or config is not None):
@@ -203,8 +214,8 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
 def _topk_mask_checked(scores: jax.Array, k: int) -> jax.Array:
   """topk_mask(exact_topk=True) as a fast path with no lax.cond, then a repair of the rows it
   could not prove. A lax.cond in a block makes XLA:CPU write the block's keys out as the branch
-  operand (recomputed from the scores in every pass otherwise): with the proof fallbacks and the
-  tie check ~60 ms of the ~290 at f32[1,1024,131072], k=2048.
+  operand (recomputed from the scores in every pass otherwise), a cost measured in
+  docs/measured_choices.md.
 
   Fast path per block (_checked_mask_block): a bound tau on the k-th, the mask keys >= tau, and
   the check that it holds exactly k keys (exactly the top k, whatever tau's derivation; or, with
@@ -266,8 +277,8 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
       if m * bins < k:
         continue
       if _binned_recall(bins * rows, k, rows, m) >= want:
-        # m knock-out passes over every key + bisection/scatter on the candidates (measured on
-        # XLA:CPU, f32[1,1024,131072], k=2048: ~0.15 ns per key and pass, ~2.1 ns per candidate)
+        # m knock-out passes over every key + bisection/scatter on the candidates, weighted by
+        # their measured costs per key and per candidate (docs/measured_choices.md)
         cost = m * bins * rows + 16 * m * bins
         if best is None or cost < best[0]:
           best = (cost, rows, m)
@@ -285,7 +296,7 @@ def _merge_top(a: list, b: list) -> list:
   """The m largest of two decreasing lists of m [R,L] arrays (distinct entries), elementwise:
   the j-th (from 0) is max over p + q = j + 1 of min(a[p-1], b[q-1]), a[-1] = b[-1] = +inf.
   Elementwise on slices of one reduce's output: a reduce over them XLA:CPU fuses into the
-  16-row reduce before it, and that fusion does not vectorize (~7x slower)."""
+  16-row reduce before it, and that fusion does not vectorize (docs/measured_choices.md)."""
   m = len(a)
   out = []
   for j in range(m):
@@ -304,7 +315,7 @@ def _binned_take(x: jax.Array, k: int, rows: int, m: int,
   ties=False: take every candidate >= the k-th (more than k only where packed keys of different
   bins tie at it; _binned_mask_checked checks the count) with no lax.cond in the block."""
   r, s = x.shape
-  h, f = min(rows, 16), max(1, rows // 16)  # a reduce over > 16 rows is ~8x slower per key on XLA:CPU
+  h, f = min(rows, 16), max(1, rows // 16)  # XLA:CPU does not vectorize a reduce over > 16 rows
   keys = _pad_last(_to_keys(x), rows, _IMIN).reshape(r, rows, -1)  # [R,G,L]: key of position g*L + l
   bins = keys.shape[-1]
   g = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
@@ -328,7 +339,7 @@ def _binned_take(x: jax.Array, k: int, rows: int, m: int,
 
 def _binned_mask_checked(scores: jax.Array, k: int, rows: int, m: int) -> jax.Array:
   """The mask of _binned_mask_block with no lax.cond per block (one made XLA:CPU materialize the
-  candidates' operands: ~20 ms of ~200 at f32[1,1024,131072], k=2048): each block takes every
+  candidates' operands: docs/measured_choices.md): each block takes every
   candidate >= the k-th; rows that took more than k (packed keys of two bins tied at the k-th)
   are rewritten by _binned_mask_block, which takes the first ties."""
   mask, bad = _map_blocks(lambda x: _binned_mask_block(x, k, rows, m, ties=False), scores)
@@ -348,7 +359,7 @@ def _binned_mask_block(x: jax.Array, k: int, rows: int, m: int,
   some = jnp.any(take, axis=1)  # [R,L]
   xs = _pad_last(x, rows, -jnp.inf).reshape(keys.shape)  # [R,G,L]
   # One [R,L] compare per bin row g (its row a constant), the columns g*L .. g*L + L - 1 of the
-  # mask: XLA:CPU writes a compare against a [R,1,L] broadcast ~2.5x slower.
+  # mask: XLA:CPU writes a compare against a [R,1,L] broadcast slower (docs/measured_choices.md).
   bins = keys.shape[-1]
   mask = Columns((_pack(keys[:, g], g, rows) >= floor) & some & (xs[:, g] > -jnp.inf)  # NaN: False
                  for g in range(rows) if g * bins < s)

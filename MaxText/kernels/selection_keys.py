@@ -55,7 +55,7 @@ def _block_rows(s: int, cache_bytes: int) -> int:
 class Columns(tuple):
   """A block function's output given as [R, w_i] pieces that stand side by side in one [R, sum w_i]
   array. _map_blocks writes each piece in place on CPU: a concatenate of them is a copy of the
-  block that XLA:CPU does not fuse into the write (~10 ms of ~140 at f32[1,1024,131072])."""
+  block that XLA:CPU does not fuse into the write (docs/measured_choices.md; benchmarks/indexer_topk.py)."""
 
   def join(self) -> jax.Array:
     return self[0] if len(self) == 1 else jnp.concatenate(self, axis=1)
@@ -125,7 +125,7 @@ def _count_ge(keys: jax.Array, v: jax.Array) -> jax.Array:
 def _rows_of_16(keys: jax.Array) -> jax.Array:
   """keys [n] -> [16, width] (IMIN pads, which never raise a count), for _count_ge."""
   width = -(-keys.shape[0] // 16)
-  if width % 1024 == 0:  # rows 4 KiB apart share one L1 set (16 > its 8 ways): 1.6x slower at n=16384
+  if width % 1024 == 0:  # rows 4 KiB apart share one L1 set (16 > its 8 ways): docs/measured_choices.md
     width += 16
   return _pad_last(keys, 16 * width, _IMIN).reshape(16, width)
 

@@ -63,8 +63,8 @@ from typing import Any, Iterator, Sequence
 import grain
 import numpy as np
 
-from MaxText.tokenizer import Tokenizer, load_tokenizer
-from MaxText.types import Config, ConfigError
+from MaxText.config.types import Config, ConfigError
+from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

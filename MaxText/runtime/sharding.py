@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from MaxText.types import Config
+from MaxText.config.types import Config
 
 _ACTIVE_RULES: list[tuple[Mesh, dict]] = []
 

@@ -1,0 +1,86 @@
+"""The indexer's selection as indices, and the rows they pick: what gather-based attention reads.
+
+`topk_indices` turns scores [..., s] into k index slots per query (the same sets as the masks of
+selection.py: exact = lax.top_k's set, ties lowest position first; approx = select_topk's);
+`mask_to_indices` compacts any selection mask; `gather_rows` reads the selected rows of a
+[b,s,e] array (a latent cache, indexer keys).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from MaxText.kernels.selection import generate_mask, select_topk, topk_threshold
+
+_WORD = 32  # mask bits packed per uint32 word when compacting a mask to indices
+
+
+def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x [b,s,e], idx [b,t,k] int32 in [0, s) -> x[b, idx] [b,t,k,e] (a batched gather of rows)."""
+  return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0, mode="clip"))(x, idx)  # [b,t,k,e]
+
+
+def _cumsum_last(x: jax.Array) -> jax.Array:
+  """Inclusive prefix sum over the last axis (a log-depth scan: XLA:CPU's cumsum is a slow
+  reduce-window)."""
+  return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def _nth_set_bit(word: jax.Array, n: jax.Array) -> jax.Array:
+  """Position (0..31) of the n-th (0-based) set bit of each uint32 word; n < popcount(word)."""
+  pos = jnp.zeros(word.shape, jnp.int32)
+  for width in (16, 8, 4, 2, 1):  # halve the window that holds the bit
+    low = word & jnp.uint32((1 << width) - 1)
+    below = lax.population_count(low).astype(jnp.int32)
+    up = n >= below
+    n = jnp.where(up, n - below, n)
+    pos = jnp.where(up, pos + width, pos)
+    word = jnp.where(up, word >> width, low)
+  return pos
+
+
+def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """A selection mask [..., s] with at most k True per row -> (idx [..., k] int32: the selected
+  positions ascending, then 0; idx_valid [..., k] bool: slot < the row's count).
+
+  O(s) per row for packing the mask into 32-bit words and counting, O(k log s) for placing the
+  slots (a binary search over the words' prefix counts, then the n-th set bit of one word): no
+  scatter and no [s]-long prefix sum, which are slow on XLA:CPU.
+  """
+  s = mask.shape[-1]
+  pad = -s % _WORD
+  m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, pad)]) if pad else mask
+  m = m.reshape(*mask.shape[:-1], -1, _WORD)  # [..., L, 32]
+  bit = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))  # [32]
+  words = jnp.sum(jnp.where(m, bit, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [..., L] (distinct bits: sum = or)
+  count = lax.population_count(words).astype(jnp.int32)  # [..., L]
+  incl = _cumsum_last(count)  # [..., L]
+  slots = jnp.arange(k, dtype=jnp.int32)  # [k]
+  flat_incl = incl.reshape(-1, incl.shape[-1])  # [N, L]
+  word_of = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(flat_incl)  # [N, k]
+  word_of = jnp.minimum(word_of, incl.shape[-1] - 1).reshape(*mask.shape[:-1], k).astype(jnp.int32)
+  before = jnp.take_along_axis(incl - count, word_of, axis=-1)  # [..., k] selected keys in earlier words
+  bit_pos = _nth_set_bit(jnp.take_along_axis(words, word_of, axis=-1), slots - before)  # [..., k]
+  valid = slots < incl[..., -1:]  # [..., k]
+  idx = jnp.where(valid, word_of * _WORD + bit_pos, 0)
+  return idx.astype(jnp.int32), valid
+
+
+def topk_indices(scores: jax.Array, k: int, *, approx: bool = False,
+                 recall_target: float = 0.95) -> tuple[jax.Array, jax.Array]:
+  """The indexer's selection as indices: scores [..., s] (-inf where not valid) -> (idx [..., k']
+  int32, idx_valid [..., k'] bool), k' = min(k, s).
+
+  exact: the set of selection.generate_mask(exact_topk=True) (= lax.top_k's: exactly
+  min(k', #finite) keys, ties lowest position first), ascending, from the fast k-th value.
+  approx: selection.select_topk(approx=True)'s indices, a slot valid where its score is finite.
+  A -inf or NaN score is never a valid slot.
+  """
+  kk = min(k, scores.shape[-1])
+  if approx:
+    values, idx = select_topk(scores, kk, approx=True, recall_target=recall_target)
+    return idx.astype(jnp.int32), values > -jnp.inf  # select_topk reads NaN as -inf
+  mask = generate_mask(scores, topk_threshold(scores, kk), exact_topk=True, k=kk)  # [..., s]
+  return mask_to_indices(mask, kk)
