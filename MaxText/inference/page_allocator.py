@@ -1,0 +1,156 @@
+"""The host side of the paged caches: which pages hold which tokens, who uses them, what is cached.
+
+One page table serves both device pools (the MLA latent and the indexer keys, paged alike), so
+one allocator decides for both. A page holds `page_size` consecutive positions of one sequence.
+
+Invariants (checked by `check`):
+  - every page is in exactly one of three states: free (on the free list, refcount 0), in use
+    (refcount >= 1: that many sequences' page tables point at it), or cached (refcount 0, holding
+    a full page of a known token prefix, kept for reuse until evicted least-recently-used);
+  - a cached or shared page is FULL and never written again: a sequence writes only into pages
+    it alone holds (the pages past its matched prefix);
+  - `free + in use + cached == num_pages`; after every sequence is released nothing is in use.
+
+Prefix caching: a full page is keyed by a hash chain over its tokens, h_i = H(h_{i-1}, tokens of
+page i), so a key names the whole prefix up to that page and two prompts share page i only when
+they agree on every token before it. `match(tokens)` returns the longest run of cached full
+pages that starts the prompt; the caller takes a reference on each (`share`), then allocates
+fresh pages for the rest. When a sequence finishes, its full pages are `publish`ed (keyed and
+kept while no one uses them); `allocate` evicts the least recently used cached pages when the
+free list runs short. Page ids are ints in [0, num_pages).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Sequence
+
+
+class OutOfPages(RuntimeError):
+  """Not enough free or evictable pages for an allocation (the scheduler preempts and retries)."""
+
+
+def page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
+  """The hash chain of the FULL pages of `tokens`: one key per full page, each covering the whole
+  prefix up to its page's end (a partial last page has no key)."""
+  keys, h = [], b""
+  for i in range(len(tokens) // page_size):
+    page = tokens[i * page_size:(i + 1) * page_size]
+    h = hashlib.blake2b(h + b"|" + ",".join(map(str, page)).encode(), digest_size=16).digest()
+    keys.append(h)
+  return keys
+
+
+class PageAllocator:
+  """Free list, reference counts and the prefix cache of `num_pages` pages of `page_size` tokens."""
+
+  def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = True):
+    if num_pages < 1 or page_size < 1:
+      raise ValueError(f"PageAllocator: num_pages={num_pages} and page_size={page_size} must be >= 1")
+    self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+    self._free = collections.deque(range(num_pages))  # pages with no content worth keeping
+    self._refs = [0] * num_pages
+    self._key_of: dict[int, bytes] = {}  # page -> its prefix key (cached or in use)
+    self._page_of: dict[bytes, int] = {}  # prefix key -> page
+    self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refcount 0; oldest first
+    self.lookups = 0  # full prompt pages looked up in the prefix cache
+    self.hits = 0  # ... of which were found
+
+  # ---- counts
+  @property
+  def free_pages(self) -> int:
+    """Pages an allocation can take now: free plus evictable cached ones."""
+    return len(self._free) + len(self._lru)
+
+  @property
+  def used_pages(self) -> int:
+    return sum(1 for r in self._refs if r > 0)
+
+  @property
+  def cached_pages(self) -> int:
+    return len(self._lru)
+
+  def pages_for(self, num_tokens: int) -> int:
+    return -(-num_tokens // self.page_size)
+
+  # ---- allocation
+  def allocate(self, n: int) -> list[int]:
+    """n fresh pages (refcount 1), evicting the least recently used cached pages if needed.
+    Raises OutOfPages, taking nothing, when fewer than n are free or evictable."""
+    if n > self.free_pages:
+      raise OutOfPages(f"{n} pages asked, {self.free_pages} free or evictable of {self.num_pages}")
+    pages = []
+    for _ in range(n):
+      if self._free:
+        p = self._free.popleft()
+      else:
+        p, _ = self._lru.popitem(last=False)  # evict the oldest cached page
+        del self._page_of[self._key_of.pop(p)]
+      self._refs[p] = 1
+      pages.append(p)
+    return pages
+
+  def match(self, tokens: Sequence[int]) -> list[int]:
+    """The cached pages that hold the longest run of full pages starting `tokens` (no reference
+    taken: `share` them before anything else allocates)."""
+    if not self.prefix_caching:
+      return []
+    pages = []
+    keys = page_hashes(tokens, self.page_size)
+    self.lookups += len(keys)
+    for key in keys:
+      p = self._page_of.get(key)
+      if p is None:
+        break
+      pages.append(p)
+    self.hits += len(pages)
+    return pages
+
+  def share(self, pages: Sequence[int]) -> None:
+    """Takes a reference on each page (a sequence's page table now points at it)."""
+    for p in pages:
+      if self._refs[p] == 0:
+        self._lru.pop(p, None)  # a cached page comes back into use
+      self._refs[p] += 1
+
+  def publish(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
+    """Keys the full pages among `pages` (a sequence's page table, in order) by the prefix of
+    `tokens` they hold, so later prompts can share them. A page whose key another page already
+    holds stays unkeyed (freed when released)."""
+    if not self.prefix_caching:
+      return
+    for p, key in zip(pages, page_hashes(tokens, self.page_size)):
+      if self._page_of.get(key) not in (None, p) or (p in self._key_of and self._key_of[p] != key):
+        continue
+      self._key_of[p] = key
+      self._page_of[key] = p
+
+  def release(self, pages: Sequence[int]) -> None:
+    """Drops one reference on each page; a page no one uses becomes cached (keyed) or free."""
+    for p in pages:
+      if self._refs[p] <= 0:
+        raise ValueError(f"page {p} released more often than taken")
+      self._refs[p] -= 1
+      if self._refs[p] == 0:
+        if p in self._key_of:
+          self._lru[p] = None  # most recently used last
+        else:
+          self._free.append(p)
+
+  def hit_rate(self) -> float:
+    return self.hits / self.lookups if self.lookups else 0.0
+
+  def check(self) -> None:
+    """Asserts the invariants of the module docstring (tests call it after every operation)."""
+    free, cached = set(self._free), set(self._lru)
+    used = {p for p, r in enumerate(self._refs) if r > 0}
+    assert len(free) == len(self._free), "a page is on the free list twice"
+    assert not (free & cached) and not (free & used) and not (cached & used), "a page in two states"
+    assert len(free) + len(cached) + len(used) == self.num_pages, "a page is lost"
+    assert all(self._refs[p] == 0 for p in free | cached), "a free or cached page is referenced"
+    assert all(p in self._key_of for p in cached), "a cached page has no key"
+    assert all(self._page_of[k] == p for p, k in self._key_of.items()), "the key maps disagree"
+
+
+__all__ = ["PageAllocator", "OutOfPages", "page_hashes"]

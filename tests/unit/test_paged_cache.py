@@ -1,0 +1,97 @@
+"""MaxText/inference/paged_cache.py against the contiguous cache (kv_cache.py): the same tokens
+written through a page table read back the same, the selected latents gather the same, and the
+indexer's selection over a paged sequence is the contiguous one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+
+from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels.index_scores import index_scores
+from MaxText.kernels.topk_indices import topk_indices
+
+PAGE, PAGES = 4, 10
+
+
+def _entries(cfg, b, t, seed):
+  rng = np.random.default_rng(seed)
+  f = lambda n: jnp.asarray(rng.standard_normal((b, t, n)) * 3, jnp.float32)
+  return dict(c_kv=f(cfg.kv_lora_rank), k_pe=f(cfg.qk_rope_head_dim), idx_k=f(cfg.indexer_head_dim))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype):
+  cfg = make_config(kv_cache_dtype=dtype, indexer_topk=5)
+  lengths = np.array([11, 7])  # ragged rows
+  # rows share their first page (the same prompt prefix), then hold their own pages in any order
+  table = jnp.asarray([[3, 7, 1, -1], [3, 0, -1, -1]], jnp.int32)  # [B,P]; -1: no page
+  s = table.shape[1] * PAGE
+  pools = paged_cache.init_layer_pools(cfg, PAGES * PAGE)
+  contiguous = kv_cache.init_layer_cache(cfg, 2, length=s)
+  first = _entries(cfg, 1, PAGE, seed=0)  # the shared page's tokens, the same in both rows
+  rest = _entries(cfg, 2, s - PAGE, seed=1)
+  both = {k: jnp.concatenate([jnp.broadcast_to(first[k], (2,) + first[k].shape[1:]), rest[k]], axis=1)
+          for k in first}  # [B,S,n]
+  positions = jnp.where(jnp.arange(s)[None] < jnp.asarray(lengths)[:, None], jnp.arange(s)[None], -1)  # [B,S]
+  for lo in range(0, s, 5):  # chunks of 5 new tokens (the last one partly padding)
+    pos = positions[:, lo:lo + 5]
+    chunk = {k: v[:, lo:lo + 5] for k, v in both.items()}
+    pools = paged_cache.write(pools, paged_cache.slots(table, pos, PAGE, PAGES * PAGE), **chunk)
+    contiguous = kv_cache.write(contiguous, jnp.full((2,), lo, jnp.int32), **chunk)
+
+  view = paged_cache.sequence_view(pools, table, PAGE)
+  real = np.arange(s)[None] < lengths[:, None]  # [B,S]
+  for got, want in ((kv_cache.read_latents(view), kv_cache.read_latents(contiguous)),
+                    ((kv_cache.read_indexer_keys(view),), (kv_cache.read_indexer_keys(contiguous),))):
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g)[real], np.asarray(w)[real])
+  assert not np.array_equal(np.asarray(kv_cache.read_latents(view)[0]), 0)
+
+  idx = jnp.asarray([[0, 5, 10, 3], [6, 1, 2, 4]], jnp.int32)  # real positions of each row
+  for g, w in zip(paged_cache.gather_selected(pools, table, idx, PAGE),
+                  kv_cache.gather_latents(contiguous, idx)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+  # the indexer's selection for each row's last token: over the paged keys = over the contiguous ones
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.standard_normal((2, 1, 4, cfg.indexer_head_dim)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, 1, 4)), jnp.float32)
+  valid = jnp.asarray(real)[:, None, :]  # [B,1,S]
+  sel = [topk_indices(index_scores(q, w, kv_cache.read_indexer_keys(c), valid, head_chunk=4), cfg.indexer_topk)
+         for c in (view, contiguous)]
+  for g, w_ in zip(*sel):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+
+
+def test_padding_and_positions_past_the_table_are_dropped_not_written():
+  cfg = make_config()
+  n = PAGES * PAGE
+  table = jnp.asarray([[2, 5]], jnp.int32)
+  ids = paged_cache.slots(table, jnp.asarray([[0, 5, -1, 8, 3]], jnp.int32), PAGE, n)
+  np.testing.assert_array_equal(np.asarray(ids), [[8, 21, n, n, 11]])
+  pools = paged_cache.init_layer_pools(cfg, n)
+  e = _entries(cfg, 1, 5, seed=3)
+  got = paged_cache.write(pools, ids, **e)
+  written = np.asarray(got.c_kv)
+  np.testing.assert_array_equal(written[[8, 21, 11]], np.asarray(e["c_kv"])[0, [0, 1, 4]])
+  others = np.ones(n, bool)
+  others[[8, 21, 11]] = False
+  assert not written[others].any()  # the padding token and the one past the table went nowhere
+
+
+def test_a_stack_writes_every_layer_at_its_slots():
+  cfg = make_config()
+  layers, n = 3, PAGES * PAGE
+  pools = paged_cache.init_layer_pools(cfg, n, num_layers=layers)
+  table = jnp.asarray([[4], [9]], jnp.int32)
+  ids = paged_cache.slots(table, jnp.asarray([[0, 1], [2, -1]], jnp.int32), PAGE, n)
+  e = {k: jnp.stack([v * (i + 1) for i in range(layers)]) for k, v in _entries(cfg, 2, 2, seed=4).items()}
+  got = paged_cache.write(pools, ids, **e)
+  for i in range(layers):
+    view = paged_cache.sequence_view(jax.tree.map(lambda a: a[i], got), table, PAGE)
+    np.testing.assert_array_equal(np.asarray(view.c_kv)[0, :2], np.asarray(e["c_kv"])[i, 0])
+    np.testing.assert_array_equal(np.asarray(view.c_kv)[1, 2], np.asarray(e["c_kv"])[i, 1, 0])
+  assert paged_cache.pool_bytes(cfg, PAGES, PAGE) == \
+      kv_cache.bytes_per_token_per_layer(cfg) * cfg.num_decoder_layers * n
