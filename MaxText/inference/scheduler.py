@@ -1,0 +1,244 @@
+"""Continuous batching on the host: which requests run in the next step, and how many tokens each.
+
+A request's sequence is its prompt, then the tokens generated so far. `computed` counts the
+leading tokens whose cache entries are written; a step computes the next ones. Each step
+(`schedule`) picks, under two budgets, `max_num_seqs` sequences and `max_num_tokens` tokens:
+  1. every running request, oldest first: a decoding one (all but its newest token computed)
+     takes 1 token, a prefilling one the next chunk of its prompt (at most `chunk` tokens);
+  2. then waiting requests, first come first served, while a sequence slot, tokens and pages
+     are left: each first takes the cached pages of its longest cached prompt prefix (page
+     allocator's `match`; at least its last prompt token is always computed, for its logits).
+Every token computed needs its page: when the allocator runs out, the NEWEST running request
+is preempted (its pages released, `computed` reset to 0; it waits at the head of the queue and
+recomputes its prompt and generated tokens when readmitted: greedy output does not change).
+`update` takes the step's sampled tokens: a request whose every known token is now computed
+gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
+stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
+publishes its full pages to the prefix cache and releases them at once.
+
+Invariants (tests/unit/test_scheduler.py): no request is lost, duplicated or stuck; a step never
+exceeds either budget; after every request finishes, every page is free or cached.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Sequence
+
+from MaxText.inference.page_allocator import OutOfPages, PageAllocator
+
+
+class RequestError(ValueError):
+  """A request the engine cannot serve; the message names the field (an OpenAI 400)."""
+
+  def __init__(self, message: str, field: str):
+    super().__init__(message)
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per request, OpenAI's names. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  seed: int | None = None
+
+  def check(self, vocab_size: int) -> None:
+    """Raises RequestError naming the first bad field."""
+    bad = [("max_tokens", self.max_tokens >= 1, "an integer >= 1"),
+           ("temperature", 0.0 <= self.temperature <= 100.0, "a number in [0, 100]"),
+           ("top_p", 0.0 < self.top_p <= 1.0, "a number in (0, 1]"),
+           ("top_k", self.top_k >= 0, "an integer >= 0 (0 = off)"),
+           ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
+            f"token ids in [0, {vocab_size})"),
+           ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)")]
+    for field, ok, want in bad:
+      if not ok:
+        raise RequestError(f"{field}={getattr(self, field)!r} is invalid: expected {want}", field)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  prompt: list[int]
+  params: SamplingParams
+  id: int = -1
+  arrival: float = dataclasses.field(default_factory=time.monotonic)
+  output: list[int] = dataclasses.field(default_factory=list)
+  computed: int = 0  # leading tokens of prompt + output whose cache entries are written
+  pages: list[int] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None  # "stop" | "length" | "abort"
+  preemptions: int = 0
+  first_token_time: float | None = None
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def prefilling(self) -> bool:
+    return self.computed < len(self.prompt)
+
+
+@dataclasses.dataclass
+class Scheduled:
+  """One row of a step: compute tokens [start, start + count) of request's sequence."""
+  request: Request
+  start: int
+  count: int
+
+  @property
+  def samples(self) -> bool:
+    """Whether this row's last logits give the request its next token."""
+    return self.start + self.count == len(self.request.tokens)
+
+
+class Scheduler:
+  def __init__(self, allocator: PageAllocator, *, max_num_seqs: int, max_num_tokens: int, chunk: int,
+               max_length: int, eos_id: int | None, vocab_size: int):
+    if max_num_tokens < max_num_seqs:
+      raise ValueError(f"serve_max_num_tokens={max_num_tokens} must be >= serve_max_num_seqs={max_num_seqs}: "
+                       "every running sequence takes at least one token per step")
+    self.allocator = allocator
+    self.max_num_seqs, self.max_num_tokens, self.chunk = max_num_seqs, max_num_tokens, chunk
+    self.max_length, self.eos_id, self.vocab_size = max_length, eos_id, vocab_size
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []  # oldest admission first
+    self._ids = itertools.count()
+    self.finished: list[Request] = []
+
+  # ---- requests
+  def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+    """Queues a request; raises RequestError (naming the field) for one that can never run."""
+    params.check(self.vocab_size)
+    if not prompt:
+      raise RequestError("prompt has no tokens", "prompt")
+    bad = [int(t) for t in prompt if not 0 <= int(t) < self.vocab_size]
+    if bad:
+      raise RequestError(f"prompt has token ids {bad[:5]} outside [0, {self.vocab_size})", "prompt")
+    if len(prompt) + params.max_tokens > self.max_length:
+      raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) is more than the "
+                         f"context length {self.max_length}", "max_tokens")
+    if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
+      raise RequestError(f"prompt + max_tokens needs more pages than the whole pool "
+                         f"({self.allocator.num_pages} of {self.allocator.page_size} tokens)", "max_tokens")
+    r = Request([int(t) for t in prompt], params, id=next(self._ids))
+    self.waiting.append(r)
+    return r
+
+  def abort(self, request: Request) -> None:
+    """Ends a request now (a client went away): its pages go back at once."""
+    if request.finish_reason is not None:
+      return
+    if request in self.running:
+      self.running.remove(request)
+    elif request in self.waiting:
+      self.waiting.remove(request)
+    self._finish(request, "abort")
+
+  @property
+  def idle(self) -> bool:
+    return not self.running and not self.waiting
+
+  # ---- one step
+  def schedule(self) -> list[Scheduled]:
+    """The next step's rows, running requests first (oldest first), then admitted waiting ones."""
+    rows, budget = [], self.max_num_tokens
+    for r in list(self.running):  # oldest first: a preemption only ever takes a newer, unscheduled one
+      if r not in self.running:
+        continue
+      n = min(self.chunk, len(r.tokens) - r.computed, budget)  # 1 when decoding
+      if n <= 0 or not self._make_room(r, r.computed + n):
+        continue
+      rows.append(Scheduled(r, r.computed, n))
+      budget -= n
+    while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+      r = self.waiting[0]
+      self._share_prefix(r)
+      n = min(self.chunk, len(r.tokens) - r.computed, budget)
+      if not self._take_pages(r, r.computed + n):
+        self.allocator.release(r.pages)  # a waiting request holds no pages
+        r.pages, r.computed = [], 0
+        break  # it stays at the head of the queue until pages come back
+      self.waiting.popleft()
+      self.running.append(r)
+      rows.append(Scheduled(r, r.computed, n))
+      budget -= n
+    return rows
+
+  def update(self, rows: Sequence[Scheduled], sampled: Sequence[int]) -> list[Request]:
+    """sampled[i]: the token drawn from row i's last logits (ignored where not rows[i].samples).
+    Returns the requests that finished in this step."""
+    done = []
+    now = time.monotonic()
+    for row, tok in zip(rows, sampled):
+      r = row.request
+      r.computed = row.start + row.count
+      if not row.samples:
+        continue
+      tok = int(tok)
+      if r.first_token_time is None:
+        r.first_token_time = now
+      stop = tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok == self.eos_id)
+      if not stop:
+        r.output.append(tok)
+      reason = "stop" if stop else ("length" if len(r.output) >= r.params.max_tokens
+                                    or len(r.tokens) >= self.max_length else None)
+      if reason:
+        self.running.remove(r)
+        self._finish(r, reason)
+        done.append(r)
+    return done
+
+  # ---- pages
+  def _share_prefix(self, r: Request) -> None:
+    """Points a new request's first pages at the cached pages of its prompt's longest cached prefix,
+    keeping at least its last prompt token to compute."""
+    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1])
+    self.allocator.share(pages)
+    r.pages, r.computed = pages, len(pages) * self.allocator.page_size
+
+  def _take_pages(self, r: Request, upto: int) -> bool:
+    """Pages for r's positions < upto; False (nothing taken) when the pool cannot give them."""
+    need = self.allocator.pages_for(upto) - len(r.pages)
+    if need <= 0:
+      return True
+    try:
+      r.pages += self.allocator.allocate(need)
+    except OutOfPages:
+      return False
+    return True
+
+  def _make_room(self, r: Request, upto: int) -> bool:
+    """Pages for a running request, preempting the newest running requests (never r itself
+    unless it is the newest) until they fit."""
+    while not self._take_pages(r, upto):
+      victim = self.running[-1]
+      self._preempt(victim)
+      if victim is r:
+        return False
+    return True
+
+  def _preempt(self, r: Request) -> None:
+    self.running.remove(r)
+    self.allocator.release(r.pages)
+    r.pages, r.computed = [], 0
+    r.preemptions += 1
+    self.waiting.appendleft(r)
+
+  def _finish(self, r: Request, reason: str) -> None:
+    r.finish_reason = reason
+    written = r.tokens[:r.computed]  # tokens whose entries are in its pages
+    self.allocator.publish(r.pages, written)
+    self.allocator.release(r.pages)
+    r.pages = []
+    self.finished.append(r)
+
+
+__all__ = ["Scheduler", "Request", "Scheduled", "SamplingParams", "RequestError"]

@@ -1,0 +1,125 @@
+"""MaxText/inference/scheduler.py with a stand-in model whose next token is a pure function of the
+sequence: every request's output must equal the one it gets alone, under staggered arrivals,
+shared prefixes, tight budgets and preemption; no request lost, duplicated or stuck; no page leaked."""
+
+import random
+
+import pytest
+
+from MaxText.inference.page_allocator import PageAllocator
+from MaxText.inference.scheduler import RequestError, SamplingParams, Scheduler
+
+V, EOS = 50, 2
+
+
+def next_token(tokens):
+  """The stand-in model: a deterministic function of the whole sequence."""
+  return (sum((i + 1) * t for i, t in enumerate(tokens)) * 7 + 3) % V
+
+
+def alone(prompt, params, max_length):
+  """What one request gets by itself: the reference output."""
+  out = []
+  while True:
+    tok = next_token(prompt + out)
+    if tok in params.stop_token_ids or (not params.ignore_eos and tok == EOS):
+      return out
+    out.append(tok)
+    if len(out) >= params.max_tokens or len(prompt) + len(out) >= max_length:
+      return out
+
+
+def run(sched, arrivals, max_steps=2000):
+  """arrivals: {step: [(prompt, params), ...]} -> requests; checks every step's budgets and rows."""
+  requests, step = [], 0
+  while step < max_steps:
+    for prompt, params in arrivals.get(step, []):
+      requests.append(sched.add(prompt, params))
+    if sched.idle and step > max(arrivals):
+      break
+    rows = sched.schedule()
+    assert len(rows) <= sched.max_num_seqs and sum(r.count for r in rows) <= sched.max_num_tokens
+    assert len({id(r.request) for r in rows}) == len(rows), "a request twice in one step"
+    for row in rows:
+      assert row.start == row.request.computed and row.count >= 1
+      assert len(row.request.pages) * sched.allocator.page_size >= row.start + row.count, "a token without a page"
+    sampled = [next_token(r.request.tokens[:r.start + r.count]) for r in rows]
+    sched.update(rows, sampled)
+    sched.allocator.check()
+    step += 1
+  assert sched.idle, f"requests stuck after {max_steps} steps"
+  return requests
+
+
+@pytest.mark.parametrize("pages,budget,seqs", [(64, 64, 8), (9, 12, 4), (7, 6, 3)])
+def test_outputs_equal_each_request_alone_under_any_budget_and_preemption(pages, budget, seqs):
+  rng = random.Random(pages)
+  system = [rng.randrange(3, V) for _ in range(9)]  # a shared "system prompt"
+  arrivals = {}
+  for i in range(14):
+    prompt = (system if i % 2 else []) + [rng.randrange(3, V) for _ in range(rng.randrange(1, 11))]
+    params = SamplingParams(max_tokens=rng.randrange(1, 9), ignore_eos=i % 3 == 0,
+                            stop_token_ids=(7,) if i % 5 == 0 else ())
+    arrivals.setdefault(rng.randrange(0, 12), []).append((prompt, params))
+  sched = Scheduler(PageAllocator(pages, page_size=4), max_num_seqs=seqs, max_num_tokens=budget, chunk=4,
+                    max_length=32, eos_id=EOS, vocab_size=V)
+  requests = run(sched, arrivals)
+  assert len(requests) == 14 and len(sched.finished) == 14
+  for r in requests:
+    assert r.finish_reason in ("stop", "length")
+    assert r.output == alone(r.prompt, r.params, 32), r.id
+  assert sched.allocator.used_pages == 0
+  if pages == 7:
+    assert sum(r.preemptions for r in requests) > 0  # the tight pool really preempted
+  if pages == 64:
+    assert sched.allocator.hits > 0  # the system prompt's pages were shared
+
+
+def test_a_cached_prefix_is_not_recomputed():
+  sched = Scheduler(PageAllocator(16, page_size=4), max_num_seqs=4, max_num_tokens=64, chunk=64, max_length=64,
+                    eos_id=None, vocab_size=V)
+  prompt = list(range(3, 14))  # 11 tokens: 2 full pages
+  run(sched, {0: [(prompt, SamplingParams(max_tokens=2))]})
+  r = sched.add(prompt + [20], SamplingParams(max_tokens=2))
+  rows = sched.schedule()
+  assert rows[0].request is r and rows[0].start == 8  # two shared pages, computed from token 8 on
+  assert sched.allocator.hits == 2
+
+
+def test_abort_frees_pages_at_once_and_the_others_finish():
+  sched = Scheduler(PageAllocator(8, page_size=4), max_num_seqs=2, max_num_tokens=16, chunk=8, max_length=32,
+                    eos_id=None, vocab_size=V)
+  a = sched.add([5] * 6, SamplingParams(max_tokens=20))
+  b = sched.add([6] * 3, SamplingParams(max_tokens=3))
+  rows = sched.schedule()
+  sched.update(rows, [next_token(r.request.tokens[:r.start + r.count]) for r in rows])
+  held = sched.allocator.used_pages
+  sched.abort(a)
+  assert a.finish_reason == "abort" and sched.allocator.used_pages == held - 2
+  run(sched, {0: []})
+  assert b.finish_reason == "length" and b.output == alone(b.prompt, b.params, 32)
+  assert sched.allocator.used_pages == 0
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(stop_token_ids=(V,)), "stop_token_ids"), (dict(seed=-1), "seed"),
+    (dict(max_tokens=30), "max_tokens")])
+def test_a_bad_request_names_its_field_and_leaves_the_queue_alone(kwargs, field):
+  sched = Scheduler(PageAllocator(8, page_size=4), max_num_seqs=2, max_num_tokens=16, chunk=8, max_length=32,
+                    eos_id=EOS, vocab_size=V)
+  good = sched.add([4, 5], SamplingParams())
+  with pytest.raises(RequestError) as e:
+    sched.add([4, 5, 6], SamplingParams(**kwargs))
+  assert e.value.field == field and field in str(e.value)
+  for prompt, f in (([], "prompt"), ([V + 3], "prompt")):
+    with pytest.raises(RequestError) as e:
+      sched.add(prompt, SamplingParams())
+    assert e.value.field == f
+  assert list(sched.waiting) == [good]
+
+
+def test_budgets_must_allow_a_token_per_sequence():
+  with pytest.raises(ValueError, match="serve_max_num_tokens"):
+    Scheduler(PageAllocator(8, page_size=4), max_num_seqs=8, max_num_tokens=4, chunk=4, max_length=32,
+              eos_id=EOS, vocab_size=V)
