@@ -1,13 +1,12 @@
 """Prefill + autoregressive generate over the latent MLA cache and the indexer key cache.
 
-One function, `forward`, runs t new tokens per row through the merged Transformer against the
-cache: t = prefill_chunk_size (or max_prefill_length) for a prefill chunk, t = 1 for a generate
+One function, `forward`, runs t new tokens per row through the model's own call with a cache
+(Transformer(cache=...), each layer's MLA.attend_cached): t = prefill_chunk_size (or max_prefill_length) for a prefill chunk, t = 1 for a generate
 step. Both are jitted once with fixed shapes: the cache is preallocated (max_target_length,
 rounded up to whole prefill chunks), rows carry their own lengths (ragged prompts), and validity
 masks (key position <= query position) stand in for every shape that would otherwise grow.
 
-Per layer (the model's own submodules: layer.pre_attention_norm, attention.wq_a/q_norm/wq_b/
-wkv_a/kv_norm via project_q/project_kv, indexer.keys/queries, layer.mlp, ...):
+Per layer (MLA.attend_cached, with kernels/cached_attention.py):
 
     q_nope, q_pe, q_lat = project_q(x)            [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
     c_kv, k_pe          = project_kv(x)           [b,t,kv_lora], [b,t,rope]   -> cache
@@ -53,11 +52,9 @@ from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.inference import kv_cache
+from MaxText.inference.cache_view import stack_views
 from MaxText.inference.sampling import sample
-from MaxText.kernels.index_scores import index_scores
-from MaxText.kernels.sparse_attention import absorb_q, gather_attend, unabsorb_out
-from MaxText.kernels.topk_indices import topk_indices
-from MaxText.layers.linears import PRECISION
+from MaxText.kernels.cached_attention import absorbed_weights
 from MaxText.runtime.distributed import to_host
 
 STACKS = ("dense_layers", "moe_layers")  # the Transformer's layer stacks, in order
@@ -92,37 +89,7 @@ class StepOptions(NamedTuple):
   index_head_chunk: int = 16      # indexer heads scored per chunk (see Engine.step_options)
 
 
-# ---------------------------------------------------------------- absorbed weights
-
-
-class Absorbed(NamedTuple):
-  """wkv_b of one layer (or a stack: a leading L axis) split and laid out head-major, once per engine.
-
-  sparse_attention.absorb_q / unabsorb_out take a [kv_lora, h*(nope+v)] kernel. Handed wkv_b itself
-  at t = 1, XLA:CPU transposes its [c,h,d] blocks to head-major on every step (most of a step at
-  the 671B shapes: docs/measured_choices.md). So the engine keeps these head-major copies and hands those functions the
-  [c, h*nope] key kernel (v=0) and the [c, h*v] value kernel (nope=0) as transposed VIEWS of them,
-  which XLA folds into the matmuls: the same functions, the same results bit for bit.
-  """
-  w_uk: jax.Array  # [(L,) h, kv_lora, nope]
-  w_uv: jax.Array  # [(L,) h, v, kv_lora]
-
-
-def absorbed_weights(wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int) -> Absorbed:
-  """wkv_b kernel [(L,) c, h*(nope+v)] -> Absorbed (head-major copies)."""
-  w = wkv_b_kernel.reshape(*wkv_b_kernel.shape[:-1], num_heads, nope + v)  # [(L,) c,h,nope+v]
-  return Absorbed(jnp.swapaxes(w[..., :nope], -3, -2),  # [(L,) h,c,nope]
-                  jnp.moveaxis(w[..., nope:], -3, -1))  # [(L,) h,v,c]
-
-
-def _key_kernel(a: Absorbed) -> jax.Array:  # [h,c,nope] -> the [c, h*nope] kernel (a view)
-  h, c, nope = a.w_uk.shape
-  return jnp.swapaxes(a.w_uk, 0, 1).reshape(c, h * nope)
-
-
-def _value_kernel(a: Absorbed) -> jax.Array:  # [h,v,c] -> the [c, h*v] kernel (a view)
-  h, v, c = a.w_uv.shape
-  return jnp.transpose(a.w_uv, (2, 0, 1)).reshape(c, h * v)
+# ---------------------------------------------------------------- the model over the cache
 
 
 def model_absorbed_weights(model) -> dict:
@@ -139,151 +106,14 @@ def model_absorbed_weights(model) -> dict:
   return out
 
 
-# ---------------------------------------------------------------- attention over cache + new tokens
-
-
-def splice(old: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """old [b,...,S] (per cache slot), new [b,...,t] (per new token) -> [b,...,S] with slots
-  start[b] .. start[b]+t-1 taken from new: the values the slots will hold after the commit."""
-  s, t = old.shape[-1], new.shape[-1]
-  j = jnp.arange(s, dtype=jnp.int32)[None, :] - start[:, None]  # [b,S]: slot - first new position
-  shape = (old.shape[0],) + (1,) * (old.ndim - 2) + (s,)
-  fresh = ((j >= 0) & (j < t)).reshape(shape)
-  picked = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(j, 0, t - 1).reshape(shape), old.shape[:-1] + (s,)),
-                               axis=-1)
-  return jnp.where(fresh, picked, old)
-
-
-def latent_attention_dense(q_abs, q_pe, view: kv_cache.LayerCache, new: dict, valid, start, scale, precision=None):
-  """Absorbed attention over every valid slot: q_abs [b,t,h,c], q_pe [b,t,h,r]; the cache view
-  (old entries) and the new tokens' entries {c_kv [b,t,c], k_pe [b,t,r]} (as stored) at slots
-  start[b].. ; valid [b,t,S] -> o_lat [b,t,h,c]. fp32 softmax."""
-  f32, dt = jnp.float32, q_abs.dtype
-  c_old, pe_old = kv_cache.read_latents(view, dt)  # [b,S,c], [b,S,r]
-  c_new, pe_new = new["c_kv"].astype(dt), new["k_pe"].astype(dt)  # [b,t,c], [b,t,r]
-
-  def scores(c, pe):  # -> [b,h,t,n]
-    return (jnp.einsum("bthc,bsc->bhts", q_abs, c, precision=precision, preferred_element_type=f32)
-            + jnp.einsum("bthr,bsr->bhts", q_pe, pe, precision=precision, preferred_element_type=f32))
-
-  logits = splice(scores(c_old, pe_old), scores(c_new, pe_new), start)  # [b,h,t,S]
-  probs = jax.nn.softmax(jnp.where(valid[:, None], logits * scale, -jnp.inf), axis=-1)  # every query sees itself
-  t = q_abs.shape[1]
-  slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b,t] the new tokens' slots
-  p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1)
-  p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead
-  return (jnp.einsum("bhts,bsc->bthc", p_old.astype(dt), c_old, precision=precision)
-          + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]
-
-
-def _index_scores(q_i, w_i, view, k_new, valid, start, head_chunk, precision):
-  """Indexer scores [b,t,S]: the cached keys, with the new tokens' keys k_new [b,t,d] (as stored)
-  spliced into their slots; -inf where not valid."""
-  t = k_new.shape[1]
-  old = index_scores(q_i, w_i, kv_cache.read_indexer_keys(view), valid, head_chunk=head_chunk,
-                     precision=precision)  # [b,t,S]
-  causal = jnp.broadcast_to(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (k_new.shape[0], t, t))
-  new = index_scores(q_i, w_i, k_new, causal, head_chunk=head_chunk, precision=precision)  # [b,t,t]
-  return jnp.where(valid, splice(old, new, start), -jnp.inf)
-
-
-def _gather_selected(view, new: dict, idx, start, dtype):
-  """The selected rows: idx [b,t,k] -> c_kv [b,t*k,c], k_pe [b,t*k,r] from the cache, or from the
-  new entries for the new tokens' slots. Gathers the stored rows and dequantizes just those."""
-  b, t, k = idx.shape
-  flat = idx.reshape(b, t * k)
-  c_sel, pe_sel = kv_cache.gather_latents(view, flat, dtype)  # [b,t*k,c], [b,t*k,r]
-  j = flat - start[:, None]  # [b,t*k]
-  fresh = ((j >= 0) & (j < t))[..., None]
-  take = lambda a: jnp.take_along_axis(a.astype(dtype), jnp.clip(j, 0, t - 1)[..., None], axis=1)
-  return jnp.where(fresh, take(new["c_kv"]), c_sel), jnp.where(fresh, take(new["k_pe"]), pe_sel)
-
-
-def attention_step(attn, x: jax.Array, positions: jax.Array, view: kv_cache.LayerCache,
-                   absorbed: Absorbed | None, opts: StepOptions) -> tuple[jax.Array, dict]:
-  """One MLA layer over t new tokens per row: x [b,t,D] (normed), positions [b,t] (consecutive per
-  row), view: this layer's cache [b,S,..] (read only) -> (out [b,t,D], the new tokens' entries
-  {c_kv, k_pe, idx_k} [b,t,..] for kv_cache.write). attn is the model's MLA module; absorbed its
-  Absorbed weights (None: split attn.wkv_b here, same values, slower on CPU)."""
-  cfg = attn.config
-  b, t, _ = x.shape
-  h, nope, v = attn.num_heads, attn.nope, attn.v_dim
-  dt, precision = attn.dtype, PRECISION[cfg.matmul_precision]
-  start = positions[:, 0]
-  q_nope, q_pe, q_lat = attn.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
-  c_new, kpe_new = attn.project_kv(x, positions)  # [b,t,kv_lora], [b,t,rope]
-  entries = {"c_kv": c_new, "k_pe": kpe_new}
-  if view.idx_k is not None:
-    entries["idx_k"] = attn.indexer.keys(x, positions)  # [b,t,d_I]
-  stored = {name: kv_cache.as_stored(view, name, e) for name, e in entries.items()}  # what a read will return
-  valid = jnp.arange(view.c_kv.shape[1], dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
-  if absorbed is None:
-    absorbed = absorbed_weights(attn.wkv_b.kernel[...], h, nope, v)
-  q_abs = absorb_q(q_nope.astype(dt), _key_kernel(absorbed).astype(dt), h, nope, 0,
-                   precision=precision)  # [b,t,h,kv_lora]
-  q_pe = q_pe.astype(dt)
-  if opts.mode == "sparse":
-    q_i, w_i = attn.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
-    scores = _index_scores(q_i, w_i, view, stored["idx_k"], valid, start, opts.index_head_chunk,
-                           precision)  # [b,t,S] fp32, -inf where not valid
-    idx, idx_valid = topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
-                                  recall_target=cfg.indexer_approx_top_k_recall)  # [b,t,k] each
-    k = idx.shape[-1]
-    c_sel, pe_sel = _gather_selected(view, stored, idx, start, dt)  # [b,t*k,kv_lora], [b,t*k,rope]
-    local = jnp.broadcast_to(jnp.arange(t * k, dtype=jnp.int32).reshape(1, t, k), (b, t, k))  # row i*k+j
-    o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, local, idx_valid, cfg.softmax_scale,
-                             precision=precision)  # [b,t,h,kv_lora]
-  elif opts.mode == "dense":
-    o_lat = latent_attention_dense(q_abs, q_pe, view, stored, valid, start, cfg.softmax_scale, precision)
-  else:
-    raise ValueError(f"attention mode {opts.mode!r}: expected 'sparse' or 'dense'")
-  out = unabsorb_out(o_lat.astype(dt), _value_kernel(absorbed).astype(dt), h, 0, v,
-                     precision=precision)  # [b,t,h,v]
-  return attn.wo(out.reshape(b, t, h * v)), entries  # [b,t,D]
-
-
-def layer_step(layer, x, positions, view, absorbed, opts: StepOptions):
-  """A DecoderLayer over the cache: x + MLA(norm(x)), then + MLP / MoE(norm(.)) (the layer's modules)."""
-  a, entries = attention_step(layer.attention, layer.pre_attention_norm(x), positions, view, absorbed, opts)
-  x = x + a
-  m = layer.mlp(layer.pre_mlp_norm(x))
-  if layer.moe:
-    m = m[0]  # (y, aux)
-  return x + m, entries
-
-
-def stack_step(stack, x, positions, cache, absorbed, opts: StepOptions):
-  """A LayerStack over its cache: scanned over layers together with the stacked cache and
-  weights (entries come back stacked [L,b,t,..]), or a Python loop (a list of entries)."""
-  if not stack.scan:
-    out = []
-    for i, (layer, view) in enumerate(zip(stack.layers, cache)):
-      x, e = layer_step(layer, x, positions, view, None if absorbed is None else absorbed[i], opts)
-      out.append(e)
-    return x, out
-  graphdef, state = nnx.split(stack.layers)
-
-  def body(x, xs):
-    layer_state, view, absorbed_i = xs
-    return layer_step(nnx.merge(graphdef, layer_state), x, positions, view, absorbed_i, opts)
-
-  return jax.lax.scan(body, x, (state, cache, absorbed))
-
-
 def forward(model, cache: dict, tokens: jax.Array, positions: jax.Array, opts: StepOptions,
             absorbed: dict | None = None, last_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """tokens [b,t] at positions [b,t] -> (logits [b,t,V] fp32, or [b,1,V] at last_index [b]; the new
-  tokens' cache entries per stack, for `commit`). absorbed: model_absorbed_weights(model)."""
-  x = model.embed(tokens)  # [b,t,D]
-  entries = {}
-  for name in STACKS:
-    stack = getattr(model, name)
-    if stack is not None:
-      x, entries[name] = stack_step(stack, x, positions, cache[name], None if absorbed is None else absorbed[name],
-                                    opts)
-  if last_index is not None:
-    x = jnp.take_along_axis(x, last_index[:, None, None], axis=1)  # [b,1,D]
-  return model.output_head(model.final_norm(x)).astype(jnp.float32), entries
+  tokens' cache entries per stack, for `commit`). The model's own call with a cache
+  (Transformer(cache=...): every layer's MLA.attend_cached). absorbed: model_absorbed_weights(model)."""
+  views = stack_views(cache, absorbed, mode=opts.mode, index_head_chunk=opts.index_head_chunk)
+  logits, aux = model(tokens, positions, cache=views, last_index=last_index)
+  return logits, aux["cache_entries"]
 
 
 def commit(cache: dict, entries: dict, start: jax.Array) -> dict:
@@ -466,6 +296,5 @@ class Engine:
 
 
 
-__all__ = ["Engine", "DecodeState", "Generation", "PromptError", "StepOptions", "Absorbed", "forward", "commit",
-           "attention_step", "layer_step", "stack_step", "splice", "latent_attention_dense", "absorbed_weights",
-           "model_absorbed_weights", "default_attention", "check_prompts"]
+__all__ = ["Engine", "DecodeState", "Generation", "PromptError", "StepOptions", "forward", "commit",
+           "model_absorbed_weights", "check_prompts", "default_attention"]

@@ -47,10 +47,27 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config.types import Config
+from MaxText.kernels.cached_attention import (
+  absorbed_weights,
+  index_scores_spliced,
+  key_kernel,
+  latent_attention_dense,
+  merge_selected,
+  value_kernel,
+)
 from MaxText.kernels.index_scores import indexer_kl_loss
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
-from MaxText.kernels.sparse_attention import SparseKeys, SparseQueries, SparseSpec, sparse_mla_attention
+from MaxText.kernels.sparse_attention import (
+  SparseKeys,
+  SparseQueries,
+  SparseSpec,
+  absorb_q,
+  gather_attend,
+  sparse_mla_attention,
+  unabsorb_out,
+)
+from MaxText.kernels.topk_indices import topk_indices
 from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
 from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
@@ -191,10 +208,62 @@ class MLA(nnx.Module):
       self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(result.idx_valid, result.idx, -1))
     return checkpoint_name(result.out, "attention_out"), result.indexer_loss
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+  def attend_cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, dict]:
+    """Inference: t new tokens per row against a cache -> (out [b,t,D], the new tokens' cache
+    entries {c_kv [b,t,kv_lora], k_pe [b,t,rope], idx_k [b,t,d_I]} for the engine to write).
+
+    x [b,t,D] (normed), positions [b,t] consecutive per row (the row's next slots); `cache` is an
+    inference.cache_view.CacheView of this layer: read only, its S slots hold the row's earlier
+    tokens. Absorbed MLA (kernels/cached_attention.py): q_nope through wkv_b's key part, attention
+    over the latents, out through wkv_b's value part; with cache.mode "sparse" each query attends
+    to its indexer top-k (kernels.topk_indices: training's set, ties lowest position first),
+    gathered through the cache, O(k) per query; "dense" to every valid slot.
+    """
+    cfg = self.config
+    b, t, _ = x.shape
+    h, nope, v = self.num_heads, self.nope, self.v_dim
+    dt, precision = self.dtype, self.precision
+    start = positions[:, 0]
+    q_nope, q_pe, q_lat = self.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]
+    c_new, kpe_new = self.project_kv(x, positions)  # [b,t,kv_lora], [b,t,rope]
+    entries = {"c_kv": c_new, "k_pe": kpe_new}
+    if self.indexer is not None:
+      entries["idx_k"] = self.indexer.keys(x, positions)  # [b,t,d_I]
+    stored = {name: cache.stored(name, e) for name, e in entries.items()}  # what a read will return
+    valid = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
+    absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel[...], h, nope, v)
+    q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0,
+                     precision=precision)  # [b,t,h,kv_lora]
+    q_pe = q_pe.astype(dt)
+    if cache.mode == "sparse":
+      q_i, w_i = self.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
+      scores = index_scores_spliced(q_i, w_i, cache.indexer_keys(), stored["idx_k"], valid, start,
+                                    cache.index_head_chunk, precision)  # [b,t,S] fp32, -inf where not valid
+      idx, idx_valid = topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
+                                    recall_target=cfg.indexer_approx_top_k_recall)  # [b,t,k] each
+      k = idx.shape[-1]
+      flat = idx.reshape(b, t * k)  # [b,t*k]
+      c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,
+                                     dt)  # [b,t*k,kv_lora], [b,t*k,rope]
+      local = jnp.broadcast_to(jnp.arange(t * k, dtype=jnp.int32).reshape(1, t, k), (b, t, k))  # row i*k+j
+      o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, local, idx_valid, cfg.softmax_scale,
+                               precision=precision)  # [b,t,h,kv_lora]
+    elif cache.mode == "dense":
+      o_lat = latent_attention_dense(q_abs, q_pe, *cache.latents(dt), stored["c_kv"], stored["k_pe"], valid, start,
+                                     cfg.softmax_scale, precision)  # [b,t,h,kv_lora]
+    else:
+      raise ValueError(f"attention mode {cache.mode!r}: expected 'sparse' or 'dense'")
+    out = unabsorb_out(o_lat.astype(dt), value_kernel(absorbed).astype(dt), h, 0, v, precision=precision)  # [b,t,h,v]
+    return self.wo(out.reshape(b, t, h * v)), entries  # [b,t,D]
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, cache=None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [b,t,D], positions [b,t] (original token positions), segment_ids [b,t] | None (0 = padding)
-    -> out [b,t,D], aux {"indexer_loss": scalar f32}."""
+    -> out [b,t,D], aux {"indexer_loss": scalar f32}. With a cache (inference): `attend_cached`,
+    aux {"indexer_loss": 0, "cache_entries": the new tokens' entries}."""
+    if cache is not None:
+      out, entries = self.attend_cached(x, positions, cache)
+      return out, {"indexer_loss": jnp.zeros((), jnp.float32), "cache_entries": entries}
     b, t, _ = x.shape
     stage = indexer_stage(self.config)
     q_nope, q_pe, q_lat = self.project_q(x, positions)  # [b,t,h,nope], [b,t,h,rope], [b,t,q_lora]

@@ -35,10 +35,11 @@ class DecoderLayer(nnx.Module):
     self.pre_mlp_norm = RMSNorm(config.emb_dim, config)
     self.mlp = DeepSeekMoE(config, rngs=rngs) if moe else MLP(config, config.mlp_dim, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
-    h, attn_aux = self.attention(self.pre_attention_norm(x), positions, segment_ids)  # [b,t,D]
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None):
+    """x [b,t,D] -> (x [b,t,D], aux); with a cache (inference) aux also holds the new tokens'
+    "cache_entries" (MLA.attend_cached)."""
+    h, aux = self.attention(self.pre_attention_norm(x), positions, segment_ids, cache=cache)  # [b,t,D]
     x = x + h
-    aux = {"indexer_loss": attn_aux["indexer_loss"]}
     if self.moe:
       m, moe_aux = self.mlp(self.pre_mlp_norm(x), segment_ids)
       aux.update(moe_aux)  # expert_load [E], load_balance_loss [], moe_dropped []
@@ -62,21 +63,26 @@ class LayerStack(nnx.Module):
     else:
       self.layers = nnx.List([DecoderLayer(config, moe=moe, rngs=rngs) for _ in range(num_layers)])
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
-    def fwd(layer, x):
-      return layer(x, positions, segment_ids)
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None):
+    """x [b,t,D] -> (x, aux leaves stacked [L,...]). cache (inference): the stack's CacheView with a
+    leading L axis (scanned with the layers), or a list of per-layer views; no remat then."""
+    def fwd(layer, x, c):
+      return layer(x, positions, segment_ids, cache=c)
 
-    if self.remat_policy != "none":
+    if self.remat_policy != "none" and cache is None:
       fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=not self.scan)
     if self.scan:
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-      def body(x, layer):
-        return fwd(layer, x)
-      return body(x, self.layers)  # x [b,t,D], aux leaves [L,...]
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+      def body(x, layer, c):
+        return fwd(layer, x, c)
+      return body(x, self.layers, cache)  # x [b,t,D], aux leaves [L,...]
     auxes = []
-    for layer in self.layers:
-      x, aux = fwd(layer, x)
+    for i, layer in enumerate(self.layers):
+      x, aux = fwd(layer, x, None if cache is None else cache[i])
       auxes.append(aux)
+    if cache is not None:  # per-layer entries stay a list, like the per-layer caches
+      entries = [a.pop("cache_entries") for a in auxes]
+      return x, {**jax.tree.map(lambda *a: jnp.stack(a), *auxes), "cache_entries": entries}
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 

@@ -30,8 +30,14 @@ class Transformer(nnx.Module):
     self.mtp = nnx.List([MTPModule(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None):
+               segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None, *,
+               cache: dict | None = None, last_index: jax.Array | None = None):
     """tokens [b,t] -> (logits [b,t,V] fp32, aux).
+
+    Inference passes `cache`, {stack name: its CacheView} (inference/cache_view.py): each layer
+    attends over its cache plus the new tokens (MLA.attend_cached), no MTP runs, and aux is
+    {"cache_entries": {stack name: the new tokens' entries}}; last_index [b] keeps only the logits
+    at that index of each row ([b,1,V]).
 
     positions are the ORIGINAL token positions (context parallelism may reorder the sequence);
     mtp_tokens [n_mtp,b,t]: depth k's input token at each position (token i+k of the original
@@ -42,6 +48,8 @@ class Transformer(nnx.Module):
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    if cache is not None:
+      return self._cached(tokens, positions, cache, last_index)
     if mtp_tokens is None and self.mtp:
       mtp_tokens = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, len(self.mtp) + 1)])
     x = constrain(self.embed(tokens), ACTIVATION)  # [b,t,D]
@@ -73,6 +81,18 @@ class Transformer(nnx.Module):
     aux["indexer_loss"] = jnp.mean(jnp.concatenate(indexer_losses)) if indexer_losses else jnp.float32(0)
     return logits, aux
 
+
+  def _cached(self, tokens, positions, cache: dict, last_index):
+    x = constrain(self.embed(tokens), ACTIVATION)  # [b,t,D]
+    entries = {}
+    for name in ("dense_layers", "moe_layers"):
+      stack = getattr(self, name)
+      if stack is not None:
+        x, a = stack(x, positions, None, cache=cache[name])
+        entries[name] = a["cache_entries"]
+    if last_index is not None:
+      x = jnp.take_along_axis(x, last_index[:, None, None], axis=1)  # [b,1,D]
+    return self.logits(self.final_norm(x)), {"cache_entries": entries}
 
   def logits(self, h: jax.Array) -> jax.Array:
     """h [b,t,D] (normed) -> logits [b,t,V] fp32, sharded like the activations (vocab over tensor)."""

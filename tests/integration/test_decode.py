@@ -17,7 +17,8 @@ from flax import nnx
 from MaxText.checkpoint import model_state
 from MaxText.inference import engine as engine_lib
 from MaxText.inference import kv_cache
-from MaxText.inference.engine import Engine, StepOptions
+from MaxText.inference.cache_view import CacheView
+from MaxText.inference.engine import Engine
 from MaxText.inference.sampling import sample
 from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA
@@ -114,13 +115,13 @@ def test_absorbed_attention_over_the_cache_equals_the_expanded_mla_layer():
   def expanded(state, x):  # the model's own layer: per-head keys/values from wkv_b, mask path
     return nnx.merge(graphdef, state)(x, pos)[0]
 
-  def absorbed(mode, chunks):  # engine attention over the cache: in pieces, committing between
+  def absorbed(mode, chunks):  # the layer over the cache (MLA.attend_cached): in pieces, committing between
     cache = kv_cache.init_layer_cache(cfg, b, length=16)
     outs, at = [], 0
     for n in chunks:
       p = pos[:, at:at + n]
-      out, entries = jax.jit(lambda s, c, x, p: engine_lib.attention_step(
-          nnx.merge(graphdef, s), x, p, c, None, StepOptions(mode, 4)))(state, cache, x[:, at:at + n], p)
+      out, entries = jax.jit(lambda s, c, x, p: nnx.merge(graphdef, s).attend_cached(
+          x, p, CacheView(c, None, mode=mode, index_head_chunk=4)))(state, cache, x[:, at:at + n], p)
       cache = kv_cache.write(cache, p[:, 0], **entries)
       outs.append(out)
       at += n

@@ -1,0 +1,88 @@
+"""What a layer reads of its cache during inference: the one interface MLA.attend_cached uses.
+
+A CacheView wraps one layer's storage, contiguous (kv_cache.LayerCache, [b,S,n] per row) or
+paged (paged_cache.PagedLayerCache plus the step's page table), and answers the same four
+questions either way, so the model's math is written once for both:
+
+    length              S, the slots a row can see (positions >= a row's length are masked)
+    indexer_keys()      every slot's indexer key [b,S,d] fp32 (each query scores all: O(S))
+    latents(dtype)      every slot's c_kv [b,S,c], k_pe [b,S,r] (dense attention only)
+    gather(idx, dtype)  the selected slots' c_kv [b,n,c], k_pe [b,n,r] (sparse: O(k) per query)
+    stored(name, x)     x as a later read will return it (rounded to the storage dtype; fp8 blocks)
+
+A view is a pytree; for a scanned layer stack every array has a leading L axis (the page table
+too, broadcast), so the stack scans layers and views together. `mode` ("sparse" | "dense") and
+`index_head_chunk` are static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels.cached_attention import Absorbed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheView:
+  store: kv_cache.LayerCache | paged_cache.PagedLayerCache
+  absorbed: Absorbed | None  # the layer's head-major wkv_b (None: split from the parameters)
+  page_table: jax.Array | None = None  # [B,P] int32 (paged only)
+  page_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+  mode: str = dataclasses.field(default="sparse", metadata=dict(static=True))
+  index_head_chunk: int = dataclasses.field(default=16, metadata=dict(static=True))
+
+  @property
+  def paged(self) -> bool:
+    return self.page_table is not None
+
+  @property
+  def length(self) -> int:
+    if self.paged:
+      return self.page_table.shape[-1] * self.page_size
+    return self.store.c_kv.shape[-2]
+
+  def _contiguous(self) -> kv_cache.LayerCache:
+    """The rows' whole sequences in kv_cache's layout (paged: gathered through the page table;
+    under jit the fields a caller does not read are never gathered)."""
+    if self.paged:
+      return paged_cache.sequence_view(self.store, self.page_table, self.page_size)
+    return self.store
+
+  def indexer_keys(self) -> jax.Array:
+    return kv_cache.read_indexer_keys(self._contiguous())
+
+  def latents(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    return kv_cache.read_latents(self._contiguous(), dtype)
+
+  def gather(self, idx: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    if self.paged:
+      return paged_cache.gather_selected(self.store, self.page_table, idx, self.page_size, dtype)
+    return kv_cache.gather_latents(self.store, idx, dtype)
+
+  def stored(self, name: str, x: jax.Array) -> jax.Array:
+    return kv_cache.as_stored(self.store, name, x)
+
+
+def stack_views(stores: dict, absorbed: dict | None, *, mode: str, index_head_chunk: int,
+                page_table: jax.Array | None = None, page_size: int = 0) -> dict:
+  """{stack name: CacheView} for Transformer(cache=...): a scanned stack's stacked store [L,...]
+  gets one view (the page table broadcast to [L,B,P]), an unscanned stack a list of views."""
+  views = {}
+  for name, store in stores.items():
+    ab = None if absorbed is None else absorbed[name]
+    if isinstance(store, list):
+      views[name] = [CacheView(s, None if ab is None else ab[i], page_table, page_size, mode, index_head_chunk)
+                     for i, s in enumerate(store)]
+    else:
+      layers = store.c_kv.shape[0]
+      table = None if page_table is None else jnp.broadcast_to(page_table, (layers,) + page_table.shape)
+      views[name] = CacheView(store, ab, table, page_size, mode, index_head_chunk)
+  return views
+
+
+__all__ = ["CacheView", "stack_views"]

@@ -1,0 +1,118 @@
+"""Absorbed MLA over a cache plus t new tokens: the pieces MLA.attend_cached is built from.
+
+A step reads the cache (the entries of earlier tokens, S slots per row) and the t new tokens'
+own entries, which are not in the cache yet: a separate program writes them after the step (one
+program that both updated the cache in place and fed it to a matmul made XLA:CPU copy the whole
+cache). So every read splices the new tokens' values into their slots start[b] .. start[b]+t-1:
+
+    splice(old [b,...,S], new [b,...,t], start)        the values the slots will hold
+    index_scores_spliced                               indexer scores [b,t,S] over cache + new keys
+    latent_attention_dense                             softmax over every valid slot   [b,t,h,c]
+    merge_selected                                     selected rows from cache or new entries
+
+With the absorbed weights (sparse_attention.absorb_q / unabsorb_out) this is MLA's function of
+the same tokens: tests/integration/test_decode.py holds it equal to the expanded layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.kernels.index_scores import index_scores
+
+
+class Absorbed(NamedTuple):
+  """wkv_b of one layer (or a stack: a leading L axis), split and laid out head-major.
+
+  absorb_q / unabsorb_out take a [kv_lora, h*(nope+v)] kernel. Handed wkv_b itself at t = 1,
+  XLA:CPU transposes its [c,h,d] blocks to head-major on every step (docs/measured_choices.md).
+  So a decode engine keeps these head-major copies, and `key_kernel` / `value_kernel` hand those
+  functions the [c, h*nope] and [c, h*v] kernels as transposed VIEWS of them, which XLA folds into
+  the matmuls: the same functions, the same results bit for bit.
+  """
+  w_uk: jax.Array  # [(L,) h, kv_lora, nope]
+  w_uv: jax.Array  # [(L,) h, v, kv_lora]
+
+
+def absorbed_weights(wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int) -> Absorbed:
+  """wkv_b kernel [(L,) c, h*(nope+v)] -> Absorbed (head-major copies)."""
+  w = wkv_b_kernel.reshape(*wkv_b_kernel.shape[:-1], num_heads, nope + v)  # [(L,) c,h,nope+v]
+  return Absorbed(jnp.swapaxes(w[..., :nope], -3, -2),  # [(L,) h,c,nope]
+                  jnp.moveaxis(w[..., nope:], -3, -1))  # [(L,) h,v,c]
+
+
+def key_kernel(a: Absorbed) -> jax.Array:
+  """[h,c,nope] -> the [c, h*nope] kernel (a view), for absorb_q with v = 0."""
+  h, c, nope = a.w_uk.shape
+  return jnp.swapaxes(a.w_uk, 0, 1).reshape(c, h * nope)
+
+
+def value_kernel(a: Absorbed) -> jax.Array:
+  """[h,v,c] -> the [c, h*v] kernel (a view), for unabsorb_out with nope = 0."""
+  h, v, c = a.w_uv.shape
+  return jnp.transpose(a.w_uv, (2, 0, 1)).reshape(c, h * v)
+
+
+def splice(old: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """old [b,...,S] (per cache slot), new [b,...,t] (per new token) -> [b,...,S] with slots
+  start[b] .. start[b]+t-1 taken from new: the values the slots will hold after the commit."""
+  s, t = old.shape[-1], new.shape[-1]
+  j = jnp.arange(s, dtype=jnp.int32)[None, :] - start[:, None]  # [b,S]: slot - first new position
+  shape = (old.shape[0],) + (1,) * (old.ndim - 2) + (s,)
+  fresh = ((j >= 0) & (j < t)).reshape(shape)
+  picked = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(j, 0, t - 1).reshape(shape), old.shape[:-1] + (s,)),
+                               axis=-1)
+  return jnp.where(fresh, picked, old)
+
+
+def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, pe_old: jax.Array,
+                           c_new: jax.Array, pe_new: jax.Array, valid: jax.Array, start: jax.Array, scale: float,
+                           precision=None) -> jax.Array:
+  """Absorbed attention over every valid slot: q_abs [b,t,h,c], q_pe [b,t,h,r]; the cache's
+  latents c_old [b,S,c], pe_old [b,S,r] and the new tokens' c_new [b,t,c], pe_new [b,t,r] (as
+  stored) at slots start[b].. ; valid [b,t,S] -> o_lat [b,t,h,c]. fp32 softmax."""
+  f32, dt = jnp.float32, q_abs.dtype
+  c_old, pe_old, c_new, pe_new = (a.astype(dt) for a in (c_old, pe_old, c_new, pe_new))
+
+  def scores(c, pe):  # -> [b,h,t,n]
+    return (jnp.einsum("bthc,bsc->bhts", q_abs, c, precision=precision, preferred_element_type=f32)
+            + jnp.einsum("bthr,bsr->bhts", q_pe, pe, precision=precision, preferred_element_type=f32))
+
+  logits = splice(scores(c_old, pe_old), scores(c_new, pe_new), start)  # [b,h,t,S]
+  probs = jax.nn.softmax(jnp.where(valid[:, None], logits * scale, -jnp.inf), axis=-1)  # every query sees itself
+  t = q_abs.shape[1]
+  slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b,t] the new tokens' slots
+  p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1)
+  p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead
+  return (jnp.einsum("bhts,bsc->bthc", p_old.astype(dt), c_old, precision=precision)
+          + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]
+
+
+def index_scores_spliced(q_i: jax.Array, w_i: jax.Array, k_old: jax.Array, k_new: jax.Array, valid: jax.Array,
+                         start: jax.Array, head_chunk: int, precision=None) -> jax.Array:
+  """Indexer scores [b,t,S] fp32: the cached keys k_old [b,S,d], with the new tokens' keys k_new
+  [b,t,d] (as stored) spliced into their slots; -inf where not valid [b,t,S]."""
+  t = k_new.shape[1]
+  old = index_scores(q_i, w_i, k_old, valid, head_chunk=head_chunk, precision=precision)  # [b,t,S]
+  causal = jnp.broadcast_to(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (k_new.shape[0], t, t))
+  new = index_scores(q_i, w_i, k_new, causal, head_chunk=head_chunk, precision=precision)  # [b,t,t]
+  return jnp.where(valid, splice(old, new, start), -jnp.inf)
+
+
+def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new: jax.Array, flat_idx: jax.Array,
+                   start: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """The selected rows: c_sel [b,n,c], pe_sel [b,n,r] as read from the cache at flat_idx [b,n]
+  positions; where a position is one of this step's new tokens (start[b] .. start[b]+t-1) its row
+  comes from c_new [b,t,c], pe_new [b,t,r] instead."""
+  t = c_new.shape[1]
+  j = flat_idx - start[:, None]  # [b,n]
+  fresh = ((j >= 0) & (j < t))[..., None]
+  take = lambda a: jnp.take_along_axis(a.astype(dtype), jnp.clip(j, 0, t - 1)[..., None], axis=1)
+  return jnp.where(fresh, take(c_new), c_sel.astype(dtype)), jnp.where(fresh, take(pe_new), pe_sel.astype(dtype))
+
+
+__all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
+           "index_scores_spliced", "merge_selected"]
