@@ -1,16 +1,22 @@
 """runtime/distributed: which rows of the global batch each process loads (`batch_rows`,
-`batch_slice`) on meshes whose data, fsdp, expert and context axes span processes.
+`batch_slice`) on meshes whose data, fsdp, expert and context axes span processes, and the start-up
+rendezvous alone (no jax.distributed) in subprocesses: it lets a run start only with every process.
 
 The processes are pretended: process p of P owns devices [p*8/P, (p+1)*8/P) of the 8 simulated
 CPU devices (jax.devices() order, as jax.distributed numbers them), and a sharding's
 `addressable_devices_indices_map` keeps only those."""
+
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from MaxText.runtime import distributed, sharding
-from tests.conftest import make_config
+from tests.conftest import REPO_ROOT, make_config
 
 
 def _as_process(monkeypatch, pid: int, processes: int):
@@ -59,4 +65,48 @@ def test_rows_held_apart_are_refused_naming_the_mesh_order(monkeypatch):
     device_mesh = sharding.create_mesh(cfg, [jax.devices()[i] for i in order])
     with pytest.raises(ValueError, match="not one contiguous block.*order the mesh"):
       distributed.batch_slice(NamedSharding(device_mesh, PartitionSpec("data")), (16, 32))
+
+
+# ---------------------------------------------------------------- the start-up rendezvous, alone
+
+_RENDEZVOUS = """
+import sys
+from MaxText.config.types import ConfigError
+from MaxText.runtime import distributed
+try:
+  distributed._rendezvous(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+  print("ok")
+except ConfigError as e:
+  print("error:", e)
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _rendezvous(processes: int, pids, timeout_s: float) -> list[str]:
+  """What each of `pids` (of `processes`) says after the rendezvous: "ok" or "error: ..."."""
+  address = f"localhost:{_free_port()}"
+  env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+  procs = [subprocess.Popen([sys.executable, "-c", _RENDEZVOUS, address, str(processes), str(pid), str(timeout_s)],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for pid in pids]
+  try:
+    out = [p.communicate(timeout=30) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()  # no-op once exited; a hung one fails the test, not CI
+  assert all(p.returncode == 0 for p in procs), [e for _, e in out]
+  return [o.strip() for o, _ in out]
+
+
+def test_rendezvous_starts_only_when_every_process_came():
+  # 2 of 3 came: process 0 must not let them start; it names the missing one, to both
+  said = _rendezvous(3, [0, 1], timeout_s=1.5)
+  assert said[0].startswith("error: distributed_num_processes=3: process(es) [2] did not reach"), said
+  assert said[1].startswith("error: distributed_num_processes=3"), said  # process 0's line, or its own timeout
+  assert _rendezvous(2, [0, 1], timeout_s=10) == ["ok", "ok"]
 
