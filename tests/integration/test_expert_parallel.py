@@ -1,7 +1,8 @@
 """Expert parallelism on 8 simulated CPU devices: the MoE layer under shard_map with all-to-all
 dispatch equals the single-device run (loss, every gradient, the routing-bias update) on expert,
-data x expert, fsdp x expert x context and tensor x expert meshes; capacity drops are counted and
-are exactly the assignments a single-device reference leaves out; the ragged exchange (GPU/TPU)
+data x expert, fsdp x expert x context and tensor x expert meshes; the capacity is cf x the mean
+load rounded up; capacity drops are counted and are exactly the assignments a single-device
+reference leaves out; the ragged exchange (GPU/TPU)
 equals the fixed one; and the compiled program scales (memory per device, all-to-all present,
 no token rows all-gathered or all-reduced)."""
 
@@ -106,18 +107,27 @@ def _kept_reference(ids, token_valid, ep, e, cap, token_shards):
   return kept
 
 
+@pytest.mark.parametrize("assignments,ep,capacity_factor,want", [
+    (10, 4, 1.0, 3), (1000, 8, 1.25, 157), (64, 4, 1.1, 18), (64, 4, 1.0, 16),  # ceil(cf * M / ep)
+    (3, 8, 1.0, 1), (10, 1, 2.0, 10), (10, 4, -1.0, 10)])  # at least 1, at most M; -1: dropless (M)
+def test_capacity_is_cf_times_the_mean_load_rounded_up(assignments, ep, capacity_factor, want):
+  assert moe_dispatch.capacity(assignments, ep, capacity_factor) == want
+
+
 @pytest.mark.parametrize("mesh", [dict(ici_expert_parallelism=4), dict(ici_data_parallelism=2, ici_expert_parallelism=4)])
 def test_capacity_drops_are_counted_and_equal_a_reference_without_them(mesh):
   b, t, d, e, k, i = 8, 16, 16, 8, 2, 8
+  cf = 1.1  # cf x M / ep is not whole (17.6 and 8.8 rows): the bound's rounding shows
   cfg = make_config(num_devices=math.prod(mesh.values()), num_experts=e, **mesh)
   args = _layer_inputs(b, t, d, e, i, skew=0.3)
   token_valid = jnp.ones((b, t), bool).at[:, -3:].set(False)  # padding: never routed nor counted
-  y, counts, dropped = _on_mesh(cfg, args, token_valid, k, capacity_factor=1.0, exchange="all_to_all")
+  y, counts, dropped = _on_mesh(cfg, args, token_valid, k, capacity_factor=cf, exchange="all_to_all")
 
   shards = math.prod(mesh.values())  # tokens over data x expert: consecutive blocks of the batch
   ep = mesh["ici_expert_parallelism"]
   _, ids = _single_device(args, k)
-  kept = _kept_reference(ids, token_valid, ep, e, moe_dispatch.capacity(b * t // shards * k, ep, 1.0), shards)
+  cap = math.ceil(cf * (b * t // shards * k) / ep)  # rows each shard may send each owner (padding counts in M)
+  kept = _kept_reference(ids, token_valid, ep, e, cap, shards)
   valid = np.broadcast_to(np.asarray(token_valid).reshape(-1, 1), kept.shape)
   assert int(dropped) == int((valid & ~kept).sum()) > 0
   np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids)[valid], minlength=e))

@@ -77,6 +77,8 @@ def _read_export(folder):
 
 
 def test_hf_import_export_reproduces_every_tensor_and_the_config(converted, tmp_path, capsys):
+  # One table serves both directions, so a name mapped to the wrong tensor of ours both ways (gate and
+  # up swapped) round-trips unseen here: test_hf_parity's logits (fast, unmarked) are what catch it.
   hf_dir, ours = converted
   original = load_file(os.path.join(hf_dir, "model.safetensors"))
   _export(capsys, "--checkpoint", ours, "--output", tmp_path / "f32", "--dtype", "float32",

@@ -1,8 +1,8 @@
 """A run's life through the CLIs (subprocesses), in the situations a new user meets: runs chain
 (dense warm-up -> sparse -> decode) through load_parameters_path, lr=1e6 never poisons a checkpoint,
-a truncated or bit-flipped checkpoint falls back to the one before, a resumed run keeps its model
-and data keys, a finished run says so, input and environment errors are one line, --help, the
-console, eval, tensorboard after a resume, the profiler.
+a truncated or bit-flipped checkpoint (also one low mantissa bit, every value finite) falls back to
+the one before, a resumed run keeps its model and data keys, a finished run says so, input and
+environment errors are one line, --help, the console, eval, tensorboard after a resume, the profiler.
 
 The subprocesses share compiled programs through JAX's persistent compilation cache (a folder per
 module), so only the first run of each configuration compiles."""
@@ -157,13 +157,31 @@ def test_a_truncated_newest_checkpoint_falls_back_and_tensorboard_shows_each_ste
   assert tb_steps(run, "loss") == [1, 2, 3, 4, 5]  # steps 3 and 4 of the first run purged
 
 
-def test_flipped_bytes_are_caught_and_with_no_good_checkpoint_left_one_line(env, base_run):
+def flip_lowest_mantissa_bit(step_dir):
+  """Rewrites one float32 parameter of a saved state with its first value's lowest bit flipped (through
+  tensorstore, into the same OCDBT database): every value stays finite, only the fingerprint sees it."""
+  import tensorstore as ts
+  base = {"driver": "ocdbt", "base": f"file://{step_dir / 'state'}/"}
+  names = sorted(k.decode()[:-len("/.zarray")] for k in ts.KvStore.open(base).result().list().result()
+                 if k.startswith(b"params.") and k.endswith(b"/.zarray"))
+  for name in names:
+    array = ts.open({"driver": "zarr", "kvstore": {**base, "path": name + "/"}}).result()
+    if array.dtype == ts.float32 and array.size > 1:
+      bits = array.read().result().view(np.uint32).copy()
+      bits.reshape(-1)[0] ^= 1
+      array.write(bits.view(np.float32)).result()
+      return name
+  raise AssertionError(f"no float32 parameter in {step_dir}")
+
+
+def test_flipped_bits_are_caught_also_when_every_value_stays_finite_and_with_no_good_checkpoint_left_one_line(
+    env, base_run):
   out, run = copy_run(base_run, "flipped")
-  for step in ("4", "2"):
-    path = largest_data_file(run / "checkpoints" / step)
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2: len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 8])
-    open(path, "wb").write(bytes(data))
+  flip_lowest_mantissa_bit(run / "checkpoints" / "4")  # finite: only the fingerprint can refuse step 4
+  path = largest_data_file(run / "checkpoints" / "2")  # bytes flipped on disk (non-finite values, or garbage)
+  data = bytearray(open(path, "rb").read())
+  data[len(data) // 2: len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 8])
+  open(path, "wb").write(bytes(data))
   r = cli(env, "train.py", *COMMON, "steps=5", f"base_output_directory={out}", "run_name=flipped")
   line = one_error_line(r, 1)
   assert "no usable checkpoint" in line

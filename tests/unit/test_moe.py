@@ -5,6 +5,8 @@ Hugging Face's DeepseekV32TopkRouter / DeepseekV32MoE with the same weights, and
 all-experts jnp einsum for gradients.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from flax import nnx
 
 from MaxText.kernels import moe_experts
 from MaxText.layers import moe
+from MaxText.runtime import sharding
 
 ROUTE_CFG = dict(num_experts=16, n_routing_groups=4, topk_routing_group=2, num_experts_per_tok=4)
 
@@ -419,20 +422,28 @@ def test_expert_load_and_load_balance_loss():
   assert float(jnp.abs(g["gate_kernel"][...]).max()) > 0  # the loss trains the router
 
 
-def test_padding_is_neither_routed_nor_counted():
-  # segment_id 0 marks padding: its tokens take no expert, count in no load and in no balance term.
-  cfg, model = make_model(**ROUTE_CFG, load_balance_loss_weight=0.01)
-  x = rand_x(cfg)  # [2,8,D]
-  seg = np.ones((2, 8), np.int32)
+@pytest.mark.parametrize("mesh", [{}, dict(ici_data_parallelism=2, ici_expert_parallelism=2, ici_context_parallelism=2)],
+                         ids=["one_device", "data2xexpert2xcontext2"])
+def test_padding_is_neither_routed_nor_counted(mesh):
+  # segment_id 0 marks padding: its tokens take no expert, count in no load and in no balance term;
+  # a row of padding only is no sequence: the balance loss averages over the rows with real tokens.
+  # With a mesh: the expert-parallel path (rows over data x expert, each row's tokens over context).
+  cfg, model = make_model(**ROUTE_CFG, load_balance_loss_weight=0.01, num_devices=int(np.prod([*mesh.values()])),
+                          **mesh)
+  x = rand_x(cfg, b=4)  # [4,8,D]
+  seg = np.ones((4, 8), np.int32)
   seg[0, 5:] = 0
   seg[1, 2:] = 0
-  y, aux = nnx.jit(lambda m, x, s: m(x, s))(model, x, jnp.asarray(seg))
+  seg[2] = 0
+  with sharding.logical_rules(cfg, sharding.create_mesh(cfg)) if mesh else contextlib.nullcontext():
+    y, aux = nnx.jit(lambda m, x, s: m(x, s))(model, x, jnp.asarray(seg))
   xf = np.asarray(x, np.float64).reshape(-1, cfg.emb_dim)
   _, ids, s = np_route(xf @ params64(model)["gate"], np.zeros(16), cfg)
   real = seg.reshape(-1) != 0
   np.testing.assert_allclose(aux["expert_load"], np.bincount(ids[real].reshape(-1), minlength=16) / ids[real].size,
                              rtol=1e-6)
-  ref = (np_balance_loss(s[:5][None], ids[:5][None], 0.01) + np_balance_loss(s[8:10][None], ids[8:10][None], 0.01)) / 2
+  rows = [(0, 5), (8, 10), (24, 32)]  # the real tokens of rows 0, 1 and 3 in [b*t]
+  ref = sum(np_balance_loss(s[i:j][None], ids[i:j][None], 0.01) for i, j in rows) / len(rows)
   np.testing.assert_allclose(float(aux["load_balance_loss"]), ref, rtol=1e-5)
   # padding tokens get only the shared expert; real tokens equal the run without padding
   y_all, _ = apply(model, x)
