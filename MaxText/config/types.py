@@ -209,6 +209,14 @@ class Decode(_Section):
   kv_cache_dtype: Literal["float32", "bfloat16", "fp8"]
 
 
+class Serve(_Section):
+  serve_page_size: PosInt
+  serve_num_pages: NonNegInt
+  serve_max_num_seqs: PosInt
+  serve_max_num_tokens: PosInt
+  serve_prefix_caching: bool
+
+
 class AheadOfTimeCompile(_Section):
   compile_num_devices: NonNegInt
   compile_hbm_gib: Annotated[float, Field(ge=0)]
@@ -216,7 +224,7 @@ class AheadOfTimeCompile(_Section):
 
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, AheadOfTimeCompile,
+    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, Serve, AheadOfTimeCompile,
 )
 
 

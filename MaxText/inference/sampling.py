@@ -33,3 +33,23 @@ def _nucleus(scaled: jax.Array, key: jax.Array, p: float) -> jax.Array:
   keep = before < p  # the first token is always kept
   choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)  # [b]
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                top_k: jax.Array) -> jax.Array:
+  """Each row by its own request's options: logits [B,V] fp32, keys [B] (one PRNG key per row),
+  temperature [B] (0 = greedy), top_p [B] (1 = off), top_k [B] int (0 = off) -> ids [B] int32.
+
+  A row's draw depends only on its logits, options and key (vmapped per row), so a request with
+  a fixed seed gets the same tokens whatever else shares the batch."""
+  def one(lg, key, temp, p, k):  # [V], key, [], [], []
+    order = jnp.argsort(-lg)  # [V], most likely first
+    sorted_lg = lg[order] / jnp.maximum(temp, 1e-6)
+    rank = jnp.arange(lg.shape[0])
+    probs = jax.nn.softmax(sorted_lg)
+    before = jnp.cumsum(probs) - probs  # mass strictly ahead of each token
+    keep = (before < p) & ((k <= 0) | (rank < k))  # the most likely token is always kept
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_lg, -jnp.inf))
+    return jnp.where(temp > 0, order[choice], jnp.argmax(lg)).astype(jnp.int32)
+
+  return jax.vmap(one)(logits.astype(jnp.float32), keys, temperature, top_p, top_k)

@@ -11,7 +11,8 @@ leading tokens whose cache entries are written; a step computes the next ones. E
 Every token computed needs its page: when the allocator runs out, the NEWEST running request
 is preempted (its pages released, `computed` reset to 0; it waits at the head of the queue and
 recomputes its prompt and generated tokens when readmitted: greedy output does not change).
-`update` takes the step's sampled tokens: a request whose every known token is now computed
+`update` takes the step's sampled tokens: a page a step fills is published to the prefix cache
+at once (running requests share it too); a request whose every known token is now computed
 gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
 stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
 publishes its full pages to the prefix cache and releases them at once.
@@ -177,9 +178,12 @@ class Scheduler:
     Returns the requests that finished in this step."""
     done = []
     now = time.monotonic()
+    page = self.allocator.page_size
     for row, tok in zip(rows, sampled):
       r = row.request
       r.computed = row.start + row.count
+      if r.computed // page > row.start // page:  # a page filled: later prompts may share it now
+        self.allocator.publish(r.pages, r.tokens[:r.computed])
       if not row.samples:
         continue
       tok = int(tok)

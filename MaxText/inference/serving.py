@@ -1,0 +1,179 @@
+"""The continuous-batching engine: requests join and leave between steps, over paged caches.
+
+    engine = ServingEngine(config, graphdef, params, buffers)
+    r = engine.add_request([1, 17, 42], SamplingParams(max_tokens=8))
+    while not engine.idle:
+        for request, token in engine.step():   # the tokens made in this step
+            ...
+
+Each `step` asks the scheduler (scheduler.py) for its rows, decode rows and prefill chunks
+together under serve_max_num_tokens, then runs ONE jitted program of fixed shape
+[serve_max_num_seqs, t] with t = 1 when every row decodes, else the prefill chunk: a row's real
+tokens first, padding after (its writes are dropped). The program is the model's own call with a
+cache (Transformer(cache=...): every layer's MLA.attend_cached) over the paged pools
+(paged_cache.py) seen through the step's page table, then the per-row sampling
+(sampling.sample_rows: each request's temperature, top_p, top_k and seed). A second jitted
+program writes the new tokens' entries into their slots (in place: the pools are donated). So
+two step programs (t = 1 and t = chunk) and two write programs are compiled, said once at start.
+
+Pages: serve_page_size tokens each, serve_num_pages per pool (0: room for serve_max_num_seqs
+sequences of max_target_length). A finished request frees its pages at once; with
+serve_prefix_caching its full pages stay cached for later prompts with the same prefix.
+Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
+from the engine's `seed` stream; greedy (temperature 0) needs none.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText.config.types import Config
+from MaxText.inference import paged_cache
+from MaxText.inference.cache_view import stack_views
+from MaxText.inference.engine import default_attention, model_absorbed_weights
+from MaxText.inference.page_allocator import PageAllocator
+from MaxText.inference.sampling import sample_rows
+from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
+from MaxText.runtime.distributed import to_host
+
+
+class ServingEngine:
+  def __init__(self, config: Config, graphdef, params, buffers, *, attention: str | None = None,
+               sample_vocab: int | None = None, eos_id: int | None = None, log=None):
+    """attention: "sparse" | "dense" (default: default_attention(config)). sample_vocab: sample only
+    ids below it (a tokenizer smaller than vocab_size). eos_id: default config.eos_id."""
+    cfg = config
+    self.config, self.graphdef, self.params, self.buffers = cfg, graphdef, params, buffers
+    self.mode = attention or default_attention(cfg)
+    self.page_size = cfg.serve_page_size
+    self.pages_per_seq = -(-cfg.max_target_length // self.page_size)
+    num_pages = cfg.serve_num_pages or cfg.serve_max_num_seqs * self.pages_per_seq
+    self.max_seqs = cfg.serve_max_num_seqs
+    self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
+    self.allocator = PageAllocator(num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching)
+    self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
+                               chunk=self.chunk, max_length=cfg.max_target_length,
+                               eos_id=cfg.eos_id if eos_id is None else eos_id, vocab_size=cfg.vocab_size)
+    self.sample_vocab = sample_vocab
+    self.pools = paged_cache.init_pools(cfg, num_pages, self.page_size)
+    self.absorbed = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))(params, buffers)
+    self._step_jit = jax.jit(self._step, static_argnums=(0,))
+    self._write_jit = jax.jit(self._write, donate_argnums=(0,))
+    self._seeds = np.random.default_rng(cfg.seed)
+    self.steps = 0
+    if log is not None:
+      log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
+          f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
+          f"sequences and {cfg.serve_max_num_tokens} tokens a step; programs: steps of [{self.max_seqs}, 1] and "
+          f"[{self.max_seqs}, {self.chunk}] tokens, attention {self.mode}")
+
+  # ---- requests
+  def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+    """Queues a request (RequestError naming the field for a bad one; the others are untouched)."""
+    if params.seed is None and params.temperature > 0:
+      params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
+    return self.scheduler.add(prompt, params)
+
+  def abort(self, request: Request) -> None:
+    self.scheduler.abort(request)
+
+  @property
+  def idle(self) -> bool:
+    return self.scheduler.idle
+
+  # ---- one step
+  def step(self) -> list[tuple[Request, int]]:
+    """Runs one engine step -> (request, new token) for each token made (a stop token is not one)."""
+    rows = self.scheduler.schedule()
+    if not rows:
+      return []
+    t = 1 if all(r.count == 1 for r in rows) else self.chunk
+    b = self.max_seqs
+    tokens = np.zeros((b, t), np.int32)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    write_pos = np.full((b, t), -1, np.int32)  # -1: padding, its write is dropped
+    table = np.full((b, self.pages_per_seq), -1, np.int32)
+    last = np.zeros((b,), np.int32)
+    temp, top_p, top_k = np.zeros((b,), np.float32), np.ones((b,), np.float32), np.zeros((b,), np.int32)
+    seeds, draw_at = np.zeros((b,), np.uint32), np.zeros((b,), np.int32)
+    for i, row in enumerate(rows):
+      r, n = row.request, row.count
+      tokens[i, :n] = r.tokens[row.start:row.start + n]
+      positions[i] = row.start + np.arange(t)
+      write_pos[i, :n] = positions[i, :n]
+      table[i, :len(r.pages)] = r.pages
+      last[i] = n - 1
+      p = r.params
+      temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+      seeds[i] = (p.seed or 0) % 2 ** 32
+      draw_at[i] = row.start + n  # the position of the token this row draws
+    self.pools, sampled = self._run(t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at)
+    sampled = to_host(sampled)
+    done_before = {id(row.request): len(row.request.output) for row in rows}
+    self.scheduler.update(rows, sampled[:len(rows)])
+    self.steps += 1
+    return [(row.request, row.request.output[-1]) for row in rows
+            if row.samples and len(row.request.output) > done_before[id(row.request)]]
+
+  def _run(self, t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at):
+    args = [jnp.asarray(a) for a in (tokens, positions, table, last, temp, top_p, top_k, seeds, draw_at)]
+    entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, *args)
+    pools = self._write_jit(self.pools, entries, jnp.asarray(write_pos), args[2])
+    return pools, sampled
+
+  def _step(self, t, params, buffers, pools, absorbed, tokens, positions, table, last, temp, top_p, top_k, seeds,
+            draw_at):
+    """The model over the pools for tokens [B,t] -> (the new entries, the sampled token per row [B])."""
+    cfg = self.config
+    model = nnx.merge(self.graphdef, params, buffers)
+    head_chunk = min(cfg.indexer_n_heads, max(cfg.indexer_head_chunk, cfg.indexer_head_chunk * self.chunk // t))
+    views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=head_chunk, page_table=table,
+                        page_size=self.page_size)
+    logits, aux = model(tokens, positions, cache=views, last_index=last)  # [B,1,V]
+    logits = logits[:, 0]
+    if self.sample_vocab is not None:
+      logits = jnp.where(jnp.arange(logits.shape[-1]) < self.sample_vocab, logits, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, draw_at)  # [B]
+    return aux["cache_entries"], sample_rows(logits, keys, temp, top_p, top_k)
+
+  def _write(self, pools, entries, write_pos, table):
+    """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""
+    slot_ids = paged_cache.slots(table, write_pos, self.page_size, self.allocator.num_pages * self.page_size)
+    out = {}
+    for name, pool in pools.items():
+      if isinstance(pool, list):
+        out[name] = [paged_cache.write(p, slot_ids, **e) for p, e in zip(pool, entries[name])]
+      else:
+        out[name] = paged_cache.write(pool, slot_ids, **entries[name])
+    return out
+
+  # ---- convenience
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+               on_token=None, max_steps: int = 1_000_000) -> list[Request]:
+    """All prompts as concurrent requests, run until each finishes -> the requests, in order.
+    on_token(index, token) is called for each token as it is made."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    requests = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    index = {id(r): i for i, r in enumerate(requests)}
+    for _ in range(max_steps):
+      if self.idle:
+        break
+      for r, tok in self.step():
+        if on_token is not None and id(r) in index:
+          on_token(index[id(r)], tok)
+    return requests
+
+  def stats(self) -> dict:
+    a = self.allocator
+    return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
+            "prefix_hit_rate": a.hit_rate(), "steps": self.steps, "time": time.monotonic()}
+
+
+__all__ = ["ServingEngine", "SamplingParams", "Scheduled"]
