@@ -6,12 +6,13 @@
 
 prompt: text when tokenizer_path is set (tokenizer_type picks sentencepiece or hf; BOS prepended
   when add_bos), else comma-separated token ids taken as given. Several prompts form one batch:
-  separate them with '|' (ragged lengths are fine: each row keeps its own length).
+  separate them with '|' (ragged lengths are fine: each row keeps its own length). Each prompt is
+  one request to the continuous-batching engine (inference/serving.py, paged caches: serve_* keys).
 Each row stops at EOS (the tokenizer's, else eos_id), or when prompt + generated tokens reach
 max_target_length (the cache size; a note says so). A prompt may have up to max_prefill_length
 tokens; prefill runs in chunks of prefill_chunk_size (0 = one shot), then one jitted step per token.
 Sampling: decode_sampling_strategy greedy | temperature | top_p (decode_sampling_temperature,
-decode_sampling_nucleus_p), seeded by `seed`. The cache dtype is kv_cache_dtype.
+decode_sampling_nucleus_p), row i seeded by `seed` + i. The cache dtype is kv_cache_dtype.
 load_parameters_path: a converter output, a training run's checkpoints folder (its newest usable
 step), one step folder (checkpoints/<step>) or its state subfolder; the model keys must be the run's
 (its config.yml, or the converter's model.yml, can be the config file). Without it the model is
@@ -33,6 +34,7 @@ if not __package__:  # run as `python MaxText/decode.py`: import the package, no
 
 import re
 import time
+from typing import NamedTuple
 
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
@@ -57,6 +59,23 @@ def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
   return [bos + tokenizer.encode(part) for part in parts]
 
 
+class Generation(NamedTuple):
+  prompt: list[int]
+  tokens: list[int]  # generated ids, EOS excluded
+  stop: str  # "eos" | "max_target_length"
+
+
+def sampling(config: Config, row: int, prompt_length: int):
+  """Row `row`'s request options from the decode_sampling_* keys: generate until EOS or the cache
+  (max_target_length) is full; seeded by `seed` + row."""
+  from MaxText.inference.scheduler import SamplingParams
+  strategy = config.decode_sampling_strategy
+  return SamplingParams(max_tokens=config.max_target_length - prompt_length,
+                        temperature=0.0 if strategy == "greedy" else config.decode_sampling_temperature,
+                        top_p=config.decode_sampling_nucleus_p if strategy == "top_p" else 1.0,
+                        seed=config.seed + row)
+
+
 def load_model(config: Config, mesh):
   """(graphdef, params, buffers, random?) from load_parameters_path, else random init."""
   from MaxText.checkpoint import model_state
@@ -74,20 +93,20 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
   from MaxText.checkpoint import model_state
   from MaxText.data.tokenizer import TextStreamer, load_tokenizer
   from MaxText.inference import kv_cache
-  from MaxText.inference.engine import Engine, check_prompts
+  from MaxText.inference.engine import check_prompts
+  from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
 
   tokenizer = load_tokenizer(config) if config.tokenizer_path else None
   prompts = parse_prompts(config, tokenizer)
   eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
-  pad_id = tokenizer.pad_id if tokenizer is not None else config.pad_id
   check_prompts(config, prompts)  # before any compile: bad prompts fail fast
 
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     graphdef, params, buffers, is_random = load_model(config, mesh)
     vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
-    engine = Engine(config, graphdef, params, buffers, sample_vocab=vocab)
+    engine = ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id)
     source = (f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output is noise, a smoke test"
               if is_random else f"parameters from load_parameters_path={config.load_parameters_path}")
     print(f"decode: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}",
@@ -112,7 +131,9 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
       shown = tokenizer.decode(prompts[0]) if tokenizer is not None else ",".join(map(str, prompts[0])) + " ->"
       print(shown, end="" if tokenizer is not None else " ", file=out, flush=True)
     t0 = time.perf_counter()
-    results = engine.generate(prompts, eos_id=eos_id, pad_id=pad_id, on_token=on_token)
+    results = [Generation(r.prompt, r.output, "eos" if r.finish_reason == "stop" else "max_target_length")
+               for r in engine.generate(prompts, [sampling(config, i, len(p)) for i, p in enumerate(prompts)],
+                                        on_token=on_token)]
     dt = time.perf_counter() - t0
     if stream:
       print(file=out, flush=True)

@@ -7,14 +7,14 @@
             ...
 
 Each `step` asks the scheduler (scheduler.py) for its rows, decode rows and prefill chunks
-together under serve_max_num_tokens, then runs ONE jitted program of fixed shape
-[serve_max_num_seqs, t] with t = 1 when every row decodes, else the prefill chunk: a row's real
-tokens first, padding after (its writes are dropped). The program is the model's own call with a
+together under serve_max_num_tokens, then runs ONE jitted program of fixed shape [B, t]: B the
+rows padded to a power of two (at most serve_max_num_seqs), t = 1 when every row decodes, else
+the prefill chunk; a row's real tokens first, padding after (its writes are dropped). The program is the model's own call with a
 cache (Transformer(cache=...): every layer's MLA.attend_cached) over the paged pools
 (paged_cache.py) seen through the step's page table, then the per-row sampling
 (sampling.sample_rows: each request's temperature, top_p, top_k and seed). A second jitted
-program writes the new tokens' entries into their slots (in place: the pools are donated). So
-two step programs (t = 1 and t = chunk) and two write programs are compiled, said once at start.
+program writes the new tokens' entries into their slots (in place: the pools are donated). So at
+most 2 x (number of row buckets) step programs are compiled (and as many writes), said at start.
 
 Pages: serve_page_size tokens each, serve_num_pages per pool (0: room for serve_max_num_seqs
 sequences of max_target_length). A finished request frees its pages at once; with
@@ -70,8 +70,12 @@ class ServingEngine:
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
-          f"sequences and {cfg.serve_max_num_tokens} tokens a step; programs: steps of [{self.max_seqs}, 1] and "
-          f"[{self.max_seqs}, {self.chunk}] tokens, attention {self.mode}")
+          f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
+          f"{2 * len(self.buckets())} step programs: [rows, tokens] in {self.buckets()} x (1, {self.chunk})")
+
+  def buckets(self) -> list[int]:
+    """The row counts a step is padded to: powers of two up to serve_max_num_seqs."""
+    return sorted({min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)})
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -94,7 +98,7 @@ class ServingEngine:
     if not rows:
       return []
     t = 1 if all(r.count == 1 for r in rows) else self.chunk
-    b = self.max_seqs
+    b = min(self.max_seqs, 1 << (len(rows) - 1).bit_length())  # rows padded to a power of two
     tokens = np.zeros((b, t), np.int32)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
     write_pos = np.full((b, t), -1, np.int32)  # -1: padding, its write is dropped
