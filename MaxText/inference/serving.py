@@ -56,22 +56,29 @@ class ServingEngine:
     num_pages = cfg.serve_num_pages or cfg.serve_max_num_seqs * self.pages_per_seq
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
-    self.allocator = PageAllocator(num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching)
-    self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
-                               chunk=self.chunk, max_length=cfg.max_target_length,
-                               eos_id=cfg.eos_id if eos_id is None else eos_id, vocab_size=cfg.vocab_size)
+    self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
     self.sample_vocab = sample_vocab
-    self.pools = paged_cache.init_pools(cfg, num_pages, self.page_size)
+    self.reset()
     self.absorbed = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._write_jit = jax.jit(self._write, donate_argnums=(0,))
     self._seeds = np.random.default_rng(cfg.seed)
-    self.steps = 0
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
           f"{2 * len(self.buckets())} step programs: [rows, tokens] in {self.buckets()} x (1, {self.chunk})")
+
+  def reset(self) -> None:
+    """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
+    programs stay."""
+    cfg = self.config
+    self.allocator = PageAllocator(self.num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching)
+    self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
+                               chunk=self.chunk, max_length=cfg.max_target_length, eos_id=self.eos_id,
+                               vocab_size=cfg.vocab_size)
+    self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size)
+    self.steps = 0
 
   def buckets(self) -> list[int]:
     """The row counts a step is padded to: powers of two up to serve_max_num_seqs."""
@@ -119,11 +126,11 @@ class ServingEngine:
       draw_at[i] = row.start + n  # the position of the token this row draws
     self.pools, sampled = self._run(t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at)
     sampled = to_host(sampled)
-    done_before = {id(row.request): len(row.request.output) for row in rows}
+    made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     self.scheduler.update(rows, sampled[:len(rows)])
     self.steps += 1
-    return [(row.request, row.request.output[-1]) for row in rows
-            if row.samples and len(row.request.output) > done_before[id(row.request)]]
+    return [(row.request, row.request.output[-1]) for row, n in zip(rows, made)
+            if n is not None and len(row.request.output) > n]
 
   def _run(self, t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at):
     args = [jnp.asarray(a) for a in (tokens, positions, table, last, temp, top_p, top_k, seeds, draw_at)]

@@ -81,8 +81,11 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch_and_a_bad_reques
   with pytest.raises(RequestError) as e:
     eng.add_request([1] * 30, SamplingParams(max_tokens=20))  # past max_target_length
   assert e.value.field == "max_tokens"
+  streamed = {0: [], 1: [], 2: []}
   crowd = eng.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]],
-                       [SamplingParams(max_tokens=NEW), sampled, SamplingParams(max_tokens=NEW, temperature=0.8)])
+                       [SamplingParams(max_tokens=NEW), sampled, SamplingParams(max_tokens=NEW, temperature=0.8)],
+                       on_token=lambda i, tok: streamed[i].append(tok))
+  assert [streamed[i] for i in range(3)] == [r.output for r in crowd]  # every token reported as it is made
   assert crowd[1].output == alone and len(alone) == NEW
   assert crowd[0].output == model[4][0]  # the greedy neighbour is unaffected
   other_seed = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1).generate(
