@@ -82,7 +82,9 @@ def update_routing_biases(config: Config, buffers, aux) -> dict:
   def upd(path, bias):
     names = _path_names(path)
     if names[0] == "moe_layers":
-      load = aux["expert_load"]  # [L_moe,E]
+      load = aux["expert_load"]  # [L_moe,E]: the stacked biases' [L_moe,E] (scan_layers)
+      if not config.scan_layers:  # moe_layers/layers/<i>/...: layer i's own bias [E]
+        load = load[int(names[2])]
     elif names[0] == "mtp":
       load = aux["mtp_expert_load"][int(names[1])]  # [E]
     else:
