@@ -15,6 +15,8 @@ from flax import nnx
 from MaxText.kernels import moe_experts
 from MaxText.layers import moe
 
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+
 ROUTE_CFG = dict(num_experts=16, n_routing_groups=4, topk_routing_group=2, num_experts_per_tok=4)
 
 # jitted entry points: one compile per config instead of one per eager op
