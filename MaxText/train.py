@@ -43,7 +43,7 @@ from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_acc
 from MaxText.layers.moe import update_routing_bias
 from MaxText.runtime import cli, distributed, sharding
 from MaxText.runtime.cli import RunError
-from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, warn
+from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, peak_flops_per_device, warn
 from MaxText.runtime.metrics_prefetch import DeferredMetrics
 from MaxText.runtime.optimizers import create_optimizer, learning_rate_schedule
 from MaxText.runtime.profiler import Profiler
@@ -82,7 +82,9 @@ def update_routing_biases(config: Config, buffers, aux) -> dict:
   def upd(path, bias):
     names = _path_names(path)
     if names[0] == "moe_layers":
-      load = aux["expert_load"]  # [L_moe,E]
+      load = aux["expert_load"]  # [L_moe,E]: the stacked biases' [L_moe,E] (scan_layers)
+      if not config.scan_layers:  # moe_layers/layers/<i>/...: layer i's own bias [E]
+        load = load[int(names[2])]
     elif names[0] == "mtp":
       load = aux["mtp_expert_load"][int(names[1])]  # [E]
     else:
@@ -214,24 +216,6 @@ def make_eval_step(config: Config, graphdef):
   return step
 
 
-def _peak_flops_per_device() -> float:
-  """Peak FLOP/s of one device for the MFU estimate: a table for accelerators; on the CPU a
-  measured fp32 matmul (so MFU there reads against what this CPU can really do)."""
-  kind = jax.devices()[0].device_kind.lower()
-  table = {"v5 lite": 197e12, "v5e": 197e12, "v5p": 459e12, "v4": 275e12, "v6": 918e12,
-           "h100": 989e12, "h200": 989e12, "a100": 312e12}
-  for k, v in table.items():
-    if k in kind:
-      return v
-  a = jnp.ones((1024, 1024), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(5):
-    f(a).block_until_ready()
-  return 5 * 2 * 1024 ** 3 / (time.perf_counter() - t)
-
-
 def active_params(config: Config, total: int) -> int:
   """Parameters a token's forward touches (routed experts: only num_experts_per_tok of them), no embedding."""
   per_expert = 3 * config.emb_dim * config.moe_mlp_dim
@@ -330,7 +314,7 @@ def train(config: Config) -> dict:
 
     n_params = model_state.count_params(state["params"])
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))
-    peak = _peak_flops_per_device() * mesh.size
+    peak = peak_flops_per_device()[0] * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
           f"indexer_training_stage={config.indexer_training_stage}", flush=True)
     logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()

@@ -11,13 +11,14 @@ model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in me
 is sized to each context (S = max_target_length = context) and filled with random latents; one
 jitted engine step (batch 1, the last slot) is timed: the best of --iters calls after a warm-up
 (the least disturbed by other work on a shared machine; --stat median for the median).
-Both columns run the same Engine step, attention="sparse" or "dense". Prints a table; asserts
-nothing about time.
+Both columns run the same Engine step, attention="sparse" or "dense". Prints a table, then one
+JSON line (the rows); asserts nothing about time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -101,6 +102,7 @@ def main() -> None:
         f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}; "
         f"{args.stat} of {args.iters} steps")
   print(f"{'context':>8} {'sparse ms':>10} {'dense ms':>10} {'dense/sparse':>13}")
+  rows = []
   for s in args.contexts:
     cfg = config_for(s, args)
     graphdef, _, _ = model_state.abstract_model(cfg)
@@ -110,6 +112,9 @@ def main() -> None:
       row[mode] = time_step(engine, filled_state(cfg, engine, seed=s), args.iters, args.stat)
       del engine
     print(f"{s:>8} {row['sparse']:>10.1f} {row['dense']:>10.1f} {row['dense'] / row['sparse']:>12.1f}x", flush=True)
+    rows.append(dict(context=s, sparse_ms=round(row["sparse"], 3), dense_ms=round(row["dense"], 3)))
+  print(json.dumps(dict(benchmark="decode", backend=jax.default_backend(), layers=args.layers, topk=args.topk,
+                        cache_dtype=args.cache_dtype, approx=args.approx, stat=args.stat, rows=rows)))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from MaxText.kernels import backend  # noqa: E402
 from MaxText.kernels import selection as sel  # noqa: E402
 
 SHAPES = ["1x1024x8192", "1x1024x65536", "1x1024x131072"]  # the last: 128K context at 128-way cp
@@ -30,8 +31,17 @@ KS = [64, 256, 2048]
 REFERENCE_LIMIT_BYTES = 2 << 30  # the all-pairs mask's [b,t,k,s] bool intermediate
 
 
+def _ours(fn):
+  """fn traced with our binned selection (kernels/backend.py), whatever this backend's row says."""
+  def traced(x):
+    with backend.forced(exact_selection="binned", approx_selection="binned"):
+      return fn(x)
+  return traced
+
+
 def methods(k: int, recall_target: float):
-  """name -> scores [b,t,s] -> bool mask [b,t,s]."""
+  """name -> scores [b,t,s] -> bool mask [b,t,s]. The "ours" rows run the binned selection on
+  every backend (on GPU/TPU, kernels/backend.py would otherwise pick lax.top_k / approx_max_k)."""
   def topk_threshold_mask(x):  # the seed's baseline: sorted top_k, then the k-th value as cutoff
     values, _ = jax.lax.top_k(x, k)
     return sel.generate_mask(x, values, exact_topk=True, k=k)
@@ -40,16 +50,20 @@ def methods(k: int, recall_target: float):
     values, indices = jax.lax.approx_max_k(x, k, recall_target=recall_target)
     return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
 
+  @_ours
   def ours_exact(x):
     return sel.generate_mask(x, sel.topk_threshold(x, k), exact_topk=True, k=k)
 
+  @_ours
   def ours_fused(x):
     return sel.topk_mask(x, k)
 
+  @_ours
   def ours_approx(x):
     values, indices = sel.select_topk(x, k, approx=True, recall_target=recall_target)
     return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
 
+  @_ours
   def ours_approx_fused(x):  # the same set; per-block mask from k >= s/128 (what Indexer.select runs)
     return sel.topk_mask(x, k, approx=True, recall_target=recall_target)
 
@@ -124,7 +138,7 @@ def main():
       for name, (median, best, cpu, mask) in results.items():
         recall = (mask & exact).sum() / exact.sum()
         est = ""  # ours approx: the estimate its (G, m) was chosen by
-        if name.startswith("ours approx") and config is not None and jax.default_backend() != "tpu":
+        if name.startswith("ours approx") and config is not None:
           est = f"{sel._binned_recall(-(-shape[-1] // config[0]) * config[0], min(k, shape[-1]), *config):.4f}"
         print(f"{label:>18} {k:>5}  {name:<48} {median:>10.1f} {best:>8.1f} {cpu:>8.1f} "
               f"{baseline_ms / median:>7.1f}x {recall:>7.4f} {est:>7}", flush=True)

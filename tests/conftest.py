@@ -33,6 +33,19 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _kernel_row():
+  """MAXTEXT_TEST_KERNEL_ROW=gpu (or tpu) runs each test with that backend's row of
+  MaxText/kernels/backend.py: on the CPU, the kernels a GPU or TPU would run (pytest -m device)."""
+  row = os.environ.get("MAXTEXT_TEST_KERNEL_ROW")
+  if not row:
+    yield
+    return
+  from MaxText.kernels import backend
+  with backend.forced(row):
+    yield
+
+
 def make_config(**overrides):
   """The tiny model's config on a single-device mesh (tests that want a mesh set ici_* keys)."""
   from MaxText.config import pyconfig

@@ -53,7 +53,7 @@ class MlaAttention(_Section):
   qk_rope_head_dim: PosInt
   v_head_dim: PosInt
   sparse_attention_impl: Literal["auto", "mask", "gather"]
-  sparse_attention_gather_min_length: PosInt
+  sparse_attention_gather_min_length: NonNegInt
   sparse_attention_query_block: PosInt
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from MaxText.kernels import backend
 from MaxText.kernels import moe_experts as experts_lib
 from MaxText.kernels.moe_experts import ExpertWeights
 from MaxText.runtime.sharding import logical_to_spec
@@ -42,11 +43,9 @@ EXCHANGES = ("all_to_all", "ragged_all_to_all")
 
 
 def exchange_impl(key: str) -> str:
-  """moe_exchange: 'auto' is ragged_all_to_all on GPU / TPU and the fixed-capacity all_to_all on
-  CPU (XLA:CPU, jax 0.10.2, does not implement ragged-all-to-all)."""
-  if key != "auto":
-    return key
-  return "all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all"
+  """moe_exchange: 'auto' is backend.py's moe_exchange: ragged_all_to_all on GPU / TPU and the
+  fixed-capacity all_to_all on CPU (XLA:CPU, jax 0.10.2, does not implement ragged-all-to-all)."""
+  return backend.choice("moe_exchange") if key == "auto" else key
 
 
 class MeshMoEOutput(NamedTuple):

@@ -6,7 +6,8 @@ multiplied by its weights (`grouped_matmul`), and the results gathered back to [
 (`expert_outputs`) and summed with the routing weights (`combine`). Dropless: every valid
 assignment is computed; no expert computes every token.
 
-The grouped matmul has two implementations, picked per backend by `dispatch_impl`:
+The grouped matmul has two implementations, picked per backend by `dispatch_impl` (backend.py's
+grouped_matmul):
   "ragged_dot": `jax.lax.ragged_dot` on the sorted rows (group sizes from a bincount); TPU and GPU
       lower it to grouped-GEMM kernels.
   "blocked": each expert's rows padded to a multiple of B rows, each block multiplied by its
@@ -25,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.kernels import backend
 
 
 class ExpertWeights(NamedTuple):
@@ -110,8 +113,9 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, plan: DispatchPlan, *, impl: s
 
 
 def dispatch_impl() -> str:
-  """'blocked' on CPU (where ragged_dot is a dense product over all experts), else 'ragged_dot'."""
-  return "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+  """backend.py's grouped_matmul: 'blocked' on CPU (where ragged_dot is a dense product over all
+  experts), else 'ragged_dot'."""
+  return backend.choice("grouped_matmul")
 
 
 def default_block_rows(num_assignments: int, num_experts: int) -> int:

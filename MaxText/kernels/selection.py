@@ -5,26 +5,29 @@ row by row over the last axis and takes only arrays and static Python arguments 
 vmappable, no config). NaN scores are treated as -inf everywhere, and a -inf or NaN score is
 never selected ahead of a finite one. k' = min(k, s) throughout.
 
-Which method runs where:
+Which method runs where (each backend's choice: backend.py; exact_selection, approx_selection,
+row_blocks):
   select_topk(approx=False)  jax.lax.top_k, every backend (sorted, exact).
-  select_topk(approx=True)   TPU: jax.lax.approx_max_k. Elsewhere (CPU/GPU, where approx_max_k is
-                             an exact sort-based fallback) our binned method (_binned_topk_block).
-  topk_threshold             the exact k-th value from bounds on strided bins closed by bisection
-                             over order-preserving int32 keys (_threshold_block), every backend.
+  select_topk(approx=True)   "approx_max_k" (the portable choice): jax.lax.approx_max_k (on CPU and
+                             GPU an exact sort-based fallback). "binned" (CPU): our binned method
+                             (_binned_topk_block).
+  topk_threshold             "binned" (CPU): the exact k-th value from bounds on strided bins closed
+                             by bisection over order-preserving int32 keys (_threshold_block).
+                             "top_k": lax.top_k's last value.
   generate_mask              one compare against the cutoff (+ a tie fix only when needed).
-  topk_mask                  topk_threshold + generate_mask fused: each block of rows reads its
-                             scores once (they no longer fit the last-level cache at s=131072);
-                             exact k: a fast path checked per row, failed rows redone in full
-                             (_topk_mask_checked).
-                             approx=True: select_topk(approx)'s set; off TPU for k >= s/128 the
-                             binned selection writes its mask per block, checked per row, rows
-                             with ties at the k-th redone (_binned_mask_checked).
+  topk_mask                  "binned": topk_threshold + generate_mask fused: each block of rows
+                             reads its scores once (they no longer fit the last-level cache at
+                             s=131072); exact k: a fast path checked per row, failed rows redone
+                             in full (_topk_mask_checked). "top_k": lax.top_k's indices scattered.
+                             approx=True: select_topk(approx)'s set; "binned" for k >= s/128
+                             writes its mask per block, checked per row, rows with ties at the
+                             k-th redone (_binned_mask_checked).
   generate_mask_reference    the original all-pairs index compare: the oracle for tests.
 
-Why not lax.top_k for everything: on CPU it costs ~O(s log k) per row with a large constant, and
-the mask path needs only each row's k-th value (benchmarks/indexer_topk.py compares them).
-On CPU the row-wise work runs in blocks of rows small enough to stay in the L2 cache
-(_map_blocks); other backends take all rows at once.
+Why not lax.top_k for everything on CPU: there it costs ~O(s log k) per row with a large constant,
+and the mask path needs only each row's k-th value (benchmarks/indexer_topk.py compares them).
+With row_blocks="cache" (CPU) the row-wise work runs in blocks of rows small enough to stay in
+the L2 cache (_map_blocks); "all" takes all rows at once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from MaxText.kernels import backend
 from MaxText.kernels.selection_keys import (
   _IMAX,
   _IMIN,
@@ -59,13 +63,16 @@ def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
   """scores [..., s] -> [..., 1]: each row's k'-th largest value, exactly as
   lax.top_k(scores, k')[0][..., -1:] with NaN read as -inf (-inf when fewer than k' are finite).
 
-  Every backend, no sort and no top_k: bounds from the top of strided bins, closed by bisection
-  over int32 keys (_threshold_block); on CPU over cache-resident blocks of rows. Under vmap its
-  lax.conds become selects: still exact, but the rare branches are then always computed.
+  exact_selection "binned" (CPU): no sort and no top_k: bounds from the top of strided bins,
+  closed by bisection over int32 keys (_threshold_block), in blocks of rows (row_blocks). Under
+  vmap its lax.conds become selects: still exact, but the rare branches are then always computed.
+  "top_k" (portable): lax.top_k's last value.
   """
   if k < 1:
     raise ValueError(f"topk_threshold: k must be >= 1, got {k}")
   kk = min(k, scores.shape[-1])
+  if backend.choice("exact_selection") == "top_k":
+    return lax.top_k(_sanitize(scores), kk)[0][..., -1:]
   return _map_blocks(lambda x: _threshold_block(x, kk), scores)
 
 
@@ -184,28 +191,34 @@ def _threshold_block(x: jax.Array, k: int) -> jax.Array:
 def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: bool = False,
               recall_target: float = 0.95) -> jax.Array:
   """bool [..., s], True = attend: generate_mask(scores, topk_threshold(scores, k), exact_topk, k)
-  in one pass over the scores. On CPU each cache-resident block of rows finds its k-th values and
-  writes its mask while its keys are still in cache (the two calls read every score twice, from
-  memory once the scores outgrow the last-level cache, e.g. f32[1,1024,131072] = 512 MiB).
+  in one pass over the scores. exact_selection "binned" (CPU): each cache-resident block of rows
+  finds its k-th values and writes its mask while its keys are still in cache (the two calls read
+  every score twice, from memory once the scores outgrow the last-level cache, e.g.
+  f32[1,1024,131072] = 512 MiB). "top_k": lax.top_k's indices scattered (exact_topk), or its
+  k-th value as the cutoff.
 
   approx=True: the mask of select_topk(approx=True, recall_target)'s selection, the same set:
-  with exact_topk its index set minus -inf/NaN scores (off TPU and for k >= s/128 written per
-  block with no indices: _binned_mask_checked), else every key >= its smallest value.
+  with exact_topk its index set minus -inf/NaN scores (approx_selection "binned" and k >= s/128:
+  written per block with no indices, _binned_mask_checked), else every key >= its smallest value.
   """
   if k < 1 or not 0.0 < recall_target <= 1.0:
     raise ValueError(f"topk_mask: need k >= 1 and 0 < recall_target <= 1, got k={k}, "
                      f"recall_target={recall_target}")
   kk = min(k, scores.shape[-1])
-  on_tpu = jax.default_backend() == "tpu"
-  config = _binned_config(scores.shape[-1], kk, recall_target) if approx and not on_tpu else None
+  chosen = backend.choices()
+  binned = approx and chosen.approx_selection == "binned"
+  config = _binned_config(scores.shape[-1], kk, recall_target) if binned else None
   # Writing the mask per block costs more than a scatter of few indices: it pays from k >= s/128
   # (docs/measured_choices.md; benchmarks/indexer_topk.py).
   if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
     return _binned_mask_checked(scores, kk, *config)
-  if approx and (on_tpu or config is not None):
+  if approx and (not binned or config is not None):
     values, indices = select_topk(scores, kk, approx=True, recall_target=recall_target)
     return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
-  # Exact; also approx off TPU where no binning pays (select_topk is then lax.top_k: this set).
+  # Exact; also a binned approx where no binning pays (select_topk is then lax.top_k: this set).
+  if chosen.exact_selection == "top_k":
+    values, indices = select_topk(scores, kk)
+    return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
   if exact_topk and 2 * -(-scores.shape[-1] // 16) >= kk:
     return _topk_mask_checked(scores, kk)
   return _map_blocks(lambda x: _topk_mask_block(x, kk, exact_topk), scores)
@@ -399,13 +412,14 @@ def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
   """scores [..., s] -> (values [..., k'], indices [..., k'] int32), k' = min(k, s).
 
   approx=False: jax.lax.top_k (sorted, ties lowest index first), every backend.
-  approx=True:  on TPU jax.lax.approx_max_k(recall_target=...). Elsewhere the binned method:
+  approx=True:  approx_selection "approx_max_k" (portable): jax.lax.approx_max_k(recall_target=...).
+    "binned" (CPU): the binned method:
     strided bins (bin = position mod s/G) of G in {4,8,16,32} keys, the top m of each bin by m
     knock-out max passes over int32 keys (G=32: two 16-key bins' top m, merged), then the exact
     top k' of the m*bins candidates by bisection (_kth_key) and a scatter. (G, m) is the cheapest
     pair whose hypergeometric recall estimate (_binned_recall) clears recall_target; when none
     does, exact lax.top_k runs.
-    The off-TPU result is unsorted except that the last entry is the smallest value.
+    The binned result is unsorted except that the last entry is the smallest value.
   NaN counts as -inf; entries with value -inf (row with fewer than k' finite keys) are not
   valid selections (see selection_indices).
   """
@@ -415,7 +429,7 @@ def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
   kk = min(k, scores.shape[-1])
   if not approx:
     return lax.top_k(_sanitize(scores), kk)
-  if jax.default_backend() == "tpu":
+  if backend.choice("approx_selection") == "approx_max_k":
     return lax.approx_max_k(_sanitize(scores), kk, recall_target=recall_target)
   config = _binned_config(scores.shape[-1], kk, recall_target)
   if config is None:

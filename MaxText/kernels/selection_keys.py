@@ -1,7 +1,7 @@
 """The machinery top-k selection (selection.py) runs on: order-preserving int32 keys of f32 scores,
-cache-sized blocks of rows on CPU (_map_blocks, _repair_rows), counting and the exact k-th key by
-bisection (_kth_key), and a prefix sum that XLA:CPU runs fast. Pure functions of arrays and static
-Python arguments; shapes [R, n] are a block of R rows of n keys."""
+cache-sized blocks of rows on CPU (_map_blocks, _repair_rows; row_blocks in backend.py), counting
+and the exact k-th key by bisection (_kth_key), and a prefix sum that XLA:CPU runs fast. Pure
+functions of arrays and static Python arguments; shapes [R, n] are a block of R rows of n keys."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from MaxText.kernels import backend
 
 _IMIN, _IMAX = -(2**31), 2**31 - 1
 _INF_BITS = 0x7F800000  # bit pattern of +inf
@@ -79,15 +81,16 @@ def _as_columns(o) -> Columns:
 def _map_blocks(block_fn, *arrays: jax.Array, cache_bytes: int = _CACHE_BYTES):
   """Apply block_fn to blocks of rows: arrays [..., n_i] (same batch dims) -> outputs [..., *].
 
-  block_fn takes [R, n_i] arrays and returns arrays [R, *] or Columns of [R, w_i] pieces. On CPU
-  R = _block_rows(s, cache_bytes) and the blocks run one after another in a loop (not vmap, so a
-  lax.cond in block_fn stays a branch per block) that writes each block's outputs, piece by piece,
-  in place, each block's working set staying in cache through every pass. Other backends: one block.
+  block_fn takes [R, n_i] arrays and returns arrays [R, *] or Columns of [R, w_i] pieces. With
+  row_blocks "cache" (CPU; backend.py) R = _block_rows(s, cache_bytes) and the blocks run one after
+  another in a loop (not vmap, so a lax.cond in block_fn stays a branch per block) that writes each
+  block's outputs, piece by piece, in place, each block's working set staying in cache through every
+  pass. "all" (portable): one block.
   """
   batch = arrays[0].shape[:-1]
   rows = [a.reshape(-1, a.shape[-1]) for a in arrays]  # [N, n_i]
   n = rows[0].shape[0]
-  r = _block_rows(arrays[0].shape[-1], cache_bytes) if jax.default_backend() == "cpu" else n
+  r = _block_rows(arrays[0].shape[-1], cache_bytes) if backend.choice("row_blocks") == "cache" else n
   if r >= n:
     out = jax.tree.map(lambda o: o.join() if _is_columns(o) else o, block_fn(*rows), is_leaf=_is_columns)
   else:

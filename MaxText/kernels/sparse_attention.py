@@ -29,9 +29,10 @@ recomputes each query's gather and softmax, and scatter-adds the keys' cotangent
 one [b,s,c+r] carry. Plain autodiff would keep every query's gathered keys for the backward
 pass (O(t*k*(c+r)): 16x the whole KV at k = s/16) or, rematerialized, transpose each query's
 gather into a fresh zero [b,s,c+r] cotangent: O(s) work per query, O(t*s) in all.
-On CPU a block's attention loops over its queries with 2-D matmuls, so each query's gathered
-keys stay in cache between its score and output matmuls: faster on CPU than one block-wide
-batched gather, which other backends run (benchmarks/sparse_attention.py; docs/measured_choices.md).
+On CPU (query_loop "loop" in backend.py) a block's attention loops over its queries with 2-D
+matmuls, so each query's gathered keys stay in cache between its score and output matmuls: faster
+on CPU than one block-wide batched gather ("vmap"), which other backends run
+(benchmarks/sparse_attention.py; docs/measured_choices.md).
 
 Selection (the same semantics as the mask path, see selection.py):
   exact    topk_threshold + generate_mask(exact_topk=True): exactly min(k, #valid) keys, ties at
@@ -60,6 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from MaxText.kernels import backend
 from MaxText.kernels.index_scores import gathered_index_scores, index_scores, indexer_kl_loss
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
@@ -274,7 +276,7 @@ class SparseSpec(NamedTuple):
   recall_target: float = 0.95
   with_kl: bool = False  # compute the sparse stage's indexer KL over the selected sets
   precision: object = None
-  query_loop: bool | None = None  # one query at a time inside a block (None: on CPU)
+  query_loop: bool | None = None  # one query at a time inside a block (None: backend.py's query_loop)
 
 
 class SparseOutput(NamedTuple):
@@ -294,7 +296,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
 
   Per block of spec.query_block queries (t padded to whole blocks): scores [b,blk,s]
   (index_scores, heads in chunks of head_chunk), topk_indices, absorb_q, _attend_block (one
-  query at a time if query_loop, else vmapped over the block; None = loop on CPU), unabsorb_out.
+  query at a time if query_loop, else vmapped over the block; None = backend.py's choice), unabsorb_out.
   The attention sends no gradient into the indexer (the indices are integers); the KL reaches
   only the indexer's q, w and k.
   """
@@ -307,7 +309,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
   dt = q_nope.dtype
   n = -(-t // min(query_block, t))
   blk = -(-t // n)  # n blocks of blk >= t/n queries: fewer than n padding rows
-  loop = jax.default_backend() == "cpu" if query_loop is None else query_loop
+  loop = backend.choice("query_loop") == "loop" if query_loop is None else query_loop
   if q_seg is None:  # padding rows must see no key: give every row a segment
     q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
   kv_cat = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [b,s,c+r]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from MaxText.kernels import backend
 from MaxText.kernels.selection import generate_mask, select_topk, topk_threshold
 
 _WORD = 32  # mask bits packed per uint32 word when compacting a mask to indices
@@ -74,7 +75,9 @@ def topk_indices(scores: jax.Array, k: int, *, approx: bool = False,
   int32, idx_valid [..., k'] bool), k' = min(k, s).
 
   exact: the set of selection.generate_mask(exact_topk=True) (= lax.top_k's: exactly
-  min(k', #finite) keys, ties lowest position first), ascending, from the fast k-th value.
+  min(k', #finite) keys, ties lowest position first), ascending, then 0 in invalid slots.
+  exact_selection "binned" (CPU; backend.py): compacted from the mask of the fast k-th value;
+  "top_k": lax.top_k's indices, sorted.
   approx: selection.select_topk(approx=True)'s indices, a slot valid where its score is finite.
   A -inf or NaN score is never a valid slot.
   """
@@ -82,5 +85,10 @@ def topk_indices(scores: jax.Array, k: int, *, approx: bool = False,
   if approx:
     values, idx = select_topk(scores, kk, approx=True, recall_target=recall_target)
     return idx.astype(jnp.int32), values > -jnp.inf  # select_topk reads NaN as -inf
+  if backend.choice("exact_selection") == "top_k":
+    values, idx = select_topk(scores, kk)  # [..., k'] x2, NaN read as -inf
+    s = scores.shape[-1]
+    idx = jnp.sort(jnp.where(values > -jnp.inf, idx, s), axis=-1)  # ascending, invalid slots (s) last
+    return jnp.where(idx < s, idx, 0).astype(jnp.int32), idx < s
   mask = generate_mask(scores, topk_threshold(scores, kk), exact_topk=True, k=kk)  # [..., s]
   return mask_to_indices(mask, kk)

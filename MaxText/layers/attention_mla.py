@@ -29,7 +29,8 @@ Two implementations of the sparse attention (sparse_attention_impl):
           score, select and gather their k keys (absorbed MLA over c_kv and k_pe), O(t*k)
           attention and memory linear in t; the selection is sown as "indexer_topk_indices"
           [b,t,k] (-1 on invalid slots) instead of a mask.
-  auto    mask below sparse_attention_gather_min_length keys, gather from there on.
+  auto    mask below sparse_attention_gather_min_length keys, gather from there on (0: the
+          backend's gather_min_length, kernels/backend.py).
 A stage with dense attention and use_indexer=false always run the mask path.
 
 Context parallelism: queries stay sharded over `context` ([b,t/cp,...] per device: indexer
@@ -47,6 +48,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config.types import Config
+from MaxText.kernels import backend
 from MaxText.kernels.cached_attention import (
   absorbed_weights,
   index_scores_spliced,
@@ -181,8 +183,8 @@ class MLA(nnx.Module):
     cfg = self.config
     if self.indexer is None or indexer_stage(cfg).dense_attention:
       return False  # nothing selected, or attention is dense by definition
-    return cfg.sparse_attention_impl == "gather" or (
-        cfg.sparse_attention_impl == "auto" and s >= cfg.sparse_attention_gather_min_length)
+    min_length = cfg.sparse_attention_gather_min_length or backend.choice("gather_min_length")
+    return cfg.sparse_attention_impl == "gather" or (cfg.sparse_attention_impl == "auto" and s >= min_length)
 
   def sparse_spec(self) -> SparseSpec:
     """The gather kernel's static arguments, from the config."""

@@ -91,5 +91,36 @@ def model_flops_per_token(config: Config, active_params: int) -> float:
   return 6.0 * active_params + attn
 
 
+# Dense bf16 peak FLOP/s of one device, by a substring of jax's device_kind (lowercased); the first
+# match wins ("TPU v5 lite" is a v5e, "TPU v5" a v5p, "TPU v6 lite" a v6e).
+PEAK_FLOPS = (("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12), ("v5", 459e12), ("v4", 275e12),
+              ("v6", 918e12), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12))
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """PEAK_FLOPS's entry for a device kind (jax.devices()[0].device_kind), None where it has none."""
+  kind = device_kind.lower()
+  return next((v for k, v in PEAK_FLOPS if k in kind), None)
+
+
+def peak_flops_per_device() -> tuple[float, str]:
+  """(peak FLOP/s of one device, where it comes from): the table for accelerators; elsewhere (the
+  CPU) a measured fp32 matmul, so MFU there reads against what this machine really does."""
+  import jax  # here only: the rest of this module needs no jax
+  import jax.numpy as jnp
+
+  kind = jax.devices()[0].device_kind
+  peak = peak_flops(kind)
+  if peak is not None:
+    return peak, f"table ({kind})"
+  a = jnp.ones((1024, 1024), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(5):
+    f(a).block_until_ready()
+  return 5 * 2 * 1024 ** 3 / (time.perf_counter() - t), f"no table entry for {kind!r}: a measured f32 matmul"
+
+
 def warn(msg: str) -> None:
   print(f"warning: {msg}", file=sys.stderr, flush=True)

@@ -18,6 +18,8 @@ from MaxText.kernels import moe_experts
 from MaxText.layers import moe
 from MaxText.runtime import sharding
 
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+
 ROUTE_CFG = dict(num_experts=16, n_routing_groups=4, topk_routing_group=2, num_experts_per_tok=4)
 
 # jitted entry points: one compile per config instead of one per eager op
@@ -357,6 +359,20 @@ def test_update_routing_bias_direction_and_magnitude():
   np.testing.assert_allclose(moe.update_routing_bias(bias, load, 0.01), [0.09, -0.19, 0.0, 0.3], rtol=1e-6)
   stacked = moe.update_routing_bias(jnp.stack([bias, bias]), jnp.stack([load, load[::-1]]), 0.5)  # [L,E]
   np.testing.assert_allclose(stacked, [[-0.4, 0.3, 0.0, 0.3], [0.1, -0.2, 0.5, -0.2]], rtol=1e-6)
+
+
+def test_train_updates_each_layers_bias_by_its_own_load_scanned_or_not():
+  from MaxText.train import update_routing_biases
+  load = jnp.array([[0.4, 0.1, 0.25, 0.25], [0.1, 0.4, 0.25, 0.25]])  # [L_moe=2,E=4]
+  keys = dict(num_experts=4, n_routing_groups=2, topk_routing_group=2, num_decoder_layers=3, mtp_num_layers=0)
+  want = moe.update_routing_bias(jnp.zeros((2, 4)), load, make_config(**keys).routed_bias_update_rate)  # [2,4]
+  stacked = {"moe_layers": {"layers": {"mlp": {"routing_bias": jnp.zeros((2, 4))}}}}
+  got = update_routing_biases(make_config(**keys), stacked, {"expert_load": load})
+  np.testing.assert_array_equal(got["moe_layers"]["layers"]["mlp"]["routing_bias"], want)
+  per_layer = {"moe_layers": {"layers": {i: {"mlp": {"routing_bias": jnp.zeros(4)}} for i in range(2)}}}
+  got = update_routing_biases(make_config(scan_layers=False, **keys), per_layer, {"expert_load": load})
+  for i in range(2):  # each layer's own row, not every layer's [2,4]
+    np.testing.assert_array_equal(got["moe_layers"]["layers"][i]["mlp"]["routing_bias"], want[i])
 
 
 def test_bias_updates_even_out_a_skewed_load():

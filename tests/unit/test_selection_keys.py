@@ -4,8 +4,12 @@ blocks whose outputs (arrays and Columns of pieces) are written in place."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from MaxText.kernels import backend
 from MaxText.kernels import selection_keys as sk
+
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
 
 
 def test_kth_key_at_a_width_padded_off_the_l1_set_stride():
@@ -24,8 +28,9 @@ def test_kth_key_at_a_width_padded_off_the_l1_set_stride():
 
 def test_map_blocks_writes_column_pieces_and_vectors_in_place_with_padded_blocks():
   """A block function returning Columns (pieces of uneven widths, side by side) and a per-row
-  vector: on CPU written piece by piece into each output; 21 rows at 2 rows per block (s=131072)
-  pad the last block. Equal to the function applied to all rows at once."""
+  vector: written piece by piece into each output (row_blocks "cache", the CPU's; forced here on
+  any backend); 21 rows at 2 rows per block (s=131072) pad the last block. Equal to the function
+  applied to all rows at once."""
   s = 131072
   assert sk._block_rows(s, sk._CACHE_BYTES) == 2
   x = jax.random.normal(jax.random.key(2), (3, 7, s), jnp.float32)
@@ -34,7 +39,8 @@ def test_map_blocks_writes_column_pieces_and_vectors_in_place_with_padded_blocks
     pieces = sk.Columns((b[:, :100] > 0, b[:, 100:s - 7] > 1, b[:, s - 7:] < 0))
     return pieces, jnp.sum(b > 0, axis=1)
 
-  mask, count = jax.jit(lambda x: sk._map_blocks(block_fn, x))(x)
+  with backend.forced(row_blocks="cache"):
+    mask, count = jax.jit(lambda x: sk._map_blocks(block_fn, x))(x)
   want_mask, want_count = block_fn(x.reshape(-1, s))
   np.testing.assert_array_equal(np.asarray(mask).reshape(-1, s), np.asarray(want_mask.join()))
   np.testing.assert_array_equal(np.asarray(count).reshape(-1), np.asarray(want_count))

@@ -22,6 +22,8 @@ from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA, capture_selection
 from MaxText.runtime import sharding
 
+pytestmark = pytest.mark.device  # on one GPU or TPU too (benchmarks/device_check.sh); not the meshes
+
 T, K, BLOCK = 13, 4, 5  # t is no multiple of the query block: the last block is padded
 
 
@@ -334,6 +336,7 @@ def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
 # ---------------------------------------------------------------- context parallelism
 
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (8 simulated CPU devices in tests/conftest.py)")
 def test_context_parallel_gather_path_equals_one_device(cp):
   t = 16  # two query blocks of 8, each spread over the cp devices
   cfg1 = make_config(indexer_topk=K, sparse_attention_impl="gather", sparse_attention_query_block=8,
@@ -398,9 +401,12 @@ def test_training_scanned_layers_on_the_gather_path_keeps_no_t_by_s_buffer(stage
   # The whole model's gradient with scanned, rematerialized layers (the training default): no
   # buffer of t*s/2 or more elements anywhere, not even a bool [t,s] validity mask (JAX split the
   # per-block masks of the query loop into a loop of their own and stacked them: 16 GiB at 128K).
+  # Dense layers only: the experts' matmul has buffers of its own (on XLA:CPU ragged_dot, the GPU
+  # row's, holds [E, t*k, D]), none t*s.
   from MaxText.checkpoint import model_state
   t = 2048
   cfg = make_config(max_target_length=t, max_position_embeddings=t, indexer_topk=16, mtp_num_layers=0,
+                    first_num_dense_layers=4,
                     sparse_attention_impl="gather", sparse_attention_query_block=64, scan_layers=True,
                     remat_policy="full", indexer_training_stage=stage)
   graphdef, params, buffers = model_state.abstract_model(cfg)

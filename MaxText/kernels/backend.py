@@ -1,0 +1,127 @@
+"""What the kernels run on each backend: the one place that picks per backend.
+
+Every kernel that has more than one way to compute the same thing reads its choice here, when it
+is traced. A backend's row in TABLE says what runs there. The "cpu" row is tuned and measured on
+XLA:CPU (docs/measured_choices.md). On every other backend ("gpu", "tpu", any other) nothing has
+been measured yet, so it runs the portable implementations: plain XLA ops that every backend
+lowers well. A backend's row changes only after a measurement on it (benchmarks/device_check.sh,
+docs/accelerators.md).
+
+  choice             cpu (measured)                        portable (gpu, tpu, others)
+  exact_selection    "binned": each row's k-th value from  "top_k": lax.top_k (its indices
+                     strided bins closed by bisection      scattered into a mask, or sorted
+                     (selection.py)                        as the gather path's slots)
+  approx_selection   "binned": the top m of strided bins   "approx_max_k": lax.approx_max_k
+  row_blocks         "cache": rows in L2-sized blocks, a   "all": every row in one block
+                     loop over blocks (selection_keys.py)
+  query_loop         "loop": one query at a time inside a  "vmap": a block's queries batched
+                     gather-path block (sparse_attention)
+  grouped_matmul     "blocked": per-block matmuls of each  "ragged_dot": lax.ragged_dot
+                     expert's padded rows (moe_experts)
+  moe_exchange       "all_to_all": fixed capacity (XLA:CPU "ragged_all_to_all": rows sent =
+                     lacks ragged_all_to_all; moe_dispatch) rows routed
+  gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
+                     k=2048 (sparse_attention_impl=auto)   on these backends
+
+Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
+set (ties lowest position first); both approximate ones reach their recall target.
+
+To force choices (tests on the CPU, benchmarks comparing implementations on one device):
+
+    with backend.forced("gpu"):                        # the row a GPU would take, here
+      ...
+    with backend.forced(exact_selection="binned"):     # one choice, the rest as the backend's row
+      ...
+
+A choice is read when a function is TRACED: a jitted function keeps what it traced, so the
+`with` must enclose its first call (or a fresh jax.jit). Config keys that name a choice win over
+the table: moe_exchange (other than auto), sparse_attention_gather_min_length (other than 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+  """One backend's row: which implementation each choice takes (see the module doc)."""
+  exact_selection: str  # "binned" | "top_k"
+  approx_selection: str  # "binned" | "approx_max_k"
+  row_blocks: str  # "cache" | "all"
+  query_loop: str  # "loop" | "vmap"
+  grouped_matmul: str  # "blocked" | "ragged_dot"
+  moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
+  gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
+
+
+OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
+    "exact_selection": ("binned", "top_k"),
+    "approx_selection": ("binned", "approx_max_k"),
+    "row_blocks": ("cache", "all"),
+    "query_loop": ("loop", "vmap"),
+    "grouped_matmul": ("blocked", "ragged_dot"),
+    "moe_exchange": ("all_to_all", "ragged_all_to_all"),
+}
+
+CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
+              grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
+PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row_blocks="all", query_loop="vmap",
+                   grouped_matmul="ragged_dot", moe_exchange="ragged_all_to_all", gather_min_length=3072)
+
+TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
+    "cpu": CPU,  # measured: docs/measured_choices.md
+    "gpu": PORTABLE,  # not measured yet (docs/accelerators.md)
+    "tpu": PORTABLE,  # not measured yet
+}
+
+_FORCED: contextvars.ContextVar[tuple[str | None, dict]] = contextvars.ContextVar("kernel_choices",
+                                                                                  default=(None, {}))
+
+
+def row(backend: str) -> Choices:
+  """TABLE's row for a backend name ("cpu", "gpu", "tpu", ...), PORTABLE where it has none."""
+  return TABLE.get(backend, PORTABLE)
+
+
+def choices() -> Choices:
+  """The choices in force: the row of this process's backend (or of `forced`'s backend), with
+  `forced`'s overrides."""
+  backend, overrides = _FORCED.get()
+  return dataclasses.replace(row(backend or jax.default_backend()), **overrides)
+
+
+def choice(name: str):
+  """One choice in force, e.g. choice("grouped_matmul") -> "blocked" on the CPU."""
+  return getattr(choices(), name)
+
+
+def _check(backend: str | None, overrides: dict) -> None:
+  fields = {f.name for f in dataclasses.fields(Choices)}
+  for name, value in overrides.items():
+    if name not in fields:
+      raise ValueError(f"backend.forced: no choice {name!r}; the choices are {sorted(fields)}")
+    if name == "gather_min_length":
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
+    elif value not in OPTIONS[name]:
+      raise ValueError(f"backend.forced: {name}={value!r}; expected one of {OPTIONS[name]}")
+  if backend is not None and not isinstance(backend, str):
+    raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")
+
+
+@contextlib.contextmanager
+def forced(backend: str | None = None, **overrides):
+  """Within the block, kernels traced take `backend`'s row (default: this process's backend)
+  with `overrides` on top; nested blocks add to the outer one. Yields the choices in force."""
+  _check(backend, overrides)
+  outer_backend, outer = _FORCED.get()
+  token = _FORCED.set((backend or outer_backend, {**outer, **overrides}))
+  try:
+    yield choices()
+  finally:
+    _FORCED.reset(token)
