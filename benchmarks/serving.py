@@ -10,7 +10,7 @@ output lengths uniform in [--out-min, --out-max] (max_tokens, EOS ignored), gree
   static   the contiguous Engine of decode.py before this engine: when idle it takes every request
            that has arrived (up to --seqs; the batch padded to --seqs rows, one compiled shape)
            and runs it until its longest request is done; later arrivals wait for the next batch.
-Both are compiled before the clock starts (a warm-up run of the same shapes). Reported: output
+Both are compiled before the clock starts (ours: ServingEngine.warmup; static: a warm-up batch). Reported: output
 tokens/s over the run, time to first token (TTFT: arrival -> first token) and time per output
 token (TPOT: (finish - first token) / (tokens - 1)), p50 and p99.
 Then a shared-prefix workload (--system tokens of system prompt + a short question each) through
@@ -115,10 +115,10 @@ def run_static(engine: Engine, work, seqs: int, warm: bool = False):
 
 
 def model_for(args, extra: dict, seqs: int, prefix_caching: bool = True):
-  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, ici_data_parallelism=1, mtp_num_layers=0,
-                            max_target_length=args.max_len, max_prefill_length=args.prefill, prefill_chunk_size=0,
-                            serve_max_num_seqs=seqs, serve_max_num_tokens=args.tokens, serve_page_size=args.page,
-                            serve_prefix_caching=prefix_caching, **extra)
+  keys = dict(ici_data_parallelism=1, mtp_num_layers=0, max_target_length=args.max_len,
+              max_prefill_length=args.prefill, prefill_chunk_size=0, serve_max_num_seqs=seqs,
+              serve_max_num_tokens=args.tokens, serve_page_size=args.page, serve_prefix_caching=prefix_caching)
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **{**keys, **extra})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   return cfg, graphdef, params, buffers
 
@@ -127,8 +127,7 @@ def compare(args, name: str, extra: dict) -> dict:
   cfg, g, p, b = model_for(args, extra, args.seqs)
   work = workload(args, seed=0)
   ours, static = ServingEngine(cfg, g, p, b), Engine(cfg, g, p, b)
-  run_ours(ours, work[:args.seqs], warm=True)  # compile every bucket on the way
-  run_ours(ours, work[:1], warm=True)
+  ours.warmup()  # every step program compiled before the clock starts
   run_static(static, work[:args.seqs], args.seqs, warm=True)
   ours.reset()  # empty pools and prefix cache; the compiled programs stay
   a = run_ours(ours, work)
@@ -145,8 +144,7 @@ def prefix(args, extra: dict) -> dict:
     cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64,
                                     "max_prefill_length": args.system + 16}, args.seqs, prefix_caching=caching)
     eng = ServingEngine(cfg, g, p, b)
-    run_ours(eng, [(0.0, [1] + [5] * (args.system + 7), 2)] * args.seqs, warm=True)  # compile every bucket
-    eng.reset()
+    eng.warmup()
     out["with" if caching else "without"] = run_ours(eng, work)
   return out
 

@@ -58,11 +58,11 @@ class ServingEngine:
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
     self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
     self.sample_vocab = sample_vocab
-    self.reset()
     self.absorbed = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._write_jit = jax.jit(self._write, donate_argnums=(0,))
     self._seeds = np.random.default_rng(cfg.seed)
+    self.reset()
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
@@ -78,11 +78,26 @@ class ServingEngine:
                                chunk=self.chunk, max_length=cfg.max_target_length, eos_id=self.eos_id,
                                vocab_size=cfg.vocab_size)
     self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size)
+    self._noop(1, 1)  # the pools now lie as every step returns them (on the params' mesh): no recompile later
     self.steps = 0
 
   def buckets(self) -> list[int]:
     """The row counts a step is padded to: powers of two up to serve_max_num_seqs."""
     return sorted({min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)})
+
+  def warmup(self) -> int:
+    """Compiles every step and write program (each row bucket x (1, chunk)) on padding-only input:
+    every write is dropped, nothing changes. Returns how many step programs there are."""
+    for b in self.buckets():
+      for t in sorted({1, self.chunk}):
+        self._noop(b, t)
+    return 2 * len(self.buckets())
+
+  def _noop(self, b: int, t: int) -> None:
+    """A step of b padding rows of t tokens: compiles that program, writes nothing."""
+    z, zb = np.zeros((b, t), np.int32), np.zeros((b,), np.int32)
+    self.pools, _ = self._run(t, z, z, z - 1, np.full((b, self.pages_per_seq), -1, np.int32), zb,
+                              zb.astype(np.float32), np.ones((b,), np.float32), zb, zb.astype(np.uint32), zb)
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
