@@ -1,0 +1,166 @@
+"""Training batches from ArrayRecord / Parquet shards (dataset_type=grain) and local Hugging Face
+datasets (dataset_type=hf): read (records.py), shuffled, packed in lanes (packing.py), on grain.
+
+    data = create_stream_iterator(config, process_index=0, process_count=1)
+    batch = next(data)          # the same keys and shapes as every other dataset (input_pipeline.BATCH_KEYS)
+    state = data.get_state()    # JSON: the step and each lane's cursor (every process's, gathered)
+    data.set_state(state)       # the next batch is exactly the one the saved run would have seen
+
+Each epoch reads every record once, in an order shuffled by `seed` (grain's index shuffle: a
+different permutation per epoch, computed per index). grain_worker_count worker processes
+(grain's mp_prefetch) each read and pack a share of this process's lanes; the batch is put back
+together in lane order, so the batches do not depend on the number of workers or processes, and a
+state saved with one count resumes with another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterator
+
+import grain
+import numpy as np
+
+from MaxText.config.types import Config
+from MaxText.data.packing import PackedLanes
+from MaxText.data.records import DataError, DocumentReader, Table, open_table
+from MaxText.data.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_ORDER_SALT = 0x5EED_0D0C
+ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+class OrderedDocuments:
+  """Order position j (any j >= 0: epoch j // N) -> the token ids of its record (picklable)."""
+
+  def __init__(self, reader: DocumentReader, seed: int):
+    self.reader = reader
+    n = len(reader.table)
+    self.order = grain.MapDataset.range(n).shuffle(seed=(seed ^ _ORDER_SALT) % 2**32)  # a permutation per epoch
+
+  def __call__(self, j: int) -> np.ndarray:
+    return self.reader(int(self.order[j]))
+
+
+class StreamIterator(Iterator[dict[str, np.ndarray]]):
+  """This process's rows of each batch: lanes [first_lane, first_lane + local_lanes) of num_lanes."""
+
+  def __init__(self, read: OrderedDocuments, *, dataset_type: str, fingerprint: dict[str, Any], num_lanes: int,
+               first_lane: int, local_lanes: int, seq_len: int, workers: int, prefetch: int,
+               tokenizer: Tokenizer | None, table: Table):
+    self.read, self.dataset_type, self.fingerprint = read, dataset_type, fingerprint
+    self.num_lanes, self.first_lane, self.seq_len = num_lanes, first_lane, seq_len
+    self.lanes = list(range(first_lane, first_lane + local_lanes))
+    self.workers = min(workers, local_lanes)
+    self.prefetch, self.tokenizer, self.table = prefetch, tokenizer, table
+    self.report = None
+    self.step = 0
+    self._cursors = [(b, 0) for b in self.lanes]
+    self._it = None
+    self._start()
+
+  def _start(self) -> None:
+    self.close()
+    ds = PackedLanes(self.read, lanes=self.lanes, num_lanes=self.num_lanes, seq_len=self.seq_len,
+                     cursors=self._cursors)
+    if self.workers:
+      from absl import flags
+      if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags; our CLI does not use absl
+        flags.FLAGS.mark_as_parsed()
+      ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
+                                                       per_worker_buffer_size=self.prefetch))
+    self._it = iter(ds)
+
+  def __iter__(self) -> StreamIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    n = len(self.lanes)
+    w = max(self.workers, 1)
+    out = {k: np.zeros((n, self.seq_len), np.float32 if k == "weights" else np.int32) for k in ROW_KEYS}
+    cursors = np.zeros((n, 2), np.int64)
+    for i in range(w):  # mp_prefetch interleaves its workers: one element (this step's rows) from each
+      try:
+        chunk = next(self._it)
+      except DataError as e:  # grain appends a note on its traceback filtering: keep the one line
+        raise DataError(str(e).split("\n")[0]) from None
+      for k in ROW_KEYS:
+        out[k][i::w] = chunk[k]  # worker i packs the lanes i::w (grain's slice of PackedLanes)
+      cursors[i::w] = chunk["cursors"]
+    self._cursors = [tuple(int(x) for x in c) for c in cursors]
+    self.step += 1
+    return out
+
+  def get_state(self) -> dict[str, Any]:
+    first, cursors = self.first_lane, [list(c) for c in self._cursors]
+    import jax
+    if jax.process_count() > 1:  # every process saves every lane: any process count resumes it
+      first, cursors = 0, _gather_cursors(self.first_lane, cursors, self.num_lanes)
+    return {"dataset_type": self.dataset_type, "step": self.step, **self.fingerprint,
+            "first_lane": first, "cursors": cursors}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if not isinstance(state, dict) or "cursors" not in state or "step" not in state:
+      raise DataError(f"a {self.dataset_type} data state is a dict with 'step' and 'cursors', got "
+                      f"{str(state)[:200]}")
+    if state.get("dataset_type") != self.dataset_type:
+      raise DataError(f"the data state is of dataset_type={state.get('dataset_type')!r} but this run has "
+                      f"dataset_type={self.dataset_type}")
+    changed = {k: (state.get(k), v) for k, v in self.fingerprint.items() if state.get(k) != v}
+    if changed:
+      raise DataError(f"the data state was saved with another dataset or batching (was, now): {changed}")
+    first, cursors = int(state.get("first_lane", 0)), state["cursors"]
+    lo = self.first_lane - first
+    if lo < 0 or lo + len(self.lanes) > len(cursors):
+      raise DataError(f"the data state holds lanes {first}..{first + len(cursors) - 1}, not this process's "
+                      f"{self.lanes[0]}..{self.lanes[-1]}")
+    self._cursors = [tuple(int(x) for x in c) for c in cursors[lo:lo + len(self.lanes)]]
+    self.step = int(state["step"])
+    self._start()
+
+  def close(self) -> None:
+    if self._it is not None and hasattr(self._it, "close"):
+      self._it.close()
+    self._it = None
+
+
+def _gather_cursors(first: int, cursors: list, num_lanes: int) -> list:
+  """Every process's lane cursors -> the cursors of all num_lanes lanes (a collective: all call it)."""
+  from jax.experimental import multihost_utils
+  blob = np.frombuffer(json.dumps([first, cursors]).encode(), np.uint8)
+  size = int(np.max(multihost_utils.process_allgather(np.array([len(blob)]))))
+  padded = np.zeros(size, np.uint8)
+  padded[:len(blob)] = blob
+  every = multihost_utils.process_allgather(padded)  # [processes, size]
+  out: list = [None] * num_lanes
+  for row in np.asarray(every):
+    f, cs = json.loads(bytes(row).rstrip(b"\0").decode())
+    out[f:f + len(cs)] = cs
+  return out
+
+
+def create_stream_iterator(config: Config, *, process_index: int, process_count: int, start_step: int = 0,
+                           tokenizer: Tokenizer | None = None, prefetch: int = 2) -> StreamIterator:
+  table = open_table(config)
+  if config.tokenize_train_data:
+    tokenizer = tokenizer or load_tokenizer(config)
+    if tokenizer.vocab_size > config.vocab_size:
+      raise DataError(f"the tokenizer at tokenizer_path='{tokenizer.path}' has {tokenizer.vocab_size} tokens but "
+                      f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
+  read = OrderedDocuments(DocumentReader(table, config, tokenizer), config.seed)
+  local = config.global_batch_size // process_count
+  source = config.hf_path if config.dataset_type == "hf" else config.grain_train_files
+  fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,
+                 "max_target_length": config.max_target_length, "num_records": len(table)}
+  log.info("dataset_type=%s %s: %d records in %d file(s); %d lanes here, %d worker process(es)",
+           config.dataset_type, source, len(table), len(table.files), local, min(config.grain_worker_count, local))
+  data = StreamIterator(read, dataset_type=config.dataset_type, fingerprint=fingerprint,
+                        num_lanes=config.global_batch_size, first_lane=process_index * local, local_lanes=local,
+                        seq_len=config.max_target_length, workers=config.grain_worker_count, prefetch=prefetch,
+                        tokenizer=tokenizer, table=table)
+  for _ in range(start_step):
+    next(data)
+  return data
