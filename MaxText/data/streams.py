@@ -71,7 +71,8 @@ class StreamIterator(Iterator[dict[str, np.ndarray]]):
       if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags; our CLI does not use absl
         flags.FLAGS.mark_as_parsed()
       ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
-                                                       per_worker_buffer_size=self.prefetch))
+                                                       per_worker_buffer_size=self.prefetch),
+                          worker_init_fn=_die_with_parent)
     self._it = iter(ds)
 
   def __iter__(self) -> StreamIterator:
@@ -125,6 +126,24 @@ class StreamIterator(Iterator[dict[str, np.ndarray]]):
     if self._it is not None and hasattr(self._it, "close"):
       self._it.close()
     self._it = None
+
+
+def _die_with_parent(worker_index: int, worker_count: int) -> None:
+  """A worker ends with its parent, also when the parent is killed (kill -9): none lingers holding
+  the parent's stdout or the data files. (A watch thread: PR_SET_PDEATHSIG would follow the thread
+  that started the worker, not the process.)"""
+  del worker_index, worker_count
+  import os
+  import threading
+  import time
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    os._exit(1)
+
+  threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 def _gather_cursors(first: int, cursors: list, num_lanes: int) -> list:

@@ -157,6 +157,19 @@ def test_epochs_read_every_record_once_in_a_new_order(corpus):
   assert [int(other.read.order[j]) for j in range(40)] != e0
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_set_state_resumes_every_source_at_exactly_the_next_batch(corpus, source):
+  config = stream_config(corpus, source)
+  ref, _ = take(config, 7)
+  _, it = take(config, 4)
+  state = json.loads(json.dumps(it.get_state()))
+  fresh = ip.create_data_iterator(config, process_index=0, process_count=1)
+  next(fresh)  # the restored iterator may have moved already
+  fresh.set_state(state)
+  assert_same([next(fresh) for _ in range(3)], ref[4:])
+  assert fresh.get_state()["step"] == 7
+
+
 def test_a_state_of_another_batching_is_refused(corpus):
   _, it = take(stream_config(corpus, "parquet_ids"), 2)
   state = it.get_state()
