@@ -57,6 +57,7 @@ class Table:
   def __init__(self, files: list[str], counts: list[int], column: str):
     self.files, self.counts, self.column = files, counts, column
     self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [F+1]
+    self.blocks: np.ndarray | None = None  # [K+1] boundaries of records best read together (Parquet row groups)
     self._open: dict[int, Any] = {}
 
   def __len__(self) -> int:
@@ -130,6 +131,7 @@ class ParquetTable(Table):
       counts.append(meta.num_rows)
       self.group_rows.append(np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
     super().__init__(files, counts, column)
+    self.blocks = np.unique(np.concatenate([self.starts[f] + g for f, g in enumerate(self.group_rows)]))
     self._groups: dict[tuple[int, int], list] = {}
 
   def raw(self, i: int) -> Any:

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import grain
 import numpy as np
+from grain.experimental import index_shuffle
 
 from MaxText.config.types import Config
 from MaxText.data.packing import PackedLanes
@@ -30,19 +31,52 @@ from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 _ORDER_SALT = 0x5EED_0D0C
+_BLOCK_SALT = 0x0B10C
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
 class OrderedDocuments:
-  """Order position j (any j >= 0: epoch j // N) -> the token ids of its record (picklable)."""
+  """Order position j (any j >= 0: epoch j // N) -> the token ids of its record (picklable).
+
+  Each epoch is a permutation of the N records by grain's index shuffle (computed per index, nothing
+  held in memory; seed + epoch). A table read in blocks (Parquet: a row group is decoded whole) is
+  shuffled in two levels instead: the blocks in a seeded order, then the records within each block,
+  so the lanes reading neighbouring positions share the few blocks in use, not one block per record.
+  One block is the same order as the flat shuffle.
+  """
 
   def __init__(self, reader: DocumentReader, seed: int):
     self.reader = reader
-    n = len(reader.table)
-    self.order = grain.MapDataset.range(n).shuffle(seed=(seed ^ _ORDER_SALT) % 2**32)  # a permutation per epoch
+    self.n = len(reader.table)
+    self.seed = (seed ^ _ORDER_SALT) % 2**32
+    self.blocks = reader.table.blocks  # [K+1] record boundaries, or None
+    self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+  def record(self, j: int) -> int:
+    epoch, i = divmod(int(j), self.n)
+    if self.blocks is None:
+      return index_shuffle(i, max_index=self.n - 1, seed=(self.seed + epoch) % 2**32, rounds=4)
+    order, cum = self._epoch(epoch)
+    s = int(np.searchsorted(cum, i, side="right") - 1)  # the s-th block of this epoch
+    b = int(order[s])
+    size = int(self.blocks[b + 1] - self.blocks[b])
+    block_seed = (self.seed + b * 0x9E3779B1 + epoch) % 2**32
+    return int(self.blocks[b]) + index_shuffle(i - int(cum[s]), max_index=size - 1, seed=block_seed, rounds=4)
+
+  def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(block order [K], each one's first position in the epoch [K+1])."""
+    if epoch not in self._epochs:
+      if len(self._epochs) >= 4:
+        self._epochs.pop(min(self._epochs))
+      k = len(self.blocks) - 1
+      seed = ((self.seed ^ _BLOCK_SALT) + epoch) % 2**32
+      order = np.array([index_shuffle(s, max_index=k - 1, seed=seed, rounds=4) for s in range(k)], np.int64)
+      sizes = np.diff(self.blocks)[order]
+      self._epochs[epoch] = order, np.concatenate([[0], np.cumsum(sizes)])
+    return self._epochs[epoch]
 
   def __call__(self, j: int) -> np.ndarray:
-    return self.reader(int(self.order[j]))
+    return self.reader(self.record(j))
 
 
 class StreamIterator(Iterator[dict[str, np.ndarray]]):

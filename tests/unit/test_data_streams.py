@@ -44,8 +44,8 @@ def corpus(tmp_path_factory):
   write_arrayrecord(str(d / "ids-0.arrayrecord"), [np.asarray(x, "<i4").tobytes() for x in ids[:25]])
   write_arrayrecord(str(d / "ids-1.arrayrecord"), [np.asarray(x, "<i4").tobytes() for x in ids[25:]])
   write_arrayrecord(str(d / "text.arrayrecord"), [t.encode() for t in texts])
-  write_parquet(str(d / "ids.parquet"), "tokens", ids)
-  write_parquet(str(d / "text.parquet"), "text", texts)
+  write_parquet(str(d / "ids.parquet"), "tokens", ids, row_group_size=64)  # one row group: the flat order
+  write_parquet(str(d / "text.parquet"), "text", texts, row_group_size=64)
   datasets.Dataset.from_dict({"tokens": ids, "text": texts}).save_to_disk(str(d / "hf"))
   with open(d / "text.jsonl", "w") as f:
     f.writelines(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts))
@@ -146,15 +146,48 @@ def test_batches_and_resume_do_not_depend_on_workers_or_processes(corpus):
 
 def test_epochs_read_every_record_once_in_a_new_order(corpus):
   config = stream_config(corpus, "parquet_ids", global_batch_size=1)
-  from MaxText.data.streams import OrderedDocuments
   it = ip.create_data_iterator(config, process_index=0, process_count=1)
-  order = it.read.order
-  e0, e1 = [int(order[j]) for j in range(40)], [int(order[j]) for j in range(40, 80)]
+  e0, e1 = [it.read.record(j) for j in range(40)], [it.read.record(j) for j in range(40, 80)]
   assert sorted(e0) == sorted(e1) == list(range(40)) and e0 != e1
-  assert isinstance(it.read, OrderedDocuments)
   other = ip.create_data_iterator(stream_config(corpus, "parquet_ids", global_batch_size=1, seed=1),
                                   process_index=0, process_count=1)
-  assert [int(other.read.order[j]) for j in range(40)] != e0
+  assert [other.read.record(j) for j in range(40)] != e0
+
+
+def test_parquet_row_groups_are_shuffled_as_blocks_so_lanes_share_the_groups_in_use(tmp_path):
+  """Row groups of 10: each epoch visits every row once, a row group at a time (in a new order of
+  groups and of rows within each), so B lanes reading neighbouring positions decode few groups."""
+  write_parquet(str(tmp_path / "a.parquet"), "tokens", [[5, i + 3] for i in range(30)], row_group_size=10)
+  write_parquet(str(tmp_path / "b.parquet"), "tokens", [[6, i + 3] for i in range(25)], row_group_size=10)
+  config = make_config(dataset_type="grain", grain_file_type="parquet", grain_train_files=f"{tmp_path}/*.parquet",
+                       train_data_columns=["tokens"], tokenize_train_data=False, grain_worker_count=0,
+                       global_batch_size=4, max_target_length=8, max_prefill_length=8)
+  it = ip.create_data_iterator(config, process_index=0, process_count=1)
+  assert list(it.read.blocks) == [0, 10, 20, 30, 40, 50, 55]
+  epochs = [[it.read.record(j) for j in range(e * 55, (e + 1) * 55)] for e in range(2)]
+  for order in epochs:
+    assert sorted(order) == list(range(55))
+    groups = [int(np.searchsorted(it.read.blocks, r, side="right") - 1) for r in order]
+    assert sum(a != b for a, b in zip(groups, groups[1:])) == 5  # one group after another
+    assert order != sorted(order)
+  assert epochs[0] != epochs[1]
+
+
+def test_lanes_decode_each_parquet_row_group_about_once_per_epoch(tmp_path, monkeypatch):
+  """20 row groups of 5 rows, 4 lanes, 2 epochs: a flat shuffle would decode a group for most rows
+  (4 of 20 cached); the block order decodes each group about once per epoch."""
+  import pyarrow.parquet as pq
+  write_parquet(str(tmp_path / "a.parquet"), "tokens", [[5, i + 3] for i in range(100)], row_group_size=5)
+  config = make_config(dataset_type="grain", grain_file_type="parquet", grain_train_files=f"{tmp_path}/a.parquet",
+                       train_data_columns=["tokens"], tokenize_train_data=False, grain_worker_count=0,
+                       global_batch_size=4, max_target_length=15, max_prefill_length=15)
+  decodes = []
+  orig = pq.ParquetFile.read_row_group
+  monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, **kw: decodes.append(g) or orig(self, g, **kw))
+  it = ip.create_data_iterator(config, process_index=0, process_count=1)
+  for _ in range(50):  # 4 lanes x 50 rows x 16 tokens = 3200 tokens: 800 documents of 4, 8 epochs
+    next(it)
+  assert len(decodes) <= 2 * 20 * 8, len(decodes)
 
 
 @pytest.mark.parametrize("source", SOURCES)
