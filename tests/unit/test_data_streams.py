@@ -256,6 +256,13 @@ def _bad(corpus, tmp_path, case):
   if case == "ids_past_vocab_in_a_worker":
     keys, match = _bad(corpus, tmp_path, "ids_past_vocab")
     return dict(keys, grain_worker_count=1), match
+  if case == "truncated_parquet":
+    data = open(f"{corpus}/ids.parquet", "rb").read()
+    open(tmp_path / "cut.parquet", "wb").write(data[:len(data) // 2])
+    return (dict(dataset_type="grain", grain_file_type="parquet", grain_train_files=f"{tmp_path}/cut.parquet",
+                 train_data_columns=["tokens"]), "cut.parquet: not a readable Parquet file")
+  if case == "not_a_saved_dataset":
+    return dict(dataset_type="hf", hf_path=str(tmp_path)), "is not a dataset folder written by save_to_disk"
   if case == "text_as_ids":
     return (dict(dataset_type="grain", grain_file_type="parquet", grain_train_files=f"{corpus}/text.parquet",
                  tokenize_train_data=False), r"column 'text' .* holds str, not a list of token ids")
@@ -263,7 +270,8 @@ def _bad(corpus, tmp_path, case):
 
 
 BAD = ["no_match", "empty_file", "truncated", "no_records", "corrupt_record", "odd_bytes", "missing_column",
-       "hf_missing_column", "ids_past_vocab", "ids_past_vocab_in_a_worker", "text_as_ids"]
+       "hf_missing_column", "ids_past_vocab", "ids_past_vocab_in_a_worker", "text_as_ids",
+       "truncated_parquet", "not_a_saved_dataset"]
 
 
 @pytest.mark.parametrize("case", BAD)
