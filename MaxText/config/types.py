@@ -161,6 +161,8 @@ class EvalAndProfiler(_Section):
   eval_interval: NonNegInt
   eval_steps: PosInt
   eval_dataset_path: str
+  grain_eval_files: str
+  hf_eval_files: str
   profiler: Literal["", "xplane"]
   profiler_start_step: PosInt
   profiler_steps: PosInt
@@ -320,9 +322,10 @@ class Config(*SECTIONS):
     if self.eval_interval and self.dataset_type == "file" and not self.eval_dataset_path:
       bad(f"eval_interval={self.eval_interval} with dataset_type=file needs eval_dataset_path (held-out "
           ".txt/.jsonl file or folder); or set eval_interval=0")
-    if self.eval_interval and self.dataset_type in ("grain", "hf"):
-      bad(f"eval_interval={self.eval_interval}: held-out eval reads dataset_type=file or synthetic data, not "
-          f"dataset_type={self.dataset_type}; set eval_interval=0")
+    eval_files = {"grain": "grain_eval_files", "hf": "hf_eval_files"}.get(self.dataset_type)
+    if self.eval_interval and eval_files and not getattr(self, eval_files):
+      bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
+          "data); or set eval_interval=0")
     if self.dataset_type == "grain" and not self.grain_train_files:
       bad("dataset_type=grain needs grain_train_files: a glob of ArrayRecord or Parquet shards")
     if self.dataset_type == "hf" and not self.hf_path:

@@ -69,7 +69,7 @@ import numpy as np
 
 from MaxText.config.types import Config
 from MaxText.data.records import DataError
-from MaxText.data.streams import StreamIterator, create_stream_iterator
+from MaxText.data.streams import HeldOutBatches, StreamIterator, create_stream_iterator
 from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -532,12 +532,15 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
 
 
 def create_eval_iterator(config: Config, *, tokenizer: Tokenizer | None = None, process_index: int | None = None,
-                         process_count: int | None = None) -> DataIterator:
+                         process_count: int | None = None) -> DataIterator | HeldOutBatches:
   """Held-out batches: eval_dataset_path packed like the training files (unshuffled), or for
-  synthetic data a stream of its own salt (the same task, rows training never draws)."""
+  synthetic data a stream of its own salt (the same task, rows training never draws); for grain / hf
+  data the first eval_steps batches of grain_eval_files / hf_eval_files."""
   if process_index is None or process_count is None:
     import jax
     process_index, process_count = jax.process_index(), jax.process_count()
+  if config.dataset_type in ("grain", "hf"):
+    return HeldOutBatches(config, process_index=process_index, process_count=process_count, tokenizer=tokenizer)
   common = dict(start_step=0, num_threads=1, prefetch=1, fingerprint={})
   if config.dataset_type in SYNTHETIC_TASKS:
     source = SYNTHETIC_TASKS[config.dataset_type](config, process_index, process_count, salt=_EVAL_SALT)

@@ -157,7 +157,7 @@ class ParquetTable(Table):
 class HFTable(Table):
   """A local `datasets` dataset: a save_to_disk folder (memory-mapped Arrow) or local data files."""
 
-  def __init__(self, path: str, column: str):
+  def __init__(self, path: str, column: str, key: str = "hf_path"):
     try:
       import datasets
     except ImportError:
@@ -167,41 +167,44 @@ class HFTable(Table):
       try:
         ds = datasets.load_from_disk(path)
       except Exception as e:
-        raise DataError(f"hf_path='{path}' is not a dataset folder written by save_to_disk "
+        raise DataError(f"{key}='{path}' is not a dataset folder written by save_to_disk "
                         f"({str(e).splitlines()[0][:160]})") from None
       if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-          raise DataError(f"hf_path='{path}' holds the splits {sorted(ds)} and no 'train'")
+          raise DataError(f"{key}='{path}' holds the splits {sorted(ds)} and no 'train'")
         ds = ds["train"]
       files = [path]
     else:
-      files = expand_globs(path, "hf_path")
+      files = expand_globs(path, key)
       kinds = {os.path.splitext(f)[1] for f in files}
       builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
       if len(kinds) != 1 or next(iter(kinds)) not in builder:
-        raise DataError(f"hf_path='{path}' must name .parquet or .json/.jsonl files of one kind, got "
+        raise DataError(f"{key}='{path}' must name .parquet or .json/.jsonl files of one kind, got "
                         f"{sorted(kinds)}")
       try:
         ds = datasets.load_dataset(builder[next(iter(kinds))], data_files=files, split="train")
       except Exception as e:
-        raise DataError(f"hf_path='{path}': cannot be read ({str(e).splitlines()[0][:200]})") from None
-    _check_column(list(ds.column_names), column, f"hf_path='{path}'")
+        raise DataError(f"{key}='{path}': cannot be read ({str(e).splitlines()[0][:200]})") from None
+    _check_column(list(ds.column_names), column, f"{key}='{path}'")
     if len(ds) == 0:
-      raise DataError(f"hf_path='{path}' holds no rows")
-    self.ds = ds.select_columns([column])
+      raise DataError(f"{key}='{path}' holds no rows")
+    self.ds, self.key = ds.select_columns([column]), key
     super().__init__([path], [len(ds)], column)
 
   def where(self, i: int) -> str:
-    return f"hf_path='{self.files[0]}' row {i}"
+    return f"{self.key}='{self.files[0]}' row {i}"
 
   def raw(self, i: int) -> Any:
     return self.ds[int(i)][self.column]
 
 
-def open_table(config: Config) -> Table:
+def open_table(config: Config, *, eval: bool = False) -> Table:
+  """The training files, or with eval=True the held-out ones (grain_eval_files / hf_eval_files)."""
   if config.dataset_type == "hf":
-    return HFTable(config.hf_path, config.train_data_columns[0])
-  files = expand_globs(config.grain_train_files, "grain_train_files")
+    key = "hf_eval_files" if eval else "hf_path"
+    return HFTable(getattr(config, key), config.train_data_columns[0], key)
+  key = "grain_eval_files" if eval else "grain_train_files"
+  files = expand_globs(getattr(config, key), key)
   if config.grain_file_type == "parquet":
     return ParquetTable(files, config.train_data_columns[0])
   return ArrayRecordTable(files)

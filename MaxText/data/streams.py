@@ -196,8 +196,9 @@ def _gather_cursors(first: int, cursors: list, num_lanes: int) -> list:
 
 
 def create_stream_iterator(config: Config, *, process_index: int, process_count: int, start_step: int = 0,
-                           tokenizer: Tokenizer | None = None, prefetch: int = 2) -> StreamIterator:
-  table = open_table(config)
+                           tokenizer: Tokenizer | None = None, prefetch: int = 2, eval: bool = False) -> StreamIterator:
+  """eval=True: the held-out files (grain_eval_files / hf_eval_files), read in the main process."""
+  table = open_table(config, eval=eval)
   if config.tokenize_train_data:
     tokenizer = tokenizer or load_tokenizer(config)
     if tokenizer.vocab_size > config.vocab_size:
@@ -205,15 +206,30 @@ def create_stream_iterator(config: Config, *, process_index: int, process_count:
                       f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
   read = OrderedDocuments(DocumentReader(table, config, tokenizer), config.seed)
   local = config.global_batch_size // process_count
-  source = config.hf_path if config.dataset_type == "hf" else config.grain_train_files
+  source = table.files[0] if len(table.files) == 1 else f"{table.files[0]} ... ({len(table.files)} files)"
   fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,
                  "max_target_length": config.max_target_length, "num_records": len(table)}
-  log.info("dataset_type=%s %s: %d records in %d file(s); %d lanes here, %d worker process(es)",
-           config.dataset_type, source, len(table), len(table.files), local, min(config.grain_worker_count, local))
+  log.info("dataset_type=%s %s: %d records in %d file(s); %d lanes here", config.dataset_type, source, len(table),
+           len(table.files), local)
   data = StreamIterator(read, dataset_type=config.dataset_type, fingerprint=fingerprint,
                         num_lanes=config.global_batch_size, first_lane=process_index * local, local_lanes=local,
-                        seq_len=config.max_target_length, workers=config.grain_worker_count, prefetch=prefetch,
+                        seq_len=config.max_target_length, workers=0 if eval else config.grain_worker_count,
+                        prefetch=prefetch,
                         tokenizer=tokenizer, table=table)
   for _ in range(start_step):
     next(data)
   return data
+
+
+class HeldOutBatches:
+  """The first eval_steps batches of the held-out files, read once: source[i] is eval batch i."""
+
+  def __init__(self, config: Config, *, process_index: int, process_count: int, tokenizer: Tokenizer | None):
+    it = create_stream_iterator(config, process_index=process_index, process_count=process_count,
+                                tokenizer=tokenizer, eval=True)
+    self.source = [next(it) for _ in range(config.eval_steps)]
+    self.tokenizer, self.dataset_type = it.tokenizer, config.dataset_type
+    it.close()
+
+  def close(self) -> None:
+    pass

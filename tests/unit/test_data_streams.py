@@ -203,6 +203,21 @@ def test_set_state_resumes_every_source_at_exactly_the_next_batch(corpus, source
   assert fresh.get_state()["step"] == 7
 
 
+def test_eval_batches_are_the_held_out_files_and_a_missing_key_is_named(corpus, tmp_path):
+  from MaxText.config.types import ConfigError
+  write_arrayrecord(str(tmp_path / "eval.arrayrecord"), [np.arange(400, 410, dtype="<i4").tobytes()] * 3)
+  config = stream_config(corpus, "arrayrecord_ids", eval_interval=5, eval_steps=3,
+                         grain_eval_files=f"{tmp_path}/eval.arrayrecord")
+  held_out = ip.create_eval_iterator(config, process_index=0, process_count=1)
+  assert len(held_out.source) == 3 and held_out.source[2]["inputs"].shape == (4, 16)
+  ids = np.concatenate([b["inputs"].ravel() for b in held_out.source])
+  assert set(ids.tolist()) <= set(range(400, 410)) | {config.bos_id, config.eos_id}
+  with pytest.raises(ConfigError, match="needs grain_eval_files"):
+    stream_config(corpus, "arrayrecord_ids", eval_interval=5)
+  with pytest.raises(ConfigError, match="needs hf_eval_files"):
+    stream_config(corpus, "hf_disk_text", eval_interval=5)
+
+
 def test_a_state_of_another_batching_is_refused(corpus):
   _, it = take(stream_config(corpus, "parquet_ids"), 2)
   state = it.get_state()
