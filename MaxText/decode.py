@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 
-if not __package__:  # run as `python MaxText/decode.py`: import the package, not from MaxText/
+if not __package__ and __name__ == "__main__":  # run as `python MaxText/decode.py`: import the package, not from MaxText/
   import _script_path  # noqa: F401
 
 import re

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import sys
 
-if not __package__:  # run as `python MaxText/train.py`: import the package, not from MaxText/
+if not __package__ and __name__ == "__main__":  # run as `python MaxText/train.py`: import the package, not from MaxText/
+  # (grain's worker processes rerun this file as __mp_main__ with the parent's sys.path, already fixed)
   import _script_path  # noqa: F401
 
 import math
@@ -364,6 +365,7 @@ def train(config: Config) -> dict:
     finally:
       profiler.stop()
       logger.close()
+      data.close()  # grain worker processes, if any
       orbax_state.finish(manager)
   if last and distributed.is_main_process():
     weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None

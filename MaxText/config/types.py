@@ -122,7 +122,7 @@ class Training(_Section):
 
 
 class Data(_Section):
-  dataset_type: Literal["synthetic", "synthetic_retrieval", "file"]
+  dataset_type: Literal["synthetic", "synthetic_retrieval", "file", "grain", "hf"]
   retrieval_pairs: PosInt
   retrieval_queries: PosInt
   retrieval_keys: PosInt
@@ -130,6 +130,12 @@ class Data(_Section):
   retrieval_pair_tokens: Literal[1, 2]
   dataset_path: str
   jsonl_text_field: str
+  grain_train_files: str
+  grain_file_type: Literal["arrayrecord", "parquet"]
+  grain_worker_count: NonNegInt
+  hf_path: str
+  train_data_columns: tuple[str]
+  tokenize_train_data: bool
   tokenizer_type: Literal["sentencepiece", "hf"]
   tokenizer_path: str
   add_bos: bool
@@ -155,6 +161,8 @@ class EvalAndProfiler(_Section):
   eval_interval: NonNegInt
   eval_steps: PosInt
   eval_dataset_path: str
+  grain_eval_files: str
+  hf_eval_files: str
   profiler: Literal["", "xplane"]
   profiler_start_step: PosInt
   profiler_steps: PosInt
@@ -322,6 +330,14 @@ class Config(*SECTIONS):
     if self.eval_interval and self.dataset_type == "file" and not self.eval_dataset_path:
       bad(f"eval_interval={self.eval_interval} with dataset_type=file needs eval_dataset_path (held-out "
           ".txt/.jsonl file or folder); or set eval_interval=0")
+    eval_files = {"grain": "grain_eval_files", "hf": "hf_eval_files"}.get(self.dataset_type)
+    if self.eval_interval and eval_files and not getattr(self, eval_files):
+      bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
+          "data); or set eval_interval=0")
+    if self.dataset_type == "grain" and not self.grain_train_files:
+      bad("dataset_type=grain needs grain_train_files: a glob of ArrayRecord or Parquet shards")
+    if self.dataset_type == "hf" and not self.hf_path:
+      bad("dataset_type=hf needs hf_path: a local save_to_disk folder or a glob of .parquet/.json/.jsonl files")
     if self.dataset_type == "synthetic_retrieval":
       if self.retrieval_queries > self.retrieval_pairs or self.retrieval_pairs > self.retrieval_keys:
         bad(f"synthetic_retrieval needs retrieval_queries ({self.retrieval_queries}) <= retrieval_pairs "

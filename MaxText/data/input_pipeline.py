@@ -46,6 +46,10 @@ file (dataset_type=file): `dataset_path` is a .txt or .jsonl file, or a folder s
   documents longer than a row are split, no token is dropped, and only the last row of each epoch
   is padded. A row's last target is the first token of the next row, so splitting a document loses
   no prediction. The whole corpus is tokenized once, in memory, when the iterator is created.
+
+grain (dataset_type=grain: ArrayRecord or Parquet shards) and hf (dataset_type=hf: a local Hugging
+Face dataset): streamed, never held in memory, packed by the same rule in lanes, read by grain
+worker processes; see streams.py (records.py reads the files, packing.py packs).
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ from typing import Any, Iterator, Sequence
 import grain
 import numpy as np
 
-from MaxText.config.types import Config, ConfigError
+from MaxText.config.types import Config
+from MaxText.data.records import DataError
+from MaxText.data.streams import HeldOutBatches, StreamIterator, create_stream_iterator
 from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,10 +80,6 @@ _SHUFFLE_SALT = 0x5EED_5FF1
 _RETRIEVAL_SALT = 0x5EED_4E7A  # synthetic_retrieval's training rows
 _EVAL_SALT = 0x5EED_E7A1        # the held-out synthetic stream: rows no training step ever draws
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
-
-
-class DataError(ConfigError):
-  """Bad input data or dataset config: the message names the file and line, or the key."""
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -491,7 +493,8 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 
 def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Tokenizer | None = None,
                          process_index: int | None = None, process_count: int | None = None,
-                         shuffle: bool = True, num_threads: int = 1, prefetch: int = 2) -> DataIterator:
+                         shuffle: bool = True, num_threads: int = 1,
+                         prefetch: int = 2) -> DataIterator | StreamIterator:
   """The batches of steps start_step, start_step + 1, ... for this process.
 
   process_index / process_count default to jax's; each process gets its contiguous slice of the
@@ -502,6 +505,9 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
     process_index, process_count = jax.process_index(), jax.process_count()
   if config.global_batch_size % process_count:
     raise DataError(f"global_batch_size={config.global_batch_size} is not divisible by the {process_count} processes")
+  if config.dataset_type in ("grain", "hf"):  # streamed shards, packed in lanes (streams.py)
+    return create_stream_iterator(config, process_index=process_index, process_count=process_count,
+                                  start_step=start_step, tokenizer=tokenizer, prefetch=prefetch)
   common = dict(start_step=start_step, num_threads=num_threads, prefetch=prefetch)
   if config.dataset_type in SYNTHETIC_TASKS:
     source = SYNTHETIC_TASKS[config.dataset_type](config, process_index, process_count)
@@ -522,16 +528,19 @@ def create_data_iterator(config: Config, *, start_step: int = 0, tokenizer: Toke
                    "tokens_per_epoch": corpus.tokens_per_epoch}
     return DataIterator(source, dataset_type="file", fingerprint=fingerprint, report=report, tokenizer=tokenizer,
                         **common)
-  raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(SYNTHETIC_TASKS)}, file")
+  raise DataError(f"dataset_type={config.dataset_type!r} is not one of {', '.join(SYNTHETIC_TASKS)}, file, grain, hf")
 
 
 def create_eval_iterator(config: Config, *, tokenizer: Tokenizer | None = None, process_index: int | None = None,
-                         process_count: int | None = None) -> DataIterator:
+                         process_count: int | None = None) -> DataIterator | HeldOutBatches:
   """Held-out batches: eval_dataset_path packed like the training files (unshuffled), or for
-  synthetic data a stream of its own salt (the same task, rows training never draws)."""
+  synthetic data a stream of its own salt (the same task, rows training never draws); for grain / hf
+  data the first eval_steps batches of grain_eval_files / hf_eval_files."""
   if process_index is None or process_count is None:
     import jax
     process_index, process_count = jax.process_index(), jax.process_count()
+  if config.dataset_type in ("grain", "hf"):
+    return HeldOutBatches(config, process_index=process_index, process_count=process_count, tokenizer=tokenizer)
   common = dict(start_step=0, num_threads=1, prefetch=1, fingerprint={})
   if config.dataset_type in SYNTHETIC_TASKS:
     source = SYNTHETIC_TASKS[config.dataset_type](config, process_index, process_count, salt=_EVAL_SALT)

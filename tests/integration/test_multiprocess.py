@@ -1,6 +1,7 @@
 """One program, many processes (jax.distributed on localhost, CPU collectives over gloo): 2 processes
-x 4 CPU devices train exactly like 1 process x 8 devices, on a data=8 mesh and through the
-expert-parallel MoE on data=2 x context=2 x expert=2; both processes killed with -9 resume; their
+x 4 CPU devices train exactly like 1 process x 8 devices, on a data=8 mesh (grain data: an ArrayRecord
+text shard, a worker per process reading only its own rows' documents; the checkpoint resumes in 1
+process) and through the expert-parallel MoE on data=2 x context=2 x expert=2; both processes killed with -9 resume; their
 checkpoint resumes in a 1-process run on another mesh; a ragged decode equals 1 process; bad
 distributed keys fail in seconds with one line naming the key; a failing process ends them all.
 
@@ -46,6 +47,26 @@ def _once(tmp_path_factory, name, compute):
     if not path.exists():
       path.write_text(json.dumps(compute(root)))
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def grain_data(tmp_path_factory):
+  """Train keys reading the test corpus from an ArrayRecord shard (made once per session), one grain worker."""
+  def make(root):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from MaxText.data.input_pipeline import read_documents
+    path = str(root / "multiprocess_corpus.arrayrecord")
+    docs, _ = read_documents(os.path.join(REPO_ROOT, "tests", "data", "corpus.txt"), "text")
+    w = ArrayRecordWriter(path, "group_size:1")
+    for d in docs:
+      w.write(d.encode())
+    w.close()
+    return path
+
+  path = _once(tmp_path_factory, "corpus", make)
+  return ["dataset_type=grain", f"grain_train_files={path}", "grain_worker_count=1",
+          f"tokenizer_path={os.path.join(REPO_ROOT, 'tests', 'data', 'tokenizer.model')}"]
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +210,41 @@ def test_a_two_process_checkpoint_resumes_in_one_process_on_another_mesh(referen
   _assert_losses_equal(after, reference)
 
 
+@pytest.fixture(scope="module")
+def grain_reference(cache_dir, tmp_path_factory, grain_data):
+  """Losses of steps 1..20 of one process with 8 devices (data=8) on the ArrayRecord shard."""
+  def run(root):
+    (rc, o, e), = _ok(_finish(_launch("train.py", TRAIN + grain_data + [f"base_output_directory={root}/grain_ref",
+                                                                        "enable_checkpointing=false"],
+                                      processes=1, devices=8, cache=cache_dir)))
+    return _losses(o)
+
+  losses = _int_keys(_once(tmp_path_factory, "grain_reference", run))
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses
+
+
 @pytest.mark.slow
-def test_two_processes_on_a_data_mesh_equal_one_process_and_one_writes_events(reference, cache_dir, tmp_path):
-  (_, out, _), _ = _ok(_finish(_launch("train.py", TRAIN + [f"base_output_directory={tmp_path}", "run_name=run",
-                                                           "enable_checkpointing=false", "enable_tensorboard=true"],
-                                       processes=2, devices=4, cache=cache_dir)))
+def test_two_processes_on_a_data_mesh_equal_one_process_and_one_writes_events(grain_reference, grain_data, cache_dir,
+                                                                               tmp_path):
+  """Each process packs only its own rows' documents (grain data, a worker each): the same losses as
+  1 process; its checkpoint (every process's lane cursors) resumes in 1 process exactly."""
+  args = TRAIN + grain_data + [f"base_output_directory={tmp_path}", "run_name=run"]
+  (_, out, _), _ = _ok(_finish(_launch("train.py", args + ["enable_tensorboard=true"], processes=2, devices=4,
+                                       cache=cache_dir)))
   losses = _losses(out)
   assert sorted(losses) == list(range(1, STEPS + 1))
-  _assert_losses_equal(losses, reference)
+  _assert_losses_equal(losses, grain_reference)
   assert len(os.listdir(tmp_path / "run" / "tensorboard")) == 1  # process 0's events file only
+  ckpt = tmp_path / "run" / "checkpoints"
+  for d in os.listdir(ckpt):
+    if d.isdigit() and int(d) > 12:
+      shutil.rmtree(ckpt / d)
+  (_, out, _), = _ok(_finish(_launch("train.py", args, processes=1, devices=8, cache=cache_dir)))
+  assert "resumed from checkpoint step 12" in out
+  after = _losses(out)
+  assert sorted(after) == list(range(13, STEPS + 1))
+  _assert_losses_equal(after, grain_reference)
 
 
 @pytest.mark.slow

@@ -272,6 +272,7 @@ def _error_cases(tmp_path):
       (["dataset_type=file", corpus, f"tokenizer_path={_write(tmp_path / 'bad.model', b'garbage')}"], 2,
        "not a readable sentencepiece model"),
       (file_run + [corpus, "vocab_size=100"], 2, "set vocab_size >="),
+      (["dataset_type=grain", f"grain_train_files={tmp_path}/none-*.arrayrecord"], 2, "matches no file"),
       ([f"base_output_directory={blocker}/outputs"], 1, "Not a directory"),
       ([f"base_output_directory={full}"], 1, "No space left on device"),
   ]

@@ -158,9 +158,25 @@ def _losses(out: str) -> dict[int, str]:
   return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", out)}
 
 
+def _text_shard(path):
+  """An ArrayRecord shard of the test corpus's paragraphs (UTF-8 text, tokenized while training)."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+  docs, _ = input_pipeline.read_documents(os.path.join(DATA, "corpus.txt"), "text")
+  w = ArrayRecordWriter(str(path), "group_size:1")
+  for d in docs:
+    w.write(d.encode())
+  w.close()
+  return str(path)
+
+
 def test_kill_9_then_resume_reproduces_the_same_losses(tmp_path):
+  """Data from a grain ArrayRecord shard read by a worker process: the position saved in each
+  checkpoint is exact (the synthetic and file datasets are pure functions of the step)."""
+  shard = _text_shard(tmp_path / "corpus.arrayrecord")
   common = ["steps=24", "log_period=1", "checkpoint_period=4", "async_checkpointing=false",
-            "enable_tensorboard=false", "mtp_num_layers=0", f"base_output_directory={tmp_path}"]
+            "enable_tensorboard=false", "mtp_num_layers=0", f"base_output_directory={tmp_path}",
+            "dataset_type=grain", f"grain_train_files={shard}", "grain_worker_count=1",
+            f"tokenizer_path={DATA}/tokenizer.model"]
   ref = _run_train(common + ["run_name=ref", "enable_checkpointing=false"])
   ref_out, _ = ref.communicate(timeout=600)
   assert ref.returncode == 0, ref_out
