@@ -16,7 +16,7 @@ picks its sizes from the backend (SIZES: "cpu", or "accelerator" for any other):
   selection  exact and approximate top-k masks at f32[1,1024,131072], k=2048: ours (the binned
              selection, kernels/backend.py forced) vs lax.top_k vs lax.approx_max_k
   decode     one decode step at 128K context, sparse vs dense (benchmarks/decode.py)
-  serving    benchmarks/serving.py's JSON line, when that benchmark exists
+  serving    benchmarks/serving.py --quick: its JSON line
 
 Prints progress on stderr, then a table and one JSON line on stdout; each section's own output is
 in --out (default: a new temporary folder).
@@ -210,7 +210,7 @@ def serving(backend: str) -> dict:
   script = os.path.join(REPO, "benchmarks", "serving.py")
   if not os.path.exists(script):
     return dict(note="no serving benchmark yet (benchmarks/serving.py)")
-  p = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=REPO)
+  p = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, cwd=REPO)
   print(p.stdout + p.stderr, flush=True)
   got = _last_json(p.stdout)
   if p.returncode or got is None:
