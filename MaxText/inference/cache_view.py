@@ -85,4 +85,16 @@ def stack_views(stores: dict, absorbed: dict | None, *, mode: str, index_head_ch
   return views
 
 
-__all__ = ["CacheView", "stack_views"]
+def write_stacks(stores: dict, entries: dict, write) -> dict:
+  """Every stack's new entries written by write(store, **entries): a scanned stack's stacked store
+  at once, an unscanned stack's per-layer stores one by one (the layout of stack_views)."""
+  out = {}
+  for name, store in stores.items():
+    if isinstance(store, list):
+      out[name] = [write(s, **e) for s, e in zip(store, entries[name])]
+    else:
+      out[name] = write(store, **entries[name])
+  return out
+
+
+__all__ = ["CacheView", "stack_views", "write_stacks"]

@@ -52,7 +52,7 @@ from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.inference import kv_cache
-from MaxText.inference.cache_view import stack_views
+from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.sampling import sample
 from MaxText.kernels.cached_attention import absorbed_weights
 from MaxText.runtime.distributed import to_host
@@ -118,13 +118,7 @@ def forward(model, cache: dict, tokens: jax.Array, positions: jax.Array, opts: S
 
 def commit(cache: dict, entries: dict, start: jax.Array) -> dict:
   """Writes forward's entries into the cache at slots start[b].. (in place when the cache is donated)."""
-  out = {}
-  for name, c in cache.items():
-    if isinstance(c, list):
-      out[name] = [kv_cache.write(ci, start, **ei) for ci, ei in zip(c, entries[name])]
-    else:
-      out[name] = kv_cache.write(c, start, **entries[name])
-  return out
+  return write_stacks(cache, entries, lambda c, **e: kv_cache.write(c, start, **e))
 
 
 def check_prompts(config: Config, prompts: Sequence[Sequence[int]]) -> None:

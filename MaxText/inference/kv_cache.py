@@ -141,6 +141,21 @@ def cache_bytes(cache) -> int:
 # ---------------------------------------------------------------- write and read
 
 
+def as_fields(store, **given) -> dict:
+  """The new vectors {c_kv, k_pe, idx_k} (None: not given) as the store's fields hold them: an fp8
+  field quantized, its scales as the `<name>_scale` field (k_pe is never quantized). `store` is a
+  LayerCache or a paged_cache.PagedLayerCache (the same field names)."""
+  new = {}
+  for name, x in given.items():
+    if x is None:
+      continue
+    if name != "k_pe" and getattr(store, name).dtype == FP8:
+      new[name], new[name + "_scale"] = quantize_fp8(x)
+    else:
+      new[name] = x
+  return new
+
+
 def write(cache: LayerCache, start: jax.Array, *, c_kv: jax.Array | None = None, k_pe: jax.Array | None = None,
           idx_k: jax.Array | None = None) -> LayerCache:
   """Stores t new tokens per row at positions start[b] .. start[b]+t-1 (ragged rows: each its own start).
@@ -152,13 +167,7 @@ def write(cache: LayerCache, start: jax.Array, *, c_kv: jax.Array | None = None,
   The window must fit, start + t <= S (dynamic_update_slice would move it back over real tokens):
   the engine sizes the cache to whole prefill chunks.
   """
-  given = {name: x for name, x in (("c_kv", c_kv), ("k_pe", k_pe), ("idx_k", idx_k)) if x is not None}
-  new = {}
-  for name, x in given.items():
-    if name != "k_pe" and getattr(cache, name).dtype == FP8:
-      new[name], new[name + "_scale"] = quantize_fp8(x)
-    else:
-      new[name] = x
+  new = as_fields(cache, c_kv=c_kv, k_pe=k_pe, idx_k=idx_k)
   start = start.astype(jnp.int32)
   zero = jnp.zeros((), jnp.int32)
 
@@ -229,6 +238,6 @@ def describe(config: Config) -> str:
           f"{layers} layers x {config.max_target_length} tokens = {size} per row")
 
 
-__all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "init_cache", "write", "as_stored",
+__all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "init_cache", "as_fields", "write", "as_stored",
            "read_latents", "read_indexer_keys", "gather_latents", "bytes_per_token_per_layer",
            "cache_bytes", "describe", "FP8_BLOCK"]

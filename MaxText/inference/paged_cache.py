@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
-from MaxText.inference.kv_cache import FP8, dequantize_fp8, quantize_fp8
+from MaxText.inference.kv_cache import dequantize_fp8
 
 
 class PagedLayerCache(NamedTuple):
@@ -75,13 +75,7 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
           k_pe: jax.Array | None = None, idx_k: jax.Array | None = None) -> PagedLayerCache:
   """Stores new tokens' vectors [(L,) B, t, n] at slot_ids [B,t] (num_slots = dropped); fp8 fields
   are quantized here. A layer ([N,n]) or a stack ([L,N,n]: every layer at once)."""
-  given = {name: x for name, x in (("c_kv", c_kv), ("k_pe", k_pe), ("idx_k", idx_k)) if x is not None}
-  new = {}
-  for name, x in given.items():
-    if name != "k_pe" and getattr(pools, name).dtype == FP8:
-      new[name], new[name + "_scale"] = quantize_fp8(x)
-    else:
-      new[name] = x
+  new = kv_cache.as_fields(pools, c_kv=c_kv, k_pe=k_pe, idx_k=idx_k)
   flat = slot_ids.reshape(-1)  # [B*t]
 
   def put(dst, upd):  # dst [(L,) N, n], upd [(L,) B, t, n]

@@ -35,7 +35,7 @@ from flax import nnx
 
 from MaxText.config.types import Config
 from MaxText.inference import paged_cache
-from MaxText.inference.cache_view import stack_views
+from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.engine import default_attention, model_absorbed_weights
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
@@ -171,13 +171,7 @@ class ServingEngine:
   def _write(self, pools, entries, write_pos, table):
     """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""
     slot_ids = paged_cache.slots(table, write_pos, self.page_size, self.allocator.num_pages * self.page_size)
-    out = {}
-    for name, pool in pools.items():
-      if isinstance(pool, list):
-        out[name] = [paged_cache.write(p, slot_ids, **e) for p, e in zip(pool, entries[name])]
-      else:
-        out[name] = paged_cache.write(pool, slot_ids, **entries[name])
-    return out
+    return write_stacks(pools, entries, lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
 
   # ---- convenience
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
