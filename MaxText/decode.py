@@ -34,7 +34,6 @@ if not __package__ and __name__ == "__main__":  # run as `python MaxText/decode.
 
 import re
 import time
-from typing import NamedTuple
 
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
@@ -57,12 +56,6 @@ def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
     return rows
   bos = [tokenizer.bos_id] if config.add_bos else []
   return [bos + tokenizer.encode(part) for part in parts]
-
-
-class Generation(NamedTuple):
-  prompt: list[int]
-  tokens: list[int]  # generated ids, EOS excluded
-  stop: str  # "eos" | "max_target_length"
 
 
 def sampling(config: Config, row: int, prompt_length: int):
@@ -93,7 +86,7 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
   from MaxText.checkpoint import model_state
   from MaxText.data.tokenizer import TextStreamer, load_tokenizer
   from MaxText.inference import kv_cache
-  from MaxText.inference.engine import check_prompts
+  from MaxText.inference.engine import Generation, check_prompts
   from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
 

@@ -83,6 +83,14 @@ def default_attention(config: Config) -> str:
   return "dense"
 
 
+def step_head_chunk(config: Config, prefill_chunk: int, t: int) -> int:
+  """Indexer heads scored at once for t new tokens per row. The indexer scores [b,t,S,chunk] per head
+  chunk; a prefill chunk uses indexer_head_chunk, and fewer queries may use proportionally more heads
+  at once (the same peak memory): a decode step (t=1) scores all heads in one matmul, far faster on CPU."""
+  return min(config.indexer_n_heads,
+             max(config.indexer_head_chunk, config.indexer_head_chunk * prefill_chunk // t))
+
+
 class StepOptions(NamedTuple):
   """Static choices of a compiled forward over the cache."""
   mode: str = "sparse"            # "sparse" | "dense"
@@ -173,12 +181,8 @@ class Engine:
     self._sample_jit = jax.jit(self._sample)
 
   def step_options(self, t: int) -> StepOptions:
-    """Options for t new tokens per row. The indexer scores [b,t,S,chunk] per head chunk; a prefill
-    chunk uses indexer_head_chunk, and fewer queries may use proportionally more heads at once (the
-    same peak memory): a decode step (t=1) scores all heads in one matmul, far faster on CPU."""
-    cfg = self.config
-    chunk = min(cfg.indexer_n_heads, max(cfg.indexer_head_chunk, cfg.indexer_head_chunk * self.chunk // t))
-    return StepOptions(mode=self.mode, index_head_chunk=chunk)
+    """Options for t new tokens per row (index_head_chunk: see step_head_chunk)."""
+    return StepOptions(mode=self.mode, index_head_chunk=step_head_chunk(self.config, self.chunk, t))
 
   # ---- jitted bodies (params/buffers are arguments, not constants)
   def _model(self, params, buffers):

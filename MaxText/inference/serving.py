@@ -25,7 +25,6 @@ from the engine's `seed` stream; greedy (temperature 0) needs none.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import jax
@@ -36,7 +35,7 @@ from flax import nnx
 from MaxText.config.types import Config
 from MaxText.inference import paged_cache
 from MaxText.inference.cache_view import stack_views, write_stacks
-from MaxText.inference.engine import default_attention, model_absorbed_weights
+from MaxText.inference.engine import default_attention, model_absorbed_weights, step_head_chunk
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
@@ -158,9 +157,8 @@ class ServingEngine:
     """The model over the pools for tokens [B,t] -> (the new entries, the sampled token per row [B])."""
     cfg = self.config
     model = nnx.merge(self.graphdef, params, buffers)
-    head_chunk = min(cfg.indexer_n_heads, max(cfg.indexer_head_chunk, cfg.indexer_head_chunk * self.chunk // t))
-    views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=head_chunk, page_table=table,
-                        page_size=self.page_size)
+    views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=step_head_chunk(cfg, self.chunk, t),
+                        page_table=table, page_size=self.page_size)
     logits, aux = model(tokens, positions, cache=views, last_index=last)  # [B,1,V]
     logits = logits[:, 0]
     if self.sample_vocab is not None:
@@ -193,7 +191,7 @@ class ServingEngine:
     a = self.allocator
     return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
-            "prefix_hit_rate": a.hit_rate(), "steps": self.steps, "time": time.monotonic()}
+            "prefix_hit_rate": a.hit_rate(), "steps": self.steps}
 
 
 __all__ = ["ServingEngine", "SamplingParams", "Scheduled"]
