@@ -108,7 +108,7 @@ def model_absorbed_weights(model) -> dict:
     if stack is None:
       continue
     layers = [stack.layers] if stack.scan else list(stack.layers)
-    split = [absorbed_weights(l.attention.wkv_b.kernel[...], l.attention.num_heads, l.attention.nope,
+    split = [absorbed_weights(l.attention.wkv_b.kernel_value(), l.attention.num_heads, l.attention.nope,
                               l.attention.v_dim) for l in layers]
     out[name] = split[0] if stack.scan else split
   return out

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config.types import Config
+from MaxText.kernels.fp8_blocks import BlockFP8
 from MaxText.kernels.moe_dispatch import exchange_impl, moe_on_mesh
 from MaxText.kernels.moe_experts import (
   ExpertWeights,
@@ -38,7 +39,7 @@ from MaxText.kernels.moe_experts import (
   load_of,
   routed_experts,
 )
-from MaxText.layers.linears import MLP, PRECISION, dtype_of, param
+from MaxText.layers.linears import MLP, PRECISION, dtype_of, fp8_params, param, quantized
 from MaxText.runtime.sharding import active_mesh
 
 
@@ -145,6 +146,9 @@ class DeepSeekMoE(nnx.Module):
 
   On a mesh (under sharding.logical_rules with more than one device) the routed experts run under
   shard_map with expert parallelism (kernels/moe_dispatch.py); alone, on one device.
+  Under weight_quantization=fp8_block the routed experts' wi_0, wi_1, wo are float8_e4m3fn with
+  `<name>_scale` [E, ceil(in/b_in), ceil(out/b_out)] fp32 beside them, dequantized per expert inside
+  the grouped matmul (kernels/moe_experts.py); the router stays float, as in DeepSeek's checkpoints.
   """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -158,9 +162,16 @@ class DeepSeekMoE(nnx.Module):
     self.gate_kernel = param(rngs, (d, e), ("embed", "exp"), config)  # router W_g
     self.routing_bias = RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=("exp",)) \
         if config.routed_bias else None
-    self.wi_0 = param(rngs, (e, d, i), ("exp", "embed", "mlp"), config)  # gate
-    self.wi_1 = param(rngs, (e, d, i), ("exp", "embed", "mlp"), config)  # up
-    self.wo = param(rngs, (e, i, d), ("exp", "mlp", "embed"), config)  # down
+    shapes = {"wi_0": ((e, d, i), ("exp", "embed", "mlp")),  # gate
+              "wi_1": ((e, d, i), ("exp", "embed", "mlp")),  # up
+              "wo": ((e, i, d), ("exp", "mlp", "embed"))}  # down
+    for name, (shape, axes) in shapes.items():
+      if quantized(config, True):
+        values, scale = fp8_params(rngs, shape, axes, config)
+      else:
+        values, scale = param(rngs, shape, axes, config), None
+      setattr(self, name, values)
+      setattr(self, name + "_scale", scale)
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
 
@@ -177,7 +188,8 @@ class DeepSeekMoE(nnx.Module):
     xc = x.astype(self.dtype)  # [b,t,D]
     weight = cfg.load_balance_loss_weight
     mesh = active_mesh()
-    experts = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])  # [E,D,I] x2, [E,I,D]
+    experts = ExpertWeights(self.expert_weight("wi_0"), self.expert_weight("wi_1"),
+                            self.expert_weight("wo"))  # [E,D,I] x2, [E,I,D]
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,
@@ -199,6 +211,11 @@ class DeepSeekMoE(nnx.Module):
     aux = {"expert_load": load_of(counts), "load_balance_loss": balance,
            "moe_dropped": dropped.astype(jnp.float32) / total}
     return y, aux
+
+  def expert_weight(self, name: str):
+    """The routed experts' `name` weight as stored: [E,K,N] float, or BlockFP8 (dequantized in the kernel)."""
+    values, scale = getattr(self, name), getattr(self, name + "_scale")
+    return values[...] if scale is None else BlockFP8(values[...], scale[...])
 
   def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T,D] fp32, gate [D,E], bias [E] -> (weights [T,k], expert_ids [T,k], scores [T,E]).
