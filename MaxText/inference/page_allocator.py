@@ -18,6 +18,12 @@ pages that starts the prompt; the caller takes a reference on each (`share`), th
 fresh pages for the rest. When a sequence finishes, its full pages are `publish`ed (keyed and
 kept while no one uses them); `allocate` evicts the least recently used cached pages when the
 free list runs short. Page ids are ints in [0, num_pages).
+
+Shards (decode on a mesh, paged_cache.py): with `shards` = D the pages split into D equal ranges,
+shard s = pages [s*N/D, (s+1)*N/D), the pool slots device s holds. Invariant: every page of one
+sequence lies in one shard (its home: the device that runs its row), so `allocate` takes the shard
+and `match` returns only a run of cached pages within one shard; each shard has its own free list
+and LRU, so an allocation for shard s never evicts or takes another shard's page.
 """
 
 from __future__ import annotations
@@ -45,23 +51,33 @@ def page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
 class PageAllocator:
   """Free list, reference counts and the prefix cache of `num_pages` pages of `page_size` tokens."""
 
-  def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = True):
-    if num_pages < 1 or page_size < 1:
-      raise ValueError(f"PageAllocator: num_pages={num_pages} and page_size={page_size} must be >= 1")
+  def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = True, shards: int = 1):
+    if num_pages < 1 or page_size < 1 or shards < 1 or num_pages % shards:
+      raise ValueError(f"PageAllocator: num_pages={num_pages} and page_size={page_size} must be >= 1 and "
+                       f"num_pages a multiple of shards={shards}")
     self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
-    self._free = collections.deque(range(num_pages))  # pages with no content worth keeping
+    self.shards, self.shard_pages = shards, num_pages // shards
+    # per shard: pages with no content worth keeping, and cached ones (refcount 0; oldest first)
+    self._frees = [collections.deque(range(s * self.shard_pages, (s + 1) * self.shard_pages)) for s in range(shards)]
+    self._lrus: list[collections.OrderedDict[int, None]] = [collections.OrderedDict() for _ in range(shards)]
     self._refs = [0] * num_pages
     self._key_of: dict[int, bytes] = {}  # page -> its prefix key (cached or in use)
     self._page_of: dict[bytes, int] = {}  # prefix key -> page
-    self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refcount 0; oldest first
     self.lookups = 0  # full prompt pages looked up in the prefix cache
     self.hits = 0  # ... of which were found
 
   # ---- counts
   @property
   def free_pages(self) -> int:
-    """Pages an allocation can take now: free plus evictable cached ones."""
-    return len(self._free) + len(self._lru)
+    """Pages allocations can take now, all shards: free plus evictable cached ones."""
+    return sum(self.free_in(s) for s in range(self.shards))
+
+  def free_in(self, shard: int) -> int:
+    """Pages an allocation for `shard` can take now."""
+    return len(self._frees[shard]) + len(self._lrus[shard])
+
+  def shard_of(self, page: int) -> int:
+    return page // self.shard_pages
 
   @property
   def used_pages(self) -> int:
@@ -69,31 +85,33 @@ class PageAllocator:
 
   @property
   def cached_pages(self) -> int:
-    return len(self._lru)
+    return sum(len(lru) for lru in self._lrus)
 
   def pages_for(self, num_tokens: int) -> int:
     return -(-num_tokens // self.page_size)
 
   # ---- allocation
-  def allocate(self, n: int) -> list[int]:
-    """n fresh pages (refcount 1), evicting the least recently used cached pages if needed.
-    Raises OutOfPages, taking nothing, when fewer than n are free or evictable."""
-    if n > self.free_pages:
-      raise OutOfPages(f"{n} pages asked, {self.free_pages} free or evictable of {self.num_pages}")
+  def allocate(self, n: int, shard: int = 0) -> list[int]:
+    """n fresh pages (refcount 1) of `shard`, evicting its least recently used cached pages if needed.
+    Raises OutOfPages, taking nothing, when fewer than n are free or evictable there."""
+    if n > self.free_in(shard):
+      raise OutOfPages(f"{n} pages asked, {self.free_in(shard)} free or evictable of {self.shard_pages}"
+                       + (f" in shard {shard}" if self.shards > 1 else ""))
+    free, lru = self._frees[shard], self._lrus[shard]
     pages = []
     for _ in range(n):
-      if self._free:
-        p = self._free.popleft()
+      if free:
+        p = free.popleft()
       else:
-        p, _ = self._lru.popitem(last=False)  # evict the oldest cached page
+        p, _ = lru.popitem(last=False)  # evict the oldest cached page
         del self._page_of[self._key_of.pop(p)]
       self._refs[p] = 1
       pages.append(p)
     return pages
 
   def match(self, tokens: Sequence[int]) -> list[int]:
-    """The cached pages that hold the longest run of full pages starting `tokens` (no reference
-    taken: `share` them before anything else allocates)."""
+    """The cached pages that hold the longest run of full pages starting `tokens`, all in the first
+    one's shard (no reference taken: `share` them before anything else allocates)."""
     if not self.prefix_caching:
       return []
     pages = []
@@ -101,7 +119,7 @@ class PageAllocator:
     self.lookups += len(keys)
     for key in keys:
       p = self._page_of.get(key)
-      if p is None:
+      if p is None or (pages and self.shard_of(p) != self.shard_of(pages[0])):
         break
       pages.append(p)
     self.hits += len(pages)
@@ -111,7 +129,7 @@ class PageAllocator:
     """Takes a reference on each page (a sequence's page table now points at it)."""
     for p in pages:
       if self._refs[p] == 0:
-        self._lru.pop(p, None)  # a cached page comes back into use
+        self._lrus[self.shard_of(p)].pop(p, None)  # a cached page comes back into use
       self._refs[p] += 1
 
   def publish(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
@@ -134,18 +152,21 @@ class PageAllocator:
       self._refs[p] -= 1
       if self._refs[p] == 0:
         if p in self._key_of:
-          self._lru[p] = None  # most recently used last
+          self._lrus[self.shard_of(p)][p] = None  # most recently used last
         else:
-          self._free.append(p)
+          self._frees[self.shard_of(p)].append(p)
 
   def hit_rate(self) -> float:
     return self.hits / self.lookups if self.lookups else 0.0
 
   def check(self) -> None:
     """Asserts the invariants of the module docstring (tests call it after every operation)."""
-    free, cached = set(self._free), set(self._lru)
+    free = {p for f in self._frees for p in f}
+    cached = {p for lru in self._lrus for p in lru}
     used = {p for p, r in enumerate(self._refs) if r > 0}
-    assert len(free) == len(self._free), "a page is on the free list twice"
+    assert len(free) == sum(len(f) for f in self._frees), "a page is on the free list twice"
+    assert all(self.shard_of(p) == s for s in range(self.shards) for p in [*self._frees[s], *self._lrus[s]]), \
+        "a page is listed in another shard"
     assert not (free & cached) and not (free & used) and not (cached & used), "a page in two states"
     assert len(free) + len(cached) + len(used) == self.num_pages, "a page is lost"
     assert all(self._refs[p] == 0 for p in free | cached), "a free or cached page is referenced"

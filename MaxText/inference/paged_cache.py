@@ -18,18 +18,30 @@ scatter, so fixed-shape steps write only real tokens. Reads come in two kinds:
     query, as the contiguous cache) in kv_cache's contiguous LayerCache layout;
   - `gather_selected`: only the selected latents (O(k) per query), through the page table.
 So a paged step computes the same function as a contiguous one over the same tokens.
+
+On a mesh (under sharding.logical_rules) the pools shard over pages, on the same mesh axes as the
+step's rows ("activation_batch": data, fsdp, expert; the `page_shards` of `page_sharding`): with
+D shards, device s holds slots [s*N/D, (s+1)*N/D) and rows [s*B/D, (s+1)*B/D) of every step.
+Invariant (the page allocator's `shards`, the engine's row placement): every page of a row's
+table lies in the shard of the device that holds the row. Reads and writes then run under
+shard_map on local slots, so no device ever reads another's pool (attention is data-parallel over
+sequences: the MLA latent serves all heads, so tensor-parallel attention would copy it).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
+from MaxText.runtime import sharding
 
 
 class PagedLayerCache(NamedTuple):
@@ -50,9 +62,17 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
                             for name, w in kv_cache._widths(config).items()})
 
 
-def init_pools(config: Config, num_pages: int, page_size: int) -> dict:
+def init_pools(config: Config, num_pages: int, page_size: int, mesh=None, *, abstract: bool = False) -> dict:
   """The whole model's pools, keyed by the Transformer's stack names as kv_cache.init_cache:
-  a scanned stack gets one stacked PagedLayerCache, an unscanned one a list."""
+  a scanned stack gets one stacked PagedLayerCache, an unscanned one a list. On a mesh sharded
+  over pages (`pool_shardings`); abstract: ShapeDtypeStructs (with those shardings), nothing allocated."""
+  if mesh is not None or abstract:
+    shapes = jax.eval_shape(lambda: init_pools(config, num_pages, page_size))
+    shards = None if mesh is None else pool_shardings(config, mesh, shapes)
+    if abstract:
+      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shards) \
+          if shards is not None else shapes
+    return jax.jit(lambda: init_pools(config, num_pages, page_size), out_shardings=shards)()
   n = num_pages * page_size
   pools = {}
   for name, layers in (("dense_layers", config.first_num_dense_layers), ("moe_layers", config.num_moe_layers)):
@@ -60,6 +80,71 @@ def init_pools(config: Config, num_pages: int, page_size: int) -> dict:
       pools[name] = (init_layer_pools(config, n, layers) if config.scan_layers
                      else [init_layer_pools(config, n) for _ in range(layers)])
   return pools
+
+
+def _batch_axes(rules: dict, mesh) -> tuple[str, ...]:
+  return tuple(a for a in rules.get("activation_batch", ()) if mesh.shape[a] > 1)
+
+
+def page_axes(config: Config, mesh) -> tuple[str, ...]:
+  """The mesh axes the pools' pages (and the step's rows) shard over: activation_batch's, size > 1."""
+  return _batch_axes(sharding.rules_of(config), mesh)
+
+
+def page_shards(config: Config, mesh) -> int:
+  """How many page shards (1 without a mesh): rows and num_pages must be multiples of it."""
+  return 1 if mesh is None else math.prod(mesh.shape[a] for a in page_axes(config, mesh))
+
+
+def _spec(ndim: int, dim: int, axes: tuple) -> P:
+  """A PartitionSpec sharding dimension `dim` (negative: from the end) over axes."""
+  spec = [None] * ndim
+  spec[dim] = axes if len(axes) > 1 else axes[0]
+  return P(*spec)
+
+
+def pool_shardings(config: Config, mesh, pools):
+  """NamedShardings of a pools pytree (init_pools' layout): the slot axis (-2) over page_axes."""
+  axes = page_axes(config, mesh)
+  return jax.tree.map(lambda a: NamedSharding(mesh, _spec(a.ndim, -2, axes) if axes else P()), pools)
+
+
+def _local():
+  """(mesh, axes) when a mesh with page shards is active (sharding.logical_rules), else None."""
+  active = sharding.active_mesh()
+  if active is None:
+    return None
+  mesh, rules = active
+  axes = _batch_axes(rules, mesh)
+  return (mesh, axes) if axes else None
+
+
+def _shard_index(mesh, axes) -> jax.Array:
+  """This device's page shard inside shard_map: axes in order, the first major (as a sharded dim)."""
+  i = jnp.int32(0)
+  for a in axes:
+    i = i * mesh.shape[a] + jax.lax.axis_index(a)
+  return i
+
+
+def _on_shards(fn, pools, rows, pool_out: bool):
+  """fn(pools, rows, first_slot) on each device's own page shard: pools leaves [.., N, n] (slot axis
+  -2), rows a tuple of arrays with the row axis given as (array, dim) pairs; without page shards
+  fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0)."""
+  arrays = tuple(a for a, _ in rows)
+  local = _local()
+  if local is None:
+    return fn(pools, arrays, 0)
+  mesh, axes = local
+  pool_specs = jax.tree.map(lambda a: _spec(a.ndim, -2, axes), pools)
+  row_specs = tuple(_spec(a.ndim, d, axes) for a, d in rows)
+
+  def body(pools, arrays):
+    n_local = jax.tree.leaves(pools)[0].shape[-2]
+    return fn(pools, arrays, _shard_index(mesh, axes) * n_local)
+
+  out_specs = pool_specs if pool_out else P(axes)
+  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs)(pools, arrays)
 
 
 def slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_slots: int) -> jax.Array:
@@ -76,15 +161,22 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
   """Stores new tokens' vectors [(L,) B, t, n] at slot_ids [B,t] (num_slots = dropped); fp8 fields
   are quantized here. A layer ([N,n]) or a stack ([L,N,n]: every layer at once)."""
   new = kv_cache.as_fields(pools, c_kv=c_kv, k_pe=k_pe, idx_k=idx_k)
-  flat = slot_ids.reshape(-1)  # [B*t]
+  names = list(new)
 
-  def put(dst, upd):  # dst [(L,) N, n], upd [(L,) B, t, n]
-    upd = upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]).astype(dst.dtype)  # [(L,) B*t, n]
-    if dst.ndim == 3:
-      return dst.at[:, flat].set(upd, mode="drop")
-    return dst.at[flat].set(upd, mode="drop")
+  def put_all(dsts, arrays, first):  # on a page shard: dsts [(L,) N_l, n], slot_ids [B_l,t], upd [(L,) B_l, t, n]
+    ids, upds = arrays[0], arrays[1:]
+    n_local = dsts[0].shape[-2]
+    flat = ids.reshape(-1) - first  # [B_l*t] local slots
+    flat = jnp.where((flat >= 0) & (flat < n_local), flat, n_local)  # padding (and any other shard's): dropped
+    out = []
+    for dst, upd in zip(dsts, upds):
+      upd = upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]).astype(dst.dtype)  # [(L,) B_l*t, n]
+      out.append(dst.at[:, flat].set(upd, mode="drop") if dst.ndim == 3 else dst.at[flat].set(upd, mode="drop"))
+    return tuple(out)
 
-  return pools._replace(**{name: put(getattr(pools, name), v) for name, v in new.items()})
+  dsts = tuple(getattr(pools, name) for name in names)
+  rows = ((slot_ids, 0),) + tuple((new[name], -3) for name in names)
+  return pools._replace(**dict(zip(names, _on_shards(put_all, dsts, rows, pool_out=True))))
 
 
 def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
@@ -97,10 +189,16 @@ def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int)
   S = P * page_size positions per row: c_kv/k_pe [B,S,n], idx_k [B,d,S]. Positions a row has not
   written (or pages it has not got, entries < 0) read as whatever their slot holds: callers mask
   them by position, as with a contiguous cache."""
-  b, p = page_table.shape
+  p = page_table.shape[1]
   pos = jnp.arange(p * page_size, dtype=jnp.int32)  # [S]
-  ids = jnp.maximum(page_table, 0)[:, pos // page_size] * page_size + pos % page_size  # [B,S]
-  view = {name: (None if a is None else _rows(a, ids)) for name, a in pools._asdict().items()}  # [B,S,n]
+  present = {name: a for name, a in pools._asdict().items() if a is not None}
+
+  def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P]
+    ids = jnp.maximum(arrays[0], 0)[:, pos // page_size] * page_size + pos % page_size - first  # [B_l,S]
+    return {name: _rows(a, ids) for name, a in stores.items()}  # [B_l,S,n]
+
+  got = _on_shards(read, present, ((page_table, 0),), pool_out=False)
+  view = {name: got.get(name) for name in pools._fields}  # [B,S,n]
   for name in ("idx_k", "idx_k_scale"):  # the contiguous cache keeps the indexer keys [B,n,S]
     if view[name] is not None:
       view[name] = jnp.swapaxes(view[name], 1, 2)
@@ -112,12 +210,19 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   """Only the selected latents: idx [B,m] positions -> c_kv [B,m,kv_lora], k_pe [B,m,rope] in dtype.
   O(m) per row: each position's slot through the page table, the stored (fp8: quantized) rows
   gathered, and just those dequantized."""
-  page = jnp.take_along_axis(jnp.maximum(page_table, 0), idx // page_size, axis=1)  # [B,m]
-  ids = page * page_size + idx % page_size  # [B,m]
-  c = _rows(pools.c_kv, ids)
-  if pools.c_kv_scale is not None:
-    c = dequantize_fp8(c, _rows(pools.c_kv_scale, ids), dtype)
-  return c.astype(dtype), _rows(pools.k_pe, ids).astype(dtype)
+  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+
+  def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], idx [B_l,m]
+    table, idx = arrays
+    page = jnp.take_along_axis(jnp.maximum(table, 0), idx // page_size, axis=1)  # [B_l,m]
+    ids = page * page_size + idx % page_size - first  # [B_l,m] local slots
+    return {name: _rows(a, ids) for name, a in stores.items()}  # [B_l,m,n]
+
+  got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False)
+  c = got["c_kv"]
+  if "c_kv_scale" in got:
+    c = dequantize_fp8(c, got["c_kv_scale"], dtype)
+  return c.astype(dtype), got["k_pe"].astype(dtype)
 
 
 def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
@@ -125,5 +230,5 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
   return kv_cache.bytes_per_token_per_layer(config) * config.num_decoder_layers * num_pages * page_size
 
 
-__all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "slots", "write", "sequence_view",
-           "gather_selected", "pool_bytes"]
+__all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "page_axes", "page_shards", "pool_shardings", "slots",
+           "write", "sequence_view", "gather_selected", "pool_bytes"]

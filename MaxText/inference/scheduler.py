@@ -17,6 +17,13 @@ gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one 
 stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
 publishes its full pages to the prefix cache and releases them at once.
 
+With a sharded allocator (decode on a mesh: D page shards, one per group of devices holding rows)
+a request lives on one shard, its home, for as long as it holds pages: all its pages come from
+that shard, at most max_num_seqs / D running requests share a shard (so each device's rows fit the
+step's [max_num_seqs / D] rows), a new request goes to the open shard with the most free pages
+(or the shard of its cached prefix, when that one is open), and a preemption takes the newest
+running request of the same shard.
+
 Invariants (tests/unit/test_scheduler.py): no request is lost, duplicated or stuck; a step never
 exceeds either budget; after every request finishes, every page is free or cached.
 """
@@ -126,9 +133,10 @@ class Scheduler:
     if len(prompt) + params.max_tokens > self.max_length:
       raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) is more than the "
                          f"context length {self.max_length}", "max_tokens")
-    if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.num_pages:
+    if self.allocator.pages_for(len(prompt) + params.max_tokens) > self.allocator.shard_pages:
       raise RequestError(f"prompt + max_tokens needs more pages than the whole pool "
-                         f"({self.allocator.num_pages} of {self.allocator.page_size} tokens)", "max_tokens")
+                         f"({self.allocator.shard_pages} of {self.allocator.page_size} tokens"
+                         f"{' per shard' if self.allocator.shards > 1 else ''})", "max_tokens")
     r = Request([int(t) for t in prompt], params, id=next(self._ids))
     self.waiting.append(r)
     return r
@@ -159,7 +167,7 @@ class Scheduler:
         continue
       rows.append(Scheduled(r, r.computed, n))
       budget -= n
-    while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+    while self.waiting and self._open_shards() and budget > 0:
       r = self.waiting[0]
       self._share_prefix(r)
       n = min(self.chunk, len(r.tokens) - r.computed, budget)
@@ -201,10 +209,22 @@ class Scheduler:
     return done
 
   # ---- pages
+  def _home(self, r: Request) -> int | None:
+    """The shard of r's pages (None: it holds none)."""
+    return self.allocator.shard_of(r.pages[0]) if r.pages else None
+
+  def _open_shards(self) -> list[int]:
+    """Shards with a sequence slot left (max_num_seqs / shards each)."""
+    shards = self.allocator.shards
+    count = collections.Counter(self._home(r) for r in self.running)
+    return [s for s in range(shards) if count[s] < self.max_num_seqs // shards]
+
   def _share_prefix(self, r: Request) -> None:
     """Points a new request's first pages at the cached pages of its prompt's longest cached prefix,
-    keeping at least its last prompt token to compute."""
+    keeping at least its last prompt token to compute (none when that prefix's shard is full)."""
     pages = self.allocator.match(r.prompt[:len(r.prompt) - 1])
+    if pages and self.allocator.shard_of(pages[0]) not in self._open_shards():
+      pages = []
     self.allocator.share(pages)
     r.pages, r.computed = pages, len(pages) * self.allocator.page_size
 
@@ -213,17 +233,20 @@ class Scheduler:
     need = self.allocator.pages_for(upto) - len(r.pages)
     if need <= 0:
       return True
+    shard = self._home(r)
+    if shard is None:  # a new request: the open shard with the most free pages
+      shard = max(self._open_shards(), key=self.allocator.free_in)
     try:
-      r.pages += self.allocator.allocate(need)
+      r.pages += self.allocator.allocate(need, shard)
     except OutOfPages:
       return False
     return True
 
   def _make_room(self, r: Request, upto: int) -> bool:
-    """Pages for a running request, preempting the newest running requests (never r itself
-    unless it is the newest) until they fit."""
+    """Pages for a running request, preempting the newest running requests of its shard (never r
+    itself unless it is the newest) until they fit."""
     while not self._take_pages(r, upto):
-      victim = self.running[-1]
+      victim = [v for v in self.running if v is r or self._home(v) == self._home(r)][-1]
       self._preempt(victim)
       if victim is r:
         return False

@@ -19,12 +19,19 @@ most 2 x (number of row buckets) step programs are compiled (and as many writes)
 Pages: serve_page_size tokens each, serve_num_pages per pool (0: room for serve_max_num_seqs
 sequences of max_target_length). A finished request frees its pages at once; with
 serve_prefix_caching its full pages stay cached for later prompts with the same prefix.
+On a mesh (built under sharding.logical_rules) attention is data-parallel over sequences: the
+pools shard over pages on the rows' mesh axes (paged_cache.py), the allocator splits its pages in
+as many shards (page_allocator.py), and a step puts each row in its home shard's block of B/D rows,
+so each device runs its own sequences over its own pages; the experts run over `expert`
+(the MoE layer's all-to-all dispatch). Params/buffers given as abstract ShapeDtypeStructs (with
+shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
@@ -32,13 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.config.types import Config
+from MaxText.config.types import Config, ConfigError
 from MaxText.inference import paged_cache
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.engine import default_attention, model_absorbed_weights, step_head_chunk
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
+from MaxText.runtime import sharding
 from MaxText.runtime.distributed import to_host
 
 
@@ -53,11 +61,19 @@ class ServingEngine:
     self.page_size = cfg.serve_page_size
     self.pages_per_seq = -(-cfg.max_target_length // self.page_size)
     num_pages = cfg.serve_num_pages or cfg.serve_max_num_seqs * self.pages_per_seq
+    self.mesh = sharding.active_mesh()[0] if sharding.active_mesh() else None
+    self.shards = paged_cache.page_shards(cfg, self.mesh)
+    for key, value in (("serve_max_num_seqs", cfg.serve_max_num_seqs), ("serve_num_pages", num_pages)):
+      if value % self.shards:
+        raise ConfigError(f"config key '{key}' = {value}: a multiple of the {self.shards} page shards (the mesh axes "
+                          f"{paged_cache.page_axes(cfg, self.mesh)} that shard the rows)")
+    self.abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
     self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
     self.sample_vocab = sample_vocab
-    self.absorbed = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))(params, buffers)
+    absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
+    self.absorbed = _abstract_out(absorb, params, buffers) if self.abstract else absorb(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._write_jit = jax.jit(self._write, donate_argnums=(0,))
     self._seeds = np.random.default_rng(cfg.seed)
@@ -72,17 +88,20 @@ class ServingEngine:
     """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
     programs stay."""
     cfg = self.config
-    self.allocator = PageAllocator(self.num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching)
+    self.allocator = PageAllocator(self.num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching,
+                                   shards=self.shards)
     self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
                                chunk=self.chunk, max_length=cfg.max_target_length, eos_id=self.eos_id,
                                vocab_size=cfg.vocab_size)
-    self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size)
-    self._noop(1, 1)  # the pools now lie as every step returns them (on the params' mesh): no recompile later
+    self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
+    if not self.abstract:
+      self._noop(self.shards, 1)  # the pools now lie as every step returns them (on the params' mesh): no recompile
     self.steps = 0
 
   def buckets(self) -> list[int]:
-    """The row counts a step is padded to: powers of two up to serve_max_num_seqs."""
-    return sorted({min(self.max_seqs, 1 << i) for i in range(self.max_seqs.bit_length() + 1)})
+    """The row counts a step is padded to: page shards x powers of two, up to serve_max_num_seqs."""
+    per = self.max_seqs // self.shards
+    return sorted({self.shards * min(per, 1 << i) for i in range(per.bit_length() + 1)})
 
   def warmup(self) -> int:
     """Compiles every step and write program (each row bucket x (1, chunk)) on padding-only input:
@@ -119,7 +138,7 @@ class ServingEngine:
     if not rows:
       return []
     t = 1 if all(r.count == 1 for r in rows) else self.chunk
-    b = min(self.max_seqs, 1 << (len(rows) - 1).bit_length())  # rows padded to a power of two
+    b, where = self._placement(rows)
     tokens = np.zeros((b, t), np.int32)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
     write_pos = np.full((b, t), -1, np.int32)  # -1: padding, its write is dropped
@@ -127,7 +146,7 @@ class ServingEngine:
     last = np.zeros((b,), np.int32)
     temp, top_p, top_k = np.zeros((b,), np.float32), np.ones((b,), np.float32), np.zeros((b,), np.int32)
     seeds, draw_at = np.zeros((b,), np.uint32), np.zeros((b,), np.int32)
-    for i, row in enumerate(rows):
+    for i, row in zip(where, rows):
       r, n = row.request, row.count
       tokens[i, :n] = r.tokens[row.start:row.start + n]
       positions[i] = row.start + np.arange(t)
@@ -141,15 +160,52 @@ class ServingEngine:
     self.pools, sampled = self._run(t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at)
     sampled = to_host(sampled)
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
-    self.scheduler.update(rows, sampled[:len(rows)])
+    self.scheduler.update(rows, sampled[where])
     self.steps += 1
     return [(row.request, row.request.output[-1]) for row, n in zip(rows, made)
             if n is not None and len(row.request.output) > n]
 
+  def _placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
+    """(B, the batch row of each scheduled row): D page shards of B/D rows each, B/D a power of two;
+    a row sits in its home shard's block (the shard of its pages), so its device holds its pages."""
+    homes = [self.allocator.shard_of(row.request.pages[0]) for row in rows]
+    per = min(self.max_seqs // self.shards, 1 << (max(homes.count(h) for h in homes) - 1).bit_length())
+    taken = [0] * self.shards
+    where = []
+    for h in homes:
+      where.append(h * per + taken[h])
+      taken[h] += 1
+    return self.shards * per, where
+
+  def compile_step(self, b: int, t: int):
+    """The step and write programs for b rows of t tokens, compiled from the engine's (abstract or
+    real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
+    as a step's rows do)."""
+    rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(len(shape)))
+    bt, bb = rows(b, t), rows(b)
+    args = (bt, bt, rows(b, self.pages_per_seq), bb, rows(b, dtype=jnp.float32), rows(b, dtype=jnp.float32), bb,
+            rows(b, dtype=jnp.uint32), bb)
+    with self._rules():
+      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, *args).compile()
+      entries = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), step.out_info[0],
+                             step.output_shardings[0])
+      return step, self._write_jit.lower(self.pools, entries, bt, args[2]).compile(), args
+
+  def _rules(self):
+    """The mesh's logical rules, active wherever the engine's programs trace (its step reads them)."""
+    return sharding.logical_rules(self.config, self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _row_sharding(self, ndim: int):
+    if self.mesh is None:
+      return None
+    axes = paged_cache.page_axes(self.config, self.mesh)
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
+
   def _run(self, t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at):
     args = [jnp.asarray(a) for a in (tokens, positions, table, last, temp, top_p, top_k, seeds, draw_at)]
-    entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, *args)
-    pools = self._write_jit(self.pools, entries, jnp.asarray(write_pos), args[2])
+    with self._rules():
+      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, *args)
+      pools = self._write_jit(self.pools, entries, jnp.asarray(write_pos), args[2])
     return pools, sampled
 
   def _step(self, t, params, buffers, pools, absorbed, tokens, positions, table, last, temp, top_p, top_k, seeds,
@@ -192,6 +248,13 @@ class ServingEngine:
     return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
             "prefix_hit_rate": a.hit_rate(), "steps": self.steps}
+
+
+def _abstract_out(fn, *args):
+  """fn's outputs for abstract args, as ShapeDtypeStructs with the shardings its compiled program gives them."""
+  compiled = fn.lower(*args).compile()
+  return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), compiled.out_info,
+                      compiled.output_shardings)
 
 
 __all__ = ["ServingEngine", "SamplingParams", "Scheduled"]

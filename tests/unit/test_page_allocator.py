@@ -117,3 +117,24 @@ def test_random_sequences_keep_every_invariant_and_leak_nothing():
     a.release(pages)
   a.check()
   assert a.used_pages == 0 and a.free_pages == 24 and a.hits > 0
+
+
+
+def test_shards_allocate_evict_and_match_within_one_shard():
+  a = PageAllocator(8, page_size=2, shards=2)  # shard 0: pages 0-3, shard 1: pages 4-7
+  left = a.allocate(2, shard=0)
+  right = a.allocate(4, shard=1)
+  assert all(a.shard_of(p) == 0 for p in left) and sorted(right) == [4, 5, 6, 7]
+  with pytest.raises(OutOfPages):
+    a.allocate(1, shard=1)  # shard 1 is full though shard 0 has room
+  a.publish(left[:1], [7, 7])  # [7,7] cached on shard 0
+  a.release(left)
+  # shard 1 computed [7,7][8,8] itself: its first page stays unkeyed (shard 0 holds that key), its second is keyed
+  a.publish(right[:2], [7, 7, 8, 8])
+  a.release(right)
+  assert a.free_in(1) == 4 and a.cached_pages == 2
+  assert a.match([7, 7, 8, 8, 9]) == [left[0]]  # the chain's second page lies in shard 1: the run stops
+  assert a.match([7, 7]) == [left[0]]
+  taken = a.allocate(4, shard=0)  # shard 0's 3 free pages first, then its own cached page; shard 1's stays
+  assert all(a.shard_of(p) == 0 for p in taken) and a.cached_pages == 1 and a.match([7, 7]) == []
+  a.check()

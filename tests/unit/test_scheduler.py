@@ -40,9 +40,13 @@ def run(sched, arrivals, max_steps=2000):
     rows = sched.schedule()
     assert len(rows) <= sched.max_num_seqs and sum(r.count for r in rows) <= sched.max_num_tokens
     assert len({id(r.request) for r in rows}) == len(rows), "a request twice in one step"
+    a = sched.allocator
     for row in rows:
       assert row.start == row.request.computed and row.count >= 1
-      assert len(row.request.pages) * sched.allocator.page_size >= row.start + row.count, "a token without a page"
+      assert len(row.request.pages) * a.page_size >= row.start + row.count, "a token without a page"
+      assert len({a.shard_of(p) for p in row.request.pages}) == 1, "a sequence's pages span shards"
+    per_shard = [sum(a.shard_of(r.request.pages[0]) == s for r in rows) for s in range(a.shards)]
+    assert max(per_shard) <= sched.max_num_seqs // a.shards, per_shard
     sampled = [next_token(r.request.tokens[:r.start + r.count]) for r in rows]
     sched.update(rows, sampled)
     sched.allocator.check()
@@ -51,8 +55,10 @@ def run(sched, arrivals, max_steps=2000):
   return requests
 
 
-@pytest.mark.parametrize("pages,budget,seqs", [(64, 64, 8), (9, 12, 4), (7, 6, 3)])
-def test_outputs_equal_each_request_alone_under_any_budget_and_preemption(pages, budget, seqs):
+@pytest.mark.parametrize("pages,budget,seqs,shards", [(64, 64, 8, 1), (9, 12, 4, 1), (7, 6, 3, 1), (64, 64, 8, 4),
+                                                      (16, 12, 4, 2)])
+def test_outputs_equal_each_request_alone_under_any_budget_and_preemption(pages, budget, seqs, shards):
+  # shards > 1: a page pool split as on a mesh (each sequence's pages in one shard, its own rows' device)
   rng = random.Random(pages)
   system = [rng.randrange(3, V) for _ in range(9)]  # a shared "system prompt"
   arrivals = {}
@@ -61,15 +67,15 @@ def test_outputs_equal_each_request_alone_under_any_budget_and_preemption(pages,
     params = SamplingParams(max_tokens=rng.randrange(1, 9), ignore_eos=i % 3 == 0,
                             stop_token_ids=(7,) if i % 5 == 0 else ())
     arrivals.setdefault(rng.randrange(0, 12), []).append((prompt, params))
-  sched = Scheduler(PageAllocator(pages, page_size=4), max_num_seqs=seqs, max_num_tokens=budget, chunk=4,
-                    max_length=32, eos_id=EOS, vocab_size=V)
+  sched = Scheduler(PageAllocator(pages, page_size=4, shards=shards), max_num_seqs=seqs, max_num_tokens=budget,
+                    chunk=4, max_length=32, eos_id=EOS, vocab_size=V)
   requests = run(sched, arrivals)
   assert len(requests) == 14 and len(sched.finished) == 14
   for r in requests:
     assert r.finish_reason in ("stop", "length")
     assert r.output == alone(r.prompt, r.params, 32), r.id
   assert sched.allocator.used_pages == 0
-  if pages == 7:
+  if pages in (7, 16):
     assert sum(r.preemptions for r in requests) > 0  # the tight pool really preempted
   if pages == 64:
     assert sched.allocator.hits > 0  # the system prompt's pages were shared
