@@ -194,10 +194,7 @@ def jit_train_step(config: Config, graphdef, tx, state_sharding, batch_sharding,
 def abstract_train_step(config: Config, mesh):
   """(abstract state, abstract batch, jitted step) exactly as train() builds them, with nothing
   allocated: ShapeDtypeStruct leaves carrying train()'s shardings. Call under the mesh and rules."""
-  graphdef, abs_params, abs_buffers = model_state.abstract_model(config)
-  p_shard, b_shard = model_state.shardings_of(config, mesh, abs_params, abs_buffers)
-  params = orbax_state.abstract_like(abs_params.to_pure_dict(), p_shard)
-  buffers = orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard)
+  graphdef, params, buffers = model_state.abstract_on_mesh(config, mesh)
   tx = make_optimizer(config, params)
   opt_abstract = jax.eval_shape(tx.init, params)
   opt_state = orbax_state.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))

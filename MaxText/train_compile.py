@@ -19,43 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
-
-
-def _num_devices(argv) -> int:
-  """compile_num_devices from the merged config, read before jax is imported (0: leave the devices as they are)."""
-  from MaxText.config import pyconfig
-  from MaxText.config.types import ConfigError
-  try:
-    n = pyconfig.merged_values(argv).get("compile_num_devices", 0)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
-  if not isinstance(n, int) or n < 0:
-    print(f"config error: config key 'compile_num_devices' = {n!r}: a device count >= 0", file=sys.stderr)
-    sys.exit(2)
-  return n
-
-
-def _set_virtual_devices(n: int) -> None:
-  if "jax" in sys.modules:
-    raise RuntimeError("train_compile must set the virtual device count before jax is imported")
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-  os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def _bytes_per_device(tree) -> int:
-  """Bytes one device holds of the (abstract, sharded) arrays in tree (the largest shard, for uneven splits)."""
-  import jax
-  import numpy as np
-  total = 0
-  for a in jax.tree.leaves(tree):
-    shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
-    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-  return total
 
 
 def compile_train_step(config):
@@ -74,20 +39,19 @@ def compile_train_step(config):
 def report(config, compiled, state, batch, seconds: float) -> dict:
   """The JSON object train_compile prints (bytes per device)."""
   from MaxText.runtime import aot
-  mem = compiled.memory_analysis()
+  mem = aot.memory(compiled)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   n = math.prod(config.mesh_shape.values())
-  peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
   return {
-      "peak_bytes_per_device": int(peak),
-      "parameter_bytes_per_device": _bytes_per_device((state["params"], state["buffers"])),
-      "optimizer_bytes_per_device": _bytes_per_device(state["opt_state"]),
-      "batch_bytes_per_device": _bytes_per_device(batch),
-      "temp_bytes_per_device": int(mem.temp_size_in_bytes),
-      "argument_bytes_per_device": int(mem.argument_size_in_bytes),
-      "output_bytes_per_device": int(mem.output_size_in_bytes),
-      "alias_bytes_per_device": int(mem.alias_size_in_bytes),
+      "peak_bytes_per_device": mem["peak"],
+      "parameter_bytes_per_device": aot.bytes_per_device((state["params"], state["buffers"])),
+      "optimizer_bytes_per_device": aot.bytes_per_device(state["opt_state"]),
+      "batch_bytes_per_device": aot.bytes_per_device(batch),
+      "temp_bytes_per_device": mem["temp"],
+      "argument_bytes_per_device": mem["argument"],
+      "output_bytes_per_device": mem["output"],
+      "alias_bytes_per_device": mem["alias"],
       "flops_per_device": float(cost.get("flops", 0.0)),
       "flops_per_step": float(cost.get("flops", 0.0)) * n,
       "collectives": aot.collective_counts(compiled.as_text()),
@@ -117,11 +81,10 @@ def _table(config, r: dict) -> str:
 
 def main(argv) -> None:
   from MaxText.config import pyconfig
+  from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.train_compile", "--help"], __doc__)  # prints usage, exits 0
-  n = _num_devices(argv)
-  if n:
-    _set_virtual_devices(n)
+  virtual_devices.setup_or_exit(argv)
   config = pyconfig.initialize_or_exit(argv, __doc__)
   compiled, state, batch, seconds = compile_train_step(config)
   r = report(config, compiled, state, batch, seconds)

@@ -71,6 +71,15 @@ def init_optimizer(tx, params, mesh):
   return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
+def abstract_on_mesh(config: Config, mesh):
+  """(graphdef, params, buffers) as pure dicts of ShapeDtypeStructs carrying the shardings `create`
+  gives the real ones: for ahead-of-time compiles (train_compile, serve_compile); nothing allocated."""
+  graphdef, abs_params, abs_buffers = abstract_model(config)
+  p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
+  return (graphdef, orbax_state.abstract_like(abs_params.to_pure_dict(), p_shard),
+          orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard))
+
+
 def create(config: Config, mesh):
   """Random init, each parameter created directly with its sharding on the mesh.
   Returns graphdef, params, buffers (pure dicts) and their shardings."""

@@ -9,6 +9,7 @@ import re
 from collections import Counter
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -30,6 +31,27 @@ def abstract_module(make, config: Config, mesh: Mesh):
 def abstract_array(shape, dtype, logical_axes, config: Config, mesh: Mesh) -> jax.ShapeDtypeStruct:
   spec = sharding.logical_to_spec(logical_axes, sharding.rules_of(config), mesh, shape)
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of the (abstract or real, sharded) arrays in tree (the largest shard, for
+  uneven splits)."""
+  total = 0
+  for a in jax.tree.leaves(tree):
+    sharding_ = getattr(a, "sharding", None)
+    shape = sharding_.shard_shape(a.shape) if sharding_ is not None else a.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+  return total
+
+
+def memory(compiled) -> dict[str, int]:
+  """A compiled program's memory per device (bytes): its arguments, outputs, the outputs aliased to
+  donated arguments, temporaries, and the peak = arguments + outputs - aliased + temporaries."""
+  mem = compiled.memory_analysis()
+  out = {"argument": int(mem.argument_size_in_bytes), "output": int(mem.output_size_in_bytes),
+         "alias": int(mem.alias_size_in_bytes), "temp": int(mem.temp_size_in_bytes)}
+  out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
 
 
 def _ops(line: str) -> list[str]:

@@ -1,0 +1,40 @@
+"""Virtual CPU devices for ahead-of-time compiles (train_compile, serve_compile): the device count
+comes from the merged config's compile_num_devices and must be set before jax is imported, so this
+module imports no jax."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def num_devices_or_exit(argv) -> int:
+  """compile_num_devices from the merged config (0: leave the devices as they are); a config mistake
+  is one line and exit 2."""
+  from MaxText.config import pyconfig
+  from MaxText.config.types import ConfigError
+  try:
+    n = pyconfig.merged_values(argv).get("compile_num_devices", 0)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not isinstance(n, int) or n < 0:
+    print(f"config error: config key 'compile_num_devices' = {n!r}: a device count >= 0", file=sys.stderr)
+    sys.exit(2)
+  return n
+
+
+def use_virtual_devices(n: int) -> None:
+  """n virtual CPU devices for this process (XLA_FLAGS); before jax is imported."""
+  if "jax" in sys.modules:
+    raise RuntimeError("the virtual device count must be set before jax is imported")
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def setup_or_exit(argv) -> None:
+  """For a compile entry point's main: compile_num_devices virtual devices, when it is > 0."""
+  n = num_devices_or_exit(argv)
+  if n:
+    use_virtual_devices(n)

@@ -1,0 +1,171 @@
+"""Will it serve? Compiles (never runs) the serving engine's step for a virtual mesh and reports memory.
+
+    python -m MaxText.serve_compile configs/base.yml model_name=deepseek3.2-671b compile_num_devices=8 \\
+        ici_expert_parallelism=8 ici_data_parallelism=1 weight_quantization=fp8_block kv_cache_dtype=fp8 \\
+        max_target_length=131072 serve_max_num_seqs=32 compile_hbm_gib=135 [key=value ...]
+
+The program ServingEngine (MaxText/inference/serving.py) runs for the same keys, compiled on
+`compile_num_devices` virtual CPU devices from abstract parameters and paged pools (nothing is
+allocated): its largest step, serve_max_num_seqs rows of one prefill chunk each (a step with any
+prefill row is [rows, chunk]; decode rows ride along), and the write of that step's cache entries
+into the pools. Attention is data-parallel over sequences (rows and pool pages shard over
+data x fsdp x expert), the routed experts over `expert` (all-to-all dispatch).
+
+Pools: serve_num_pages pages of serve_page_size tokens; with compile_hbm_gib=G and no explicit
+serve_num_pages the pools take what G leaves per device after the weights, temporaries and the
+step's other buffers (as vLLM's gpu_memory_utilization): the step is compiled once with a small
+pool to measure those, then again with the pools sized (a whole number of pages per shard).
+When weights and temporaries alone exceed G: one line, exit 1; an explicit pool over G: the same.
+
+Prints a short table, then, as the LAST line of stdout, one JSON object (bytes per device):
+peak_bytes_per_device = weights + cache + the step's row inputs and outputs + the larger program's
+temporaries (what is resident between steps, plus what one step adds), weight_bytes_per_device
+(params, buffers, the engine's head-major wkv_b copies), cache_bytes_per_device,
+temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages, cache_tokens (pages x page size),
+requests_at_max_target_length (whole max_target_length sequences the pools hold: each lives in
+one page shard), rows, tokens_per_row, collectives (op -> count, step and write), mesh,
+page_shards, compile_seconds. Config mistakes exit 2 with one line. Keys: configs/base.yml.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+
+def build_engine(config):
+  """An abstract ServingEngine for config on jax.devices(): abstract params on the mesh, abstract
+  pools; call under the mesh and its rules (compile_report does)."""
+  from MaxText.checkpoint import model_state
+  from MaxText.inference.serving import ServingEngine
+  from MaxText.runtime import sharding
+  mesh = sharding.create_mesh(config)
+  graphdef, params, buffers = model_state.abstract_on_mesh(config, mesh)
+  return ServingEngine(config, graphdef, params, buffers)
+
+
+def compile_report(config) -> dict:
+  """The JSON object serve_compile prints for config's pools (bytes per device)."""
+  import jax
+
+  from MaxText.runtime import aot, sharding
+  mesh = sharding.create_mesh(config)
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+    engine = build_engine(config)
+    t0 = time.perf_counter()
+    step, write, rows = engine.compile_step(engine.max_seqs, engine.chunk)
+    seconds = time.perf_counter() - t0
+  m_step, m_write = aot.memory(step), aot.memory(write)
+  weights = aot.bytes_per_device((engine.params, engine.buffers, engine.absorbed))
+  cache = aot.bytes_per_device(engine.pools)
+  # resident between steps: weights and pools; during a step also its row inputs and outputs (the new
+  # entries, alive until the write) and the larger program's temporaries (jit drops unused arguments
+  # such as the MTP layer's, so the step's own argument count would miss weights the engine holds)
+  peak = weights + cache + aot.bytes_per_device(rows) + m_step["output"] + max(m_step["temp"], m_write["temp"])
+  cost = step.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  pages_per_shard = engine.num_pages // engine.shards
+  collectives = aot.collective_counts(step.as_text() + "\n" + write.as_text())
+  return {
+      "peak_bytes_per_device": peak,
+      "weight_bytes_per_device": weights,
+      "cache_bytes_per_device": cache,
+      "temp_bytes_per_device": m_step["temp"],
+      "row_input_bytes_per_device": aot.bytes_per_device(rows),
+      "step_peak_bytes_per_device": m_step["peak"],
+      "step_argument_bytes_per_device": m_step["argument"],
+      "step_output_bytes_per_device": m_step["output"],
+      "write_peak_bytes_per_device": m_write["peak"],
+      "write_temp_bytes_per_device": m_write["temp"],
+      "write_alias_bytes_per_device": m_write["alias"],
+      "cache_pages": engine.num_pages,
+      "page_size": engine.page_size,
+      "cache_tokens": engine.num_pages * engine.page_size,
+      "requests_at_max_target_length": pages_per_shard // engine.pages_per_seq * engine.shards,
+      "max_target_length": config.max_target_length,
+      "rows": engine.max_seqs,
+      "tokens_per_row": engine.chunk,
+      "flops_per_device": float(cost.get("flops", 0.0)),
+      "collectives": collectives,
+      "mesh": {a: config.mesh_shape[a] for a in config.mesh_axes},
+      "num_devices": math.prod(config.mesh_shape.values()),
+      "page_shards": engine.shards,
+      "weight_quantization": config.weight_quantization,
+      "kv_cache_dtype": config.kv_cache_dtype,
+      "compile_seconds": round(seconds, 2),
+  }
+
+
+def pages_within(config, probe: dict, hbm_gib: float) -> int:
+  """Pages (a multiple of the page shards) that fill what hbm_gib leaves per device after everything
+  in `probe` (a report with a small pool) but its pool; 0 when nothing is left."""
+  page_bytes = probe["cache_bytes_per_device"] / (probe["cache_pages"] // probe["page_shards"])  # one page per shard
+  rest = probe["peak_bytes_per_device"] - probe["cache_bytes_per_device"]
+  per_shard = int((hbm_gib * 2**30 - rest) // page_bytes)
+  return max(per_shard, 0) * probe["page_shards"]
+
+
+def _table(config, r: dict) -> str:
+  gib = lambda b: f"{b / 2**30:9.2f} GiB"
+  mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
+  rows = [
+      f"model {config.model_name}: serving step of {r['rows']} rows x {r['tokens_per_row']} tokens on "
+      f"{r['num_devices']} devices ({mesh}); weights {config.weight_dtype}"
+      f"{' fp8 blocks' if r['weight_quantization'] == 'fp8_block' else ''}, cache {r['kv_cache_dtype']}",
+      f"  weights              {gib(r['weight_bytes_per_device'])} per device",
+      f"  cache pools          {gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
+      f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of {r['max_target_length']:,})",
+      f"  temporaries          {gib(r['temp_bytes_per_device'])}",
+      f"  peak                 {gib(r['peak_bytes_per_device'])}",
+      f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",
+      f"  compiled in          {r['compile_seconds']:.1f} s",
+  ]
+  return "\n".join(rows)
+
+
+def _report_or_exit(config) -> dict:
+  """compile_report; a config mistake it meets (e.g. rows not a multiple of the page shards) exits 2 in one line."""
+  from MaxText.runtime import cli
+  out = {}
+  cli.run(lambda: out.update(compile_report(config)))
+  return out
+
+
+def _fail(line: str) -> None:
+  print(f"error: {line}", file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def main(argv) -> None:
+  from MaxText.config import pyconfig
+  from MaxText.runtime import virtual_devices
+  if any(a in ("-h", "--help") for a in argv[1:]):
+    pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
+  virtual_devices.setup_or_exit(argv)
+  config = pyconfig.initialize_or_exit(argv, __doc__)
+  from MaxText.inference import paged_cache
+  from MaxText.runtime import sharding
+
+  hbm = config.compile_hbm_gib
+  if hbm and not config.serve_num_pages:  # size the pools by what hbm leaves: probe with one request per shard
+    shards = paged_cache.page_shards(config, sharding.create_mesh(config))
+    pages_per_seq = -(-config.max_target_length // config.serve_page_size)
+    probe = _report_or_exit(pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=shards * pages_per_seq))
+    pages = pages_within(config, probe, hbm)
+    if pages == 0:
+      _fail(f"weights ({probe['weight_bytes_per_device'] / 2**30:.2f} GiB) and temporaries "
+            f"({probe['temp_bytes_per_device'] / 2**30:.2f} GiB) need "
+            f"{(probe['peak_bytes_per_device'] - probe['cache_bytes_per_device']) / 2**30:.2f} GiB per device: "
+            f"no room for the cache pools in compile_hbm_gib={hbm:g}")
+    config = pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=pages)
+  r = _report_or_exit(config)
+  print(_table(config, r), flush=True)
+  print(json.dumps(r), flush=True)
+  if hbm and r["peak_bytes_per_device"] > hbm * 2**30:
+    _fail(f"needs {r['peak_bytes_per_device'] / 2**30:.2f} GiB per device, the limit is {hbm:g} (compile_hbm_gib)")
+
+
+if __name__ == "__main__":
+  main(sys.argv)
