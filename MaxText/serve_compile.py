@@ -34,6 +34,15 @@ import math
 import sys
 import time
 
+# Two XLA:CPU rewrites a GPU/TPU compile never makes, off for these virtual-device compiles:
+# - XLA:CPU has no bf16 matmul: it converts a dot's bf16 operands to f32, and its while-loop invariant
+#   code motion then hoists that convert of the stacked weights out of the layer loop: an f32 copy of
+#   every layer's experts (2x the bf16 weights; 183 -> 14 GiB of temporaries on the 671B step);
+# - it widens an fp8 scatter to f16, so the write of new entries into the donated fp8 pools copied
+#   them (one pool's size of temporaries). (bf16 fields, k_pe and a bf16 cache, are still widened:
+#   the write's temporaries hold a copy of them, which the report counts.)
+CPU_FLAGS = ("--xla_disable_hlo_passes=while-loop-invariant-code-motion,float-normalization-f8e4m3fn",)
+
 
 def build_engine(config):
   """An abstract ServingEngine for config on jax.devices(): abstract params on the mesh, abstract
@@ -98,13 +107,25 @@ def compile_report(config) -> dict:
   }
 
 
-def pages_within(config, probe: dict, hbm_gib: float) -> int:
-  """Pages (a multiple of the page shards) that fill what hbm_gib leaves per device after everything
-  in `probe` (a report with a small pool) but its pool; 0 when nothing is left."""
-  page_bytes = probe["cache_bytes_per_device"] / (probe["cache_pages"] // probe["page_shards"])  # one page per shard
-  rest = probe["peak_bytes_per_device"] - probe["cache_bytes_per_device"]
-  per_shard = int((hbm_gib * 2**30 - rest) // page_bytes)
-  return max(per_shard, 0) * probe["page_shards"]
+def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
+  """Pages (a multiple of the page shards) that fill what hbm_gib leaves per device, from `probe` (a
+  report with a small pool). The pool's bytes grow per page; so may the write's temporaries (XLA:CPU
+  copies a bf16 pool it scatters into): given `last`, a report with a larger pool that did not fit,
+  they grow by the slope between the two reports, else they are taken as probe's (in place)."""
+  shards = probe["page_shards"]
+  per_shard = lambda r: r["cache_pages"] // shards
+  page_bytes = probe["cache_bytes_per_device"] / per_shard(probe)  # one page in every shard
+  fixed = (probe["weight_bytes_per_device"] + probe["row_input_bytes_per_device"]
+           + probe["step_output_bytes_per_device"])  # the peak's parts that do not depend on the pool
+  room = hbm_gib * 2**30 - fixed  # for the pools and the larger of the two programs' temporaries
+  temp = max(probe["temp_bytes_per_device"], probe["write_temp_bytes_per_device"])  # the step's does not grow
+  pages = (room - temp) / page_bytes
+  if last is not None:
+    slope = (last["write_temp_bytes_per_device"] - probe["write_temp_bytes_per_device"]) / (per_shard(last)
+                                                                                           - per_shard(probe))
+    base = probe["write_temp_bytes_per_device"] - slope * per_shard(probe)
+    pages = min(pages, (room - base) / (page_bytes + max(slope, 0.0)))
+  return max(int(pages), 0) * shards
 
 
 def _table(config, r: dict) -> str:
@@ -143,7 +164,7 @@ def main(argv) -> None:
   from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
-  virtual_devices.setup_or_exit(argv)
+  virtual_devices.setup_or_exit(argv, CPU_FLAGS)
   config = pyconfig.initialize_or_exit(argv, __doc__)
   from MaxText.inference import paged_cache
   from MaxText.runtime import sharding
@@ -153,14 +174,21 @@ def main(argv) -> None:
     shards = paged_cache.page_shards(config, sharding.create_mesh(config))
     pages_per_seq = -(-config.max_target_length // config.serve_page_size)
     probe = _report_or_exit(pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=shards * pages_per_seq))
-    pages = pages_within(config, probe, hbm)
+    pages = pages_within(probe, hbm)
     if pages == 0:
       _fail(f"weights ({probe['weight_bytes_per_device'] / 2**30:.2f} GiB) and temporaries "
             f"({probe['temp_bytes_per_device'] / 2**30:.2f} GiB) need "
             f"{(probe['peak_bytes_per_device'] - probe['cache_bytes_per_device']) / 2**30:.2f} GiB per device: "
             f"no room for the cache pools in compile_hbm_gib={hbm:g}")
     config = pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=pages)
-  r = _report_or_exit(config)
+    r = _report_or_exit(config)
+    if r["peak_bytes_per_device"] > hbm * 2**30:  # the write's temporaries grew with the pool: size again
+      pages = pages_within(probe, hbm, last=r)
+      if pages:
+        config = pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=pages)
+        r = _report_or_exit(config)
+  else:
+    r = _report_or_exit(config)
   print(_table(config, r), flush=True)
   print(json.dumps(r), flush=True)
   if hbm and r["peak_bytes_per_device"] > hbm * 2**30:

@@ -24,17 +24,17 @@ def num_devices_or_exit(argv) -> int:
   return n
 
 
-def use_virtual_devices(n: int) -> None:
-  """n virtual CPU devices for this process (XLA_FLAGS); before jax is imported."""
+def use_virtual_devices(n: int, extra_flags: tuple[str, ...] = ()) -> None:
+  """n virtual CPU devices for this process (XLA_FLAGS, plus extra_flags); before jax is imported."""
   if "jax" in sys.modules:
     raise RuntimeError("the virtual device count must be set before jax is imported")
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}", *extra_flags])
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def setup_or_exit(argv) -> None:
+def setup_or_exit(argv, extra_flags: tuple[str, ...] = ()) -> None:
   """For a compile entry point's main: compile_num_devices virtual devices, when it is > 0."""
   n = num_devices_or_exit(argv)
   if n:
-    use_virtual_devices(n)
+    use_virtual_devices(n, extra_flags)
