@@ -133,12 +133,14 @@ def _table(config, r: dict) -> str:
   mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
   rows = [
       f"model {config.model_name}: serving step of {r['rows']} rows x {r['tokens_per_row']} tokens on "
-      f"{r['num_devices']} devices ({mesh}); weights {config.weight_dtype}"
-      f"{' fp8 blocks' if r['weight_quantization'] == 'fp8_block' else ''}, cache {r['kv_cache_dtype']}",
+      f"{r['num_devices']} devices ({mesh}); weights "
+      f"{'fp8 blocks (the rest ' + config.weight_dtype + ')' if r['weight_quantization'] == 'fp8_block' else config.weight_dtype}"
+      f", cache {r['kv_cache_dtype']}",
       f"  weights              {gib(r['weight_bytes_per_device'])} per device",
       f"  cache pools          {gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
       f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of {r['max_target_length']:,})",
-      f"  temporaries          {gib(r['temp_bytes_per_device'])}",
+      f"  temporaries          {gib(r['temp_bytes_per_device'])}  (the write of new entries: "
+      f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)",
       f"  peak                 {gib(r['peak_bytes_per_device'])}",
       f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",
       f"  compiled in          {r['compile_seconds']:.1f} s",
