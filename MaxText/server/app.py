@@ -79,7 +79,7 @@ async def _submit(server: Server, body: _Sampling, prompts: Sequence[list[int]],
 async def _pieces(server: Server, index: int, stream: RequestStream, stops: list[str],
                   arrival: float) -> AsyncIterator[Piece]:
   """One request's text as it comes; aborts the request if the caller stops listening."""
-  push = server.texts.detokenizer(stream.prompt)
+  detok = server.texts.detokenizer(stream.prompt)
   stop = StopText(stops) if stops else None
   n, first, last, reason = 0, None, None, None
   try:
@@ -87,7 +87,7 @@ async def _pieces(server: Server, index: int, stream: RequestStream, stops: list
       last = time.perf_counter()
       first = first or last
       n += 1
-      text = push(tok)
+      text = detok.push(tok)
       if stop is not None:
         text, hit = stop.push(text)
         if hit:
@@ -97,7 +97,12 @@ async def _pieces(server: Server, index: int, stream: RequestStream, stops: list
           return
       yield Piece(index, text, [tok])
     reason = stream.finish_reason
-    yield Piece(index, stop.flush() if stop is not None else "", [], reason)
+    tail = detok.flush()
+    if stop is not None:
+      tail, hit = stop.push(tail)
+      tail += "" if hit else stop.flush()
+      reason = "stop" if hit else reason
+    yield Piece(index, tail, [], reason)
   finally:
     if reason is None:
       server.engine.abort(stream)  # the client went away (or the caller failed): free its pages now

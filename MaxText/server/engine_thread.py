@@ -164,7 +164,9 @@ class EngineThread:
         return True
 
   def _add(self, engine, stream: RequestStream) -> None:
-    if len(engine.scheduler.waiting) >= self.max_waiting:
+    sched = engine.scheduler
+    queued = len(sched.waiting) - max(0, engine.max_seqs - len(sched.running))  # beyond the free sequence slots
+    if queued >= self.max_waiting:
       stream.put(_Event(error=ApiError(429, f"{self.max_waiting} requests already wait (serve_max_waiting): "
                                        "retry later", None, "too_many_waiting")))
       return

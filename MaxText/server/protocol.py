@@ -14,9 +14,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.inference.scheduler import SamplingParams
@@ -57,6 +57,12 @@ class _Sampling(BaseModel):
   stream_options: StreamOptions | None = None
   n: int = 1
   return_token_ids: bool = False
+
+  @model_validator(mode="before")
+  @classmethod
+  def _null_is_default(cls, data):
+    """Clients send null for a field they leave unset: it takes the default."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
   def check(self) -> None:
     if self.n != 1:
@@ -172,17 +178,27 @@ class Texts:
                           stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed)
 
   def detokenizer(self, prompt: Sequence[int]):
-    """push(token id) -> the text it adds (incremental; ids joined by commas without a tokenizer)."""
+    """-> an object with push(token id) -> the text it adds, and flush() -> the text held back at the
+    end (incremental detokenization; ids joined by commas without a tokenizer)."""
     if self.tokenizer is None:
-      first = [True]
-
-      def push(tok: int) -> str:
-        sep = "" if first[0] else ","
-        first[0] = False
-        return f"{sep}{tok}"
-      return push
+      return _IdsText()
     from MaxText.data.tokenizer import TextStreamer
-    return TextStreamer(self.tokenizer, prompt).push
+    return TextStreamer(self.tokenizer, prompt)
+
+
+class _IdsText:
+  """A choice's text without a tokenizer: its ids joined by commas, as decode.py prints them."""
+
+  def __init__(self):
+    self._first = True
+
+  def push(self, tok: int) -> str:
+    sep = "" if self._first else ","
+    self._first = False
+    return f"{sep}{tok}"
+
+  def flush(self) -> str:
+    return ""
 
 
 class StopText:
@@ -266,5 +282,3 @@ def _compile_template(source: str):
     from MaxText.config.types import ConfigError
     raise ConfigError(f"the chat template does not compile (chat_template_path / tokenizer_config.json): {e}") from None
 
-
-FinishReason = Literal["stop", "length", "abort"]
