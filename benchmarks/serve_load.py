@@ -67,14 +67,18 @@ def export_weights(args, work: str) -> tuple[str, str]:
 
 
 def workload(args, n: int, seed: int) -> list[tuple[str, int]]:
-  """n (prompt, max_tokens), seeded."""
+  """n (prompt, max_tokens), seeded; max_tokens cut so that prompt + output fit --context tokens."""
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(os.path.join(DATA, "tokenizer.json"))
   words = open(os.path.join(DATA, "corpus.txt"), encoding="utf-8").read().split()
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
     k = int(rng.integers(args.prompt_words[0], args.prompt_words[1] + 1))
     at = int(rng.integers(0, len(words) - k))
-    out.append((" ".join(words[at:at + k]), int(rng.integers(args.out_min, args.out_max + 1))))
+    prompt = " ".join(words[at:at + k])
+    room = args.context - len(tok.encode(prompt, add_special_tokens=False).ids)
+    out.append((prompt, min(int(rng.integers(args.out_min, args.out_max + 1)), room)))
   return out
 
 
@@ -183,6 +187,7 @@ def main(argv=None) -> None:
   ap.add_argument("--out-min", type=int, default=16)
   ap.add_argument("--out-max", type=int, default=64)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--theirs-pythonpath", default="", help="a folder with accelerate, which transformers serve needs")
   ap.add_argument("--no-theirs", action="store_true")
   ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, outputs of 8..24 tokens")
