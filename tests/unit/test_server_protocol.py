@@ -89,3 +89,14 @@ def test_null_fields_take_their_defaults_and_n_above_1_is_refused():
   with pytest.raises(ApiError) as e:
     CompletionRequest(prompt="x", n=3).check()
   assert e.value.param == "n"
+
+
+def test_the_detokenizer_flushes_text_held_back_at_the_end():
+  texts = _texts()
+  tok = texts.tokenizer
+  ids = tok.encode("sea \u4e2d")  # a 3-byte character: byte tokens that decode alone to U+FFFD
+  cut = ids[:-1]  # the sequence ends inside the character
+  detok = texts.detokenizer([1])
+  sent = "".join(detok.push(t) for t in cut)
+  assert "\ufffd" not in sent  # held back while the character may still complete
+  assert sent + detok.flush() == tok.decode(cut) and tok.decode(cut).endswith("\ufffd")
