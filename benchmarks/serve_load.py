@@ -188,6 +188,7 @@ def main(argv=None) -> None:
   ap.add_argument("--out-max", type=int, default=64)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
+  ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
   ap.add_argument("--theirs-pythonpath", default="", help="a folder with accelerate, which transformers serve needs")
   ap.add_argument("--no-theirs", action="store_true")
   ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, outputs of 8..24 tokens")
@@ -210,7 +211,7 @@ def main(argv=None) -> None:
     url = f"http://127.0.0.1:{port}"
     ours = start([sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
                   "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false", f"serve_port={port}",
-                  f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", "prefill_chunk_size=64"],
+                  f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", f"prefill_chunk_size={args.chunk}"],
                  env, url, os.path.join(work, "ours.log"))
     try:
       rows["ours"] = bench(url, levels, works, extra={"ignore_eos": True})

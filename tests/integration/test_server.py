@@ -213,7 +213,7 @@ def test_bad_chat_malformed_json_429_and_the_server_survives(served):
     async def burst():
       async with httpx.AsyncClient(timeout=60) as c:
         return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
-            "prompt": "I love to", "max_tokens": 30, "ignore_eos": True}) for _ in range(14)])
+            "prompt": "I love to", "max_tokens": 40, "ignore_eos": True}) for _ in range(14)])
     got = asyncio.run(burst())
   finally:
     server.engine.max_waiting = cfg.serve_max_waiting
