@@ -28,7 +28,7 @@ DATA = os.path.join(REPO_ROOT, "tests", "data")
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 KEYS = dict(max_target_length=48, max_prefill_length=32, param_init_std=0.2, mtp_num_layers=0, serve_page_size=8,
-            serve_max_num_seqs=8, serve_max_num_tokens=64, prefill_chunk_size=16, serve_max_waiting=64,
+            serve_max_num_seqs=4, serve_max_num_tokens=64, prefill_chunk_size=16, serve_max_waiting=64,
             tokenizer_type="hf")
 PROMPTS = ["I love to", "The sea is"]
 
@@ -134,6 +134,16 @@ def test_streaming_sends_each_token_as_it_is_made_then_usage_and_done(served):
   assert tokens[-1].choices[0].finish_reason == "length"
   assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
   assert times[19] - times[0] > 0.005  # sent as made: 20 engine steps apart, not in one burst at the end
+  # several prompts stream together: each chunk names its choice, each choice's text is its plain text
+  both = client.completions.create(model=cfg.model_name, prompt=PROMPTS, max_tokens=8, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  texts, reasons = ["", ""], [None, None]
+  for chunk in client.completions.create(model=cfg.model_name, prompt=PROMPTS, max_tokens=8, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}):
+    c = chunk.choices[0]
+    texts[c.index] += c.text
+    reasons[c.index] = c.finish_reason or reasons[c.index]
+  assert texts == [c.text for c in both.choices] and reasons == ["length", "length"]
   # the raw stream ends with [DONE]
   with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "I love to", "max_tokens": 3, "stream": True},
                     timeout=30) as r:
@@ -207,7 +217,7 @@ def test_bad_chat_malformed_json_429_and_the_server_survives(served):
   r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30,
                  headers={"content-type": "application/json"})
   assert r.status_code == 400 and "error" in r.json()
-  # 429: with serve_max_waiting=2, 14 requests at once on 8 sequence slots: 8 run, 2 wait, the rest are refused
+  # 429: with serve_max_waiting=2, 14 requests at once on 4 sequence slots: 4 run, 2 wait, the rest are refused
   server.engine.max_waiting = 2
   try:
     async def burst():
@@ -218,7 +228,7 @@ def test_bad_chat_malformed_json_429_and_the_server_survives(served):
   finally:
     server.engine.max_waiting = cfg.serve_max_waiting
   codes = sorted(r.status_code for r in got)
-  assert set(codes) == {200, 429} and codes.count(200) >= 10, codes
+  assert set(codes) == {200, 429} and codes.count(200) >= 6, codes
   refused = next(r for r in got if r.status_code == 429).json()["error"]
   assert "serve_max_waiting" in refused["message"] and refused["code"] == "too_many_waiting"
   assert _get_status(f"{url}/health") == 200

@@ -43,7 +43,7 @@ def test_health_then_sigterm_drains_the_running_stream_and_exits_0():
   url = f"http://127.0.0.1:{port}"
   proc = subprocess.Popen(
       [sys.executable, "-m", "MaxText.serve", "configs/base.yml", f"serve_port={port}", "max_target_length=64",
-       "serve_max_num_seqs=2", "serve_page_size=8", "prefill_chunk_size=8", "serve_shutdown_timeout=30"],
+       "serve_max_num_seqs=1", "serve_page_size=8", "prefill_chunk_size=1", "serve_shutdown_timeout=30"],  # 1 program
       cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     seen, deadline = [], time.monotonic() + 180
