@@ -1,4 +1,4 @@
-"""An OpenAI-compatible server: python -m MaxText.serve configs/base.yml [key=value ...]
+r"""An OpenAI-compatible server: python -m MaxText.serve configs/base.yml [key=value ...]
 
     python -m MaxText.serve outputs/mine/config.yml load_parameters_path=outputs/mine/checkpoints \
         tokenizer_type=hf tokenizer_path=tests/data/tokenizer.json serve_port=8000
