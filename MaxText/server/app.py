@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from MaxText.config.types import Config
 from MaxText.server.engine_thread import EngineThread, RequestStream
 from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
-from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, StopText, Texts, _Sampling
+from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
 
 _DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that its client is still there
 
@@ -56,7 +56,7 @@ class Piece:
 # ---------------------------------------------------------------- requests -> engine streams
 
 
-async def _submit(server: Server, body: _Sampling, prompts: Sequence[list[int]],
+async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
                   max_tokens: int | None) -> list[RequestStream]:
   """Every prompt's request, accepted by the engine, or none (ApiError)."""
   body.check()
@@ -175,6 +175,22 @@ def _usage(streams: Sequence[RequestStream], pieces_or_counts: Sequence[int]) ->
   return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class _EventStream(StreamingResponse):
+  """Server-sent events; when the response ends in any way (done, the client gone, cancelled), every
+  request it still runs is aborted (a no-op for those that finished)."""
+
+  def __init__(self, server: Server, streams: Sequence[RequestStream], events: AsyncIterator[str]):
+    super().__init__(events, media_type="text/event-stream")
+    self._server, self._streams = server, streams
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      for s in self._streams:
+        self._server.engine.abort(s)
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -260,10 +276,9 @@ def build_app(server: Server) -> FastAPI:
       return c
 
     if body.stream:
-      return StreamingResponse(_event_stream(
+      return _EventStream(server, streams, _event_stream(
           streams, gens, lambda p: {**head, "choices": [choice(p, True)], "usage": None},
-          (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None),
-          media_type="text/event-stream")
+          (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None))
     pieces = await _collect(request, gens)
     out = {**head, "choices": [choice(p, False) for p in pieces],
            "usage": _usage(streams, [len(p.token_ids) for p in pieces])}
@@ -292,10 +307,10 @@ def build_app(server: Server) -> FastAPI:
           c["token_ids"] = p.token_ids
         return {**head, "object": "chat.completion.chunk", "choices": [c], "usage": None}
 
-      return StreamingResponse(_event_stream(
+      return _EventStream(server, streams, _event_stream(
           streams, gens, chunk,
           (lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
-          if body.include_usage else None), media_type="text/event-stream")
+          if body.include_usage else None))
     (p,) = await _collect(request, gens)
     c = {"index": 0, "message": {"role": "assistant", "content": p.text}, "logprobs": None,
          "finish_reason": p.finish_reason}

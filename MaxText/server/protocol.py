@@ -41,7 +41,7 @@ class StreamOptions(BaseModel):
   include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
   """The fields both endpoints share."""
   model_config = ConfigDict(extra="ignore")
   model: str | None = None
@@ -79,7 +79,7 @@ class _Sampling(BaseModel):
     return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
   prompt: str | list[int] | list[str] | list[list[int]]
   max_tokens: int | None = 16  # OpenAI's default for completions
 
@@ -99,7 +99,7 @@ class ChatMessage(BaseModel):
     return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
   messages: list[ChatMessage]
   max_completion_tokens: int | None = None
 
@@ -113,7 +113,7 @@ class ChatRequest(_Sampling):
 
 
 class Texts:
-  """The server's tokenizer (or none), its chat template, and the eos id the engine stops on."""
+  """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text."""
 
   def __init__(self, tokenizer: Tokenizer | None, *, add_bos: bool, vocab_size: int, chat_template: str | None,
                chat_template_source: str, special_tokens: dict[str, str]):
@@ -167,7 +167,7 @@ class Texts:
         ids.append(one[0])
     return tuple(dict.fromkeys(ids)), list(stops)
 
-  def sampling(self, body: _Sampling, prompt: Sequence[int], max_tokens: int | None,
+  def sampling(self, body: SamplingFields, prompt: Sequence[int], max_tokens: int | None,
                stop_ids: tuple[int, ...], max_length: int) -> SamplingParams:
     """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length)."""
     if len(prompt) >= max_length:
