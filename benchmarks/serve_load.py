@@ -1,7 +1,6 @@
 """Our OpenAI server vs `transformers serve` on the SAME weights, one seeded workload over HTTP.
 
-    python benchmarks/serve_load.py --config RUN/config.yml --checkpoint RUN/checkpoints \
-        --theirs-pythonpath /path/with/accelerate [key=value ...]
+    python benchmarks/serve_load.py --config RUN/config.yml --checkpoint RUN/checkpoints
     python benchmarks/serve_load.py --quick     # random weights of the tiny model, concurrency 1 and 8
 
 The weights: --checkpoint (a run's checkpoints folder, one step, or a converter output; --config and
@@ -21,8 +20,8 @@ as their tokenizer encodes; the table's prompt tokens show it). Time to first to
 choice; time per output token (TPOT): (last chunk - first) / (tokens - 1); tokens from the final
 usage. Output tokens/s: all tokens / the level's wall time. A table, then one JSON line with
 throughput_ratio (ours / theirs, tokens/s at the highest concurrency) and ttft_p50_ratio (theirs / ours,
-the lowest over the concurrencies). `transformers serve` needs `accelerate` (not a dependency of
-ours): pip install --target DIR accelerate, then --theirs-pythonpath DIR.
+the lowest over the concurrencies). `transformers serve` needs `accelerate` (a test-only pin in
+requirements.txt, as transformers; --theirs-pythonpath DIR adds another folder to its path).
 """
 
 from __future__ import annotations
@@ -189,7 +188,7 @@ def main(argv=None) -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
-  ap.add_argument("--theirs-pythonpath", default="", help="a folder with accelerate, which transformers serve needs")
+  ap.add_argument("--theirs-pythonpath", default="", help="an extra folder on transformers serve's PYTHONPATH")
   ap.add_argument("--no-theirs", action="store_true")
   ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, outputs of 8..24 tokens")
   ap.add_argument("overrides", nargs="*", metavar="key=value")
