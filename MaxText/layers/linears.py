@@ -47,6 +47,38 @@ def fp8_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config) -> 
   return nnx.Param(q.values, logical_axes=tuple(axes)), nnx.Param(q.scale, logical_axes=tuple(axes))
 
 
+SCALE_SUFFIX = "_scale"  # a block-quantized weight `w` has its scales at `w_scale` beside it
+
+
+def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
+  """A params pure dict laid out as `like` (the params of the model a config builds, abstract or not).
+
+  tree holds each weight float, or fp8 with `<name>_scale` beside it. Where `like` holds fp8 the
+  weight comes out fp8: kept as it is, or quantized from float per (in, out) `block`; where `like`
+  holds float it comes out float: as it is, or dequantized in fp32. Names and shapes are not
+  checked here (hf_format.check_against does); dtypes of float weights are left to the caller."""
+  out = {}
+  for name, want in like.items():
+    if name not in tree:
+      continue  # missing: left to hf_format.check_against to name
+    if isinstance(want, dict):
+      out[name] = requantized(tree[name], want, block)
+      continue
+    if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in like:
+      continue  # written with its weight
+    have, scale = tree[name], tree.get(name + SCALE_SUFFIX)
+    fp8 = name + SCALE_SUFFIX in like
+    if fp8 and scale is None:
+      q = quantize(jnp.asarray(have), block)
+      out[name], out[name + SCALE_SUFFIX] = q.values, q.scale
+    elif fp8:
+      out[name], out[name + SCALE_SUFFIX] = have, scale
+    else:
+      out[name] = have if scale is None else dequantize_if(BlockFP8(jnp.asarray(have), jnp.asarray(scale)),
+                                                           jnp.float32)
+  return out
+
+
 def quantized(config: Config, block_quantized: bool) -> bool:
   """Whether a weight is held in fp8: the config asks for fp8_block and DeepSeek's checkpoints quantize it."""
   return block_quantized and config.weight_quantization == "fp8_block"
