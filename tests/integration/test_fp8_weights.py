@@ -1,6 +1,7 @@
 """Serving on fp8 block-quantized weights (weight_quantization=fp8_block): the continuous-batching engine's
 greedy tokens on the fp8 weights equal its tokens on the same weights dequantized (the float model); the
-weights stay fp8 in the engine's params; fp8 experts under expert and tensor parallelism equal one device."""
+weights stay fp8 in the engine's params; fp8 experts under expert and tensor parallelism, and the whole fp8
+model on a tensor x expert mesh, equal one device."""
 
 import jax
 import jax.numpy as jnp
@@ -58,3 +59,26 @@ def test_fp8_experts_on_a_mesh_equal_one_device_on_the_dequantized_weights(mesh)
   with pytest.raises(ValueError, match="weight_block_size"):
     _on_mesh(make_config(num_devices=8, num_experts=e, ici_tensor_parallelism=2, ici_expert_parallelism=4),
              (x, gate, bias, *bad), jnp.ones((b, t), bool), k, capacity_factor=-1.0, exchange="all_to_all")
+
+
+def test_fp8_model_on_a_tensor_x_expert_mesh_equals_one_device():
+  # GSPMD shards every fp8 kernel and its scales alike (sharding.py's rules on the same logical axes);
+  # each dequantizes where it lies.
+  over = dict(weight_quantization="fp8_block", weight_block_size=(16, 16), mtp_num_layers=0, param_init_std=0.2,
+              global_batch_size=8)
+  cfg1 = make_config(**over)
+  _, params, buffers, _ = model_state.create(cfg1, sharding.create_mesh(cfg1))
+  tokens = jax.random.randint(jax.random.key(3), (8, 16), 0, cfg1.vocab_size)
+
+  def forward(cfg):
+    mesh = sharding.create_mesh(cfg)
+    graphdef, abs_p, abs_b = model_state.abstract_model(cfg)
+    p_shard, b_shard = model_state.shardings_of(cfg, mesh, abs_p, abs_b)
+    p, b = jax.device_put(params, p_shard), jax.device_put(buffers, b_shard)
+    with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+      return np.asarray(jax.jit(lambda p, b, t: model_state.merge(graphdef, p, b)(t)[0])(p, b, tokens))
+
+  want = forward(cfg1)
+  got = forward(make_config(num_devices=8, ici_tensor_parallelism=2, ici_expert_parallelism=4, **over))
+  assert np.abs(want).max() > 1
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
