@@ -79,9 +79,18 @@ def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
   return out
 
 
-def quantized(config: Config, block_quantized: bool) -> bool:
-  """Whether a weight is held in fp8: the config asks for fp8_block and DeepSeek's checkpoints quantize it."""
-  return block_quantized and config.weight_quantization == "fp8_block"
+def weight_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config, *, block_quantized: bool
+                  ) -> tuple[nnx.Param, nnx.Param | None]:
+  """A weight [..., in, out] as (values, scale): fp8 + scales (`fp8_params`) when the config asks for
+  fp8_block and the weight is one DeepSeek's checkpoints quantize (block_quantized), else (`param`, None)."""
+  if block_quantized and config.weight_quantization == "fp8_block":
+    return fp8_params(rngs, shape, axes, config)
+  return param(rngs, shape, axes, config), None
+
+
+def stored(values: nnx.Param, scale: nnx.Param | None):
+  """A weight as its matmul takes it: the float array, or BlockFP8 (values, scale) to dequantize there."""
+  return values[...] if scale is None else BlockFP8(values[...], scale[...])
 
 
 class Linear(nnx.Module):
@@ -94,18 +103,14 @@ class Linear(nnx.Module):
 
   def __init__(self, in_features: int, out_features: int, config: Config, *, axes: tuple[str, str],
                rngs: nnx.Rngs, dtype=None, block_quantized: bool = True):
-    shape = (in_features, out_features)
-    if quantized(config, block_quantized):
-      self.kernel, self.kernel_scale = fp8_params(rngs, shape, axes, config)
-    else:
-      self.kernel, self.kernel_scale = param(rngs, shape, axes, config), None
+    self.kernel, self.kernel_scale = weight_params(rngs, (in_features, out_features), axes, config,
+                                                  block_quantized=block_quantized)
     self.dtype = dtype or dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
 
   def weight(self, dtype=None) -> jax.Array:
     """The kernel [in, out] in dtype (default: the compute dtype), dequantized per block when fp8."""
-    w = self.kernel[...] if self.kernel_scale is None else BlockFP8(self.kernel[...], self.kernel_scale[...])
-    return dequantize_if(w, dtype or self.dtype)
+    return dequantize_if(stored(self.kernel, self.kernel_scale), dtype or self.dtype)
 
   def kernel_value(self) -> jax.Array:
     """The kernel [in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
