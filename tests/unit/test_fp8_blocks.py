@@ -75,6 +75,23 @@ def test_grouped_matmul_on_fp8_experts_equals_it_on_the_dequantized_weights(impl
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+def test_no_float_copy_of_all_experts_in_the_compiled_expert_kernel(impl, monkeypatch):
+  # ragged_dot dequantizes 4 experts at a time; the blocked path (above the copy limit) one expert per block.
+  e, d, i, t, k = 16, 64, 32, 8, 2
+  monkeypatch.setattr(moe_experts, "BLOCK_WEIGHT_COPY_LIMIT", 4 * d * i)
+  keys = jax.random.split(jax.random.key(0), 5)
+  w = [quantize(jax.random.normal(kk, s), (16, 16)) for kk, s in zip(keys[:3], [(e, d, i), (e, d, i), (e, i, d)])]
+  x = jax.random.normal(keys[3], (t, d)).astype(jnp.bfloat16)
+  ids = jax.random.randint(keys[4], (t, k), 0, e)
+  f = jax.jit(lambda ws: moe_experts.expert_outputs(x, ids, ws, impl=impl, block_rows=4))
+  hlo = f.lower(moe_experts.ExpertWeights(*w)).compile().as_text()
+  for dtype in ("f32", "bf16"):
+    for shape in (f"[{e},{d},{i}]", f"[{e},{i},{d}]"):
+      assert dtype + shape not in hlo, f"a {dtype}{shape} copy of every expert"
+  assert f"f8e4m3fn[{e},{d},{i}]" in hlo  # the weights enter as fp8
+
+
 def _forward(cfg, params, buffers, tokens):
   graphdef = model_state.abstract_model(cfg)[0]
   return nnx.jit(lambda m, t: m(t)[0])(model_state.merge(graphdef, params, buffers), tokens)
