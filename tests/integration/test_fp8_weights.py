@@ -40,6 +40,7 @@ def test_serving_on_fp8_weights_equals_serving_on_the_dequantized_weights():
   assert got == want and all(len(o) == NEW for o in got)
   assert len({tuple(o) for o in got}) > 1  # not one token sequence for every prompt
   assert sum(a.dtype == FP8 for a in jax.tree.leaves(eng8.params)) >= 10  # still fp8 in the engine
+  assert all(a is None for a in eng8.absorbed.values())  # no float copy of wkv_b: dequantized in the step
 
 
 @pytest.mark.parametrize("mesh", [dict(ici_tensor_parallelism=2, ici_expert_parallelism=4),
