@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from MaxText.checkpoint import model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config import pyconfig
-from MaxText.config.types import Config
+from MaxText.config.types import Config, ConfigError
 from MaxText.data import input_pipeline
 from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
@@ -71,7 +71,11 @@ def trainable_labels(config: Config, params) -> dict:
 
 
 def make_optimizer(config: Config, params) -> optax.GradientTransformation:
-  """AdamW on the parameters the indexer training stage trains; the others frozen (trainable_labels)."""
+  """AdamW on the parameters the indexer training stage trains; the others frozen (trainable_labels).
+  fp8 block-quantized weights are a serving and loading format: no gradient step can update them."""
+  if config.weight_quantization != "none":
+    raise ConfigError(f"weight_quantization={config.weight_quantization}: fp8 weights are for serving and loading "
+                      "(decode, serve, convert/export); train on float weights: weight_quantization=none")
   return create_optimizer(config, trainable_labels(config, params))
 
 

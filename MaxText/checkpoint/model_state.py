@@ -30,6 +30,13 @@ def count_params(params_state) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(params_state))
 
 
+def param_bytes(params_state) -> int:
+  """Bytes of the parameters (abstract or concrete): size x itemsize of every leaf, so fp8 block-quantized
+  weights count 1 byte each plus their fp32 scales. E.g. the serving fit of the 671B model:
+  param_bytes(abstract_model(config)[1]) with weight_quantization=fp8_block."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params_state))
+
+
 def shardings_of(config: Config, mesh, params_state, buffers_state):
   """NamedShardings for (params, buffers) as pure dicts."""
   ps = sharding.state_shardings(params_state, config, mesh).to_pure_dict()

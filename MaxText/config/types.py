@@ -38,6 +38,8 @@ class ModelShape(_Section):
   normalization_layer_epsilon: Annotated[float, Field(gt=0)]
   dtype: Literal["float32", "bfloat16"]
   weight_dtype: Literal["float32", "bfloat16"]
+  weight_quantization: Literal["none", "fp8_block"]
+  weight_block_size: tuple[PosInt, PosInt]
   matmul_precision: Literal["default", "high", "highest"]
   param_init_std: Annotated[float, Field(gt=0)]
   scan_layers: bool
@@ -312,6 +314,9 @@ class Config(*SECTIONS):
             "the indexer rotates its first qk_rope_head_dim dims")
     elif self.indexer_training_stage == "dense_warmup":  # sparse (the default) means nothing without an indexer
       bad("indexer_training_stage=dense_warmup needs use_indexer=true: it trains only the indexers")
+    if any(b & (b - 1) for b in self.weight_block_size):
+      bad(f"weight_block_size={list(self.weight_block_size)}: each block size must be a power of 2 (DeepSeek's is "
+          "[128, 128])")
     if self.num_experts_per_tok > self.num_experts:
       bad(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
     if self.num_experts % self.n_routing_groups:

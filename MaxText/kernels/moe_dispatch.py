@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels import backend
 from MaxText.kernels import moe_experts as experts_lib
+from MaxText.kernels.fp8_blocks import BlockFP8, block_of, shape_of
 from MaxText.kernels.moe_experts import ExpertWeights
 from MaxText.runtime.sharding import logical_to_spec
 
@@ -161,8 +162,14 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   wi_0, wi_1, wo = experts
   if exchange not in EXCHANGES:
     raise ValueError(f"moe exchange={exchange!r}: expected one of {EXCHANGES}")
-  num_experts = wi_0.shape[0]
-  pl = placement(x.shape, wi_0.shape, mesh, rules)
+  num_experts = shape_of(wi_0)[0]
+  pl = placement(x.shape, shape_of(wi_0), mesh, rules)
+  if isinstance(wi_0, BlockFP8) and pl.tensor_axis is not None:  # each hidden shard must hold whole blocks
+    hidden, tp = shape_of(wi_0)[2], mesh.shape[pl.tensor_axis]
+    block = block_of(wi_0.values.shape, wi_0.scale.shape)[1]
+    if hidden % (tp * block):
+      raise ValueError(f"moe_mlp_dim={hidden} over {tp} '{pl.tensor_axis}' shards is not a whole number of "
+                       f"weight_block_size blocks ({block}) per shard: fp8 expert scales cannot be split so")
   tok, tok2 = pl.token_spec, P(*pl.token_spec[:2])
   batch_axes, length_axes = _axes_of(tok[0]), _axes_of(tok[1])
   w_in = P(pl.expert_axis, None, pl.tensor_axis)  # [E,D,I]
@@ -172,9 +179,9 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
 
   def local(x, token_valid, gate, bias, wi_0, wi_1, wo):
     # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E],
-    # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D]
+    # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D] (float, or BlockFP8: the spec applies to values and scale)
     b_l, t_l, d = x.shape
-    e_l = wi_0.shape[0]
+    e_l = shape_of(wi_0)[0]
     n = b_l * t_l
     xf = x.reshape(n, d)  # [T_l,D]
     weights, ids, scores = route_fn(xf.astype(jnp.float32), gate, bias)  # [T_l,k], [T_l,k], [T_l,E]

@@ -15,6 +15,11 @@ grouped_matmul):
       ragged_dot to a masked dense product over every expert (E times the work), so the CPU
       runs this; benchmarks/moe_dispatch.py (the matmul table) measures both.
 
+Under weight_quantization=fp8_block the expert weights arrive as fp8_blocks.BlockFP8 and are
+dequantized inside the grouped matmul, never all experts at once: the blocked path dequantizes the
+gathered per-block copies (or one expert per loop step), ragged_dot runs over chunks of experts
+(`ragged_dot_fp8`), each chunk dequantized right before its matmul.
+
 Also here: the expert counts and the per-sequence sums of the balance loss, which the
 expert-parallel dispatch (moe_dispatch.py) adds up over devices.
 """
@@ -28,13 +33,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.kernels import backend
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, dequantize_if, shape_of, take
 
 
 class ExpertWeights(NamedTuple):
-  """The routed experts' SwiGLU weights (on a mesh: this device's experts and hidden shard)."""
-  wi_0: jax.Array  # [E,D,I] gate
-  wi_1: jax.Array  # [E,D,I] up
-  wo: jax.Array  # [E,I,D] down
+  """The routed experts' SwiGLU weights (on a mesh: this device's experts and hidden shard); each a
+  float array or a BlockFP8 (fp8 values of that shape + per-block scales)."""
+  wi_0: jax.Array | BlockFP8  # [E,D,I] gate
+  wi_1: jax.Array | BlockFP8  # [E,D,I] up
+  wo: jax.Array | BlockFP8  # [E,I,D] down
 
 
 def rank_within(keys: jax.Array, num_keys: int) -> jax.Array:
@@ -91,25 +98,57 @@ def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_rows: int = 1,
 BLOCK_WEIGHT_COPY_LIMIT = 1 << 27
 
 
-def grouped_matmul(rows: jax.Array, w: jax.Array, plan: DispatchPlan, *, impl: str,
+def ragged_dot_fp8(rows: jax.Array, w: BlockFP8, group_sizes: jax.Array, precision=None) -> jax.Array:
+  """ragged_dot over fp8 experts, a chunk of experts at a time (at most BLOCK_WEIGHT_COPY_LIMIT
+  dequantized elements live): rows [R,K] sorted by expert, w [E,K,N] -> [R,N] in rows.dtype.
+
+  Chunk c's rows are contiguous (from `first`, the rows of earlier experts); they are rolled to the
+  front, multiplied by the chunk's dequantized experts, rolled back and kept where they belong.
+  Rows of no expert (the null group) are left 0."""
+  num_experts, k, n = w.values.shape
+  chunk = max([c for c in range(1, num_experts + 1) if num_experts % c == 0 and c * k * n <= BLOCK_WEIGHT_COPY_LIMIT]
+              or [1])
+  ends = jnp.cumsum(group_sizes)  # [E]
+  starts = ends - group_sizes  # [E]
+  row = jnp.arange(rows.shape[0])  # [R]
+
+  def one(out, c):
+    lo = c * chunk
+    part = BlockFP8(*(jax.lax.dynamic_slice_in_dim(a, lo, chunk) for a in w))  # [C,K,N] fp8, [C,k/bk,n/bn]
+    sizes = jax.lax.dynamic_slice_in_dim(group_sizes, lo, chunk)  # [C]
+    first, last = starts[lo], ends[lo + chunk - 1]
+    y = jax.lax.ragged_dot(jnp.roll(rows, -first, axis=0), dequantize(part, rows.dtype), sizes,
+                           precision=precision)  # [R,N]: the chunk's rows first
+    mine = (row >= first) & (row < last)  # [R]
+    return jnp.where(mine[:, None], jnp.roll(y, first, axis=0), out), None
+
+  out, _ = jax.lax.scan(one, jnp.zeros((rows.shape[0], n), rows.dtype), jnp.arange(num_experts // chunk))
+  return out  # [R,N]
+
+
+def grouped_matmul(rows: jax.Array, w: jax.Array | BlockFP8, plan: DispatchPlan, *, impl: str,
                    precision=None) -> jax.Array:
-  """rows [R,K] (expert-contiguous, per `plan`) x w [E,K,N] -> [R,N], each row by its expert."""
+  """rows [R,K] (expert-contiguous, per `plan`) x w [E,K,N] -> [R,N], each row by its expert.
+  w float (cast to rows.dtype) or BlockFP8 (dequantized to rows.dtype per expert / gathered block)."""
+  _, k, n = shape_of(w)
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(rows, w, plan.group_sizes, precision=precision)  # [R,N]
+    if isinstance(w, BlockFP8):
+      return ragged_dot_fp8(rows, w, plan.group_sizes, precision)  # [R,N]
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), plan.group_sizes, precision=precision)  # [R,N]
   if impl != "blocked":
     raise ValueError(f"grouped_matmul impl={impl!r}: expected 'ragged_dot' or 'blocked'")
   num_blocks = plan.block_expert.shape[0]
   rows_blocks = rows.reshape(num_blocks, -1, rows.shape[-1])  # [R/B,B,K]
-  if num_blocks * w.shape[1] * w.shape[2] <= BLOCK_WEIGHT_COPY_LIMIT:
-    w_blocks = w[plan.block_expert]  # [R/B,K,N]: a copy of its expert's weights per block
+  if num_blocks * k * n <= BLOCK_WEIGHT_COPY_LIMIT:
+    w_blocks = dequantize_if(take(w, plan.block_expert), rows.dtype)  # [R/B,K,N]: its expert's weights per block
     out = jnp.einsum("nbk,nkj->nbj", rows_blocks, w_blocks, precision=precision)  # [R/B,B,N]
   else:  # a loop over blocks reads each block's expert weights in place: no [R/B,K,N] copy
     @jax.checkpoint  # the backward re-reads the block's weights: no stack of per-block slices saved
     def block(_, rb_e):
       rb, e = rb_e  # [B,K], []
-      return None, jnp.dot(rb, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), precision=precision)  # [B,N]
+      return None, jnp.dot(rb, dequantize_if(take(w, e), rows.dtype), precision=precision)  # [B,N]
     _, out = jax.lax.scan(block, None, (rows_blocks, plan.block_expert))  # [R/B,B,N]
-  return out.reshape(rows.shape[0], w.shape[-1])  # [R,N]
+  return out.reshape(rows.shape[0], n)  # [R,N]
 
 
 def dispatch_impl() -> str:
@@ -134,7 +173,7 @@ def expert_outputs(x: jax.Array, expert_ids: jax.Array, experts: ExpertWeights, 
   """
   wi_0, wi_1, wo = experts
   num_src, d = x.shape
-  j, num_experts = expert_ids.shape[1], wi_0.shape[0]
+  j, num_experts = expert_ids.shape[1], shape_of(wi_0)[0]
   if impl == "ragged_dot":
     block_rows = 1
   elif block_rows is None:
@@ -143,7 +182,7 @@ def expert_outputs(x: jax.Array, expert_ids: jax.Array, experts: ExpertWeights, 
 
   rows = x[plan.token_of_row]  # [R,D]
   rows = jnp.where(plan.row_valid[:, None], rows, jnp.zeros_like(rows))  # [R,D] padding / null rows 0
-  mm = lambda a, w: grouped_matmul(a, w.astype(x.dtype), plan, impl=impl, precision=precision)
+  mm = lambda a, w: grouped_matmul(a, w, plan, impl=impl, precision=precision)
   hidden = jax.nn.silu(mm(rows, wi_0)) * mm(rows, wi_1)  # [R,I]; padding rows stay 0
   hidden = checkpoint_name(hidden, "moe_expert_hidden")
   out_rows = checkpoint_name(mm(hidden, wo), "moe_expert_out")  # [R,D]

@@ -205,7 +205,7 @@ class MLA(nnx.Module):
     c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)
     result = sparse_mla_attention(
         SparseQueries(q_nope, q_pe, index_q, index_w, positions, segment_ids),
-        SparseKeys(c_kv, k_pe, index_k, k_pos, k_seg), self.wkv_b.kernel[...], self.sparse_spec())
+        SparseKeys(c_kv, k_pe, index_k, k_pos, k_seg), self.wkv_b.kernel_value(), self.sparse_spec())
     if self.record_selection:  # the selection as indices: a [b,t,s] mask is what this path avoids
       self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(result.idx_valid, result.idx, -1))
     return checkpoint_name(result.out, "attention_out"), result.indexer_loss
@@ -233,7 +233,7 @@ class MLA(nnx.Module):
       entries["idx_k"] = self.indexer.keys(x, positions)  # [b,t,d_I]
     stored = {name: cache.stored(name, e) for name, e in entries.items()}  # what a read will return
     valid = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
-    absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel[...], h, nope, v)
+    absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel_value(), h, nope, v)
     q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0,
                      precision=precision)  # [b,t,h,kv_lora]
     q_pe = q_pe.astype(dt)

@@ -94,7 +94,7 @@ class MTPModule(nnx.Module):
     d = config.emb_dim
     self.embed_norm = RMSNorm(d, config)
     self.hidden_norm = RMSNorm(d, config)
-    self.projection = Linear(2 * d, d, config, axes=("mlp", "embed"), rngs=rngs)
+    self.projection = Linear(2 * d, d, config, axes=("mlp", "embed"), rngs=rngs, block_quantized=False)
     self.layer = DecoderLayer(config, moe=config.num_experts > 0, rngs=rngs)
     self.final_norm = RMSNorm(d, config)
     self.remat_policy = config.remat_policy

@@ -82,7 +82,7 @@ class Indexer(nnx.Module):
     self.wk = Linear(config.emb_dim, self.head_dim, config, axes=("embed", "head_dim"), rngs=rngs)
     self.k_norm = LayerNorm(self.head_dim, config, eps=1e-6)
     self.weights_proj = Linear(config.emb_dim, self.n_heads, config, axes=("embed", "q_heads"), rngs=rngs,
-                               dtype=jnp.float32)
+                               dtype=jnp.float32, block_quantized=False)
 
   # ---- projections
   def _rope_and_rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:

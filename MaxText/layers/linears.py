@@ -1,4 +1,9 @@
-"""Linear layers with logical-axis annotations, and the SwiGLU MLP."""
+"""Linear layers with logical-axis annotations, and the SwiGLU MLP.
+
+With weight_quantization=fp8_block a block-quantized weight (the linears DeepSeek's fp8 checkpoints
+quantize) is two parameters: `<name>` in float8_e4m3fn and `<name>_scale` fp32, one scale per block of
+weight_block_size (kernels/fp8_blocks.py); it is dequantized right before its matmul.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config.types import Config
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, quantize, scale_shape
 
 PRECISION = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
              "highest": jax.lax.Precision.HIGHEST}
@@ -23,18 +29,96 @@ def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config, *, init=
   return nnx.Param(init(rngs.params(), shape, dtype_of(config.weight_dtype)), logical_axes=tuple(axes))
 
 
+def kernel_block(config: Config) -> tuple[int, int]:
+  """The (in, out) block of our [.., in, out] kernels: weight_block_size is HF's [out, in]."""
+  out_block, in_block = config.weight_block_size
+  return in_block, out_block
+
+
+def fp8_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config) -> tuple[nnx.Param, nnx.Param]:
+  """A block-quantized weight [..., in, out]: (values float8_e4m3fn [..., in, out], scale fp32
+  [..., ceil(in/b_in), ceil(out/b_out)]), both carrying the weight's logical axes (a scale dimension
+  the mesh does not divide is replicated). Initialized as `param`'s normal draw, quantized per block."""
+  assert len(shape) == len(axes), (shape, axes)
+  block = kernel_block(config)
+  w = jax.nn.initializers.normal(config.param_init_std)(rngs.params(), shape, jnp.float32)
+  q = quantize(w, block)
+  assert q.scale.shape == scale_shape(shape, block)
+  return nnx.Param(q.values, logical_axes=tuple(axes)), nnx.Param(q.scale, logical_axes=tuple(axes))
+
+
+SCALE_SUFFIX = "_scale"  # a block-quantized weight `w` has its scales at `w_scale` beside it
+
+
+def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
+  """A params pure dict laid out as `like` (the params of the model a config builds, abstract or not).
+
+  tree holds each weight float, or fp8 with `<name>_scale` beside it. Where `like` holds fp8 the
+  weight comes out fp8: kept as it is, or quantized from float per (in, out) `block`; where `like`
+  holds float it comes out float: as it is, or dequantized in fp32. Names and shapes are not
+  checked here (hf_format.check_against does); dtypes of float weights are left to the caller."""
+  out = {}
+  for name, want in like.items():
+    if name not in tree:
+      continue  # missing: left to hf_format.check_against to name
+    if isinstance(want, dict):
+      out[name] = requantized(tree[name], want, block)
+      continue
+    if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in like:
+      continue  # written with its weight
+    have, scale = tree[name], tree.get(name + SCALE_SUFFIX)
+    fp8 = name + SCALE_SUFFIX in like
+    if fp8 and scale is None:
+      q = quantize(jnp.asarray(have), block)
+      out[name], out[name + SCALE_SUFFIX] = q.values, q.scale
+    elif fp8:
+      out[name], out[name + SCALE_SUFFIX] = have, scale
+    else:
+      out[name] = have if scale is None else dequantize_if(BlockFP8(jnp.asarray(have), jnp.asarray(scale)),
+                                                           jnp.float32)
+  return out
+
+
+def weight_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config, *, block_quantized: bool
+                  ) -> tuple[nnx.Param, nnx.Param | None]:
+  """A weight [..., in, out] as (values, scale): fp8 + scales (`fp8_params`) when the config asks for
+  fp8_block and the weight is one DeepSeek's checkpoints quantize (block_quantized), else (`param`, None)."""
+  if block_quantized and config.weight_quantization == "fp8_block":
+    return fp8_params(rngs, shape, axes, config)
+  return param(rngs, shape, axes, config), None
+
+
+def stored(values: nnx.Param, scale: nnx.Param | None):
+  """A weight as its matmul takes it: the float array, or BlockFP8 (values, scale) to dequantize there."""
+  return values[...] if scale is None else BlockFP8(values[...], scale[...])
+
+
 class Linear(nnx.Module):
-  """y = x @ kernel, kernel [in, out]; computes in config.dtype at config.matmul_precision."""
+  """y = x @ kernel, kernel [in, out]; computes in config.dtype at config.matmul_precision.
+
+  block_quantized: one of the linears DeepSeek's fp8 checkpoints hold in fp8 (all but the output head,
+  the MTP projection and the indexer's weights_proj); under weight_quantization=fp8_block such a kernel
+  is float8_e4m3fn with `kernel_scale` [ceil(in/b_in), ceil(out/b_out)] fp32 beside it.
+  """
 
   def __init__(self, in_features: int, out_features: int, config: Config, *, axes: tuple[str, str],
-               rngs: nnx.Rngs, dtype=None):
-    self.kernel = param(rngs, (in_features, out_features), axes, config)
+               rngs: nnx.Rngs, dtype=None, block_quantized: bool = True):
+    self.kernel, self.kernel_scale = weight_params(rngs, (in_features, out_features), axes, config,
+                                                  block_quantized=block_quantized)
     self.dtype = dtype or dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
 
+  def weight(self, dtype=None) -> jax.Array:
+    """The kernel [in, out] in dtype (default: the compute dtype), dequantized per block when fp8."""
+    return dequantize_if(stored(self.kernel, self.kernel_scale), dtype or self.dtype)
+
+  def kernel_value(self) -> jax.Array:
+    """The kernel [in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
+    stored, or dequantized to the compute dtype when fp8."""
+    return self.kernel[...] if self.kernel_scale is None else self.weight()
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    k = self.kernel[...].astype(self.dtype)
-    return jnp.einsum("...i,io->...o", x.astype(self.dtype), k, precision=self.precision)  # [..., out]
+    return jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight(), precision=self.precision)  # [..., out]
 
 
 class MLP(nnx.Module):

@@ -26,7 +26,8 @@ class Transformer(nnx.Module):
     self.dense_layers = LayerStack(config, n_dense, moe=False, rngs=rngs) if n_dense else None
     self.moe_layers = LayerStack(config, n_moe, moe=True, rngs=rngs) if n_moe else None
     self.final_norm = RMSNorm(config.emb_dim, config)
-    self.output_head = Linear(config.emb_dim, config.vocab_size, config, axes=("embed", "vocab"), rngs=rngs)
+    self.output_head = Linear(config.emb_dim, config.vocab_size, config, axes=("embed", "vocab"), rngs=rngs,
+                              block_quantized=False)
     self.mtp = nnx.List([MTPModule(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,

@@ -38,7 +38,7 @@ from MaxText.kernels.moe_experts import (
   load_of,
   routed_experts,
 )
-from MaxText.layers.linears import MLP, PRECISION, dtype_of, param
+from MaxText.layers.linears import MLP, PRECISION, dtype_of, param, stored, weight_params
 from MaxText.runtime.sharding import active_mesh
 
 
@@ -145,6 +145,9 @@ class DeepSeekMoE(nnx.Module):
 
   On a mesh (under sharding.logical_rules with more than one device) the routed experts run under
   shard_map with expert parallelism (kernels/moe_dispatch.py); alone, on one device.
+  Under weight_quantization=fp8_block the routed experts' wi_0, wi_1, wo are float8_e4m3fn with
+  `<name>_scale` [E, ceil(in/b_in), ceil(out/b_out)] fp32 beside them, dequantized per expert inside
+  the grouped matmul (kernels/moe_experts.py); the router stays float, as in DeepSeek's checkpoints.
   """
 
   def __init__(self, config: Config, *, rngs: nnx.Rngs):
@@ -158,9 +161,12 @@ class DeepSeekMoE(nnx.Module):
     self.gate_kernel = param(rngs, (d, e), ("embed", "exp"), config)  # router W_g
     self.routing_bias = RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=("exp",)) \
         if config.routed_bias else None
-    self.wi_0 = param(rngs, (e, d, i), ("exp", "embed", "mlp"), config)  # gate
-    self.wi_1 = param(rngs, (e, d, i), ("exp", "embed", "mlp"), config)  # up
-    self.wo = param(rngs, (e, i, d), ("exp", "mlp", "embed"), config)  # down
+    self.wi_0, self.wi_0_scale = weight_params(rngs, (e, d, i), ("exp", "embed", "mlp"), config,
+                                               block_quantized=True)  # gate
+    self.wi_1, self.wi_1_scale = weight_params(rngs, (e, d, i), ("exp", "embed", "mlp"), config,
+                                               block_quantized=True)  # up
+    self.wo, self.wo_scale = weight_params(rngs, (e, i, d), ("exp", "mlp", "embed"), config,
+                                           block_quantized=True)  # down
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
 
@@ -177,7 +183,8 @@ class DeepSeekMoE(nnx.Module):
     xc = x.astype(self.dtype)  # [b,t,D]
     weight = cfg.load_balance_loss_weight
     mesh = active_mesh()
-    experts = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])  # [E,D,I] x2, [E,I,D]
+    experts = ExpertWeights(stored(self.wi_0, self.wi_0_scale), stored(self.wi_1, self.wi_1_scale),
+                            stored(self.wo, self.wo_scale))  # [E,D,I] x2, [E,I,D]: float, or fp8 + scales
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,

@@ -1,0 +1,87 @@
+"""DeepSeek's fp8 block-quantized weights: e4m3 values with one fp32 scale per block, the one place
+that knows the per-block scale math (quantize, dequantize, shapes).
+
+A weight W [..., K, N] (a kernel [in, out], or stacked experts [E, K, N]) with block (bk, bn) is held as
+
+    values [..., K, N]                     float8_e4m3fn
+    scale  [..., ceil(K/bk), ceil(N/bn)]   float32, W ~ values * scale of the value's block
+
+as DeepSeek-V3's HF checkpoints hold it (`weight` + `weight_scale_inv`, 128 x 128 blocks; HF's
+[out, in] layout is the transpose of ours, so its weight_block_size [b_out, b_in] is our (bn, bk)).
+A dimension that is not a multiple of its block ends in a partial block (ceil), as in HF; blocks are
+powers of 2, so the shapes alone say the block (`block_of`). The
+quantization is DeepSeek's: scale = max|W| over the block / 448 (e4m3's largest finite value),
+values = W / scale rounded to e4m3; an all-zero block gets scale 1.
+
+`dequantize` is what every block-quantized linear and the MoE grouped matmul run right before their
+matmul, inside the jitted step: values * scale in fp32, then the compute dtype (HF's and the official
+weight_dequant's order), so no float copy of a weight outlives the op that uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+class BlockFP8(NamedTuple):
+  """A block-quantized weight: values [..., K, N] e4m3, scale [..., ceil(K/bk), ceil(N/bn)] fp32."""
+  values: jax.Array
+  scale: jax.Array
+
+
+def scale_shape(shape: tuple, block: tuple[int, int]) -> tuple:
+  """The scale's shape for a weight of `shape` [..., K, N] and block (bk, bn): ceil over the last two axes."""
+  *lead, k, n = shape
+  return (*lead, math.ceil(k / block[0]), math.ceil(n / block[1]))
+
+
+def block_of(values_shape: tuple, scale_shape_: tuple) -> tuple[int, int]:
+  """The block (bk, bn) from the shapes: the power of 2 >= ceil(K / blocks), exact because blocks are
+  powers of 2 (weight_block_size is validated so) and only the last block may be partial."""
+  return tuple(1 << (math.ceil(d / nb) - 1).bit_length() for d, nb in zip(values_shape[-2:], scale_shape_[-2:]))
+
+
+def dequantize(w: BlockFP8, dtype=jnp.float32) -> jax.Array:
+  """values [..., K, N] * their blocks' scales, in fp32, then cast to dtype -> [..., K, N]."""
+  k, n = w.values.shape[-2:]
+  bk, bn = block_of(w.values.shape, w.scale.shape)
+  s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), bk, axis=-2), bn, axis=-1)[..., :k, :n]  # [...,K,N]
+  return (w.values.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize(w: jax.Array, block: tuple[int, int]) -> BlockFP8:
+  """w [..., K, N] float -> BlockFP8 with block (bk, bn): per block scale = max|w| / 448, values = w / scale."""
+  *lead, k, n = w.shape
+  bk, bn = block
+  nk, nn = math.ceil(k / bk), math.ceil(n / bn)
+  w = w.astype(jnp.float32)
+  pad = [(0, 0)] * len(lead) + [(0, nk * bk - k), (0, nn * bn - n)]
+  blocks = jnp.pad(w, pad).reshape(*lead, nk, bk, nn, bn)  # [...,nk,bk,nn,bn], zero padding
+  amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))  # [...,nk,nn]
+  scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)  # [...,nk,nn]
+  values = (blocks / scale[..., :, None, :, None]).reshape(*lead, nk * bk, nn * bn)[..., :k, :n]  # [...,K,N]
+  return BlockFP8(jnp.clip(values, -FP8_MAX, FP8_MAX).astype(FP8), scale)
+
+
+def dequantize_if(w, dtype) -> jax.Array:
+  """A float weight cast to dtype, or a BlockFP8 dequantized into it: the one entry every matmul uses."""
+  return dequantize(w, dtype) if isinstance(w, BlockFP8) else w.astype(dtype)
+
+
+def take(w, idx):
+  """Rows `idx` of the leading (expert) axis of a float weight or of both parts of a BlockFP8."""
+  if isinstance(w, BlockFP8):
+    return BlockFP8(w.values[idx], w.scale[idx])
+  return w[idx]
+
+
+def shape_of(w) -> tuple:
+  """The weight's logical shape [..., K, N], quantized or not."""
+  return tuple((w.values if isinstance(w, BlockFP8) else w).shape)
