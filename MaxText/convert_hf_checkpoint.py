@@ -5,7 +5,8 @@ block `weight_scale_inv`) -> our orbax parameter checkpoint.
 
 The model config is derived from config.json (`config_from_hf`); extra key=value arguments
 override it (e.g. scan_layers=false). train.py (load_parameters_path=) and decode.py load
-the result. Safetensors are read with numpy + ml_dtypes directly (no torch needed).
+the result. weight_quantization=fp8_block keeps an fp8 checkpoint's e4m3 weights and block scales as
+they are (for serving; train.py refuses fp8); without it they are dequantized. Safetensors are read with numpy + ml_dtypes directly (no torch needed).
 """
 
 from __future__ import annotations

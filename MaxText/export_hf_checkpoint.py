@@ -8,7 +8,9 @@ loadable by transformers' DeepseekV32ForCausalLM and servable by vLLM / SGLang.
 the run folder itself. Of a training checkpoint only params and buffers are read (not the optimizer
 state); the MoE routing bias becomes `e_score_correction_bias`. Scanned layer stacks are written per
 layer. --config and key=value describe the model as for training; the layer layout (scanned or not)
-is read from the checkpoint itself.
+is read from the checkpoint itself. fp8 block-quantized weights (weight_quantization=fp8_block) are
+written as they are, with their weight_scale_inv and config.json's quantization_config; --dtype applies
+to the float weights.
 """
 
 from __future__ import annotations

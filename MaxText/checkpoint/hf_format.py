@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxText.config.types import Config
+from MaxText.layers.linears import SCALE_SUFFIX
 
 KEY_VALUE_HELP = ("key=value arguments override config keys (e.g. scan_layers=false); every key, its default "
                   "and a one-line comment: configs/base.yml")
@@ -97,6 +98,15 @@ def config_from_hf(hf: dict) -> dict:
   return out
 
 
+def quantization_from_hf(hf: dict) -> dict:
+  """{"weight_block_size": [b_out, b_in]} of an fp8 checkpoint's quantization_config, else {}: the block
+  its scales use, which weight_quantization=fp8_block must keep."""
+  q = hf.get("quantization_config") or {}
+  if q.get("quant_method") not in (None, "fp8") or q.get("fmt", "e4m3") != "e4m3":
+    raise ValueError(f"config.json quantization_config {q}: only DeepSeek's fp8 (e4m3, block scales) is read")
+  return {"weight_block_size": [int(b) for b in q["weight_block_size"]]} if "weight_block_size" in q else {}
+
+
 def check_exportable(cfg: Config) -> None:
   """Raises ValueError naming the key when transformers' DeepseekV32ForCausalLM cannot hold the model."""
   need = {"attention_type": "mla", "use_indexer": True, "routed_score_func": "sigmoid"}
@@ -119,6 +129,9 @@ def config_to_hf(cfg: Config, dtype: str) -> dict:
   if cfg.rope_type == "yarn":
     rope.update({theirs: getattr(cfg, ours) for ours, theirs, _ in YARN_KEYS})
     rope.update(mscale=cfg.mscale, mscale_all_dim=cfg.mscale)
+  if cfg.weight_quantization == "fp8_block":  # DeepSeek-V3's own quantization_config
+    hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                 "weight_block_size": list(cfg.weight_block_size)}
   hf["rope_parameters"] = rope  # transformers >= 5
   # The official DeepSeek config.json spelling, which vLLM / SGLang on older transformers read.
   hf["rope_theta"] = cfg.rope_max_timescale
@@ -235,8 +248,18 @@ def flatten(tree) -> dict[tuple, np.ndarray]:
   return {_key(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+SCALE_INV = "_scale_inv"  # HF's name of a block-quantized weight's scales: <name>.weight_scale_inv
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _scale_path(ours: tuple) -> tuple:
+  return (*ours[:-1], ours[-1] + SCALE_SUFFIX)
+
+
 def from_hf(w: dict[str, np.ndarray], cfg: Config) -> dict:
-  """HF tensors -> {"params", "buffers"} in the unstacked layout (fp32 numpy)."""
+  """HF tensors -> {"params", "buffers"} in the unstacked layout, each tensor in its own dtype: an fp8
+  weight stays fp8 (transposed to our [in, out]), its `weight_scale_inv` [ceil(out/b), ceil(in/b)]
+  beside it at `<name>_scale` (transposed likewise); linears.requantized then fits the tree to the model."""
   w = split_fused_experts(w)
   flat: dict[tuple, Any] = {}
   for t in tensor_map(cfg):
@@ -248,11 +271,17 @@ def from_hf(w: dict[str, np.ndarray], cfg: Config) -> dict:
                          f"layers, {cfg.num_experts} experts, mtp_num_layers={cfg.mtp_num_layers})")
       flat[t.ours] = np.zeros((cfg.num_experts,), np.float32)
       continue
-    a = _t(w[t.hf]) if t.linear else w[t.hf]
-    if t.expert is None:
-      flat[t.ours] = a
-    else:
-      flat.setdefault(t.ours, [None] * cfg.num_experts)[t.expert] = a
+    parts = {t.ours: w[t.hf]}
+    if w[t.hf].dtype == FP8:
+      if t.hf + SCALE_INV not in w:
+        raise ValueError(f"fp8 tensor {t.hf} has no {t.hf}{SCALE_INV}")
+      parts[_scale_path(t.ours)] = w[t.hf + SCALE_INV]
+    for path, a in parts.items():
+      a = _t(a) if t.linear else a
+      if t.expert is None:
+        flat[path] = a
+      else:
+        flat.setdefault(path, [None] * cfg.num_experts)[t.expert] = a
   flat = {k: np.stack(v) if isinstance(v, list) else v for k, v in flat.items()}  # experts -> [E,...]
   tree = _nest(flat)
   tree.setdefault("buffers", {})
@@ -261,15 +290,22 @@ def from_hf(w: dict[str, np.ndarray], cfg: Config) -> dict:
 
 def to_hf(tree: dict, cfg: Config, dtype=None):
   """{"params", "buffers"} in the unstacked layout -> (HF name, numpy array) pairs in HF order, one at a
-  time (a caller may write and drop each). dtype: cast to it; the routing bias stays fp32 as in HF."""
+  time (a caller may write and drop each). dtype: cast float weights to it; the routing bias stays fp32
+  as in HF; an fp8 weight is written as it is, followed by its `weight_scale_inv` (fp32)."""
   flat = flatten(tree)
   for t in tensor_map(cfg):
     if t.role == "bias":  # the HF router always has one (zeros change nothing), always fp32
       a = flat[t.ours] if cfg.routed_bias else np.zeros((cfg.num_experts,), np.float32)
       yield t.hf, np.asarray(a, np.float32)
       continue
-    a = flat[t.ours] if t.expert is None else flat[t.ours][t.expert]
+    row = (lambda a: a) if t.expert is None else (lambda a: a[t.expert])
+    a = row(flat[t.ours])
     a = _t(a) if t.linear else np.ascontiguousarray(a)
+    scale = flat.get(_scale_path(t.ours))
+    if scale is not None:
+      yield t.hf, np.asarray(a)
+      yield t.hf + SCALE_INV, np.asarray(_t(row(scale)), np.float32)
+      continue
     yield t.hf, a if dtype is None else a.astype(dtype)
 
 

@@ -225,6 +225,11 @@ class Serve(_Section):
   serve_max_num_seqs: PosInt
   serve_max_num_tokens: PosInt
   serve_prefix_caching: bool
+  serve_host: str
+  serve_port: Annotated[int, Field(ge=0, le=65535)]
+  serve_max_waiting: PosInt
+  serve_shutdown_timeout: Annotated[float, Field(ge=0)]
+  chat_template_path: str
 
 
 class AheadOfTimeCompile(_Section):

@@ -205,3 +205,11 @@ class TextStreamer:
       return ""  # an incomplete UTF-8 sequence (or a merge that rewrote the window): wait for more ids
     self._prefix, self._read = self._read, len(self._ids)
     return now[len(before):]
+
+  def flush(self) -> str:
+    """The text of the ids push held back (at the end of a sequence: an incomplete character
+    decodes as U+FFFD, as a full decode would show it)."""
+    before = self._tok.decode(self._ids[self._prefix:self._read])
+    now = self._tok.decode(self._ids[self._prefix:])
+    self._prefix = self._read = len(self._ids)
+    return now[len(before):] if now.startswith(before) else ""

@@ -101,13 +101,17 @@ class StepOptions(NamedTuple):
 
 
 def model_absorbed_weights(model) -> dict:
-  """{stack name: Absorbed [L,...] (scanned) or [Absorbed per layer]} for the model's stacks."""
+  """{stack name: Absorbed [L,...] (scanned) or [Absorbed per layer]} for the model's stacks; None for a
+  stack whose wkv_b is fp8 (weight_quantization=fp8_block)."""
   out = {}
   for name in STACKS:
     stack = getattr(model, name)
     if stack is None:
       continue
     layers = [stack.layers] if stack.scan else list(stack.layers)
+    if layers[0].attention.wkv_b.kernel_scale is not None:  # fp8: no resident float copy; attend_cached
+      out[name] = None  # dequantizes wkv_b inside the step, layer by layer
+      continue
     split = [absorbed_weights(l.attention.wkv_b.kernel_value(), l.attention.num_heads, l.attention.nope,
                               l.attention.v_dim) for l in layers]
     out[name] = split[0] if stack.scan else split

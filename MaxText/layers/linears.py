@@ -47,9 +47,50 @@ def fp8_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config) -> 
   return nnx.Param(q.values, logical_axes=tuple(axes)), nnx.Param(q.scale, logical_axes=tuple(axes))
 
 
-def quantized(config: Config, block_quantized: bool) -> bool:
-  """Whether a weight is held in fp8: the config asks for fp8_block and DeepSeek's checkpoints quantize it."""
-  return block_quantized and config.weight_quantization == "fp8_block"
+SCALE_SUFFIX = "_scale"  # a block-quantized weight `w` has its scales at `w_scale` beside it
+
+
+def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
+  """A params pure dict laid out as `like` (the params of the model a config builds, abstract or not).
+
+  tree holds each weight float, or fp8 with `<name>_scale` beside it. Where `like` holds fp8 the
+  weight comes out fp8: kept as it is, or quantized from float per (in, out) `block`; where `like`
+  holds float it comes out float: as it is, or dequantized in fp32. Names and shapes are not
+  checked here (hf_format.check_against does); dtypes of float weights are left to the caller."""
+  out = {}
+  for name, want in like.items():
+    if name not in tree:
+      continue  # missing: left to hf_format.check_against to name
+    if isinstance(want, dict):
+      out[name] = requantized(tree[name], want, block)
+      continue
+    if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in like:
+      continue  # written with its weight
+    have, scale = tree[name], tree.get(name + SCALE_SUFFIX)
+    fp8 = name + SCALE_SUFFIX in like
+    if fp8 and scale is None:
+      q = quantize(jnp.asarray(have), block)
+      out[name], out[name + SCALE_SUFFIX] = q.values, q.scale
+    elif fp8:
+      out[name], out[name + SCALE_SUFFIX] = have, scale
+    else:
+      out[name] = have if scale is None else dequantize_if(BlockFP8(jnp.asarray(have), jnp.asarray(scale)),
+                                                           jnp.float32)
+  return out
+
+
+def weight_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config, *, block_quantized: bool
+                  ) -> tuple[nnx.Param, nnx.Param | None]:
+  """A weight [..., in, out] as (values, scale): fp8 + scales (`fp8_params`) when the config asks for
+  fp8_block and the weight is one DeepSeek's checkpoints quantize (block_quantized), else (`param`, None)."""
+  if block_quantized and config.weight_quantization == "fp8_block":
+    return fp8_params(rngs, shape, axes, config)
+  return param(rngs, shape, axes, config), None
+
+
+def stored(values: nnx.Param, scale: nnx.Param | None):
+  """A weight as its matmul takes it: the float array, or BlockFP8 (values, scale) to dequantize there."""
+  return values[...] if scale is None else BlockFP8(values[...], scale[...])
 
 
 class Linear(nnx.Module):
@@ -62,18 +103,14 @@ class Linear(nnx.Module):
 
   def __init__(self, in_features: int, out_features: int, config: Config, *, axes: tuple[str, str],
                rngs: nnx.Rngs, dtype=None, block_quantized: bool = True):
-    shape = (in_features, out_features)
-    if quantized(config, block_quantized):
-      self.kernel, self.kernel_scale = fp8_params(rngs, shape, axes, config)
-    else:
-      self.kernel, self.kernel_scale = param(rngs, shape, axes, config), None
+    self.kernel, self.kernel_scale = weight_params(rngs, (in_features, out_features), axes, config,
+                                                  block_quantized=block_quantized)
     self.dtype = dtype or dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
 
   def weight(self, dtype=None) -> jax.Array:
     """The kernel [in, out] in dtype (default: the compute dtype), dequantized per block when fp8."""
-    w = self.kernel[...] if self.kernel_scale is None else BlockFP8(self.kernel[...], self.kernel_scale[...])
-    return dequantize_if(w, dtype or self.dtype)
+    return dequantize_if(stored(self.kernel, self.kernel_scale), dtype or self.dtype)
 
   def kernel_value(self) -> jax.Array:
     """The kernel [in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as

@@ -28,7 +28,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config.types import Config
-from MaxText.kernels.fp8_blocks import BlockFP8
 from MaxText.kernels.moe_dispatch import exchange_impl, moe_on_mesh
 from MaxText.kernels.moe_experts import (
   ExpertWeights,
@@ -39,7 +38,7 @@ from MaxText.kernels.moe_experts import (
   load_of,
   routed_experts,
 )
-from MaxText.layers.linears import MLP, PRECISION, dtype_of, fp8_params, param, quantized
+from MaxText.layers.linears import MLP, PRECISION, dtype_of, param, stored, weight_params
 from MaxText.runtime.sharding import active_mesh
 
 
@@ -162,16 +161,12 @@ class DeepSeekMoE(nnx.Module):
     self.gate_kernel = param(rngs, (d, e), ("embed", "exp"), config)  # router W_g
     self.routing_bias = RoutingBias(jnp.zeros((e,), jnp.float32), logical_axes=("exp",)) \
         if config.routed_bias else None
-    shapes = {"wi_0": ((e, d, i), ("exp", "embed", "mlp")),  # gate
-              "wi_1": ((e, d, i), ("exp", "embed", "mlp")),  # up
-              "wo": ((e, i, d), ("exp", "mlp", "embed"))}  # down
-    for name, (shape, axes) in shapes.items():
-      if quantized(config, True):
-        values, scale = fp8_params(rngs, shape, axes, config)
-      else:
-        values, scale = param(rngs, shape, axes, config), None
-      setattr(self, name, values)
-      setattr(self, name + "_scale", scale)
+    self.wi_0, self.wi_0_scale = weight_params(rngs, (e, d, i), ("exp", "embed", "mlp"), config,
+                                               block_quantized=True)  # gate
+    self.wi_1, self.wi_1_scale = weight_params(rngs, (e, d, i), ("exp", "embed", "mlp"), config,
+                                               block_quantized=True)  # up
+    self.wo, self.wo_scale = weight_params(rngs, (e, i, d), ("exp", "mlp", "embed"), config,
+                                           block_quantized=True)  # down
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
 
@@ -188,8 +183,8 @@ class DeepSeekMoE(nnx.Module):
     xc = x.astype(self.dtype)  # [b,t,D]
     weight = cfg.load_balance_loss_weight
     mesh = active_mesh()
-    experts = ExpertWeights(self.expert_weight("wi_0"), self.expert_weight("wi_1"),
-                            self.expert_weight("wo"))  # [E,D,I] x2, [E,I,D]
+    experts = ExpertWeights(stored(self.wi_0, self.wi_0_scale), stored(self.wi_1, self.wi_1_scale),
+                            stored(self.wo, self.wo_scale))  # [E,D,I] x2, [E,I,D]: float, or fp8 + scales
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,
@@ -211,11 +206,6 @@ class DeepSeekMoE(nnx.Module):
     aux = {"expert_load": load_of(counts), "load_balance_loss": balance,
            "moe_dropped": dropped.astype(jnp.float32) / total}
     return y, aux
-
-  def expert_weight(self, name: str):
-    """The routed experts' `name` weight as stored: [E,K,N] float, or BlockFP8 (dequantized in the kernel)."""
-    values, scale = getattr(self, name), getattr(self, name + "_scale")
-    return values[...] if scale is None else BlockFP8(values[...], scale[...])
 
   def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T,D] fp32, gate [D,E], bias [E] -> (weights [T,k], expert_ids [T,k], scores [T,E]).

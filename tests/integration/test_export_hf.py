@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from MaxText import convert_hf_checkpoint, export_hf_checkpoint, train  # noqa: E402
 from MaxText.checkpoint import hf_export, hf_format, hf_import, model_state
 from tests.conftest import REPO_ROOT, make_config  # noqa: E402
-from tests.integration.test_hf_parity import build_hf_model  # noqa: E402
+from tests.integration.test_hf_parity import build_hf_model, make_fp8_checkpoint  # noqa: E402
 
 
 def _add_mtp_layer(hf_dir):
@@ -108,6 +108,31 @@ def test_hf_import_export_reproduces_every_tensor_and_the_config(converted, tmp_
   assert type(b) is type(a)
   for _, key, _ in hf_format.CONFIG_KEYS:
     assert getattr(b, key) == getattr(a, key), key
+
+
+def test_fp8_checkpoint_round_trips_bit_exact_with_weight_quantization_fp8_block(tmp_path, capsys):
+  """DeepSeek's fp8 layout (e4m3 + weight_scale_inv per [32, 16] block, bf16 elsewhere, MTP layer included)
+  -> convert with weight_quantization=fp8_block (kept in fp8, not dequantized) -> export: the same bytes."""
+  build_hf_model().save_pretrained(tmp_path / "hf")
+  _add_mtp_layer(str(tmp_path / "hf"))
+  make_fp8_checkpoint(str(tmp_path / "hf"), (32, 16))
+  convert_hf_checkpoint.main(["--hf-path", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"),
+                              "weight_quantization=fp8_block"])
+  stored = hf_export.restore_raw(str(tmp_path / "ours"))["params"]
+  wq_b = stored["moe_layers"]["layers"]["attention"]["wq_b"]
+  assert wq_b["kernel"].dtype == jnp.float8_e4m3fn and wq_b["kernel_scale"].dtype == np.float32
+  assert stored["moe_layers"]["layers"]["mlp"]["wi_0"].dtype == jnp.float8_e4m3fn
+
+  _export(capsys, "--checkpoint", tmp_path / "ours", "--output", tmp_path / "out")  # bfloat16 for the rest
+  original = load_file(os.path.join(tmp_path / "hf", "model.safetensors"))
+  exported, _ = _read_export(tmp_path / "out")
+  assert sorted(exported) == sorted(original)
+  assert sum(t.dtype == torch.float8_e4m3fn for t in original.values()) > 50
+  for name, t in original.items():
+    assert exported[name].dtype == t.dtype, name
+    assert exported[name].shape == t.shape and torch.equal(exported[name].view(torch.uint8), t.view(torch.uint8)), name
+  theirs, back = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "hf", tmp_path / "out"))
+  assert back["quantization_config"] == theirs["quantization_config"]
 
 
 def _logits_hf(folder, tokens):

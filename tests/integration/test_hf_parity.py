@@ -192,52 +192,79 @@ def test_config_off_base_yml_in_every_mapped_key_matches_hf(tmp_path, tokens):
   _compare(ours, theirs, our_masks, their_masks)
 
 
-def _quantize_e4m3(w: torch.Tensor):
-  """Block-quantize w [out,in] to e4m3 with per-128x128 scale_inv (as DeepSeek's fp8 checkpoints)."""
+def _quantize_e4m3(w: torch.Tensor, block=(128, 128)):
+  """Block-quantize w [out,in] to e4m3 with per-block scale_inv (as DeepSeek's fp8 checkpoints; block [out,in])."""
   out_d, in_d = w.shape
-  nb_o, nb_i = -(-out_d // 128), -(-in_d // 128)
+  bo, bi = block
+  nb_o, nb_i = -(-out_d // bo), -(-in_d // bi)
   scale = torch.zeros(nb_o, nb_i)
   q = torch.zeros_like(w)
   for i in range(nb_o):
     for j in range(nb_i):
-      blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+      blk = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi]
       s = blk.abs().max().clamp(min=1e-12) / 448.0
       scale[i, j] = s
-      q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = blk / s
+      q[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = blk / s
   q8 = q.to(torch.float8_e4m3fn)
-  deq = q8.float() * torch.repeat_interleave(torch.repeat_interleave(scale, 128, 0), 128, 1)[:out_d, :in_d]
+  deq = q8.float() * torch.repeat_interleave(torch.repeat_interleave(scale, bo, 0), bi, 1)[:out_d, :in_d]
   return q8, scale, deq
 
 
-def test_fp8_block_quantized_checkpoint_matches_hf_on_dequantized_weights(tmp_path, tokens):
+# What DeepSeek's fp8 checkpoints leave in bf16: embeddings, head, norms, the router, the indexer's
+# weights_proj and the MTP projection (and its copies of embedding and head).
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm.", "layernorm", "mlp.gate.weight", "weights_proj", "eh_proj",
+                 "shared_head.head")
+
+
+def make_fp8_checkpoint(hf_dir, block=(128, 128), deq_dir=None):
+  """Rewrites the HF checkpoint in hf_dir as DeepSeek's fp8 checkpoints are: every block-quantized linear
+  e4m3 + `weight_scale_inv` per block, the rest bf16 (the router bias fp32), quantization_config in
+  config.json. deq_dir (the oracle): the same folder with each fp8 weight dequantized in fp32."""
   from safetensors.torch import load_file, save_file
-  model = build_hf_model(seed=1)
-  model.save_pretrained(tmp_path / "hf")
-  shard = [f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]
+  shard = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
   assert len(shard) == 1
-  path = tmp_path / "hf" / shard[0]
-  sd = load_file(str(path))
+  path = os.path.join(hf_dir, shard[0])
+  sd = load_file(path)
   quantized, deq_sd = {}, {}
   for name, w in sd.items():
-    if w.ndim == 2 and name.endswith("proj.weight") and "weights_proj" not in name:
-      q8, scale, deq = _quantize_e4m3(w.float())
+    if w.ndim == 2 and name.endswith(".weight") and not any(n in name for n in NOT_QUANTIZED):
+      q8, scale, deq = _quantize_e4m3(w.float(), block)
       quantized[name], quantized[name + "_scale_inv"] = q8, scale
       deq_sd[name] = deq
     else:
-      quantized[name] = w
-  assert any(v.dtype == torch.float8_e4m3fn for v in quantized.values())
-  # The oracle: HF run on the dequantized weights (saved under the same names, loaded by HF).
-  os.makedirs(tmp_path / "deq")
-  save_file({**sd, **deq_sd}, str(tmp_path / "deq" / shard[0]), metadata={"format": "pt"})
-  for f in os.listdir(tmp_path / "hf"):
-    if f.endswith(".json"):
-      (tmp_path / "deq" / f).write_bytes((tmp_path / "hf" / f).read_bytes())
-  save_file(quantized, str(path), metadata={"format": "pt"})
+      quantized[name] = w if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
+      deq_sd[name] = quantized[name].float()
+  assert any("indexer.wk" in n for n in deq_sd) and any("experts.0." in n for n in quantized)
+  if deq_dir is not None:  # the oracle: HF run on the dequantized weights (same names, no quantization_config)
+    os.makedirs(deq_dir)
+    save_file(deq_sd, os.path.join(deq_dir, shard[0]), metadata={"format": "pt"})
+    for f in os.listdir(hf_dir):
+      if f.endswith(".json"):
+        with open(os.path.join(hf_dir, f), "rb") as src, open(os.path.join(deq_dir, f), "wb") as dst:
+          dst.write(src.read())
+  save_file(quantized, path, metadata={"format": "pt"})
+  cfg_path = os.path.join(hf_dir, "config.json")
+  cfg = json.load(open(cfg_path))
+  cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": list(block)}
+  json.dump(cfg, open(cfg_path, "w"), indent=2)
+
+
+@pytest.mark.parametrize("weight_quantization", ["none", "fp8_block"])
+def test_fp8_block_quantized_checkpoint_matches_hf_on_dequantized_weights(tmp_path, tokens, weight_quantization):
+  # none: the converter dequantizes; fp8_block: our model holds the fp8 bytes and dequantizes in the step.
+  # Blocks of [32, 16] ([out, in]): several per matrix, partial ones at the edges (48, 40 rows).
+  model = build_hf_model(seed=1)
+  model.save_pretrained(tmp_path / "hf")
+  make_fp8_checkpoint(str(tmp_path / "hf"), (32, 16), deq_dir=str(tmp_path / "deq"))
   model = transformers.DeepseekV32ForCausalLM.from_pretrained(str(tmp_path / "deq")).eval()
   model.config._attn_implementation = "eager"
-  _convert(str(tmp_path / "hf"), str(tmp_path), OVERRIDES)
+  overrides = OVERRIDES + [f"weight_quantization={weight_quantization}"]
+  _convert(str(tmp_path / "hf"), str(tmp_path), overrides)
+  cfg = hf_import.converted_config(os.path.join(tmp_path, "maxtext"))  # model.yml alone rebuilds the layout
+  assert cfg.weight_quantization == weight_quantization and cfg.weight_block_size == (32, 16)
   theirs, their_masks = hf_forward(model, tokens)
-  ours, our_masks = our_forward(str(tmp_path), tokens, OVERRIDES)
+  ours, our_masks = our_forward(str(tmp_path), tokens, overrides)
   _compare(ours, theirs, our_masks, their_masks)
 
 

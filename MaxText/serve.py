@@ -1,0 +1,106 @@
+r"""An OpenAI-compatible server: python -m MaxText.serve configs/base.yml [key=value ...]
+
+    python -m MaxText.serve outputs/mine/config.yml load_parameters_path=outputs/mine/checkpoints \
+        tokenizer_type=hf tokenizer_path=tests/data/tokenizer.json serve_port=8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "I love to", "max_tokens": 16, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for server-sent
+events), GET /v1/models, GET /health (503 while the engine compiles, 200 when ready), GET /metrics
+(Prometheus). The engine is the continuous-batching one (MaxText/inference/serving.py, the serve_*
+keys) in its own thread; the HTTP side is FastAPI + uvicorn (MaxText/server/).
+load_parameters_path: as for decode.py (a converter output, a run's checkpoints folder, one step);
+without it the parameters are random (said at start): a smoke test. Without tokenizer_path prompts
+are token ids and the text of a choice is its ids joined by commas. Chat needs a chat template
+(chat_template_path, or chat_template in the tokenizer_config.json next to tokenizer_path).
+serve_host / serve_port: where it listens; serve_max_waiting: waiting requests before a 429;
+SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to serve_shutdown_timeout
+seconds, exit 0. Bad config (an unknown key, a missing tokenizer) is one `error:` line, exit 2; a
+missing checkpoint exit 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if not __package__ and __name__ == "__main__":  # run as `python MaxText/serve.py`: import the package
+  import _script_path  # noqa: F401
+
+import contextlib
+import signal
+
+from MaxText.config import pyconfig
+from MaxText.config.types import Config
+from MaxText.runtime import cli, distributed
+
+
+def _log(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
+def create_server(config: Config, log=_log):
+  """-> (Server, FastAPI app): tokenizer, chat template and parameters loaded here (errors exit as
+  the CLI says); the engine is built and compiled in its thread when the app starts."""
+  import jax
+
+  from MaxText.checkpoint import model_state
+  from MaxText.data.tokenizer import load_tokenizer
+  from MaxText.inference.serving import ServingEngine
+  from MaxText.runtime import sharding
+  from MaxText.server.app import Server, build_app
+  from MaxText.server.engine_thread import EngineThread
+  from MaxText.server.protocol import Texts, load_chat_template
+
+  tokenizer = load_tokenizer(config) if config.tokenizer_path else None
+  template, where, special = load_chat_template(config.chat_template_path, config.tokenizer_path)
+  texts = Texts(tokenizer, add_bos=config.add_bos, vocab_size=config.vocab_size, chat_template=template,
+                chat_template_source=where, special_tokens=special)
+  eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
+  vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
+
+  mesh = sharding.create_mesh(config)
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+    if config.load_parameters_path:
+      graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh,
+                                                                 report=log)
+      source = f"parameters from load_parameters_path={config.load_parameters_path}"
+    else:
+      graphdef, params, buffers, _ = model_state.create(config, mesh)
+      source = f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output is noise, a smoke test"
+  log(f"serve: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}; "
+      f"tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
+      f"{'yes' if template else 'none'}")
+
+  @contextlib.contextmanager
+  def make_engine():
+    with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+      yield ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id, log=log)
+
+  engine = EngineThread(make_engine, max_waiting=config.serve_max_waiting, log=log)
+  server = Server(config, texts, engine, config.model_name)
+  return server, build_app(server)
+
+
+def uvicorn_server(config: Config, app):
+  import uvicorn
+  return uvicorn.Server(uvicorn.Config(app, host=config.serve_host, port=config.serve_port, log_level="warning",
+                                       access_log=False, timeout_graceful_shutdown=config.serve_shutdown_timeout))
+
+
+def serve(config: Config) -> None:
+  _, app = create_server(config)
+  server = uvicorn_server(config, app)
+  # uvicorn drains on SIGTERM, then raises the signal again: this handler makes that a clean exit 0.
+  signal.signal(signal.SIGTERM, lambda *_: _log("serve: drained; exiting"))
+  _log(f"serve: listening on http://{config.serve_host}:{config.serve_port} (GET /health is 200 once compiled)")
+  server.run()
+
+
+def main(argv) -> None:
+  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)
+  cli.quiet_libraries()
+  cli.run(lambda: serve(config))
+
+
+if __name__ == "__main__":
+  distributed.run_main(main, sys.argv)

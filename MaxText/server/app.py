@@ -1,0 +1,323 @@
+"""The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (plain and streamed as
+server-sent events), /v1/models, /health and /metrics, over the engine thread.
+
+    app = build_app(Server(config, texts, engine_thread, model_id))
+    uvicorn.run(app, ...)
+
+A request: the body is validated (a bad field is a 400 naming it), its prompts tokenized, each
+prompt submitted to the engine (400 naming the field the engine refuses, 429 past
+serve_max_waiting, 503 while compiling); tokens then come back as the engine makes them, are
+detokenized incrementally, checked for stop strings, and sent (streamed: one event per piece,
+ending with `data: [DONE]`). A client that goes away mid-request has its request aborted (its
+pages freed at the engine's next loop). Every failure is OpenAI's error body; none ends the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from MaxText.config.types import Config
+from MaxText.server.engine_thread import EngineThread, RequestStream
+from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
+from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
+
+_DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that its client is still there
+
+
+@dataclasses.dataclass
+class Server:
+  """What the routes share: the config, the text side, the engine thread and the metrics."""
+  config: Config
+  texts: Texts
+  engine: EngineThread
+  model_id: str
+  metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
+
+
+@dataclasses.dataclass
+class Piece:
+  """New text and token ids of one choice; finish_reason set on its last piece."""
+  index: int
+  text: str
+  token_ids: list[int]
+  finish_reason: str | None = None
+
+
+# ---------------------------------------------------------------- requests -> engine streams
+
+
+async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
+                  max_tokens: int | None) -> list[RequestStream]:
+  """Every prompt's request, accepted by the engine, or none (ApiError)."""
+  body.check()
+  if body.model and body.model != server.model_id:
+    raise ApiError(404, f"model={body.model!r} is not served here: this server serves {server.model_id!r}",
+                   "model", "model_not_found")
+  stop_ids, _ = server.texts.stop_plan(body.stop_strings, body.stop_token_ids)
+  params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
+  streams: list[RequestStream] = []
+  try:
+    for p, sp in zip(prompts, params):
+      streams.append(await server.engine.submit(p, sp))
+  except BaseException:
+    for s in streams:
+      server.engine.abort(s)
+    raise
+  return streams
+
+
+async def _pieces(server: Server, index: int, stream: RequestStream, stops: list[str],
+                  arrival: float) -> AsyncIterator[Piece]:
+  """One request's text as it comes; aborts the request if the caller stops listening."""
+  detok = server.texts.detokenizer(stream.prompt)
+  stop = StopText(stops) if stops else None
+  n, first, last, reason = 0, None, None, None
+  try:
+    async for tok in stream:
+      last = time.perf_counter()
+      first = first or last
+      n += 1
+      text = detok.push(tok)
+      if stop is not None:
+        text, hit = stop.push(text)
+        if hit:
+          reason = "stop"
+          server.engine.abort(stream)
+          yield Piece(index, text, [tok], reason)
+          return
+      yield Piece(index, text, [tok])
+    reason = stream.finish_reason
+    tail = detok.flush()
+    if stop is not None:
+      tail, hit = stop.push(tail)
+      tail += "" if hit else stop.flush()
+      reason = "stop" if hit else reason
+    yield Piece(index, tail, [], reason)
+  finally:
+    if reason is None:
+      server.engine.abort(stream)  # the client went away (or the caller failed): free its pages now
+    server.metrics.observe(prompt_tokens=len(stream.prompt), generated=n, finish_reason=reason or "abort",
+                           arrival=arrival, first_token=first, last_token=last)
+
+
+async def _merged(gens: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+  """The pieces of several choices as they come (one choice: its own order)."""
+  if len(gens) == 1:
+    async for piece in gens[0]:
+      yield piece
+    return
+  q: asyncio.Queue = asyncio.Queue()
+
+  async def pump(gen):
+    try:
+      async for piece in gen:
+        await q.put(piece)
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer
+      await q.put(e)
+    finally:
+      await q.put(None)
+
+  tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+  try:
+    left = len(tasks)
+    while left:
+      item = await q.get()
+      if item is None:
+        left -= 1
+      elif isinstance(item, BaseException):
+        raise item
+      else:
+        yield item
+  finally:
+    for t in tasks:
+      t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(request: Request, gens: list[AsyncIterator[Piece]]) -> list[Piece]:
+  """Every choice whole (a plain response); cancels them when the client disconnects."""
+  async def run():
+    out = [Piece(i, "", []) for i in range(len(gens))]
+    async for p in _merged(gens):
+      out[p.index].text += p.text
+      out[p.index].token_ids += p.token_ids
+      out[p.index].finish_reason = p.finish_reason or out[p.index].finish_reason
+    return out
+
+  task = asyncio.ensure_future(run())
+  try:
+    while True:
+      done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+      if done:
+        return task.result()
+      if await request.is_disconnected():
+        raise ApiError(499, "the client closed the connection")
+  finally:
+    if not task.done():
+      task.cancel()
+      with contextlib.suppress(BaseException):
+        await task
+
+
+def _usage(streams: Sequence[RequestStream], pieces_or_counts: Sequence[int]) -> dict:
+  prompt = sum(len(s.prompt) for s in streams)
+  completion = sum(pieces_or_counts)
+  return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _EventStream(StreamingResponse):
+  """Server-sent events; when the response ends in any way (done, the client gone, cancelled), every
+  request it still runs is aborted (a no-op for those that finished)."""
+
+  def __init__(self, server: Server, streams: Sequence[RequestStream], events: AsyncIterator[str]):
+    super().__init__(events, media_type="text/event-stream")
+    self._server, self._streams = server, streams
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      for s in self._streams:
+        self._server.engine.abort(s)
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _event_stream(streams, gens, chunk, usage_chunk) -> AsyncIterator[str]:
+  """SSE: chunk(piece) per piece, then usage_chunk(counts) if asked, then [DONE]. An engine error
+  mid-stream is sent as an error event (the status line is already out)."""
+  counts = [0] * len(streams)
+  try:
+    async for piece in _merged(gens):
+      counts[piece.index] += len(piece.token_ids)
+      yield _sse(chunk(piece))
+    if usage_chunk is not None:
+      yield _sse(usage_chunk(_usage(streams, counts)))
+  except ApiError as e:
+    yield _sse(e.body())
+  yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- the app
+
+
+def build_app(server: Server) -> FastAPI:
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    server.engine.start()
+    try:
+      yield
+    finally:
+      await asyncio.to_thread(server.engine.stop)
+
+  app = FastAPI(title="MaxText DeepSeek-V3.2", lifespan=lifespan)
+
+  @app.exception_handler(ApiError)
+  async def api_error(request: Request, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(RequestValidationError)
+  async def bad_body(request: Request, e: RequestValidationError):
+    err = (e.errors() or [{}])[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    field = loc[0] if loc else None
+    where = ".".join(loc) or "the body"
+    return JSONResponse(ApiError(400, f"{where}: {err.get('msg', 'invalid')}", field).body(), status_code=400)
+
+  @app.exception_handler(Exception)
+  async def bug(request: Request, e: Exception):
+    return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
+
+  @app.get("/health")
+  async def health():
+    state = server.engine.state
+    body = {"status": state} | ({"error": server.engine.failure} if server.engine.failure else {})
+    return JSONResponse(body, status_code=200 if server.engine.ready else 503)
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(server.metrics.render(server.engine.stats, server.engine.ready), media_type=CONTENT_TYPE)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0,
+                                        "owned_by": "maxtext", "max_model_len": server.config.max_target_length}]}
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, request: Request):
+    arrival = time.perf_counter()
+    prompts = server.texts.prompts(body.prompt)
+    streams = await _submit(server, body, prompts, body.max_tokens)
+    gens = [_pieces(server, i, s, body.stop_strings, arrival) for i, s in enumerate(streams)]
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
+
+    started: set[int] = set()
+
+    def choice(p: Piece, streamed: bool) -> dict:
+      c = {"index": p.index, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason}
+      if body.return_token_ids:
+        c["token_ids"] = p.token_ids
+        if streamed and p.index not in started:  # a streamed choice's first chunk carries its prompt's ids
+          c["prompt_token_ids"] = streams[p.index].prompt
+          started.add(p.index)
+      return c
+
+    if body.stream:
+      return _EventStream(server, streams, _event_stream(
+          streams, gens, lambda p: {**head, "choices": [choice(p, True)], "usage": None},
+          (lambda u: {**head, "choices": [], "usage": u}) if body.include_usage else None))
+    pieces = await _collect(request, gens)
+    out = {**head, "choices": [choice(p, False) for p in pieces],
+           "usage": _usage(streams, [len(p.token_ids) for p in pieces])}
+    if body.return_token_ids:
+      out["prompt_token_ids"] = streams[0].prompt if len(streams) == 1 else [s.prompt for s in streams]
+    return out
+
+  @app.post("/v1/chat/completions")
+  async def chat(body: ChatRequest, request: Request):
+    arrival = time.perf_counter()
+    body.check()
+    prompt = server.texts.chat_prompt(body.messages)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    streams = await _submit(server, body, [prompt], max_tokens)
+    gens = [_pieces(server, 0, streams[0], body.stop_strings, arrival)]
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": server.model_id}
+    if body.stream:
+      first = [True]
+
+      def chunk(p: Piece) -> dict:
+        delta = {"role": "assistant", "content": p.text} if first[0] else {"content": p.text}
+        first[0] = False
+        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": p.finish_reason}
+        if body.return_token_ids:
+          c["token_ids"] = p.token_ids
+        return {**head, "object": "chat.completion.chunk", "choices": [c], "usage": None}
+
+      return _EventStream(server, streams, _event_stream(
+          streams, gens, chunk,
+          (lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
+          if body.include_usage else None))
+    (p,) = await _collect(request, gens)
+    c = {"index": 0, "message": {"role": "assistant", "content": p.text}, "logprobs": None,
+         "finish_reason": p.finish_reason}
+    out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
+    if body.return_token_ids:
+      c["token_ids"] = p.token_ids
+      out["prompt_token_ids"] = prompt
+    return out
+
+  return app

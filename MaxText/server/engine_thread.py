@@ -1,0 +1,218 @@
+"""The engine in its own thread: the only thread that ever calls the ServingEngine.
+
+    engine = EngineThread(make_engine, max_waiting=256)   # make_engine: a context manager yielding it
+    engine.start()                                       # builds, compiles (warmup), then serves
+    stream = await engine.submit(prompt_ids, sampling)   # ApiError 400 / 429 / 503 when refused
+    async for token in stream: ...                       # tokens as the engine makes them
+    stream.finish_reason                                 # "stop" | "length" | "abort"
+
+The asyncio side talks to the thread through two thread-safe queues: an inbox (add, abort, stop)
+the thread reads between steps, and one asyncio queue per request that the thread fills with
+`loop.call_soon_threadsafe`. The thread drains the scheduler's finished list after every step
+(nothing accumulates over a server's life) and publishes `stats` (the engine's stats()) for the
+metrics. A step that raises fails the requests it ran (an error event each), resets the engine
+and goes on: one bad request never ends the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, ContextManager
+
+from MaxText.inference.scheduler import RequestError, SamplingParams
+from MaxText.server.protocol import ApiError
+
+_IDLE_WAIT_S = 0.05  # how long an idle engine waits for the inbox before looking again
+
+
+@dataclasses.dataclass
+class _Event:
+  token: int | None = None
+  finish_reason: str | None = None
+  error: ApiError | None = None
+
+
+class RequestStream:
+  """One request's tokens on the asyncio side; iterate it, then read finish_reason."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], params: SamplingParams):
+    self.loop, self.prompt, self.params = loop, prompt, params
+    self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+    self.finish_reason: str | None = None
+    self.request = None  # the engine's Request (touched by the engine thread only)
+
+  def put(self, event: _Event) -> None:
+    """From the engine thread."""
+    self.loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+  async def next_event(self) -> _Event:
+    return await self._queue.get()
+
+  def __aiter__(self):
+    return self
+
+  async def __anext__(self) -> int:
+    if self.finish_reason is not None:
+      raise StopAsyncIteration
+    event = await self._queue.get()
+    if event.error is not None:
+      self.finish_reason = "error"
+      raise event.error
+    if event.finish_reason is not None:
+      self.finish_reason = event.finish_reason
+      raise StopAsyncIteration
+    return event.token
+
+
+class EngineThread:
+  def __init__(self, make_engine: Callable[[], ContextManager], *, max_waiting: int, log=print):
+    """make_engine(): a context manager that yields the ServingEngine (entered in the engine thread,
+    so a mesh or sharding context it sets holds for every call)."""
+    self._make_engine, self.max_waiting, self.log = make_engine, max_waiting, log
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self.state = "starting"  # starting -> compiling -> ready | failed; stopped at the end
+    self.stats: dict = {}
+    self.failure: str | None = None
+    self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+    self._streams: dict = {}  # engine Request -> RequestStream (engine thread only)
+
+  @property
+  def ready(self) -> bool:
+    return self.state == "ready"
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self, timeout: float = 30.0) -> None:
+    """Aborts what still runs and ends the thread."""
+    if self._thread.is_alive():
+      self._inbox.put(("stop",))
+      self._thread.join(timeout)
+
+  # ---- the asyncio side
+  async def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+    """Queues a request -> its stream once the engine accepted it; ApiError when refused."""
+    if self.state != "ready":
+      raise ApiError(503, f"the engine is not ready ({self.state}): retry when GET /health is 200", None,
+                     "engine_not_ready")
+    stream = RequestStream(asyncio.get_running_loop(), prompt, params)
+    self._inbox.put(("add", stream))
+    event = await stream.next_event()  # accepted (no token, no reason) or refused
+    if event.error is not None:
+      raise event.error
+    return stream
+
+  def abort(self, stream: RequestStream) -> None:
+    """Ends a request now (its client went away); its pages are freed by the next engine loop."""
+    if stream.finish_reason is None:
+      self._inbox.put(("abort", stream))
+
+  # ---- the engine thread
+  def _main(self) -> None:
+    try:
+      with self._make_engine() as engine:
+        self.state = "compiling"
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        self.log(f"serve: compiled {n} step programs in {time.perf_counter() - t0:.1f} s; ready")
+        self.stats = engine.stats()
+        self.state = "ready"
+        self._loop(engine)
+    except BaseException as e:  # noqa: BLE001 - a failed build or warmup ends serving, reported by /health
+      self.failure = f"{type(e).__name__}: {e}"
+      self.log(f"serve: the engine failed: {self.failure}\n{traceback.format_exc()}")
+      self.state = "failed"
+      self._refuse_all(ApiError(503, f"the engine failed: {self.failure}", None, "engine_failed"))
+      return
+    self.state = "stopped"
+
+  def _loop(self, engine) -> None:
+    while True:
+      if not self._read_inbox(engine, block=engine.idle):
+        for stream in list(self._streams.values()):
+          engine.abort(stream.request)
+        self._finish(engine)
+        return
+      if not engine.idle:
+        self._step(engine)
+      self.stats = engine.stats()
+
+  def _read_inbox(self, engine, block: bool) -> bool:
+    """Handles every queued command (waiting a little for one when the engine is idle); False on stop."""
+    try:
+      cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+    except queue.Empty:
+      return True
+    while True:
+      kind, *args = cmd
+      if kind == "stop":
+        return False
+      stream = args[0]
+      if kind == "add":
+        self._add(engine, stream)
+      elif kind == "abort" and stream.request is not None:
+        engine.abort(stream.request)
+      try:
+        cmd = self._inbox.get_nowait()
+      except queue.Empty:
+        return True
+
+  def _add(self, engine, stream: RequestStream) -> None:
+    sched = engine.scheduler
+    queued = len(sched.waiting) - max(0, engine.max_seqs - len(sched.running))  # beyond the free sequence slots
+    if queued >= self.max_waiting:
+      stream.put(_Event(error=ApiError(429, f"{self.max_waiting} requests already wait (serve_max_waiting): "
+                                       "retry later", None, "too_many_waiting")))
+      return
+    try:
+      stream.request = engine.add_request(stream.prompt, stream.params)
+    except RequestError as e:
+      stream.put(_Event(error=ApiError(400, str(e), e.field)))
+      return
+    except Exception as e:  # noqa: BLE001 - a bug in one request's admission fails that request only
+      stream.put(_Event(error=ApiError(500, f"{type(e).__name__}: {e}")))
+      return
+    self._streams[stream.request] = stream
+    stream.put(_Event())  # accepted
+
+  def _step(self, engine) -> None:
+    try:
+      made = engine.step()
+    except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
+      self.log(f"serve: an engine step failed; its requests end with an error\n{traceback.format_exc()}")
+      error = ApiError(500, f"the engine step failed: {type(e).__name__}: {e}")
+      for stream in self._streams.values():
+        stream.put(_Event(error=error))
+      self._streams.clear()
+      with contextlib.suppress(Exception):
+        engine.reset()
+      return
+    for request, token in made:
+      self._streams[request].put(_Event(token=token))
+    self._finish(engine)
+
+  def _finish(self, engine) -> None:
+    """Ends the streams of finished requests and empties the scheduler's finished list."""
+    for request in engine.scheduler.finished:
+      stream = self._streams.pop(request, None)
+      if stream is not None:
+        stream.put(_Event(finish_reason=request.finish_reason))
+    engine.scheduler.finished.clear()
+
+  def _refuse_all(self, error: ApiError) -> None:
+    for stream in self._streams.values():
+      stream.put(_Event(error=error))
+    self._streams.clear()
+    while True:
+      try:
+        cmd = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if cmd[0] == "add":
+        cmd[1].put(_Event(error=error))

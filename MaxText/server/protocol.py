@@ -1,0 +1,284 @@
+"""OpenAI's wire format: request bodies, error bodies, and the text side of a request (prompts to ids,
+stop strings, chat templates, ids to text).
+
+Requests follow OpenAI's /v1/completions and /v1/chat/completions fields (unknown fields are
+ignored, as OpenAI-compatible servers do), plus vLLM's extensions `top_k`, `ignore_eos`,
+`stop_token_ids` and `return_token_ids`. Every bad field is an `ApiError` whose `param` names it.
+
+Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
+is its ids joined by commas, as decode.py prints them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from MaxText.data.tokenizer import Tokenizer
+from MaxText.inference.scheduler import SamplingParams
+
+
+class ApiError(Exception):
+  """An error a client sees as OpenAI's body {"error": {"message", "type", "param", "code"}}."""
+
+  TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+           503: "service_unavailable", 500: "internal_server_error"}
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                      "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+  include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+  """The fields both endpoints share."""
+  model_config = ConfigDict(extra="ignore")
+  model: str | None = None
+  max_tokens: int | None = None
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # vLLM: 0 or -1 = off
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  seed: int | None = None
+  ignore_eos: bool = False
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  n: int = 1
+  return_token_ids: bool = False
+
+  @model_validator(mode="before")
+  @classmethod
+  def _null_is_default(cls, data):
+    """Clients send null for a field they leave unset: it takes the default."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+  def check(self) -> None:
+    if self.n != 1:
+      raise ApiError(400, f"n={self.n} is not supported: only n=1 (send the request again for more choices)", "n")
+    if self.stream_options is not None and not self.stream:
+      raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+  @property
+  def include_usage(self) -> bool:
+    return self.stream_options is not None and self.stream_options.include_usage
+
+  @property
+  def stop_strings(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+  prompt: str | list[int] | list[str] | list[list[int]]
+  max_tokens: int | None = 16  # OpenAI's default for completions
+
+
+class ChatMessage(BaseModel):
+  model_config = ConfigDict(extra="allow")
+  role: str
+  content: str | list[dict] | None = None
+
+  def text(self) -> str:
+    """The content as one string (OpenAI's list of parts: the text parts, joined)."""
+    if isinstance(self.content, list):
+      bad = [p.get("type") for p in self.content if p.get("type") != "text"]
+      if bad:
+        raise ApiError(400, f"content parts of type {bad[0]!r} are not supported: only 'text'", "messages")
+      return "".join(str(p.get("text", "")) for p in self.content)
+    return self.content or ""
+
+
+class ChatRequest(SamplingFields):
+  messages: list[ChatMessage]
+  max_completion_tokens: int | None = None
+
+  def check(self) -> None:
+    super().check()
+    if not self.messages:
+      raise ApiError(400, "messages is empty: give at least one message", "messages")
+
+
+# ---------------------------------------------------------------- the text side of a request
+
+
+class Texts:
+  """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text."""
+
+  def __init__(self, tokenizer: Tokenizer | None, *, add_bos: bool, vocab_size: int, chat_template: str | None,
+               chat_template_source: str, special_tokens: dict[str, str]):
+    self.tokenizer, self.add_bos, self.vocab_size = tokenizer, add_bos, vocab_size
+    self.chat_template_source = chat_template_source
+    self._special = special_tokens
+    self._template = _compile_template(chat_template) if chat_template else None
+
+  def prompts(self, prompt: Any) -> list[list[int]]:
+    """A completions `prompt` (a string, token ids, or a list of either) -> ids per prompt."""
+    if isinstance(prompt, str):
+      return [self.encode(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+      return [list(prompt)]
+    if not prompt:
+      raise ApiError(400, "prompt is empty", "prompt")
+    return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+  def encode(self, text: str, *, bos: bool | None = None) -> list[int]:
+    if self.tokenizer is None:
+      raise ApiError(400, "prompt must be token ids (a list of integers): the server has no tokenizer_path", "prompt")
+    add = self.add_bos if bos is None else bos
+    return ([self.tokenizer.bos_id] if add else []) + self.tokenizer.encode(text)
+
+  def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+    """The messages rendered by the chat template (as transformers' apply_chat_template), tokenized."""
+    if self._template is None:
+      raise ApiError(400, "no chat template: set chat_template_path=<a jinja2 file>, or put chat_template in "
+                     f"the tokenizer_config.json next to tokenizer_path ({self.chat_template_source})",
+                     "chat_template_path")
+    import jinja2
+    try:
+      text = self._template.render(messages=[{**m.model_dump(exclude_none=True), "content": m.text()}
+                                             for m in messages], add_generation_prompt=True, **self._special)
+    except jinja2.TemplateError as e:
+      raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    return self.encode(text, bos=False)  # the template writes BOS itself when the model wants one
+
+  def stop_plan(self, stops: Sequence[str], stop_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], list[str]]:
+    """-> (token ids the engine stops on, strings to find in the decoded text). A stop string that
+    is one token is both: the engine stops at once, the text check catches other spellings."""
+    ids = list(stop_token_ids or [])
+    if stops and self.tokenizer is None:
+      raise ApiError(400, "stop strings need a tokenizer (the server has no tokenizer_path): use stop_token_ids",
+                     "stop")
+    for s in stops:
+      if not s:
+        raise ApiError(400, "stop has an empty string", "stop")
+      one = self.tokenizer.encode(s)
+      if len(one) == 1 and self.tokenizer.decode(one) == s:
+        ids.append(one[0])
+    return tuple(dict.fromkeys(ids)), list(stops)
+
+  def sampling(self, body: SamplingFields, prompt: Sequence[int], max_tokens: int | None,
+               stop_ids: tuple[int, ...], max_length: int) -> SamplingParams:
+    """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length)."""
+    if len(prompt) >= max_length:
+      raise ApiError(400, f"prompt has {len(prompt)} tokens: the context (max_target_length={max_length}) leaves "
+                     "no room to generate", "prompt")
+    return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
+                          temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed)
+
+  def detokenizer(self, prompt: Sequence[int]):
+    """-> an object with push(token id) -> the text it adds, and flush() -> the text held back at the
+    end (incremental detokenization; ids joined by commas without a tokenizer)."""
+    if self.tokenizer is None:
+      return _IdsText()
+    from MaxText.data.tokenizer import TextStreamer
+    return TextStreamer(self.tokenizer, prompt)
+
+
+class _IdsText:
+  """A choice's text without a tokenizer: its ids joined by commas, as decode.py prints them."""
+
+  def __init__(self):
+    self._first = True
+
+  def push(self, tok: int) -> str:
+    sep = "" if self._first else ","
+    self._first = False
+    return f"{sep}{tok}"
+
+  def flush(self) -> str:
+    return ""
+
+
+class StopText:
+  """Finds stop strings in streamed text: push(piece) -> (text safe to send, stopped). Holds back
+  the last len(longest stop) - 1 characters, so a stop split over pieces is never half sent; the
+  text sent ends before the first stop string."""
+
+  def __init__(self, stops: Sequence[str]):
+    self.stops = list(stops)
+    self._hold = max((len(s) for s in self.stops), default=1) - 1
+    self._pending = ""
+
+  def push(self, piece: str) -> tuple[str, bool]:
+    self._pending += piece
+    hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+    if hits:
+      out, self._pending = self._pending[:min(hits)], ""
+      return out, True
+    cut = max(len(self._pending) - self._hold, 0)
+    out, self._pending = self._pending[:cut], self._pending[cut:]
+    return out, False
+
+  def flush(self) -> str:
+    out, self._pending = self._pending, ""
+    return out
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def load_chat_template(chat_template_path: str, tokenizer_path: str) -> tuple[str | None, str, dict[str, str]]:
+  """-> (template or None, where it was looked for, {bos_token, eos_token} for the template).
+  chat_template_path wins; else `chat_template` of the tokenizer_config.json next to tokenizer_path."""
+  from MaxText.config.types import ConfigError
+  special: dict[str, str] = {"bos_token": "", "eos_token": ""}
+  folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+  cfg_path = os.path.join(folder, "tokenizer_config.json") if tokenizer_path else ""
+  cfg: dict = {}
+  if cfg_path and os.path.isfile(cfg_path):
+    try:
+      with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"{cfg_path} (next to tokenizer_path) is not valid JSON: {e}") from None
+    for kind in ("bos_token", "eos_token"):
+      tok = cfg.get(kind)
+      special[kind] = (tok.get("content") if isinstance(tok, dict) else tok) or ""
+  if chat_template_path:
+    try:
+      with open(chat_template_path, encoding="utf-8") as f:
+        return f.read(), f"chat_template_path={chat_template_path}", special
+    except OSError as e:
+      raise ConfigError(f"chat_template_path='{chat_template_path}' is not readable: {e.strerror}") from None
+  template = cfg.get("chat_template")
+  if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": ...}]
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  where = f"looked in {cfg_path}" if cfg_path else "no tokenizer_path"
+  return template or None, where, special
+
+
+def _compile_template(source: str):
+  """As transformers compiles chat templates: a sandbox, trimmed blocks, loop controls, tojson,
+  raise_exception and strftime_now."""
+  import jinja2
+  from jinja2.ext import loopcontrols
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  def raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  try:
+    return env.from_string(source)
+  except jinja2.TemplateSyntaxError as e:
+    from MaxText.config.types import ConfigError
+    raise ConfigError(f"the chat template does not compile (chat_template_path / tokenizer_config.json): {e}") from None
+

@@ -1,0 +1,120 @@
+"""The engine thread (MaxText/server/engine_thread.py) over the real scheduler with a scripted step:
+tokens reach each request's stream in order, a refused request is a 400 naming the field, a step
+that raises fails only the requests it ran and the next request is served, the scheduler's finished
+list is drained, and stop() aborts what still runs."""
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from MaxText.inference.page_allocator import PageAllocator
+from MaxText.inference.scheduler import SamplingParams, Scheduler
+from MaxText.server.engine_thread import EngineThread
+from MaxText.server.protocol import ApiError
+
+
+class ScriptedEngine:
+  """ServingEngine's interface over the real Scheduler; step() samples token 100 + position, or
+  raises while `fail_next` is set."""
+
+  def __init__(self):
+    self.max_seqs, self.fail_next, self.warmed = 2, False, False
+    self.reset()
+
+  def reset(self):
+    self.allocator = PageAllocator(16, 4, prefix_caching=False)
+    self.scheduler = Scheduler(self.allocator, max_num_seqs=2, max_num_tokens=8, chunk=4, max_length=32, eos_id=None,
+                               vocab_size=512)
+
+  def warmup(self):
+    self.warmed = True
+    return 0
+
+  def add_request(self, prompt, params):
+    return self.scheduler.add(prompt, params)
+
+  def abort(self, request):
+    self.scheduler.abort(request)
+
+  @property
+  def idle(self):
+    return self.scheduler.idle
+
+  def step(self):
+    time.sleep(0.005)  # a step takes time: commands arrive between steps
+    rows = self.scheduler.schedule()
+    if self.fail_next:
+      self.fail_next = False
+      raise RuntimeError("boom")
+    made = [len(r.request.output) for r in rows]
+    self.scheduler.update(rows, [100 + r.start + r.count for r in rows])
+    return [(r.request, r.request.output[-1]) for r, n in zip(rows, made) if len(r.request.output) > n]
+
+  def stats(self):
+    return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "pages_used": self.allocator.used_pages, "pages_total": 16}
+
+
+@pytest.fixture
+def thread():
+  eng = ScriptedEngine()
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
+  t.start()
+  for _ in range(200):
+    if t.ready:
+      break
+    time.sleep(0.01)
+  assert t.ready and eng.warmed
+  yield t, eng
+  t.stop(10)
+  assert t.state == "stopped"
+
+
+async def _tokens(t, prompt, n):
+  stream = await t.submit(prompt, SamplingParams(max_tokens=n))
+  return [tok async for tok in stream], stream.finish_reason
+
+
+def test_tokens_come_in_order_and_the_finished_list_is_drained(thread):
+  t, eng = thread
+
+  async def both():
+    return await asyncio.wait_for(asyncio.gather(_tokens(t, [1, 2, 3], 4), _tokens(t, [5, 6], 3)), 10)
+
+  (a, ra), (b, rb) = asyncio.run(both())
+  assert a == [103, 104, 105, 106] and b == [102, 103, 104] and ra == rb == "length"
+  assert eng.scheduler.finished == [] and eng.allocator.used_pages == 0
+
+
+def test_a_refused_request_names_its_field_and_a_failing_step_fails_only_its_requests(thread):
+  t, eng = thread
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2, 3], 40), 10))  # past max_length 32
+  assert e.value.status == 400 and e.value.param == "max_tokens"
+  eng.fail_next = True
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 3), 10))
+  assert e.value.status == 500 and "boom" in e.value.message
+  assert asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10)) == ([102, 103], "length")  # still serving
+
+
+def test_stop_aborts_what_still_runs():
+  eng = ScriptedEngine()
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
+
+  async def run():
+    t.start()
+    for _ in range(200):
+      if t.ready:
+        break
+      await asyncio.sleep(0.01)
+    stream = await t.submit([1, 2], SamplingParams(max_tokens=25))
+    await stream.__anext__()
+    await asyncio.to_thread(t.stop, 10)
+    rest = [tok async for tok in stream]
+    return len(rest), stream.finish_reason
+
+  n, reason = asyncio.run(asyncio.wait_for(run(), 20))
+  assert reason == "abort" and n < 24 and eng.allocator.used_pages == 0
