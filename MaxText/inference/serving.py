@@ -73,7 +73,7 @@ class ServingEngine:
     self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
     self.sample_vocab = sample_vocab
     absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
-    self.absorbed = _abstract_out(absorb, params, buffers) if self.abstract else absorb(params, buffers)
+    self.absorbed = _outputs(absorb.lower(params, buffers).compile()) if self.abstract else absorb(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._write_jit = jax.jit(self._write, donate_argnums=(0,))
     self._seeds = np.random.default_rng(cfg.seed)
@@ -187,8 +187,7 @@ class ServingEngine:
             rows(b, dtype=jnp.uint32), bb)
     with self._rules():
       step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, *args).compile()
-      entries = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), step.out_info[0],
-                             step.output_shardings[0])
+      entries = _outputs(step)[0]
       return step, self._write_jit.lower(self.pools, entries, bt, args[2]).compile(), args
 
   def _rules(self):
@@ -250,9 +249,8 @@ class ServingEngine:
             "prefix_hit_rate": a.hit_rate(), "steps": self.steps}
 
 
-def _abstract_out(fn, *args):
-  """fn's outputs for abstract args, as ShapeDtypeStructs with the shardings its compiled program gives them."""
-  compiled = fn.lower(*args).compile()
+def _outputs(compiled):
+  """A compiled program's outputs as ShapeDtypeStructs with the shardings it gives them (nothing run)."""
   return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), compiled.out_info,
                       compiled.output_shardings)
 
