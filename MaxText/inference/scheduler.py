@@ -112,7 +112,8 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # oldest admission first
     self._ids = itertools.count()
-    self.finished: list[Request] = []
+    self.finished: list[Request] = []  # since the last take_finished()
+    self._looked_up: Request | None = None  # the queue head whose prefix lookup is already counted
 
   # ---- requests
   def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -147,6 +148,12 @@ class Scheduler:
   def idle(self) -> bool:
     return not self.running and not self.waiting
 
+  def take_finished(self) -> list[Request]:
+    """The requests finished since the last call, oldest first; forgets them (a long-running server
+    calls this so `finished` stays bounded)."""
+    done, self.finished = self.finished, []
+    return done
+
   # ---- one step
   def schedule(self) -> list[Scheduled]:
     """The next step's rows, running requests first (oldest first), then admitted waiting ones."""
@@ -168,6 +175,7 @@ class Scheduler:
         r.pages, r.computed = [], 0
         break  # it stays at the head of the queue until pages come back
       self.waiting.popleft()
+      self._looked_up = None
       self.running.append(r)
       rows.append(Scheduled(r, r.computed, n))
       budget -= n
@@ -203,8 +211,10 @@ class Scheduler:
   # ---- pages
   def _share_prefix(self, r: Request) -> None:
     """Points a new request's first pages at the cached pages of its prompt's longest cached prefix,
-    keeping at least its last prompt token to compute."""
-    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1])
+    keeping at least its last prompt token to compute. A head of the queue retried step after step
+    (waiting for pages) counts as one lookup in the allocator's hit rate."""
+    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
+    self._looked_up = r
     self.allocator.share(pages)
     r.pages, r.computed = pages, len(pages) * self.allocator.page_size
 
