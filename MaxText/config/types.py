@@ -223,6 +223,7 @@ class Serve(_Section):
   serve_max_num_seqs: PosInt
   serve_max_num_tokens: PosInt
   serve_prefix_caching: bool
+  serve_max_index_score_bytes: PosInt
 
 
 class AheadOfTimeCompile(_Section):

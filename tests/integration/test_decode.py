@@ -100,9 +100,10 @@ def _greedy_teacher_forced(cfg, graphdef, params, buffers, prompt, n):
 # ---------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_prefill_and_step_decode_equal_the_teacher_forced_forward(scan_layers):
-  cfg, graphdef, params, buffers = _model(scan_layers=scan_layers)
+@pytest.mark.parametrize("scan_layers,score_bytes", [(True, 536870912), (False, 536870912), (True, 2048)])
+def test_prefill_and_step_decode_equal_the_teacher_forced_forward(scan_layers, score_bytes):
+  # score_bytes 2048: the prompt's indexer scores in blocks of 3 queries, one head at a time
+  cfg, graphdef, params, buffers = _model(scan_layers=scan_layers, serve_max_index_score_bytes=score_bytes)
   tokens = jax.random.randint(jax.random.key(3), (2, S), 3, cfg.vocab_size)
   want = _teacher_forced(cfg, graphdef, params, buffers, tokens)  # [b,S,V], the mask path
   got = _paged_decode(cfg, graphdef, params, buffers, tokens, prompt_len=20)
