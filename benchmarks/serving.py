@@ -127,9 +127,11 @@ def prefix(args, extra: dict) -> dict:
   work = [(args.prefix_gap * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
   out, seqs = {}, 2  # one request at a time
   cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64}, seqs)
+  eng = ServingEngine(cfg, g, p, b)
+  eng.warmup()
   for caching in (False, True):
-    eng = ServingEngine(cfg.model_copy(update={"serve_prefix_caching": caching}), g, p, b)
-    eng.warmup()
+    eng.reset()
+    eng.allocator.prefix_caching = caching  # the same compiled programs, the prefix cache off or on
     out["with" if caching else "without"] = serve(eng, work, "continuous", seqs)
   return out
 
