@@ -32,8 +32,10 @@ import sys
 if not __package__ and __name__ == "__main__":  # run as `python MaxText/decode.py`: import the package, not from MaxText/
   import _script_path  # noqa: F401
 
+import dataclasses
 import re
 import time
+from typing import Sequence
 
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
@@ -41,6 +43,38 @@ from MaxText.runtime import cli, distributed
 
 PROMPT_SEPARATOR = "|"
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
+
+
+class PromptError(ConfigError):
+  """A prompt decode cannot take: the message names the key (prompt, max_prefill_length, ...)."""
+
+
+@dataclasses.dataclass
+class Generation:
+  """One row's result."""
+  prompt: list[int]
+  tokens: list[int]    # generated ids, EOS excluded
+  stop: str            # "eos" | "max_target_length"
+
+
+def check_prompts(config: Config, prompts: Sequence[Sequence[int]]) -> None:
+  """Raises PromptError for a prompt decode cannot take (empty, too long, ids out of range)."""
+  cfg = config
+  if not prompts:
+    raise PromptError("prompt is empty: give at least one prompt")
+  for i, p in enumerate(prompts):
+    where = f"prompt row {i}" if len(prompts) > 1 else "prompt"
+    if len(p) == 0:
+      raise PromptError(f"{where} has no tokens (prompt={cfg.prompt!r})")
+    if len(p) > cfg.max_prefill_length:
+      raise PromptError(f"{where} has {len(p)} tokens, more than max_prefill_length={cfg.max_prefill_length}; "
+                        f"raise max_prefill_length (<= max_target_length={cfg.max_target_length}) or shorten it")
+    if len(p) >= cfg.max_target_length:
+      raise PromptError(f"{where} has {len(p)} tokens, which fills max_target_length={cfg.max_target_length} "
+                        f"(prompt + generated tokens must fit in it): raise max_target_length")
+    bad = [int(x) for x in p if not 0 <= int(x) < cfg.vocab_size]
+    if bad:
+      raise PromptError(f"{where} has token ids {bad[:5]} outside [0, vocab_size={cfg.vocab_size})")
 
 
 def parse_prompts(config: Config, tokenizer) -> list[list[int]]:
@@ -86,7 +120,6 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
   from MaxText.checkpoint import model_state
   from MaxText.data.tokenizer import TextStreamer, load_tokenizer
   from MaxText.inference import kv_cache
-  from MaxText.inference.engine import Generation, check_prompts
   from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
 

@@ -7,12 +7,13 @@
 The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
 nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
 1 dense layer and a 512-token vocabulary, so attention dominates a step as it does in the full
-model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The cache
-is sized to each context (S = max_target_length = context) and filled with random latents; one
-jitted engine step (batch 1, the last slot) is timed: the best of --iters calls after a warm-up
-(the least disturbed by other work on a shared machine; --stat median for the median).
-Both columns run the same Engine step, attention="sparse" or "dense". Prints a table, then one
-JSON line (the rows); asserts nothing about time.
+model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The serving
+engine's paged pools hold one sequence of each context (S = max_target_length = context), filled
+with random latents; one decode step of the engine (its step and write programs: one row at the
+last position, its write dropped so every call sees the same cache) is timed: the best of --iters
+calls after a warm-up (the least disturbed by other work on a shared machine; --stat median for the
+median). Both columns run the same ServingEngine, attention="sparse" or "dense". Prints a table,
+then one JSON line (the rows); asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np  # noqa: E402
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.config import pyconfig
 from MaxText.inference import kv_cache  # noqa: E402
-from MaxText.inference.engine import DecodeState, Engine  # noqa: E402
+from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.runtime import sharding
 
 WIDE = dict(  # official attention dims, narrow everything else
@@ -41,43 +42,45 @@ WIDE = dict(  # official attention dims, narrow everything else
     num_experts=8, num_experts_per_tok=2, n_routing_groups=4, topk_routing_group=2, moe_mlp_dim=256,
     mtp_num_layers=0, ici_data_parallelism=1,
 )
+PAGE = 64
 
 
 def config_for(context: int, args):
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
                              max_target_length=context, max_prefill_length=min(context, 4096),
                              kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
+                             serve_max_num_seqs=1, serve_page_size=PAGE, serve_num_pages=-(-context // PAGE),
                              indexer_topk=args.topk, **{k: v for k, v in WIDE.items() if k != "indexer_topk"})
 
 
-def filled_state(cfg, engine: Engine, seed: int) -> DecodeState:
-  """A batch-1 cache with every slot holding random (normed-scale) latents; the step writes slot S-1."""
+def fill_pools(engine: ServingEngine, seed: int) -> None:
+  """Every slot of the engine's pools random (normal latents; fp8 fields with unit scales)."""
   key = jax.random.key(seed)
-  cache = kv_cache.init_cache(cfg, 1, engine.cache_length)
 
-  def fill(lc, key):  # a stacked LayerCache [L,b,S,..] or a list of per-layer ones [b,S,..]
-    if isinstance(lc, list):
-      return [fill(c, jax.random.fold_in(key, i)) for i, c in enumerate(lc)]
-    lead = lc.c_kv.shape[:-1]  # [(L,) b, S]
-    k1, k2, k3 = jax.random.split(key, 3)
-    new = dict(c_kv=jax.random.normal(k1, lead + (cfg.kv_lora_rank,)),
-               k_pe=jax.random.normal(k2, lead + (cfg.qk_rope_head_dim,)),
-               idx_k=jax.random.normal(k3, lead + (cfg.indexer_head_dim,)))
-    return kv_cache.write(lc, jnp.zeros((lead[-2],), jnp.int32), **new)
+  def fill(pool, key):  # a stacked PagedLayerCache [L,N,..] or a list of per-layer ones [N,..]
+    if isinstance(pool, list):
+      return [fill(p, jax.random.fold_in(key, i)) for i, p in enumerate(pool)]
+    return type(pool)(*[None if a is None else jnp.ones_like(a) if name.endswith("_scale") else
+                        jax.random.normal(jax.random.fold_in(key, i), a.shape).astype(a.dtype)
+                        for i, (name, a) in enumerate(pool._asdict().items())])
 
-  cache = {name: jax.jit(fill)(lc, jax.random.fold_in(key, i)) for i, (name, lc) in enumerate(cache.items())}
-  return DecodeState(cache, jnp.full((1,), cfg.max_target_length - 1, jnp.int32))
+  engine.pools = {name: jax.jit(fill)(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
 
 
-def time_step(engine: Engine, state: DecodeState, iters: int, stat: str) -> float:
-  tok, active, key = jnp.ones((1,), jnp.int32), jnp.zeros((1,), bool), jax.random.key(0)
+def time_step(engine: ServingEngine, iters: int, stat: str) -> float:
+  """One decode step of one row at the pools' last position (its write dropped: the cache stays)."""
+  s = engine.pages_per_seq * engine.page_size
+  one = lambda v, dt=np.int32: np.full((1,), v, dt)
+  args = (1, one(1)[:, None], one(s - 1)[:, None], one(-1)[:, None],
+          np.arange(engine.pages_per_seq, dtype=np.int32)[None], one(0), one(0.0, np.float32), one(1.0, np.float32),
+          one(0), one(0, np.uint32), one(s))
   for _ in range(2):  # compile + warm-up
-    state, nxt, _ = engine.step(state, tok, active, key)
+    engine.pools, nxt = engine._run(*args)
   jax.block_until_ready(nxt)
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    state, nxt, _ = engine.step(state, tok, active, key)  # inactive: the position stays at S-1
+    engine.pools, nxt = engine._run(*args)
     jax.block_until_ready(nxt)
     times.append(time.perf_counter() - t0)
   return (min(times) if stat == "min" else statistics.median(times)) * 1e3
@@ -108,8 +111,9 @@ def main() -> None:
     graphdef, _, _ = model_state.abstract_model(cfg)
     row = {}
     for mode in ("sparse", "dense"):
-      engine = Engine(cfg, graphdef, params, buffers, attention=mode)
-      row[mode] = time_step(engine, filled_state(cfg, engine, seed=s), args.iters, args.stat)
+      engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
+      fill_pools(engine, seed=s)
+      row[mode] = time_step(engine, args.iters, args.stat)
       del engine
     print(f"{s:>8} {row['sparse']:>10.1f} {row['dense']:>10.1f} {row['dense'] / row['sparse']:>12.1f}x", flush=True)
     rows.append(dict(context=s, sparse_ms=round(row["sparse"], 3), dense_ms=round(row["dense"], 3)))

@@ -1,23 +1,30 @@
-"""Serving: the continuous-batching engine (inference/serving.py) vs a static batch of the old kind.
+"""Serving: continuous batching (inference/serving.py) vs a static batch of the old kind.
 
-    python benchmarks/serving.py            # the tiny model and a mid-size one (8 layers, emb 512)
-    python benchmarks/serving.py --quick    # the tiny model, fewer requests
+    python benchmarks/serving.py            # the tiny model and a mid-size one (8 layers, emb 512, 8K contexts)
+    python benchmarks/serving.py --quick    # the tiny model, fewer requests, a shorter system prompt
 
-One seeded workload, the same requests in the same arrival order for both engines, in real time:
+One seeded workload, the same requests in the same arrival order for both policies, in real time:
 Poisson arrivals (--rate per second), prompt lengths uniform in [--prompt-min, --prompt-max],
-output lengths uniform in [--out-min, --out-max] (max_tokens, EOS ignored), greedy.
-  ours     requests join the running batch at the next step, leave it when done (paged caches).
-  static   the contiguous Engine of decode.py before this engine: when idle it takes every request
-           that has arrived (up to --seqs; the batch padded to --seqs rows, one compiled shape)
-           and runs it until its longest request is done; later arrivals wait for the next batch.
-Both are compiled before the clock starts (ours: ServingEngine.warmup; static: a warm-up batch). Reported: output
-tokens/s over the run, time to first token (TTFT: arrival -> first token) and time per output
-token (TPOT: (finish - first token) / (tokens - 1)), p50 and p99.
-Then a shared-prefix workload (--system tokens of system prompt + a short question each) through
-our engine with and without the prefix cache: its TTFT.
-Speculative decoding (MTP drafting) is not implemented yet: spec_acceptance and spec_speedup are
-null. A table, then one JSON line. Ratios are measured side by side in one process; never a
-timed assert.
+output lengths log-uniform in [--out-min, --out-max] (max_tokens, EOS ignored), greedy. Both
+policies drive the same ServingEngine (the same compiled programs, paged caches, up to --seqs
+sequences):
+  continuous  a request joins the running batch at the next step after it arrives and leaves it
+              when done.
+  static      decode.py before this engine: when the engine is idle, every request that has
+              arrived (up to --seqs) forms one batch, which runs until its longest request is
+              done; later arrivals wait for the next batch. (Kinder than the old contiguous
+              engine, whose finished rows kept computing until the batch ended: here a finished
+              request leaves the batch and its steps shrink.)
+The mid-size row (full mode) runs its own workload, MID_WORKLOAD: contexts to 8K tokens
+(max_target_length 8192), prompts of 128-1024 tokens prefilled in chunks of 256.
+Compiled before the clock starts (ServingEngine.warmup). Reported: output tokens/s over the run,
+time to first token (TTFT: arrival -> first token) and time per output token (TPOT: (finish -
+first token) / (tokens - 1)), p50 and p99.
+Then a shared-prefix workload (a --system-token system prompt + 8 tokens of question each, one
+request every --prefix-gap s) with and without the prefix cache: its TTFT.
+Speculative decoding (MTP drafting): spec_acceptance and spec_speedup are null until it lands.
+A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
+Ratios are measured side by side in one process; never a timed assert.
 """
 
 from __future__ import annotations
@@ -30,22 +37,24 @@ import numpy as np
 
 from MaxText.checkpoint import model_state
 from MaxText.config import pyconfig
-from MaxText.inference.engine import Engine
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
+MID_WORKLOAD = dict(max_len=8192, chunk=256, page=64, prompt_min=128, prompt_max=1024, requests=16, rate=1.0)
 
 
 def workload(args, seed: int):
-  """[(arrival s, prompt ids, output tokens)] sorted by arrival."""
+  """[(arrival s, prompt ids, output tokens)] sorted by arrival: Poisson arrivals, prompt lengths
+  uniform, output lengths log-uniform (many short answers, a few long ones)."""
   rng = np.random.default_rng(seed)
   t = np.cumsum(rng.exponential(1.0 / args.rate, args.requests))
   t -= t[0]
+  out = np.exp(rng.uniform(np.log(args.out_min), np.log(args.out_max + 1), args.requests)).astype(int)
   return [(float(a), [1] + rng.integers(3, 500, rng.integers(args.prompt_min, args.prompt_max + 1) - 1).tolist(),
-           int(rng.integers(args.out_min, args.out_max + 1))) for a in t]
+           int(n)) for a, n in zip(t, out)]
 
 
 def stats(first, finish, arrival, counts, t0, t1):
@@ -56,17 +65,23 @@ def stats(first, finish, arrival, counts, t0, t1):
           "tpot_p99": float(np.percentile(tpot, 99))}
 
 
-def run_ours(engine: ServingEngine, work, warm: bool = False):
+def serve(engine: ServingEngine, work, policy: str, seqs: int):
+  """The workload in real time through the engine -> stats. policy "continuous": a request joins
+  the running batch at the next step after it arrives. "static": a static batch of the old kind
+  over the same engine: when the engine is idle, every request that has arrived (up to seqs) joins
+  one batch, which runs until its last request is done; later arrivals wait for the next batch."""
   n = len(work)
   first, finish = [None] * n, [None] * n
   requests, nxt = {}, 0
   t0 = time.perf_counter()
   while nxt < n or not engine.idle:
     now = time.perf_counter() - t0
-    while nxt < n and (work[nxt][0] <= now or warm):
-      a, prompt, out = work[nxt]
-      requests[id(engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True)))] = nxt
-      nxt += 1
+    if policy == "continuous" or engine.idle:
+      batch = 0
+      while nxt < n and work[nxt][0] <= now and (policy == "continuous" or batch < seqs):
+        a, prompt, out = work[nxt]
+        requests[id(engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True)))] = nxt
+        nxt, batch = nxt + 1, batch + 1
     if engine.idle:
       time.sleep(max(0.0, min(0.01, work[nxt][0] - now)))
       continue
@@ -77,120 +92,91 @@ def run_ours(engine: ServingEngine, work, warm: bool = False):
       if r.finish_reason is not None:
         finish[i] = t
   t1 = time.perf_counter() - t0
-  return stats(first, finish, [w[0] for w in work], [w[2] for w in work], 0.0, t1)
-
-
-def run_static(engine: Engine, work, seqs: int, warm: bool = False):
-  n = len(work)
-  first, finish = [None] * n, [None] * n
-  nxt = 0
-  t0 = time.perf_counter()
-  while nxt < n:
-    now = time.perf_counter() - t0
-    if work[nxt][0] > now and not warm:
-      time.sleep(min(0.01, work[nxt][0] - now))
-      continue
-    batch = []
-    while nxt < n and len(batch) < seqs and (work[nxt][0] <= time.perf_counter() - t0 or warm):
-      batch.append(nxt)
-      nxt += 1
-    prompts = [work[i][1] for i in batch] + [[1]] * (seqs - len(batch))  # one compiled shape
-    limit = max(work[i][2] for i in batch)
-    got = [0] * seqs
-
-    def on_token(row, tok, batch=batch, got=got):
-      if row >= len(batch):
-        return
-      i = batch[row]
-      got[row] += 1
-      t = time.perf_counter() - t0
-      if got[row] == 1:
-        first[i] = t
-      if got[row] == work[i][2]:
-        finish[i] = t
-
-    engine.generate(prompts, eos_id=None, max_new_tokens=limit, on_token=on_token)
-  t1 = time.perf_counter() - t0
+  engine.scheduler.take_finished()
   return stats(first, finish, [w[0] for w in work], [w[2] for w in work], 0.0, t1)
 
 
 def model_for(args, extra: dict, seqs: int, prefix_caching: bool = True):
   keys = dict(ici_data_parallelism=1, mtp_num_layers=0, max_target_length=args.max_len,
-              max_prefill_length=args.prefill, prefill_chunk_size=0, serve_max_num_seqs=seqs,
+              max_prefill_length=args.max_len, prefill_chunk_size=args.chunk, serve_max_num_seqs=seqs,
               serve_max_num_tokens=args.tokens, serve_page_size=args.page, serve_prefix_caching=prefix_caching)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **{**keys, **extra})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   return cfg, graphdef, params, buffers
 
 
-def compare(args, name: str, extra: dict) -> dict:
+def compare(args, name: str, extra: dict, **overrides) -> dict:
+  """Both policies on one workload; overrides: the workload's own args (e.g. MID_WORKLOAD)."""
+  args = argparse.Namespace(**{**vars(args), **overrides})
   cfg, g, p, b = model_for(args, extra, args.seqs)
   work = workload(args, seed=0)
-  ours, static = ServingEngine(cfg, g, p, b), Engine(cfg, g, p, b)
-  ours.warmup()  # every step program compiled before the clock starts
-  run_static(static, work[:args.seqs], args.seqs, warm=True)
-  ours.reset()  # empty pools and prefix cache; the compiled programs stay
-  a = run_ours(ours, work)
-  s = run_static(static, work, args.seqs)
-  return {"model": name, "ours": a, "static": s}
+  engine = ServingEngine(cfg, g, p, b)
+  engine.warmup()  # every step program compiled before the clock starts; both policies share them
+  out = {"model": name}
+  for policy in ("continuous", "static"):
+    engine.reset()  # empty pools and prefix cache; the compiled programs stay
+    out[policy] = serve(engine, work, policy, args.seqs)
+  return out
 
 
 def prefix(args, extra: dict) -> dict:
+  """TTFT of requests sharing a --system-token system prompt (each + a short question), one at a
+  time (--prefix-gap s apart), without and with the prefix cache."""
   rng = np.random.default_rng(1)
   system = [1] + rng.integers(3, 500, args.system - 1).tolist()
-  work = [(0.2 * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
-  out = {}
+  work = [(args.prefix_gap * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
+  out, seqs = {}, 2  # one request at a time
+  cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64}, seqs)
+  eng = ServingEngine(cfg, g, p, b)
+  eng.warmup()
   for caching in (False, True):
-    cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64,
-                                    "max_prefill_length": args.system + 16}, args.seqs, prefix_caching=caching)
-    eng = ServingEngine(cfg, g, p, b)
-    eng.warmup()
-    out["with" if caching else "without"] = run_ours(eng, work)
+    eng.reset()
+    eng.allocator.prefix_caching = caching  # the same compiled programs, the prefix cache off or on
+    out["with" if caching else "without"] = serve(eng, work, "continuous", seqs)
   return out
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--quick", action="store_true", help="the tiny model only, 16 requests, a 256-token system prompt")
-  ap.add_argument("--requests", type=int, default=48)
-  ap.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
-  ap.add_argument("--seqs", type=int, default=16, help="concurrent sequences (ours) / static batch rows")
+  ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
+  ap.add_argument("--requests", type=int, default=128)
+  ap.add_argument("--rate", type=float, default=56.0, help="arrivals per second")
+  ap.add_argument("--seqs", type=int, default=16, help="concurrent sequences (continuous) / static batch rows")
   ap.add_argument("--tokens", type=int, default=512, help="serve_max_num_tokens")
+  ap.add_argument("--chunk", type=int, default=64, help="prefill_chunk_size")
   ap.add_argument("--page", type=int, default=16)
   ap.add_argument("--prompt-min", type=int, default=8)
   ap.add_argument("--prompt-max", type=int, default=96)
   ap.add_argument("--out-min", type=int, default=4)
-  ap.add_argument("--out-max", type=int, default=48)
-  ap.add_argument("--max-len", type=int, default=160)
-  ap.add_argument("--prefill", type=int, default=96)
+  ap.add_argument("--out-max", type=int, default=256)
+  ap.add_argument("--max-len", type=int, default=384)
   ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
   ap.add_argument("--prefix-requests", type=int, default=8)
+  ap.add_argument("--prefix-gap", type=float, default=0.2, help="seconds between shared-prefix requests")
   args = ap.parse_args()
   if args.quick:
-    args.requests, args.system = 16, 256
+    args.requests, args.system = 64, 512
   rows = [compare(args, "tiny", {})]
   if not args.quick:
-    rows.append(compare(args, "mid (8 layers, emb 512)", MID))
+    rows.append(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD))
   pre = prefix(args, {})
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
-        f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored")
-  print(f"{'model':>24} {'engine':>8} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+        f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored"
+        + ("" if args.quick else f"; mid: {MID_WORKLOAD}"))
+  print(f"{'model':>24} {'policy':>10} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
   for r in rows:
-    for eng in ("ours", "static"):
-      m = r[eng]
-      print(f"{r['model']:>24} {eng:>8} {m['tokens_per_s']:8.1f} {m['ttft_p50']:9.3f} {m['ttft_p99']:9.3f} "
+    for policy in ("continuous", "static"):
+      m = r[policy]
+      print(f"{r['model']:>24} {policy:>10} {m['tokens_per_s']:8.1f} {m['ttft_p50']:9.3f} {m['ttft_p99']:9.3f} "
             f"{m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
   print(f"shared prefix ({args.system}-token system prompt, {args.prefix_requests} requests): TTFT p50 "
         f"{pre['without']['ttft_p50']:.3f} s without the prefix cache, {pre['with']['ttft_p50']:.3f} s with it")
-  tiny = rows[0]
-  print(json.dumps({
-      "throughput_ratio": round(tiny["ours"]["tokens_per_s"] / tiny["static"]["tokens_per_s"], 3),
-      "ttft_p50_ratio": round(tiny["static"]["ttft_p50"] / tiny["ours"]["ttft_p50"], 3),
-      "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
-      "spec_acceptance": None, "spec_speedup": None,
-      "rows": {r["model"]: {"throughput_ratio": round(r["ours"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
-                            "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["ours"]["ttft_p50"], 3)}
-               for r in rows}}))
+  ratios = lambda r: {"throughput_ratio": round(r["continuous"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
+                      "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["continuous"]["ttft_p50"], 3)}
+  print(json.dumps({**ratios(rows[0]),
+                    "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
+                    "spec_acceptance": None, "spec_speedup": None,
+                    "rows": {r["model"]: ratios(r) for r in rows}}))
 
 
 if __name__ == "__main__":

@@ -230,6 +230,7 @@ class Serve(_Section):
   serve_max_waiting: PosInt
   serve_shutdown_timeout: Annotated[float, Field(ge=0)]
   chat_template_path: str
+  serve_max_index_score_bytes: PosInt
 
 
 class AheadOfTimeCompile(_Section):

@@ -1,4 +1,4 @@
-"""Decode caches for MLA + the lightning indexer, preallocated to max_target_length tokens.
+"""What the decode caches store for MLA + the lightning indexer, and the contiguous store.
 
 Per layer and per token the cache holds only what attention reads back, never per-head keys
 or values (MaxText's MLA cache expands those: h*(nope+v) numbers a token instead of these):
@@ -7,12 +7,13 @@ or values (MaxText's MLA cache expands those: h*(nope+v) numbers a token instead
     k_pe   [qk_rope_head_dim]   the RoPE'd rotary key, shared by all heads
     idx_k  [indexer_head_dim]   the lightning indexer's key (LayerNorm'ed, RoPE'd), one per token
 
-Layout: a `LayerCache` of arrays [L, b, S, n] for a scanned layer stack (stacked on the layer
-axis like the stack's parameters, so the decode step scans layers and caches together), or a
-list of per-layer `LayerCache`s [b, S, n] for scan_layers=false. S = max_target_length (the engine
-rounds it up to whole prefill chunks); which positions hold real tokens is the engine's business
-(per-row lengths), the cache is just storage: `write` stores new entries in place, a decode step
-only reads (engine.py says why the two are separate programs).
+The serving engine stores them in paged pools (paged_cache.py: the same fields and dtypes, one
+slot per token) and reads them back through a `LayerCache` view of each row's sequence. The
+contiguous store here (`init_layer_cache`, `write`, `gather_latents`) is the same format laid out
+per row: a `LayerCache` of arrays [L, b, S, n] for a scanned layer stack or [b, S, n] for one layer;
+which positions hold real tokens is the caller's business, the cache is just storage: `write`
+stores new entries in place, a step only reads (one program that did both made XLA:CPU copy the
+whole cache: kernels/cached_attention.py).
 The indexer keys are stored transposed, [.., b, d, S] (positions minor): every step multiplies
 the whole key cache by the indexer queries, q [h,d] x k^T [d,S], and with this layout the matmul
 reads the cache in place; a [S,d] layout made XLA:CPU transpose all of it first, every step
@@ -114,28 +115,11 @@ def init_layer_cache(config: Config, batch: int, num_layers: int | None = None,
                        for name, w in _widths(config).items()})
 
 
-def init_cache(config: Config, batch: int, length: int | None = None) -> dict:
-  """The whole model's cache: {"dense_layers": ..., "moe_layers": ...} (the Transformer's stack names;
-  a stack with no layers is absent). Scanned stacks get one stacked LayerCache, others a list.
-  length: tokens per row (default max_target_length)."""
-  cache = {}
-  for name, n in (("dense_layers", config.first_num_dense_layers), ("moe_layers", config.num_moe_layers)):
-    if n:
-      cache[name] = (init_layer_cache(config, batch, n, length) if config.scan_layers
-                     else [init_layer_cache(config, batch, None, length) for _ in range(n)])
-  return cache
-
-
 def bytes_per_token_per_layer(config: Config) -> int:
   """Bytes one token costs in one layer's cache, scales included."""
   latent, rotary = _dtypes(config.kv_cache_dtype)
   size = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
   return sum(w * jnp.dtype(size[name]).itemsize for name, w in _widths(config).items())
-
-
-def cache_bytes(cache) -> int:
-  """Bytes actually allocated by a cache pytree."""
-  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
 # ---------------------------------------------------------------- write and read
@@ -165,7 +149,7 @@ def write(cache: LayerCache, start: jax.Array, *, c_kv: jax.Array | None = None,
   fields are quantized here). One dynamic_update_slice per row and field: in place under jit with
   a donated cache (a scatter, or its out-of-bounds select, made XLA:CPU copy the whole cache).
   The window must fit, start + t <= S (dynamic_update_slice would move it back over real tokens):
-  the engine sizes the cache to whole prefill chunks.
+  the caller sizes the cache to whole windows.
   """
   new = as_fields(cache, c_kv=c_kv, k_pe=k_pe, idx_k=idx_k)
   start = start.astype(jnp.int32)
@@ -238,6 +222,6 @@ def describe(config: Config) -> str:
           f"{layers} layers x {config.max_target_length} tokens = {size} per row")
 
 
-__all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "init_cache", "as_fields", "write", "as_stored",
-           "read_latents", "read_indexer_keys", "gather_latents", "bytes_per_token_per_layer",
-           "cache_bytes", "describe", "FP8_BLOCK"]
+__all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "as_fields", "write", "as_stored",
+           "read_latents", "read_indexer_keys", "gather_latents", "bytes_per_token_per_layer", "describe",
+           "FP8_BLOCK"]

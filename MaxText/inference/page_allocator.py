@@ -109,20 +109,22 @@ class PageAllocator:
       pages.append(p)
     return pages
 
-  def match(self, tokens: Sequence[int]) -> list[int]:
+  def match(self, tokens: Sequence[int], count: bool = True) -> list[int]:
     """The cached pages that hold the longest run of full pages starting `tokens`, all in the first
-    one's shard (no reference taken: `share` them before anything else allocates)."""
+    one's shard (no reference taken: `share` them before anything else allocates). count=False: a
+    repeated lookup, left out of `lookups` and `hits`."""
     if not self.prefix_caching:
       return []
     pages = []
     keys = page_hashes(tokens, self.page_size)
-    self.lookups += len(keys)
     for key in keys:
       p = self._page_of.get(key)
       if p is None or (pages and self.shard_of(p) != self.shard_of(pages[0])):
         break
       pages.append(p)
-    self.hits += len(pages)
+    if count:
+      self.lookups += len(keys)
+      self.hits += len(pages)
     return pages
 
   def share(self, pages: Sequence[int]) -> None:

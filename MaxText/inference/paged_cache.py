@@ -63,7 +63,7 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
 
 
 def init_pools(config: Config, num_pages: int, page_size: int, mesh=None, *, abstract: bool = False) -> dict:
-  """The whole model's pools, keyed by the Transformer's stack names as kv_cache.init_cache:
+  """The whole model's pools, keyed by the Transformer's stack names (model_step.STACKS):
   a scanned stack gets one stacked PagedLayerCache, an unscanned one a list. On a mesh sharded
   over pages (`pool_shardings`); abstract: ShapeDtypeStructs (with those shardings), nothing allocated."""
   if mesh is not None or abstract:

@@ -8,6 +8,10 @@ leading tokens whose cache entries are written; a step computes the next ones. E
   2. then waiting requests, first come first served, while a sequence slot, tokens and pages
      are left: each first takes the cached pages of its longest cached prompt prefix (page
      allocator's `match`; at least its last prompt token is always computed, for its logits).
+  3. a step is either narrow (every row computes 1 token: decode rows, and a prompt's last token)
+     or wide (prefill chunks): the engine pads every row of a step to its widest row (serving.py:
+     [rows, 1] or [rows, chunk]), so a decode row in a wide step would cost a whole chunk. When
+     both kinds are ready, steps alternate: the narrow rows, then the wide ones, then the narrow.
 Every token computed needs its page: when the allocator runs out, the NEWEST running request
 is preempted (its pages released, `computed` reset to 0; it waits at the head of the queue and
 recomputes its prompt and generated tokens when readmitted: greedy output does not change).
@@ -119,7 +123,9 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # oldest admission first
     self._ids = itertools.count()
-    self.finished: list[Request] = []
+    self.finished: list[Request] = []  # since the last take_finished()
+    self._looked_up: Request | None = None  # the queue head whose prefix lookup is already counted
+    self._wide = False  # whether the last step ran prefill chunks (rule 3)
 
   # ---- requests
   def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -155,6 +161,12 @@ class Scheduler:
   def idle(self) -> bool:
     return not self.running and not self.waiting
 
+  def take_finished(self) -> list[Request]:
+    """The requests finished since the last call, oldest first; forgets them (a long-running server
+    calls this so `finished` stays bounded)."""
+    done, self.finished = self.finished, []
+    return done
+
   # ---- one step
   def schedule(self) -> list[Scheduled]:
     """The next step's rows, running requests first (oldest first), then admitted waiting ones."""
@@ -176,9 +188,14 @@ class Scheduler:
         r.pages, r.computed = [], 0
         break  # it stays at the head of the queue until pages come back
       self.waiting.popleft()
+      self._looked_up = None
       self.running.append(r)
       rows.append(Scheduled(r, r.computed, n))
       budget -= n
+    wide = [row for row in rows if row.count > 1]
+    if wide and len(wide) < len(rows):  # both kinds: the kind the last step did not run (rule 3)
+      rows = [row for row in rows if (row.count > 1) != self._wide]
+    self._wide = bool(rows) and rows[0].count > 1
     return rows
 
   def update(self, rows: Sequence[Scheduled], sampled: Sequence[int]) -> list[Request]:
@@ -221,8 +238,10 @@ class Scheduler:
 
   def _share_prefix(self, r: Request) -> None:
     """Points a new request's first pages at the cached pages of its prompt's longest cached prefix,
-    keeping at least its last prompt token to compute (none when that prefix's shard is full)."""
-    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1])
+    keeping at least its last prompt token to compute (none when that prefix's shard is full). A head
+    of the queue retried step after step (waiting for pages) counts as one lookup in the hit rate."""
+    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
+    self._looked_up = r
     if pages and self.allocator.shard_of(pages[0]) not in self._open_shards():
       pages = []
     self.allocator.share(pages)

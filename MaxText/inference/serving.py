@@ -42,7 +42,7 @@ from flax import nnx
 from MaxText.config.types import Config, ConfigError
 from MaxText.inference import paged_cache
 from MaxText.inference.cache_view import stack_views, write_stacks
-from MaxText.inference.engine import default_attention, model_absorbed_weights, step_head_chunk
+from MaxText.inference.model_step import default_attention, model_absorbed_weights, step_head_chunk
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler

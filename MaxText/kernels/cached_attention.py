@@ -7,6 +7,8 @@ cache). So every read splices the new tokens' values into their slots start[b] .
 
     splice(old [b,...,S], new [b,...,t], start)        the values the slots will hold
     index_scores_spliced                               indexer scores [b,t,S] over cache + new keys
+    select_spliced                                     the indexer's top-k [b,t,k], its score buffer
+                                                       bounded in bytes (score_blocks)
     latent_attention_dense                             softmax over every valid slot   [b,t,h,c]
     merge_selected                                     selected rows from cache or new entries
 
@@ -16,7 +18,7 @@ the same tokens: tests/integration/test_decode.py holds it equal to the expanded
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,14 +60,16 @@ def value_kernel(a: Absorbed) -> jax.Array:
 
 def splice(old: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """old [b,...,S] (per cache slot), new [b,...,t] (per new token) -> [b,...,S] with slots
-  start[b] .. start[b]+t-1 taken from new: the values the slots will hold after the commit."""
+  start[b] .. start[b]+t-1 taken from new (those past S dropped): the values the slots will hold
+  after the commit. Per row, new is written into old padded by t slots (so a window running past
+  S is never moved back), then the padding cut: no index array of old's size is built."""
   s, t = old.shape[-1], new.shape[-1]
-  j = jnp.arange(s, dtype=jnp.int32)[None, :] - start[:, None]  # [b,S]: slot - first new position
-  shape = (old.shape[0],) + (1,) * (old.ndim - 2) + (s,)
-  fresh = ((j >= 0) & (j < t)).reshape(shape)
-  picked = jnp.take_along_axis(new, jnp.broadcast_to(jnp.clip(j, 0, t - 1).reshape(shape), old.shape[:-1] + (s,)),
-                               axis=-1)
-  return jnp.where(fresh, picked, old)
+
+  def row(o, n, st):  # o [...,S], n [...,t], st scalar
+    o = jnp.concatenate([o, jnp.zeros(o.shape[:-1] + (t,), o.dtype)], axis=-1)  # [...,S+t]
+    return jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0,) * (o.ndim - 1) + (st,))[..., :s]
+
+  return jax.vmap(row)(old, new, start.astype(jnp.int32))
 
 
 def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, pe_old: jax.Array,
@@ -92,14 +96,68 @@ def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, 
 
 
 def index_scores_spliced(q_i: jax.Array, w_i: jax.Array, k_old: jax.Array, k_new: jax.Array, valid: jax.Array,
-                         start: jax.Array, head_chunk: int, precision=None) -> jax.Array:
-  """Indexer scores [b,t,S] fp32: the cached keys k_old [b,S,d], with the new tokens' keys k_new
-  [b,t,d] (as stored) spliced into their slots; -inf where not valid [b,t,S]."""
-  t = k_new.shape[1]
-  old = index_scores(q_i, w_i, k_old, valid, head_chunk=head_chunk, precision=precision)  # [b,t,S]
-  causal = jnp.broadcast_to(jnp.arange(t)[None, :] <= jnp.arange(t)[:, None], (k_new.shape[0], t, t))
-  new = index_scores(q_i, w_i, k_new, causal, head_chunk=head_chunk, precision=precision)  # [b,t,t]
+                         start: jax.Array, head_chunk: int, precision=None, query_offset: jax.Array | int = 0
+                         ) -> jax.Array:
+  """Indexer scores [b,tq,S] fp32 of tq queries q_i [b,tq,h,d], w_i [b,tq,h] (the new tokens
+  query_offset .. query_offset+tq-1 of t): the cached keys k_old [b,S,d], with the t new tokens'
+  keys k_new [b,t,d] (as stored) spliced into their slots; -inf where not valid [b,tq,S]."""
+  tq, t = q_i.shape[1], k_new.shape[1]
+  old = index_scores(q_i, w_i, k_old, valid, head_chunk=head_chunk, precision=precision)  # [b,tq,S]
+  causal = jnp.arange(t)[None, :] <= query_offset + jnp.arange(tq)[:, None]  # [tq,t]
+  new = index_scores(q_i, w_i, k_new, jnp.broadcast_to(causal, (k_new.shape[0], tq, t)), head_chunk=head_chunk,
+                     precision=precision)  # [b,tq,t]
   return jnp.where(valid, splice(old, new, start), -jnp.inf)
+
+
+def score_blocks(b: int, t: int, h: int, s: int, head_chunk: int, max_bytes: int) -> tuple[int, int]:
+  """(queries, heads) scored at once so that the [b, queries, heads, s] fp32 buffer of a block
+  stays within max_bytes: as many of head_chunk heads as fit with all t queries, else one head
+  and as many queries as fit (at least one: a budget below b*s*4 bytes is met by select_spliced
+  scoring one row at a time)."""
+  row = b * s * 4  # one query's scores for one head, over the rows
+  heads = max(1, min(head_chunk, h, max_bytes // (row * t)))
+  if heads * row * t <= max_bytes:
+    return t, heads
+  return max(1, max_bytes // row), 1
+
+
+def select_spliced(q_i: jax.Array, w_i: jax.Array, k_old: jax.Array, k_new: jax.Array, positions: jax.Array,
+                   select: Callable, *, head_chunk: int, max_bytes: int, precision=None) -> tuple[jax.Array, ...]:
+  """The indexer's selection for t new tokens per row at positions [b,t] (consecutive per row):
+  select(scores) of index_scores_spliced's scores [b,t,S] (valid: slot <= the query's position),
+  computed in blocks of queries (a lax.map; score_blocks) so that no block's [b, tq, heads, S]
+  fp32 score buffer exceeds max_bytes whatever t x S (neither the [b,t,S] scores of every query
+  nor their [b,t,S] validity are ever live at once). select: scores [b,tq,S] -> arrays [b,tq,...]
+  (e.g. topk_indices: idx, valid [b,tq,k]); each query's selection is its own, so blocks change
+  nothing but the order of the head sum. Over budget with one query, rows go one at a time."""
+  b, t, h, _ = q_i.shape
+  s = k_old.shape[1] + t  # the cache's slots, and the new tokens' (splice pads by them)
+  if b > 1 and b * s * 4 > max_bytes:  # one query of every row is already too much: row by row
+    def one_row(args):
+      out = select_spliced(*(a[None] for a in args), select, head_chunk=head_chunk, max_bytes=max_bytes,
+                           precision=precision)
+      return tuple(o[0] for o in out)
+    return jax.lax.map(one_row, (q_i, w_i, k_old, k_new, positions))  # each [b,t,...]
+  tq, heads = score_blocks(b, t, h, s, head_chunk, max_bytes)
+  start = positions[:, 0]
+  slots = jnp.arange(k_old.shape[1], dtype=jnp.int32)
+
+  def scores(q, w, pos, first):  # tq queries [b,tq,h,d], [b,tq,h] at pos [b,tq], new tokens first.. of t
+    valid = slots[None, None, :] <= pos[:, :, None]  # [b,tq,S]
+    return index_scores_spliced(q, w, k_old, k_new, valid, start, heads, precision, query_offset=first)
+
+  if tq >= t:
+    return select(scores(q_i, w_i, positions, 0))
+  n = -(-t // tq)
+  pad = n * tq - t  # padding queries (position -1: no valid key), their selection dropped
+
+  def blocks(a, fill=0):  # [b,t,...] -> [n,b,tq,...]
+    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(a.reshape(b, n, tq, *a.shape[2:]), 1, 0)
+
+  out = jax.lax.map(lambda a: select(scores(a[0], a[1], a[2], a[3] * tq)),
+                    (blocks(q_i), blocks(w_i), blocks(positions, -1), jnp.arange(n)))  # each [n,b,tq,...]
+  return tuple(jnp.moveaxis(o, 0, 1).reshape(b, n * tq, *o.shape[3:])[:, :t] for o in out)  # [b,t,...]
 
 
 def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new: jax.Array, flat_idx: jax.Array,
@@ -115,4 +173,4 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
 
 
 __all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
-           "index_scores_spliced", "merge_selected"]
+           "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected"]

@@ -51,10 +51,10 @@ from MaxText.config.types import Config
 from MaxText.kernels import backend
 from MaxText.kernels.cached_attention import (
   absorbed_weights,
-  index_scores_spliced,
   key_kernel,
   latent_attention_dense,
   merge_selected,
+  select_spliced,
   value_kernel,
 )
 from MaxText.kernels.index_scores import indexer_kl_loss
@@ -239,10 +239,11 @@ class MLA(nnx.Module):
     q_pe = q_pe.astype(dt)
     if cache.mode == "sparse":
       q_i, w_i = self.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
-      scores = index_scores_spliced(q_i, w_i, cache.indexer_keys(), stored["idx_k"], valid, start,
-                                    cache.index_head_chunk, precision)  # [b,t,S] fp32, -inf where not valid
-      idx, idx_valid = topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
-                                    recall_target=cfg.indexer_approx_top_k_recall)  # [b,t,k] each
+      select = lambda scores: topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
+                                           recall_target=cfg.indexer_approx_top_k_recall)  # [b,tq,S] -> [b,tq,k] each
+      idx, idx_valid = select_spliced(q_i, w_i, cache.indexer_keys(), stored["idx_k"], positions, select,
+                                      head_chunk=cache.index_head_chunk, max_bytes=cfg.serve_max_index_score_bytes,
+                                      precision=precision)  # scores in blocks of <= serve_max_index_score_bytes
       k = idx.shape[-1]
       flat = idx.reshape(b, t * k)  # [b,t*k]
       c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,

@@ -131,41 +131,46 @@ def test_the_training_loop_runs_context_parallel_with_the_same_losses(tmp_path):
   assert sharded["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
 
 
-def _engine_prefill(cp: int, chunk: int, prompts=None):
-  """The decode engine on a cp-way context mesh: (prefill logits, one step's logits, cache after it) for
-  `prompts` (None: nothing run), and the compiled prefill chunk's (per-device flops, temp bytes)."""
-  from MaxText.inference.engine import Engine
+def _serving_prefill(cp: int, chunk: int, prompts=None):
+  """The serving engine on a cp-way context mesh: (greedy tokens of `prompts` served together, the
+  pools after them) (None: nothing run), and the compiled prefill step's (per-device flops, temp
+  bytes) for one row of `chunk` tokens."""
+  from MaxText.inference.scheduler import SamplingParams
+  from MaxText.inference.serving import ServingEngine
   cfg = _config(num_devices=cp, ici_data_parallelism=1, ici_context_parallelism=cp, mtp_num_layers=0,
                 max_target_length=2 * chunk, max_prefill_length=2 * chunk, prefill_chunk_size=chunk,
-                param_init_std=0.2)
+                param_init_std=0.2, serve_page_size=8, serve_max_num_seqs=2, serve_max_num_tokens=2 * chunk)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
-    eng = Engine(cfg, graphdef, params, buffers)
-    state = eng.init_state(1)
-    compiled = eng._prefill_jit.lower(eng.params, eng.buffers, state.cache, eng.absorbed, jnp.zeros((1, chunk), jnp.int32),
-                                      jnp.int32(0), jnp.array([chunk], jnp.int32),
-                                      jnp.zeros((1, cfg.vocab_size))).compile()
+    eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+    assert eng.chunk == chunk
+    z = jnp.zeros((1, chunk), jnp.int32)
+    table = jnp.arange(eng.pages_per_seq, dtype=jnp.int32)[None]  # [1,P]
+    zb = jnp.zeros((1,), jnp.int32)
+    compiled = eng._step_jit.lower(chunk, eng.params, eng.buffers, eng.pools, eng.absorbed, z,
+                                   jnp.arange(chunk, dtype=jnp.int32)[None], table, zb + chunk - 1,
+                                   zb.astype(jnp.float32), zb.astype(jnp.float32) + 1, zb, zb.astype(jnp.uint32),
+                                   zb + chunk).compile()
     cost = (compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes)
     if prompts is None:
       return None, cost
-    state, logits = eng.prefill(eng.init_state(len(prompts)), prompts)
-    state, _, step_logits = eng.step(state, np.full(len(prompts), 4), np.ones(len(prompts), bool), jax.random.key(0))
-    return (np.asarray(logits), np.asarray(step_logits), jax.tree.map(np.asarray, state.cache)), cost
+    out = eng.generate(prompts, SamplingParams(max_tokens=4))
+    return ([r.output for r in out], jax.tree.map(np.asarray, eng.pools)), cost
 
 
-def test_decode_engine_prefill_is_context_parallel():
+def test_serving_prefill_is_context_parallel():
   # Prefill chunks shard their queries over `context` (indexer scores [b, C/cp, S] per device; the
-  # latent cache is replicated); a decode step (t = 1) runs replicated. Both equal one device.
+  # latent pools are replicated); a decode step (t = 1) runs replicated. Tokens and pools equal one
+  # device's.
   prompts = [list(range(3, 3 + 2 * T - 5)), list(range(7, 7 + T // 2))]  # ragged, over two chunks
-  (want, (flops1, temp1)) = _engine_prefill(1, T, prompts)
+  (want, (flops1, temp1)) = _serving_prefill(1, T, prompts)
   cp = 4  # cp = 2 is covered by the forward equality tests above
-  got, (flops, temp) = _engine_prefill(cp, T, prompts)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
-  for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+  got, (flops, temp) = _serving_prefill(cp, T, prompts)
+  assert got[0] == want[0]
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   assert flops < 1.5 * flops1 / cp, (cp, flops, flops1)  # each device works on its own C/cp queries
   # per-device memory of a long chunk (scores dominate) shrinks as 1/cp
-  temps = {cp: _engine_prefill(cp, 256)[1][1] for cp in (1, 4)}
+  temps = {cp: _serving_prefill(cp, 256)[1][1] for cp in (1, 4)}
   assert temps[4] <= 1.35 * temps[1] / 4, temps

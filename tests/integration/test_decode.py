@@ -1,8 +1,11 @@
-"""Decode: prefill + step-by-step decode equals the teacher-forced Transformer at every position
+"""Decode over the paged caches (the serving engine's step: the model's call with a cache, then
+the write): prefill + step-by-step decode equals the teacher-forced Transformer at every position
 (with selection mattering), absorbed == expanded MLA attention over the cache, chunked == one-shot
-prefill, fp8 stays close to fp32, a ragged batch equals each prompt alone, EOS per row, sampling,
-and the CLI end to end (tokenizers, token ids, a checkpoint, the error cases)."""
+prefill, fp8 stays close to fp32, a ragged batch equals each prompt alone and the teacher-forced
+argmax, EOS per row, sampling, and the CLI end to end (tokenizers, token ids, a checkpoint, the
+error cases)."""
 
+import functools
 import os
 import re
 import subprocess
@@ -14,12 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from MaxText import decode
 from MaxText.checkpoint import model_state
-from MaxText.inference import engine as engine_lib
-from MaxText.inference import kv_cache
-from MaxText.inference.cache_view import CacheView
-from MaxText.inference.engine import Engine
+from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference.cache_view import CacheView, stack_views, write_stacks
+from MaxText.inference.model_step import model_absorbed_weights
 from MaxText.inference.sampling import sample
+from MaxText.inference.scheduler import SamplingParams
+from MaxText.inference.serving import ServingEngine
 from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA
 from MaxText.runtime import sharding
@@ -28,7 +33,8 @@ from tests.conftest import REPO_ROOT, make_config
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 S, K = 48, 8  # cache length; indexer top-k well below it, so the selection matters
 # param_init_std 0.2: attention far from uniform, so sparse and dense attention really differ
-BASE = dict(max_target_length=S, max_prefill_length=24, indexer_topk=K, param_init_std=0.2, mtp_num_layers=0)
+BASE = dict(max_target_length=S, max_prefill_length=24, indexer_topk=K, param_init_std=0.2, mtp_num_layers=0,
+            serve_page_size=8, serve_max_num_seqs=4, serve_max_num_tokens=32)
 _MODELS = {}
 
 
@@ -51,34 +57,61 @@ def _rel_rows(got, want):
   return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
-def _decode_teacher_forced(eng: Engine, tokens, prompt_len):
-  """Logits [b,T,V]: forward over the prompt (one call), then one generate step per later token."""
+def _paged_decode(cfg, graphdef, params, buffers, tokens, prompt_len, mode="sparse"):
+  """Logits [b,T,V] over paged pools, as a serving step computes them (cache_view.stack_views over
+  the pools and a page table, the model's call with that cache, paged_cache.write of its entries):
+  the prompt in one call, then one token per call. Row i holds pages i*P .. i*P + P - 1."""
   b, t = tokens.shape
-  state, logits = eng.forward_tokens(eng.init_state(b), tokens[:, :prompt_len],
-                                     np.broadcast_to(np.arange(prompt_len), (b, prompt_len)))
-  out = [logits]
-  for i in range(prompt_len, t):
-    state, _, lg = eng.step(state, tokens[:, i], np.ones(b, bool), jax.random.key(0))
-    out.append(lg[:, None])
+  page = cfg.serve_page_size
+  per_row = -(-t // page)
+  pools = paged_cache.init_pools(cfg, b * per_row, page)
+  table = jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row)  # [b,P]
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def step(head_chunk, pools, tokens, positions):
+    model = nnx.merge(graphdef, params, buffers)
+    views = stack_views(pools, model_absorbed_weights(model), mode=mode, index_head_chunk=head_chunk,
+                        page_table=table, page_size=page)
+    logits, aux = model(tokens, positions, cache=views)  # [b,n,V]
+    slot_ids = paged_cache.slots(table, positions, page, b * per_row * page)
+    return logits, write_stacks(pools, aux["cache_entries"], lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
+
+  out = []
+  for lo, hi in [(0, prompt_len)] + [(i, i + 1) for i in range(prompt_len, t)]:
+    positions = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (b, hi - lo))
+    logits, pools = step(cfg.indexer_head_chunk if hi - lo > 1 else cfg.indexer_n_heads, pools, tokens[:, lo:hi],
+                         positions)
+    out.append(logits)
   return jnp.concatenate(out, axis=1)
+
+
+def _greedy_teacher_forced(cfg, graphdef, params, buffers, prompt, n):
+  """n greedy tokens after prompt, each the argmax of the whole sequence's teacher-forced forward
+  (no cache; the sequence padded to max_target_length, which the causal model never attends to)."""
+  fwd = jax.jit(lambda p, b, t: model_state.merge(graphdef, p, b)(t)[0])
+  seq = list(prompt)
+  for _ in range(n):
+    padded = np.zeros((1, cfg.max_target_length), np.int32)
+    padded[0, :len(seq)] = seq
+    seq.append(int(jnp.argmax(fwd(params, buffers, padded)[0, len(seq) - 1])))
+  return seq[len(prompt):]
 
 
 # ---------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_prefill_and_step_decode_equal_the_teacher_forced_forward(scan_layers):
-  cfg, graphdef, params, buffers = _model(scan_layers=scan_layers)
+@pytest.mark.parametrize("scan_layers,score_bytes", [(True, 536870912), (False, 536870912), (True, 2048)])
+def test_prefill_and_step_decode_equal_the_teacher_forced_forward(scan_layers, score_bytes):
+  # score_bytes 2048: the prompt's indexer scores in blocks of 3 queries, one head at a time
+  cfg, graphdef, params, buffers = _model(scan_layers=scan_layers, serve_max_index_score_bytes=score_bytes)
   tokens = jax.random.randint(jax.random.key(3), (2, S), 3, cfg.vocab_size)
   want = _teacher_forced(cfg, graphdef, params, buffers, tokens)  # [b,S,V], the mask path
-  eng = Engine(cfg, graphdef, params, buffers)
-  assert eng.mode == "sparse"
-  got = _decode_teacher_forced(eng, tokens, prompt_len=20)
+  got = _paged_decode(cfg, graphdef, params, buffers, tokens, prompt_len=20)
   rel = _rel_rows(got, want)
   assert rel.max() <= 1e-4, np.round(rel, 6)
   # The selection matters: dense attention over the same cache departs once a query sees > k keys
   # (and equals the sparse model while it sees <= k), so a decode that ignored the selection fails.
-  dense = _decode_teacher_forced(Engine(cfg, graphdef, params, buffers, attention="dense"), tokens, 20)
+  dense = _paged_decode(cfg, graphdef, params, buffers, tokens, 20, mode="dense")
   rel_dense = _rel_rows(dense, want)
   assert rel_dense[:, :K].max() <= 1e-4
   assert rel_dense[:, 2 * K:].min() > 1e-2, np.round(rel_dense, 4)
@@ -149,27 +182,16 @@ def test_absorbed_attention_over_the_cache_equals_the_expanded_mla_layer():
 
 
 def test_chunked_prefill_equals_one_shot_prefill():
+  # The serving engine prefills in chunks of prefill_chunk_size (0: max_prefill_length at once): the
+  # first token's logits (and so every greedy token) must not depend on the chunk.
   prompts = [list(range(3, 20)), list(range(40, 49)), list(range(100, 123))]  # 17, 9, 23 tokens
   results = {}
   for chunk in (0, 5, 8):
     cfg, graphdef, params, buffers = _model(prefill_chunk_size=chunk)
-    eng = Engine(cfg, graphdef, params, buffers)
-    state, logits = eng.prefill(eng.init_state(3), prompts)
-    lengths = [len(p) for p in prompts]
-    cache = jax.tree.map(np.asarray, state.cache)
-    results[chunk] = (np.asarray(logits), cache, eng.generate(prompts, eos_id=None, max_new_tokens=6))
-  want_logits, want_cache, want_gen = results[0]
-  for chunk in (5, 8):
-    logits, cache, gen = results[chunk]
-    assert np.max(_rel_rows(logits, want_logits)) <= 1e-5
-    for name in ("c_kv", "k_pe", "idx_k"):
-      got_f, want_f = getattr(cache["moe_layers"], name), getattr(want_cache["moe_layers"], name)  # [L,b,S,n]
-      if name == "idx_k":  # stored [L,b,n,S]
-        got_f, want_f = np.swapaxes(got_f, -1, -2), np.swapaxes(want_f, -1, -2)
-      for row, n in enumerate(lengths):  # the prompt's slots (slots past it hold padding)
-        a, w = got_f[:, row, :n], want_f[:, row, :n]  # fp32 rounding differs with the matmul shapes
-        assert np.linalg.norm(a - w) <= 1e-5 * np.linalg.norm(w), (name, row)
-    assert [g.tokens for g in gen] == [g.tokens for g in want_gen]
+    eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+    assert eng.chunk == (chunk or cfg.max_prefill_length)
+    results[chunk] = [r.output for r in eng.generate(prompts, SamplingParams(max_tokens=10))]
+  assert results[5] == results[8] == results[0]
 
 
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.01), ("fp8", 0.02)])
@@ -178,10 +200,10 @@ def test_low_precision_caches_decode_close_to_fp32(dtype, tol):
   # and top-k flips amplify any perturbation), which would measure the model, not the cache.
   tokens = jax.random.randint(jax.random.key(5), (2, S), 3, 512)
   cfg, graphdef, params, buffers = _model(param_init_std=0.02)
-  ref = _decode_teacher_forced(Engine(cfg, graphdef, params, buffers), tokens, 20)
+  ref = _paged_decode(cfg, graphdef, params, buffers, tokens, 20)
   cfg_q = make_config(**{**BASE, "param_init_std": 0.02, "kv_cache_dtype": dtype})
   assert kv_cache.bytes_per_token_per_layer(cfg_q) < kv_cache.bytes_per_token_per_layer(cfg)
-  got = _decode_teacher_forced(Engine(cfg_q, graphdef, params, buffers), tokens, 20)
+  got = _paged_decode(cfg_q, graphdef, params, buffers, tokens, 20)
   rel = _rel_rows(got, ref)
   agree = np.mean(np.argmax(np.asarray(got), -1) == np.argmax(np.asarray(ref), -1))
   print(f"\n{dtype} cache vs fp32: logits rel error mean {rel.mean():.4f} max {rel.max():.4f}, argmax agrees "
@@ -202,67 +224,70 @@ def _top_level_ops(hlo: str):
       yield comp, line.strip()
 
 
-def test_a_decode_step_never_copies_the_latent_cache():
-  # A step must touch O(k) rows of the latent cache: no top-level op may produce a cache-sized
-  # array from it (a copy, a select over it, a dequantization of all of it). XLA:CPU did copy it,
-  # several times per step, while one program both updated the cache in place and fed it to a
-  # matmul; the step now only reads the cache and `commit` only writes the new entries. Allowed:
-  # the per-layer slice of the indexer keys in a scanned stack (the score matmul reads it whole:
-  # O(S * indexer_head_dim), the same order as the scoring itself).
+def test_a_decode_step_never_copies_the_latent_pools():
+  # A serving step must touch O(k) rows of the latent pools: no top-level op may produce a pool-sized
+  # array from them (a copy, a select over them, a dequantization of all of them). XLA:CPU did copy
+  # the cache, several times per step, while one program both updated it in place and fed it to a
+  # matmul; the step only reads the pools and the write program only scatters the new entries.
+  # Allowed: the per-layer slice of the indexer-key pool in a scanned stack (the scoring reads every
+  # key of the row: O(S * indexer_head_dim), the same order as the scoring itself).
   cfg = make_config(**{**BASE, "max_target_length": 4096, "max_prefill_length": 16})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
-  eng = Engine(cfg, graphdef, params, buffers)
-  state = eng.init_state(2)
-  tok, key = jnp.zeros((2,), jnp.int32), jax.random.key(0)
-  args = (params, buffers, state.cache, eng.absorbed, state.lengths, tok, key)
-  entries = eng._step_jit.eval_shape(*args)[0]
-  latent = {f"[{','.join(map(str, a.shape[i:]))}]" for lc in state.cache.values() for a in (lc.c_kv, lc.k_pe)
-            for i in (0, 1)}  # stacked [L,b,S,n] and per-layer [b,S,n]
-  keys = {f"[{','.join(map(str, lc.idx_k.shape[i:]))}]" for lc in state.cache.values() for i in (0, 1)}
+  eng = ServingEngine(cfg, graphdef, params, buffers)
+  b, t = 2, 1
+  z, zb = jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32)
+  table = jnp.arange(b * eng.pages_per_seq, dtype=jnp.int32).reshape(b, -1)
+  args = (t, params, buffers, eng.pools, eng.absorbed, z, z + 4095, table, zb, zb.astype(jnp.float32),
+          jnp.ones((b,), jnp.float32), zb, zb.astype(jnp.uint32), zb)
+  entries = jax.eval_shape(functools.partial(eng._step_jit, t), *args[1:])[0]
+  pools = eng.pools.values()
+  latent = {f"[{','.join(map(str, a.shape[i:]))}]" for lc in pools for a in (lc.c_kv, lc.k_pe) for i in (0, 1)}
+  keys = {f"[{','.join(map(str, lc.idx_k.shape[i:]))}]" for lc in pools for i in (0, 1)}  # [L,N,d], [N,d]
   passive = ("parameter(", "bitcast(", "get-tuple-element(", "tuple(", "constant(")
-  programs = {"step": eng._step_jit.lower(*args), "commit": eng._commit_jit.lower(state.cache, entries, state.lengths)}
+  programs = {"step": eng._step_jit.lower(*args), "write": eng._write_jit.lower(eng.pools, entries, z, table)}
   for name, lowered in programs.items():
     for comp, line in _top_level_ops(lowered.compile().as_text()):
-      out = line.split(" = ", 1)[1].split(" ")[0]  # the result shape, e.g. f32[3,2,4096,8]{3,2,1,0}
+      out = line.split(" = ", 1)[1].split(" ")[0]  # the result shape, e.g. f32[3,16384,8]{2,1,0}
       sized = any(sh in out for sh in latent | keys)
       if not sized or any(op in line for op in passive):
         continue
-      if name == "commit" and "dynamic-update-slice" in line:
+      if name == "write" and "scatter" in line:
         continue  # the in-place write
       if name == "step" and "dynamic-slice" in line and any(sh in out for sh in keys):
-        continue  # a scanned stack's layer of indexer keys, for the score matmul
-      pytest.fail(f"{name} program materializes a cache-sized array ({comp}): {line[:200]}")
-  assert "input_output_alias" in programs["commit"].compile().as_text()  # donated: written in place
+        continue  # a scanned stack's layer of indexer keys, for the scoring
+      pytest.fail(f"{name} program materializes a pool-sized array ({comp}): {line[:200]}")
+  assert "input_output_alias" in programs["write"].compile().as_text()  # donated: written in place
 
 
 # ---------------------------------------------------------------- generation
 
 
-def test_greedy_ragged_batch_equals_each_prompt_alone_and_eos_stops_its_row():
+def test_concurrent_ragged_greedy_requests_equal_the_teacher_forced_argmax_and_eos_stops_its_row():
   cfg, graphdef, params, buffers = _model(prefill_chunk_size=8)
-  eng = Engine(cfg, graphdef, params, buffers)
   prompts = [[1, 17, 42, 9, 300], [1] + list(range(60, 72)), [1, 5, 6, 7, 8, 9, 10, 11, 12]]  # 5, 13, 9
-  batch = eng.generate(prompts, eos_id=None, max_new_tokens=12)
-  alone = [eng.generate([p], eos_id=None, max_new_tokens=12)[0] for p in prompts]
-  assert [g.tokens for g in batch] == [g.tokens for g in alone]
-  assert all(len(g.tokens) == 12 and g.stop == "max_new_tokens" for g in batch)
+  want = [_greedy_teacher_forced(cfg, graphdef, params, buffers, p, 12) for p in prompts]
+  eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+  batch = eng.generate(prompts, SamplingParams(max_tokens=12))
+  assert [r.output for r in batch] == want
+  assert all(r.finish_reason == "length" for r in batch)
   # EOS: make row 1's 4th greedy token the EOS; that row stops there, the others are unaffected
-  eos = batch[1].tokens[3]
-  with_eos = eng.generate(prompts, eos_id=eos, max_new_tokens=12)
-  assert with_eos[1].stop == "eos" and with_eos[1].tokens == batch[1].tokens[:3]
+  eos = want[1][3]
+  with_eos = ServingEngine(cfg, graphdef, params, buffers, eos_id=eos).generate(prompts, SamplingParams(max_tokens=12))
+  assert with_eos[1].finish_reason == "stop" and with_eos[1].output == want[1][:3]
   for i in (0, 2):
-    n = batch[i].tokens.index(eos) if eos in batch[i].tokens else 12
-    assert with_eos[i].tokens == batch[i].tokens[:n]
+    n = want[i].index(eos) if eos in want[i] else 12
+    assert with_eos[i].output == want[i][:n]
 
 
-def test_generation_stops_a_row_at_max_target_length():
+def test_decode_fills_max_target_length_and_rejects_a_prompt_over_max_prefill_length():
   cfg, graphdef, params, buffers = _model()
-  eng = Engine(cfg, graphdef, params, buffers)
-  out = eng.generate([[1, 2, 3], list(range(3, 23))], eos_id=None)
-  assert [len(g.prompt) + len(g.tokens) for g in out] == [S, S]
-  assert all(g.stop == "max_target_length" for g in out)
-  with pytest.raises(engine_lib.PromptError, match="max_prefill_length=24"):
-    eng.generate([list(range(3, 30))], eos_id=None)
+  prompts = [[1, 2, 3], list(range(3, 23))]
+  eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+  out = eng.generate(prompts, [decode.sampling(cfg, i, len(p)) for i, p in enumerate(prompts)])
+  assert [len(r.prompt) + len(r.output) for r in out] == [S, S]
+  assert all(r.finish_reason == "length" for r in out)
+  with pytest.raises(decode.PromptError, match="max_prefill_length=24"):
+    decode.check_prompts(cfg, [list(range(3, 30))])
 
 
 def test_sampling_greedy_top_p_and_temperature():
@@ -341,8 +366,9 @@ def test_cli_token_ids_from_a_checkpoint_match_the_engine(tmp_path):
   assert r.returncode == 0, r.stderr
   assert f"load_parameters_path={path}" in r.stdout and "RANDOM" not in r.stdout
   _, ids = _rows(r.stdout)
-  want = Engine(cfg, graphdef, params, buffers).generate([[1, 17, 42], [1, 99, 7, 8, 9]], eos_id=cfg.eos_id)
-  assert [ids[0], ids[1]] == [g.tokens for g in want]
+  want = [_greedy_teacher_forced(cfg, graphdef, params, buffers, p, 20 - len(p)) for p in ([1, 17, 42], [1, 99, 7, 8, 9])]
+  want = [w[:w.index(cfg.eos_id)] if cfg.eos_id in w else w for w in want]
+  assert [ids[0], ids[1]] == want
 
 
 @pytest.mark.parametrize("args,code,message", [

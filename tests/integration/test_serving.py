@@ -1,13 +1,14 @@
 """The continuous-batching engine (MaxText/inference/serving.py) over paged caches: greedy outputs of
 many concurrent requests (ragged, staggered, sharing prefixes, preempted, fp8 cache) equal each
-prompt decoded alone by the contiguous engine; every page is free afterwards; a seed gives the same
-tokens whatever shares the batch; a bad request fails alone."""
+prompt decoded alone (an engine of one sequence, no prefix cache: no batching, no shared pages);
+every page is free afterwards; a seed gives the same tokens whatever shares the batch; a bad request
+fails alone. (tests/integration/test_decode.py holds the engine's greedy tokens equal to the
+teacher-forced model's argmax.)"""
 
 import numpy as np
 import pytest
 
 from MaxText.checkpoint import model_state
-from MaxText.inference.engine import Engine
 from MaxText.inference.scheduler import RequestError, SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
@@ -21,13 +22,19 @@ PROMPTS = [SYSTEM + [30, 31], [1, 99, 7], SYSTEM + [40], [5] * 17, SYSTEM + [30,
 NEW = 6
 
 
+def _alone(graphdef, params, buffers, prompts, **overrides):
+  """Each prompt's greedy tokens decoded by itself: one sequence per step, nothing shared."""
+  cfg = make_config(**{**BASE, **overrides, "serve_max_num_seqs": 1, "serve_prefix_caching": False})
+  eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+  assert eng.buckets() == [1]
+  return [eng.generate([p], SamplingParams(max_tokens=NEW))[0].output for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def model():
   cfg = make_config(**BASE)
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
-  alone = [Engine(cfg, graphdef, params, buffers).generate([p], eos_id=None, max_new_tokens=NEW)[0].tokens
-           for p in PROMPTS]
-  return cfg, graphdef, params, buffers, alone
+  return cfg, graphdef, params, buffers, _alone(graphdef, params, buffers, PROMPTS)
 
 
 def _serve(model, arrivals, **overrides):
@@ -61,11 +68,9 @@ def test_preemption_in_a_tight_pool_and_no_prefix_cache_keep_the_outputs(model):
     assert got[i] == want, i
 
 
-def test_fp8_cache_equals_the_contiguous_fp8_engine(model):
+def test_fp8_cache_equals_each_prompt_alone_over_fp8(model):
   cfg, graphdef, params, buffers, _ = model
-  cfg8 = make_config(**{**BASE, "kv_cache_dtype": "fp8"})
-  want = [Engine(cfg8, graphdef, params, buffers).generate([PROMPTS[i]], eos_id=None, max_new_tokens=NEW)[0].tokens
-          for i in (0, 3)]
+  want = _alone(graphdef, params, buffers, [PROMPTS[0], PROMPTS[3]], kv_cache_dtype="fp8")
   _, got = _serve(model, {0: [0, 3]}, kv_cache_dtype="fp8")
   assert [got[0], got[3]] == want
 

@@ -1,12 +1,13 @@
-"""The decode cache: bytes per token (latent + rotary + indexer key only), the fp8 block format,
-ragged per-row writes into stacked and per-layer layouts, reads of only the selected rows."""
+"""The decode cache's format: bytes per token (latent + rotary + indexer key only; what the paged
+pools really allocate), the fp8 block format, ragged per-row writes into the contiguous store
+(stacked and per-layer layouts), reads of only the selected rows."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.inference import kv_cache
+from MaxText.inference import kv_cache, paged_cache
 from tests.conftest import make_config
 
 
@@ -16,14 +17,17 @@ def _cfg(**kw):
   return make_config(**kw)
 
 
+def _allocated(pools) -> int:
+  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(pools))
+
+
 @pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
 def test_bytes_per_token_per_layer_is_latent_plus_rope_plus_indexer_key(dtype, itemsize):
   cfg = _cfg(kv_cache_dtype=dtype)
   want = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.indexer_head_dim) * itemsize
   assert kv_cache.bytes_per_token_per_layer(cfg) == want
-  b = 3
-  cache = kv_cache.init_cache(cfg, b)  # what is really allocated
-  assert kv_cache.cache_bytes(cache) == want * cfg.num_decoder_layers * b * cfg.max_target_length
+  pools = paged_cache.init_pools(cfg, 3, 8)  # what is really allocated: 3 pages of 8 tokens
+  assert _allocated(pools) == want * cfg.num_decoder_layers * 3 * 8
 
 
 def test_fp8_bytes_count_the_scales_and_a_bf16_rope():
@@ -31,8 +35,7 @@ def test_fp8_bytes_count_the_scales_and_a_bf16_rope():
   c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer_head_dim
   want = c + 4 * -(-c // 128) + 2 * r + d + 4 * -(-d // 128)
   assert kv_cache.bytes_per_token_per_layer(cfg) == want
-  cache = kv_cache.init_cache(cfg, 2)
-  assert kv_cache.cache_bytes(cache) == want * cfg.num_decoder_layers * 2 * cfg.max_target_length
+  assert _allocated(paged_cache.init_pools(cfg, 2, 8)) == want * cfg.num_decoder_layers * 2 * 8
   print(f"\ntiny fp8: {want} bytes/token/layer vs fp32 {(c + r + d) * 4}")
 
 
@@ -48,18 +51,21 @@ def test_671b_cache_sizes():
 
 def test_without_the_indexer_there_is_no_indexer_cache():
   cfg = _cfg(use_indexer=False)
-  cache = kv_cache.init_cache(cfg, 1)
-  assert cache["moe_layers"].idx_k is None
+  assert paged_cache.init_pools(cfg, 1, 8)["moe_layers"].idx_k is None
+  assert kv_cache.init_layer_cache(cfg, 1).idx_k is None
   assert kv_cache.bytes_per_token_per_layer(cfg) == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
 def test_layouts_follow_scan_layers():
-  stacked = kv_cache.init_cache(_cfg(scan_layers=True), 2)
-  assert stacked["moe_layers"].c_kv.shape == (3, 2, 32, 32)  # [L,b,S,kv_lora]
-  assert stacked["dense_layers"].idx_k.shape == (1, 2, 16, 32)  # [L,b,d,S]: transposed for the score matmul
-  per_layer = kv_cache.init_cache(_cfg(scan_layers=False), 2)
+  stacked = paged_cache.init_pools(_cfg(scan_layers=True), 4, 8)
+  assert stacked["moe_layers"].c_kv.shape == (3, 32, 32)  # [L,N,kv_lora], N = 4 pages x 8
+  assert stacked["dense_layers"].idx_k.shape == (1, 32, 16)  # [L,N,d]
+  per_layer = paged_cache.init_pools(_cfg(scan_layers=False), 4, 8)
   assert isinstance(per_layer["moe_layers"], list) and len(per_layer["moe_layers"]) == 3
-  assert per_layer["moe_layers"][0].k_pe.shape == (2, 32, 8)
+  assert per_layer["moe_layers"][0].k_pe.shape == (32, 8)
+  contiguous = kv_cache.init_layer_cache(_cfg(), 2, num_layers=3)
+  assert contiguous.c_kv.shape == (3, 2, 32, 32)  # [L,b,S,kv_lora]
+  assert contiguous.idx_k.shape == (3, 2, 16, 32)  # [L,b,d,S]: transposed for the score matmul
 
 
 # ---------------------------------------------------------------- fp8 blocks

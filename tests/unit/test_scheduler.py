@@ -41,6 +41,7 @@ def run(sched, arrivals, max_steps=2000):
     assert len(rows) <= sched.max_num_seqs and sum(r.count for r in rows) <= sched.max_num_tokens
     assert len({id(r.request) for r in rows}) == len(rows), "a request twice in one step"
     a = sched.allocator
+    assert len({r.count > 1 for r in rows}) <= 1, "decode rows and prefill chunks in one step"
     for row in rows:
       assert row.start == row.request.computed and row.count >= 1
       assert len(row.request.pages) * a.page_size >= row.start + row.count, "a token without a page"
@@ -129,3 +130,25 @@ def test_budgets_must_allow_a_token_per_sequence():
   with pytest.raises(ValueError, match="serve_max_num_tokens"):
     Scheduler(PageAllocator(8, page_size=4), max_num_seqs=8, max_num_tokens=4, chunk=4, max_length=32,
               eos_id=EOS, vocab_size=V)
+
+
+def test_a_waiting_head_counts_its_prefix_lookup_once_and_finished_requests_drain():
+  sched = Scheduler(PageAllocator(6, page_size=4), max_num_seqs=4, max_num_tokens=64, chunk=64, max_length=32,
+                    eos_id=None, vocab_size=V)
+  prompt = list(range(3, 14))  # 11 tokens: 2 full pages, 3 pages in all
+  run(sched, {0: [(prompt, SamplingParams(max_tokens=1))]})  # its 2 full pages stay cached
+  assert [r.id for r in sched.take_finished()] == [0] and sched.finished == [] and sched.take_finished() == []
+  lookups = sched.allocator.lookups
+  hog = sched.add([40] * 12, SamplingParams(max_tokens=8))  # 3 pages, then a 4th and 5th as it decodes
+  sched.update(sched.schedule(), [5])
+  head = sched.add(prompt + [20], SamplingParams(max_tokens=1))  # shares 2 pages, needs 2 more: only 1 left
+  for _ in range(3):  # the head waits for pages step after step
+    rows = sched.schedule()
+    assert [r.request for r in rows] == [hog]
+    sched.update(rows, [5])
+  assert head in sched.waiting
+  assert sched.allocator.lookups == lookups + 2 + 2  # the hog's 2 full pages looked up, the head's 2 once
+  sched.abort(hog)
+  run(sched, {0: []})
+  assert head.finish_reason == "length" and sched.allocator.lookups == lookups + 4
+  assert [r.id for r in sched.take_finished()] == [hog.id, head.id]

@@ -1,0 +1,49 @@
+"""The model's static choices for a step over a cache: which attention, the absorbed weights, how
+many indexer heads to score at once. The serving engine (serving.py) runs the step itself: the
+model's own call with a cache (Transformer(cache=cache_view.stack_views(...)), every layer's
+MLA.attend_cached), over the paged pools.
+"""
+
+from __future__ import annotations
+
+from MaxText.config.types import Config
+from MaxText.kernels.cached_attention import absorbed_weights
+
+STACKS = ("dense_layers", "moe_layers")  # the Transformer's layer stacks, in order
+
+
+def default_attention(config: Config) -> str:
+  """"sparse" when the model attends over the indexer's selection, else "dense"."""
+  if config.use_indexer and config.indexer_training_stage != "dense_warmup":
+    return "sparse"
+  return "dense"
+
+
+def step_head_chunk(config: Config, prefill_chunk: int, t: int) -> int:
+  """Indexer heads scored at once for t new tokens per row. The indexer scores [b,t,S,chunk] per head
+  chunk; a prefill chunk uses indexer_head_chunk, and fewer queries may use proportionally more heads
+  at once (the same peak memory): a decode step (t=1) scores all heads in one matmul, far faster on CPU.
+  serve_max_index_score_bytes caps the buffer further (MLA.attend_cached)."""
+  return min(config.indexer_n_heads,
+             max(config.indexer_head_chunk, config.indexer_head_chunk * prefill_chunk // t))
+
+
+def model_absorbed_weights(model) -> dict:
+  """{stack name: Absorbed [L,...] (scanned) or [Absorbed per layer]} for the model's stacks; None for a
+  stack whose wkv_b is fp8 (weight_quantization=fp8_block)."""
+  out = {}
+  for name in STACKS:
+    stack = getattr(model, name)
+    if stack is None:
+      continue
+    layers = [stack.layers] if stack.scan else list(stack.layers)
+    if layers[0].attention.wkv_b.kernel_scale is not None:  # fp8: no resident float copy; attend_cached
+      out[name] = None  # dequantizes wkv_b inside the step, layer by layer
+      continue
+    split = [absorbed_weights(l.attention.wkv_b.kernel_value(), l.attention.num_heads, l.attention.nope,
+                              l.attention.v_dim) for l in layers]
+    out[name] = split[0] if stack.scan else split
+  return out
+
+
+__all__ = ["STACKS", "default_attention", "step_head_chunk", "model_absorbed_weights"]
