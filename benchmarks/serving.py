@@ -15,9 +15,12 @@ tokens/s over the run, time to first token (TTFT: arrival -> first token) and ti
 token (TPOT: (finish - first token) / (tokens - 1)), p50 and p99.
 Then a shared-prefix workload (--system tokens of system prompt + a short question each) through
 our engine with and without the prefix cache: its TTFT.
-Speculative decoding (MTP drafting) is not implemented yet: spec_acceptance and spec_speedup are
-null. A table, then one JSON line. Ratios are measured side by side in one process; never a
-timed assert.
+Speculative decoding (`speculative`): the tiny model with one MTP module, trained on the synthetic
+progressions for --spec-train-steps steps (an untrained MTP drafts noise), then progression
+prefixes (a PRNG of their own) as prompts, all arriving at once, through our engine with
+serve_speculative_tokens=0 and =--spec-tokens: spec_acceptance (accepted / drafted) and
+spec_speedup (output tokens/s with / without). A table, then one JSON line. Ratios are measured
+side by side in one process; never a timed assert.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ import argparse
 import json
 import time
 
+import jax
 import numpy as np
 
+from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.config import pyconfig
+from MaxText.data.input_pipeline import SyntheticBatches, create_data_iterator
 from MaxText.inference.engine import Engine
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
+from MaxText.runtime.optimizers import create_optimizer
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
@@ -149,6 +156,37 @@ def prefix(args, extra: dict) -> dict:
   return out
 
 
+def speculative(args) -> dict:
+  """The tiny model trained with MTP, served greedy with and without MTP drafts, side by side."""
+  keys = dict(ici_data_parallelism=1, mtp_num_layers=1, max_target_length=args.max_len, dataset_type="synthetic",
+              steps=args.spec_train_steps, max_prefill_length=args.prefill, prefill_chunk_size=0,
+              serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens, serve_page_size=args.page)
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys)
+  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
+  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
+  state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
+  step, data = jax.jit(train.make_train_step(cfg, graphdef, tx), donate_argnums=(0,)), create_data_iterator(cfg)
+  t0 = time.perf_counter()
+  for _ in range(cfg.steps):
+    state, metrics = step(state, train.prepare_batch(cfg, next(data)))
+  trained = {k: round(float(metrics[k]), 3) for k in ("lm_loss", "mtp_loss", "accuracy")}
+  trained["seconds"] = round(time.perf_counter() - t0, 1)
+  rng = np.random.default_rng(2)
+  rows = SyntheticBatches(cfg, 0, 1, salt=0x5EC)  # progressions for prompts: random starts and steps
+  work = [(0.0, rows.row(0, i)["inputs"][:int(rng.integers(args.prompt_min, args.prompt_max + 1))].tolist(),
+           int(rng.integers(args.out_min, args.out_max + 1))) for i in range(args.requests)]
+  out = {"train": trained}
+  for k in (0, args.spec_tokens):
+    eng = ServingEngine(pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys, serve_speculative_tokens=k),
+                        graphdef, state["params"], state["buffers"])
+    eng.warmup()
+    out[k] = run_ours(eng, work, warm=True)  # every request at once: decode speed, not the arrival rate
+    out[k]["acceptance"] = eng.stats()["spec_acceptance"]
+  out["acceptance"], out["speedup"] = out[args.spec_tokens]["acceptance"], \
+      out[args.spec_tokens]["tokens_per_s"] / out[0]["tokens_per_s"]
+  return out
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 16 requests, a 256-token system prompt")
@@ -165,6 +203,9 @@ def main() -> None:
   ap.add_argument("--prefill", type=int, default=96)
   ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
   ap.add_argument("--prefix-requests", type=int, default=8)
+  ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
+  ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
+  ap.add_argument("--spec-train-steps", type=int, default=150, help="steps training the tiny model with MTP")
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 16, 256
@@ -172,6 +213,7 @@ def main() -> None:
   if not args.quick:
     rows.append(compare(args, "mid (8 layers, emb 512)", MID))
   pre = prefix(args, {})
+  spec = speculative(args)
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
         f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored")
   print(f"{'model':>24} {'engine':>8} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
@@ -182,12 +224,17 @@ def main() -> None:
             f"{m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
   print(f"shared prefix ({args.system}-token system prompt, {args.prefix_requests} requests): TTFT p50 "
         f"{pre['without']['ttft_p50']:.3f} s without the prefix cache, {pre['with']['ttft_p50']:.3f} s with it")
+  k, tr = args.spec_tokens, spec["train"]
+  print(f"speculative ({k} MTP drafts a step; tiny model + MTP trained {args.spec_train_steps} steps in "
+        f"{tr['seconds']} s: lm loss {tr['lm_loss']}, mtp loss {tr['mtp_loss']}; {args.requests} requests at once, "
+        f"{args.spec_seqs} sequences): {spec[0]['tokens_per_s']:.1f} tok/s without, {spec[k]['tokens_per_s']:.1f} "
+        f"with; acceptance {spec['acceptance']:.3f}; TPOT p50 {spec[0]['tpot_p50']:.4f} / {spec[k]['tpot_p50']:.4f} s")
   tiny = rows[0]
   print(json.dumps({
       "throughput_ratio": round(tiny["ours"]["tokens_per_s"] / tiny["static"]["tokens_per_s"], 3),
       "ttft_p50_ratio": round(tiny["static"]["ttft_p50"] / tiny["ours"]["ttft_p50"], 3),
       "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
-      "spec_acceptance": None, "spec_speedup": None,
+      "spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
       "rows": {r["model"]: {"throughput_ratio": round(r["ours"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
                             "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["ours"]["ttft_p50"], 3)}
                for r in rows}}))

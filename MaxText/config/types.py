@@ -223,6 +223,7 @@ class Serve(_Section):
   serve_max_num_seqs: PosInt
   serve_max_num_tokens: PosInt
   serve_prefix_caching: bool
+  serve_speculative_tokens: NonNegInt
 
 
 class AheadOfTimeCompile(_Section):
@@ -334,6 +335,9 @@ class Config(*SECTIONS):
     if self.eval_interval and eval_files and not getattr(self, eval_files):
       bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
           "data); or set eval_interval=0")
+    if self.serve_speculative_tokens and self.mtp_num_layers < 1:
+      bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
+          f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")
     if self.dataset_type == "grain" and not self.grain_train_files:
       bad("dataset_type=grain needs grain_train_files: a glob of ArrayRecord or Parquet shards")
     if self.dataset_type == "hf" and not self.hf_path:
