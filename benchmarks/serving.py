@@ -205,7 +205,7 @@ def main() -> None:
   ap.add_argument("--prefix-requests", type=int, default=8)
   ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
   ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
-  ap.add_argument("--spec-train-steps", type=int, default=150, help="steps training the tiny model with MTP")
+  ap.add_argument("--spec-train-steps", type=int, default=300, help="steps training the tiny model with MTP")
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 16, 256

@@ -10,7 +10,8 @@ holds `known` tokens of its sequence then its drafts d_1..d_m (m <= k):
      at each draft [B,k+1,V], and the last layer's output h [B,t,D];
   2. verification (sampling.verify_drafts): p = the request's distribution of those logits, q =
      the distribution each draft was drawn from (kept on the device from the step that drew it,
-     `draft_q` [max_seqs,k,V], row `q_row`; greedy: one-hot) -> the accepted run and the drawn token;
+     `draft_q` [max_seqs,k,V], row `q_row`; greedy: one-hot) -> the accepted run and the drawn token
+     (when every row is greedy a lax.cond takes the same rule as argmax comparisons: no sorting, no draws);
   3. the MTP layer over every row position i with (h_i, token i+1): token i+1 is the row's next
      token, from the accepted run and the drawn token at and after the last known token, so the
      MTP pool holds a valid entry for every position the step computes (a rejected position's
@@ -42,6 +43,10 @@ from MaxText.inference.sampling import draw, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
 from MaxText.runtime.distributed import to_host
 
+SEQ = ("tokens", "positions", "write_pos", "next")  # a step's [B,t] int32 inputs (next: token i+1 in the row)
+ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds")  # [B] int32 (seeds: uint32 bits)
+OPT = ("temp", "top_p")  # [B] fp32
+
 
 class SpecStep:
   """The engine's step when speculating; holds the MTP pool, the drafts' distributions and the counts."""
@@ -58,22 +63,24 @@ class SpecStep:
 
   def noop(self, b: int, t: int) -> None:
     """b padding rows of t tokens: compiles that program, writes nothing."""
-    z, zb = np.zeros((b, t), np.int32), np.zeros((b,), np.int32)
-    feed = dict(tokens=z, positions=z, write_pos=z - 1, next=z, table=np.full((b, self.engine.pages_per_seq), -1,
-                np.int32), last=zb, samples=zb.astype(bool), num_drafts=zb, q_row=zb, temp=zb.astype(np.float32),
-                top_p=np.ones((b,), np.float32), top_k=zb, seeds=zb.astype(np.uint32), draw_at=zb)
-    self._run(t, feed)
+    self._run(t, self._feed(b, t))
+
+  def _feed(self, b: int, t: int) -> dict:
+    """A step's host inputs for b padding rows of t tokens, packed in 4 arrays (one transfer each);
+    the named fields are views into them (SEQ x [b,t], ROW x [b], OPT x [b] fp32, table [b,P])."""
+    seq, row = np.zeros((len(SEQ), b, t), np.int32), np.zeros((len(ROW), b), np.int32)
+    opt, table = np.ones((len(OPT), b), np.float32), np.full((b, self.engine.pages_per_seq), -1, np.int32)
+    seq[SEQ.index("positions")] = np.arange(t, dtype=np.int32)
+    seq[SEQ.index("write_pos")] = -1  # padding: its writes are dropped
+    opt[OPT.index("temp")] = 0.0
+    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
+    return f | {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "packed": (seq, row, opt, table)}
 
   def step(self, rows: list[Scheduled]) -> list:
     e = self.engine
     t = e.t_decode if all(r.known == 1 for r in rows) else e.t_mixed
     b = min(e.max_seqs, 1 << (len(rows) - 1).bit_length())  # rows padded to a power of two
-    feed = dict(tokens=np.zeros((b, t), np.int32), positions=np.broadcast_to(np.arange(t, dtype=np.int32),
-                (b, t)).copy(), write_pos=np.full((b, t), -1, np.int32), next=np.zeros((b, t), np.int32),
-                table=np.full((b, e.pages_per_seq), -1, np.int32), last=np.zeros((b,), np.int32),
-                samples=np.zeros((b,), bool), num_drafts=np.zeros((b,), np.int32), q_row=np.zeros((b,), np.int32),
-                temp=np.zeros((b,), np.float32), top_p=np.ones((b,), np.float32), top_k=np.zeros((b,), np.int32),
-                seeds=np.zeros((b,), np.uint32), draw_at=np.zeros((b,), np.int32))
+    feed = self._feed(b, t)
     for i, row in enumerate(rows):
       r, n, known = row.request, row.count, row.known
       feed["tokens"][i, :n] = r.tokens[row.start:row.start + known] + list(row.drafts)
@@ -87,9 +94,10 @@ class SpecStep:
       feed["q_row"][i] = r.draft_row
       p = r.params
       feed["temp"][i], feed["top_p"][i], feed["top_k"][i] = p.temperature, p.top_p, p.top_k
-      feed["seeds"][i] = (p.seed or 0) % 2 ** 32
+      feed["seeds"][i] = np.uint32((p.seed or 0) % 2 ** 32).view(np.int32)
       feed["draw_at"][i] = row.start + known  # the position of the first token this row draws
-    out, accepted, drafts = (to_host(a) for a in self._run(t, feed))
+    got = to_host(self._run(t, feed))  # [B, 2k+2]
+    out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
     e.scheduler.update(rows, [out[i, :accepted[i] + 1].tolist() for i in range(len(rows))])
@@ -107,22 +115,26 @@ class SpecStep:
     e.steps += 1
     return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
 
-  def _run(self, t: int, feed: dict):
+  def _run(self, t: int, feed: dict) -> jax.Array:
     e = self.engine
-    f = {name: jnp.asarray(a) for name, a in feed.items()}
+    packed = tuple(jnp.asarray(a) for a in feed["packed"])
     entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
-                                                          e.absorbed, self.draft_q, f)
-    e.pools = e._write_jit(e.pools, entries, f["write_pos"], f["table"])
+                                                          e.absorbed, self.draft_q, packed)
+    e.pools = e._write_jit(e.pools, entries, packed[0][SEQ.index("write_pos")], packed[3])
     return out
 
   def _masked(self, logits: jax.Array) -> jax.Array:
     v = self.engine.sample_vocab
     return logits if v is None else jnp.where(jnp.arange(logits.shape[-1]) < v, logits, -jnp.inf)
 
-  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, f):
-    """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], (run tokens [B,k+1], accepted [B],
-    drafts [B,k])). See the module docstring."""
+  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, packed):
+    """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
+    accepted, the next drafts [k]). See the module docstring."""
     e, k = self.engine, self.k
+    seq, row, opt, table = packed
+    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
+    f |= {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "samples": row[ROW.index("samples")] > 0,
+                                                          "seeds": jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)}
     model = nnx.merge(e.graphdef, params, buffers)
     b = f["tokens"].shape[0]
     chunk = step_head_chunk(e.config, e.chunk, t)
@@ -131,14 +143,26 @@ class SpecStep:
     verify_at = jnp.clip(f["last"][:, None] + jnp.arange(k + 1), 0, t - 1)  # [B,k+1]
     logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=verify_at)  # [B,k+1,V]
     opts = (f["temp"], f["top_p"], f["top_k"])
-    p = row_probs(self._masked(logits), *opts)  # [B,k+1,V]
+    all_greedy = jnp.all(f["temp"] <= 0)  # then verification and drafting need no distributions (lax.cond)
     drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]
-    greedy = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B,k,V]
-    q = jnp.where((f["temp"] > 0)[:, None, None], draft_q[f["q_row"]], greedy)  # [B,k,V]
     base = jax.vmap(jax.random.key)(f["seeds"])  # [B]
     key_at = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
-    pos = f["draw_at"][:, None] + jnp.arange(k + 1)  # [B,k+1] the drawn tokens' positions
-    out, accepted = verify_drafts(p, q, drafts, f["num_drafts"], key_at(base, pos))  # [B,k+1], [B]
+
+    def sampled():
+      p = row_probs(self._masked(logits), *opts)  # [B,k+1,V]
+      greedy = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B,k,V]
+      q = jnp.where((f["temp"] > 0)[:, None, None], draft_q[f["q_row"]], greedy)  # [B,k,V]
+      pos = f["draw_at"][:, None] + jnp.arange(k + 1)  # [B,k+1] the drawn tokens' positions
+      return verify_drafts(p, q, drafts, f["num_drafts"], key_at(base, pos))  # [B,k+1], [B]
+
+    def argmax():  # verify_drafts with one-hot p and q, without drawing: the longest prefix equal to the argmax
+      top = jnp.argmax(self._masked(logits), axis=-1).astype(jnp.int32)  # [B,k+1]
+      ok = (drafts == top[:, :k]) & (jnp.arange(k)[None] < f["num_drafts"][:, None])  # [B,k]
+      accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+      padded = jnp.concatenate([drafts, top[:, k:]], axis=1)  # [B,k+1]
+      return jnp.where(jnp.arange(k + 1)[None] < accepted[:, None], padded, top), accepted.astype(jnp.int32)
+
+    out, accepted = jax.lax.cond(all_greedy, argmax, sampled)  # [B,k+1], [B]
 
     # The MTP layer over the row: token i+1 from the run at and after the last known token.
     j = jnp.arange(t)[None]  # [1,t]
@@ -165,12 +189,22 @@ class SpecStep:
         mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, step_head_chunk(e.config, e.chunk, 1))
         m_logits, h, m_entries = model.mtp_cached(h, ds[-1][:, None], cpos, mview)  # [B,1,V], [B,1,D]
         mtp_pool = write(mtp_pool, jnp.where(real[:, None], cpos, -1), m_entries)
-      qc = row_probs(self._masked(m_logits), *opts)[:, 0]  # [B,V]
       keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(key_at(base, (at_pos + c + 2)[:, None])[:, 0])
+      lg = self._masked(m_logits)  # [B,1,V]
+
+      def draft_sampled(lg=lg, keys=keys):
+        qc = row_probs(lg, *opts)[:, 0]  # [B,V]
+        return qc, draw(qc, keys)
+
+      def draft_argmax(lg=lg):  # greedy rows verify against one-hot drafts: no q needed
+        return jnp.zeros(lg[:, 0].shape, jnp.float32), jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+
+      qc, d = jax.lax.cond(all_greedy, draft_argmax, draft_sampled)  # [B,V], [B]
       qs.append(qc)
-      ds.append(draw(qc, keys))  # [B]
+      ds.append(d)
     new_q = jnp.zeros_like(draft_q).at[:b].set(jnp.stack(qs, axis=1))  # [S,k,V]
-    return aux["cache_entries"], mtp_pool, new_q, (out, accepted, jnp.stack(ds, axis=1))
+    result = jnp.concatenate([out, accepted[:, None], jnp.stack(ds, axis=1)], axis=1)  # [B,2k+2]
+    return aux["cache_entries"], mtp_pool, new_q, result
 
 
 __all__ = ["SpecStep"]
