@@ -22,7 +22,11 @@ time to first token (TTFT: arrival -> first token) and time per output token (TP
 first token) / (tokens - 1)), p50 and p99.
 Then a shared-prefix workload (a --system-token system prompt + 8 tokens of question each, one
 request every --prefix-gap s) with and without the prefix cache: its TTFT.
-Speculative decoding (MTP drafting): spec_acceptance and spec_speedup are null until it lands.
+Speculative decoding (`speculative`): the tiny model with one MTP module, trained on the synthetic
+progressions for --spec-train-steps steps (an untrained MTP drafts noise), then progression
+prefixes (a PRNG of their own; --spec-requests, prompts 8-32 tokens, outputs 16-64) as prompts, all arriving at once, through our engine with
+serve_speculative_tokens=0 and =--spec-tokens: spec_acceptance (accepted / drafted) and
+spec_speedup (output tokens/s with / without).
 A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
 Ratios are measured side by side in one process; never a timed assert.
 """
@@ -33,13 +37,17 @@ import argparse
 import json
 import time
 
+import jax
 import numpy as np
 
+from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.config import pyconfig
+from MaxText.data.input_pipeline import SyntheticBatches, create_data_iterator
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
+from MaxText.runtime.optimizers import create_optimizer
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
@@ -136,6 +144,37 @@ def prefix(args, extra: dict) -> dict:
   return out
 
 
+def speculative(args) -> dict:
+  """The tiny model trained with MTP, served greedy with and without MTP drafts, side by side."""
+  keys = dict(ici_data_parallelism=1, mtp_num_layers=1, max_target_length=160, dataset_type="synthetic",
+              steps=args.spec_train_steps, max_prefill_length=96, prefill_chunk_size=0,
+              serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens, serve_page_size=args.page)
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys)
+  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
+  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
+  state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
+  step, data = jax.jit(train.make_train_step(cfg, graphdef, tx), donate_argnums=(0,)), create_data_iterator(cfg)
+  t0 = time.perf_counter()
+  for _ in range(cfg.steps):
+    state, metrics = step(state, train.prepare_batch(cfg, next(data)))
+  trained = {k: round(float(metrics[k]), 3) for k in ("lm_loss", "mtp_loss", "accuracy")}
+  trained["seconds"] = round(time.perf_counter() - t0, 1)
+  rng = np.random.default_rng(2)
+  rows = SyntheticBatches(cfg, 0, 1, salt=0x5EC)  # progressions for prompts: random starts and steps
+  work = [(0.0, rows.row(0, i)["inputs"][:int(rng.integers(8, 33))].tolist(), int(rng.integers(16, 65)))
+          for i in range(args.spec_requests)]
+  out = {"train": trained}
+  for k in (0, args.spec_tokens):
+    eng = ServingEngine(pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys, serve_speculative_tokens=k),
+                        graphdef, state["params"], state["buffers"])
+    eng.warmup()
+    out[k] = serve(eng, work, "continuous", args.spec_seqs)  # every request at once: decode speed, not the arrival rate
+    out[k]["acceptance"] = eng.stats()["spec_acceptance"]
+  out["acceptance"], out["speedup"] = out[args.spec_tokens]["acceptance"], \
+      out[args.spec_tokens]["tokens_per_s"] / out[0]["tokens_per_s"]
+  return out
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
@@ -153,6 +192,10 @@ def main() -> None:
   ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
   ap.add_argument("--prefix-requests", type=int, default=8)
   ap.add_argument("--prefix-gap", type=float, default=0.2, help="seconds between shared-prefix requests")
+  ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
+  ap.add_argument("--spec-requests", type=int, default=16, help="requests of the speculative comparison")
+  ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
+  ap.add_argument("--spec-train-steps", type=int, default=300, help="steps training the tiny model with MTP")
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 64, 512
@@ -160,6 +203,7 @@ def main() -> None:
   if not args.quick:
     rows.append(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD))
   pre = prefix(args, {})
+  spec = speculative(args)
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
         f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored"
         + ("" if args.quick else f"; mid: {MID_WORKLOAD}"))
@@ -171,11 +215,16 @@ def main() -> None:
             f"{m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
   print(f"shared prefix ({args.system}-token system prompt, {args.prefix_requests} requests): TTFT p50 "
         f"{pre['without']['ttft_p50']:.3f} s without the prefix cache, {pre['with']['ttft_p50']:.3f} s with it")
+  k, tr = args.spec_tokens, spec["train"]
+  print(f"speculative ({k} MTP drafts a step; tiny model + MTP trained {args.spec_train_steps} steps in "
+        f"{tr['seconds']} s: lm loss {tr['lm_loss']}, mtp loss {tr['mtp_loss']}; {args.spec_requests} requests at once, "
+        f"{args.spec_seqs} sequences): {spec[0]['tokens_per_s']:.1f} tok/s without, {spec[k]['tokens_per_s']:.1f} "
+        f"with; acceptance {spec['acceptance']:.3f}; TPOT p50 {spec[0]['tpot_p50']:.4f} / {spec[k]['tpot_p50']:.4f} s")
   ratios = lambda r: {"throughput_ratio": round(r["continuous"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
                       "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["continuous"]["ttft_p50"], 3)}
   print(json.dumps({**ratios(rows[0]),
                     "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
-                    "spec_acceptance": None, "spec_speedup": None,
+                    "spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
                     "rows": {r["model"]: ratios(r) for r in rows}}))
 
 

@@ -231,6 +231,7 @@ class Serve(_Section):
   serve_shutdown_timeout: Annotated[float, Field(ge=0)]
   chat_template_path: str
   serve_max_index_score_bytes: PosInt
+  serve_speculative_tokens: NonNegInt
 
 
 class AheadOfTimeCompile(_Section):
@@ -345,6 +346,9 @@ class Config(*SECTIONS):
     if self.eval_interval and eval_files and not getattr(self, eval_files):
       bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
           "data); or set eval_interval=0")
+    if self.serve_speculative_tokens and self.mtp_num_layers < 1:
+      bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
+          f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")
     if self.dataset_type == "grain" and not self.grain_train_files:
       bad("dataset_type=grain needs grain_train_files: a glob of ArrayRecord or Parquet shards")
     if self.dataset_type == "hf" and not self.hf_path:

@@ -226,8 +226,10 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
 
 
 def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
-  """Bytes of every layer's pools for num_pages pages (scales included)."""
-  return kv_cache.bytes_per_token_per_layer(config) * config.num_decoder_layers * num_pages * page_size
+  """Bytes of every layer's pools for num_pages pages (scales included; with serve_speculative_tokens
+  the MTP layer's pool too)."""
+  layers = config.num_decoder_layers + (1 if config.serve_speculative_tokens else 0)
+  return kv_cache.bytes_per_token_per_layer(config) * layers * num_pages * page_size
 
 
 __all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "page_axes", "page_shards", "pool_shardings", "slots",

@@ -35,6 +35,17 @@ def _nucleus(scaled: jax.Array, key: jax.Array, p: float) -> jax.Array:
   return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def _kept_sorted(lg: jax.Array, temp: jax.Array, p: jax.Array, k: jax.Array):
+  """One row's options on logits [V] -> (order [V] most likely first, sorted logits / temperature [V],
+  keep [V]: the top_p / top_k set in sorted order; the most likely token is always kept)."""
+  order = jnp.argsort(-lg)  # [V], most likely first
+  sorted_lg = lg[order] / jnp.maximum(temp, 1e-6)
+  rank = jnp.arange(lg.shape[0])
+  probs = jax.nn.softmax(sorted_lg)
+  before = jnp.cumsum(probs) - probs  # mass strictly ahead of each token
+  return order, sorted_lg, (before < p) & ((k <= 0) | (rank < k))
+
+
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
                 top_k: jax.Array) -> jax.Array:
   """Each row by its own request's options: logits [B,V] fp32, keys [B] (one PRNG key per row),
@@ -43,13 +54,60 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
   A row's draw depends only on its logits, options and key (vmapped per row), so a request with
   a fixed seed gets the same tokens whatever else shares the batch."""
   def one(lg, key, temp, p, k):  # [V], key, [], [], []
-    order = jnp.argsort(-lg)  # [V], most likely first
-    sorted_lg = lg[order] / jnp.maximum(temp, 1e-6)
-    rank = jnp.arange(lg.shape[0])
-    probs = jax.nn.softmax(sorted_lg)
-    before = jnp.cumsum(probs) - probs  # mass strictly ahead of each token
-    keep = (before < p) & ((k <= 0) | (rank < k))  # the most likely token is always kept
+    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
     choice = jax.random.categorical(key, jnp.where(keep, sorted_lg, -jnp.inf))
     return jnp.where(temp > 0, order[choice], jnp.argmax(lg)).astype(jnp.int32)
 
   return jax.vmap(one)(logits.astype(jnp.float32), keys, temperature, top_p, top_k)
+
+
+def row_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+  """The distribution sample_rows draws from, explicit: logits [B,m,V] fp32, options [B] -> probs
+  [B,m,V] fp32 (softmax of logits / temperature over the top_p / top_k set; temperature 0: one-hot
+  at the argmax, lowest id on ties, as sample_rows)."""
+  def one(lg, temp, p, k):  # [V]
+    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
+    kept = jax.nn.softmax(jnp.where(keep, sorted_lg, -jnp.inf))  # [V] in sorted order
+    probs = jnp.zeros_like(kept).at[order].set(kept)  # [V] in id order
+    return jnp.where(temp > 0, probs, jax.nn.one_hot(jnp.argmax(lg), lg.shape[0], dtype=probs.dtype))
+
+  per_row = jax.vmap(one, in_axes=(0, None, None, None))  # over a row's m positions
+  return jax.vmap(per_row)(logits.astype(jnp.float32), temperature, top_p, top_k)
+
+
+def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:
+  """probs [...,V], keys [...] -> one id [...] int32 from each distribution (a one-hot gives its id)."""
+  pick = lambda pr, key: jax.random.categorical(key, jnp.log(pr))  # noqa: E731
+  flat = jax.vmap(pick)(probs.reshape(-1, probs.shape[-1]), keys.reshape(-1))
+  return flat.reshape(probs.shape[:-1]).astype(jnp.int32)
+
+
+def verify_drafts(p: jax.Array, q: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
+                  keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Speculative decoding's rejection sampling (Leviathan et al. / Chen et al.), per row:
+  p [B,K+1,V] the target's distributions at the row's verified positions (the last known token,
+  then each draft), q [B,K,V] the distributions drafts [B,K] were drawn from, num_drafts [B] (the
+  row's real drafts, <= K), keys [B,K+1] (one per verified position) -> (tokens [B,K+1], accepted [B]).
+
+  Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); the run stops at the first
+  rejection, whose token is drawn from normalize(max(0, p_j - q_j)); when every draft is accepted the
+  bonus token is drawn from p at the next position. tokens[:accepted] are the accepted drafts and
+  tokens[accepted] the drawn one; later entries mean nothing. So each emitted token is distributed
+  exactly as p (greedy: p and q one-hot, so a draft is accepted iff it is the target's argmax)."""
+  b, k1, v = p.shape
+  j = jnp.arange(k1 - 1)  # [K]
+  split = jax.vmap(jax.vmap(lambda key: jax.random.split(key)))(keys)  # [B,K+1,2]
+  u = jax.vmap(jax.vmap(jax.random.uniform))(split[:, :-1, 0])  # [B,K]
+  p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]  # [B,K]
+  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B,K]
+  ok = (u * q_d < p_d) & (j[None] < num_drafts[:, None])  # u < p/q without dividing by q = 0
+  accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B] leading accepts
+  real = (jnp.arange(k1)[None] < num_drafts[:, None])[..., None]  # [B,K+1,1]: a draft's position
+  q_ext = jnp.where(real, jnp.concatenate([q, jnp.zeros((b, 1, v), q.dtype)], axis=1), 0.0)  # [B,K+1,V]
+  residual = jnp.maximum(p - q_ext, 0.0)  # [B,K+1,V]
+  mass = jnp.sum(residual, axis=-1, keepdims=True)
+  residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-30), p)  # p == q: never rejected, p is safe
+  drawn = draw(residual, split[:, :, 1])  # [B,K+1]
+  padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)  # [B,K+1]
+  tokens = jnp.where(jnp.arange(k1)[None] < accepted[:, None], padded, drawn)
+  return tokens.astype(jnp.int32), accepted.astype(jnp.int32)

@@ -9,14 +9,21 @@ leading tokens whose cache entries are written; a step computes the next ones. E
      are left: each first takes the cached pages of its longest cached prompt prefix (page
      allocator's `match`; at least its last prompt token is always computed, for its logits).
   3. a step is either narrow (every row computes 1 token: decode rows, and a prompt's last token)
-     or wide (prefill chunks): the engine pads every row of a step to its widest row (serving.py:
+     or wide (prefill chunks; a decode row with drafts is narrow): the engine pads every row of a step to its widest row (serving.py:
      [rows, 1] or [rows, chunk]), so a decode row in a wide step would cost a whole chunk. When
      both kinds are ready, steps alternate: the narrow rows, then the wide ones, then the narrow.
+With speculative decoding (`speculative` k > 0) a decoding request's row is its newest token then
+its drafts (Request.drafts, at most k, made by the engine's MTP pass; none past max_tokens or the
+context): 1 + k tokens of the budget and pages for every draft position. While a running request
+has a row to come, the tokens its row needs are kept out of earlier prefill chunks, so a decode
+row always gets its drafts (serve_max_num_tokens >= serve_max_num_seqs * (1 + k) is required).
 Every token computed needs its page: when the allocator runs out, the NEWEST running request
 is preempted (its pages released, `computed` reset to 0; it waits at the head of the queue and
 recomputes its prompt and generated tokens when readmitted: greedy output does not change).
-`update` takes the step's sampled tokens: a page a step fills is published to the prefix cache
-at once (running requests share it too); a request whose every known token is now computed
+`update` takes the step's sampled tokens (a row with drafts: the accepted drafts then the target's
+token; only entries of accepted positions count as computed, a rejected draft's are overwritten
+later and never published; a stop token or max_tokens inside the run ends it there): a page a
+step fills is published to the prefix cache at once (running requests share it too); a request whose every known token is now computed
 gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
 stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
 publishes its full pages to the prefix cache and releases them at once.
@@ -88,6 +95,8 @@ class Request:
   finish_reason: str | None = None  # "stop" | "length" | "abort"
   preemptions: int = 0
   first_token_time: float | None = None
+  drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
+  draft_row: int = 0  # speculative: the engine's row of the drafts' distributions
 
   @property
   def tokens(self) -> list[int]:
@@ -100,23 +109,37 @@ class Request:
 
 @dataclasses.dataclass
 class Scheduled:
-  """One row of a step: compute tokens [start, start + count) of request's sequence."""
+  """One row of a step: compute tokens [start, start + count) of request's sequence, the last
+  len(drafts) of them its drafts (past the sequence's known tokens)."""
   request: Request
   start: int
   count: int
+  drafts: tuple[int, ...] = ()
+
+  @property
+  def known(self) -> int:
+    """The row's tokens from the request's sequence (the drafts follow)."""
+    return self.count - len(self.drafts)
 
   @property
   def samples(self) -> bool:
-    """Whether this row's last logits give the request its next token."""
-    return self.start + self.count == len(self.request.tokens)
+    """Whether this row's logits at its last known token give the request its next token(s)."""
+    return self.start + self.known == len(self.request.tokens)
+
+  @property
+  def is_wide(self) -> bool:
+    """A prefill chunk (more than one known token); a decode row, drafts or not, is narrow."""
+    return self.known > 1
 
 
 class Scheduler:
   def __init__(self, allocator: PageAllocator, *, max_num_seqs: int, max_num_tokens: int, chunk: int,
-               max_length: int, eos_id: int | None, vocab_size: int):
-    if max_num_tokens < max_num_seqs:
-      raise ValueError(f"serve_max_num_tokens={max_num_tokens} must be >= serve_max_num_seqs={max_num_seqs}: "
-                       "every running sequence takes at least one token per step")
+               max_length: int, eos_id: int | None, vocab_size: int, speculative: int = 0):
+    if max_num_tokens < max_num_seqs * (1 + speculative):
+      raise ValueError(f"serve_max_num_tokens={max_num_tokens} must be >= serve_max_num_seqs={max_num_seqs} x "
+                       f"(1 + serve_speculative_tokens={speculative}): every running sequence takes 1 + "
+                       "serve_speculative_tokens tokens per step")
+    self.speculative = speculative
     self.allocator = allocator
     self.max_num_seqs, self.max_num_tokens, self.chunk = max_num_seqs, max_num_tokens, chunk
     self.max_length, self.eos_id, self.vocab_size = max_length, eos_id, vocab_size
@@ -174,11 +197,14 @@ class Scheduler:
     for r in list(self.running):  # oldest first: a preemption only ever takes a newer, unscheduled one
       if r not in self.running:
         continue
-      n = min(self.chunk, len(r.tokens) - r.computed, budget)  # 1 when decoding
-      if n <= 0 or not self._make_room(r, r.computed + n):
+      later = sum(1 + len(self._drafts(o)) for o in self.running[self.running.index(r) + 1:]
+                  if o.computed == len(o.tokens) - 1) if self.speculative else 0  # kept for later decode rows
+      n = min(self.chunk, len(r.tokens) - r.computed, budget - later)  # 1 when decoding
+      drafts = self._drafts(r)[:max(0, budget - n)] if r.computed == len(r.tokens) - 1 else ()
+      if n <= 0 or not self._make_room(r, r.computed + n + len(drafts)):
         continue
-      rows.append(Scheduled(r, r.computed, n))
-      budget -= n
+      rows.append(Scheduled(r, r.computed, n + len(drafts), drafts))
+      budget -= n + len(drafts)
     while self.waiting and self._open_shards() and budget > 0:
       r = self.waiting[0]
       self._share_prefix(r)
@@ -192,38 +218,51 @@ class Scheduler:
       self.running.append(r)
       rows.append(Scheduled(r, r.computed, n))
       budget -= n
-    wide = [row for row in rows if row.count > 1]
+    wide = [row for row in rows if row.is_wide]
     if wide and len(wide) < len(rows):  # both kinds: the kind the last step did not run (rule 3)
-      rows = [row for row in rows if (row.count > 1) != self._wide]
-    self._wide = bool(rows) and rows[0].count > 1
+      rows = [row for row in rows if row.is_wide != self._wide]
+    self._wide = bool(rows) and rows[0].is_wide
     return rows
 
-  def update(self, rows: Sequence[Scheduled], sampled: Sequence[int]) -> list[Request]:
-    """sampled[i]: the token drawn from row i's last logits (ignored where not rows[i].samples).
-    Returns the requests that finished in this step."""
+  def update(self, rows: Sequence[Scheduled], sampled: Sequence) -> list[Request]:
+    """sampled[i]: the token drawn from row i's logits at its last known token, or (a row with
+    drafts) the run of tokens it verified: its accepted drafts, then the target's token (ignored
+    where not rows[i].samples). Returns the requests that finished in this step."""
     done = []
     now = time.monotonic()
     page = self.allocator.page_size
-    for row, tok in zip(rows, sampled):
+    for row, run in zip(rows, sampled):
       r = row.request
-      r.computed = row.start + row.count
+      run = [int(t) for t in (run if isinstance(run, (list, tuple)) else [run])]
+      if row.drafts and (len(run) > len(row.drafts) + 1 or run[:-1] != list(row.drafts[:len(run) - 1])):
+        raise ValueError(f"a verified run {run} does not start with the row's drafts {row.drafts}")
+      r.computed = row.start + row.known + (len(run) - 1 if row.samples else 0)  # accepted drafts count
+      r.drafts = []
+      reason = None
+      if row.samples:
+        if r.first_token_time is None:
+          r.first_token_time = now
+        for tok in run:
+          stop = tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok == self.eos_id)
+          if not stop:
+            r.output.append(tok)
+          reason = "stop" if stop else ("length" if len(r.output) >= r.params.max_tokens
+                                        or len(r.tokens) >= self.max_length else None)
+          if reason:
+            break
+        r.computed = min(r.computed, len(r.tokens))  # a run cut short: its later entries do not count
       if r.computed // page > row.start // page:  # a page filled: later prompts may share it now
         self.allocator.publish(r.pages, r.tokens[:r.computed])
-      if not row.samples:
-        continue
-      tok = int(tok)
-      if r.first_token_time is None:
-        r.first_token_time = now
-      stop = tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok == self.eos_id)
-      if not stop:
-        r.output.append(tok)
-      reason = "stop" if stop else ("length" if len(r.output) >= r.params.max_tokens
-                                    or len(r.tokens) >= self.max_length else None)
       if reason:
         self.running.remove(r)
         self._finish(r, reason)
         done.append(r)
     return done
+
+  def _drafts(self, r: Request) -> tuple[int, ...]:
+    """A decoding request's drafts to verify: at most `speculative`, none past max_tokens or the context."""
+    room = min(r.params.max_tokens - len(r.output), self.max_length - len(r.tokens)) - 1
+    return tuple(r.drafts[:max(0, min(self.speculative, room))])
 
   # ---- pages
   def _home(self, r: Request) -> int | None:
@@ -239,9 +278,13 @@ class Scheduler:
   def _share_prefix(self, r: Request) -> None:
     """Points a new request's first pages at the cached pages of its prompt's longest cached prefix,
     keeping at least its last prompt token to compute (none when that prefix's shard is full). A head
-    of the queue retried step after step (waiting for pages) counts as one lookup in the hit rate."""
+    of the queue retried step after step (waiting for pages) counts as one lookup in the hit rate.
+    With speculative decoding the last matched page is recomputed too: the MTP entry at a page's last
+    position depends on the NEXT token, which the page's key does not hold (vLLM drops it alike)."""
     pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
     self._looked_up = r
+    if self.speculative and pages:
+      pages = pages[:-1]
     if pages and self.allocator.shard_of(pages[0]) not in self._open_shards():
       pages = []
     self.allocator.share(pages)
@@ -274,7 +317,7 @@ class Scheduler:
   def _preempt(self, r: Request) -> None:
     self.running.remove(r)
     self.allocator.release(r.pages)
-    r.pages, r.computed = [], 0
+    r.pages, r.computed, r.drafts = [], 0, []
     r.preemptions += 1
     self.waiting.appendleft(r)
 

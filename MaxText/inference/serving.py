@@ -27,6 +27,15 @@ so each device runs its own sequences over its own pages; the experts run over `
 shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
+
+Speculative decoding (serve_speculative_tokens k > 0, MTP module 0 as the drafter, with its own
+paged pool under the same page table; step_spec.py): a decoding row is [its newest token, its k
+drafts], t = 1 + k when every row decodes (so the buckets are (1 + k, chunk)); the step verifies
+the drafts against the target (sampling.verify_drafts: greedy accepts the longest prefix equal to
+the argmax, sampling is rejection sampling, so outputs keep the target's distribution), then runs
+the MTP layer over every row position (the target's h_i and token i+1: the accepted tokens, then
+the drawn one) so its cache holds every computed position, and drafts the next k tokens from the
+last accepted position (k > 1: the module chained on its own h, one position a pass).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from MaxText.inference.model_step import default_attention, model_absorbed_weigh
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
+from MaxText.inference.step_spec import SpecStep
 from MaxText.runtime import sharding
 from MaxText.runtime.distributed import to_host
 
@@ -67,11 +77,17 @@ class ServingEngine:
       if value % self.shards:
         raise ConfigError(f"config key '{key}' = {value}: a multiple of the {self.shards} page shards (the mesh axes "
                           f"{paged_cache.page_axes(cfg, self.mesh)} that shard the rows)")
+    if cfg.serve_speculative_tokens and self.shards > 1:  # the MTP pool and the spec step place rows unsharded
+      raise ConfigError(f"config key 'serve_speculative_tokens' = {cfg.serve_speculative_tokens}: speculative "
+                        f"decoding runs on one page shard; this mesh has {self.shards} (set it to 0)")
     self.abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
     self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
     self.sample_vocab = sample_vocab
+    self.spec = SpecStep(self) if cfg.serve_speculative_tokens else None
+    self.t_decode = 1 + cfg.serve_speculative_tokens  # a decode step's tokens per row
+    self.t_mixed = max(self.chunk, self.t_decode)
     absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
     self.absorbed = _outputs(absorb.lower(params, buffers).compile()) if self.abstract else absorb(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
@@ -82,7 +98,9 @@ class ServingEngine:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
-          f"{2 * len(self.buckets())} step programs: [rows, tokens] in {self.buckets()} x (1, {self.chunk})")
+          f"{2 * len(self.buckets())} step programs: [rows, tokens] in {self.buckets()} x "
+          f"({self.t_decode}, {self.t_mixed})" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
+                                                  if self.spec else ""))
 
   def reset(self) -> None:
     """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
@@ -92,8 +110,10 @@ class ServingEngine:
                                    shards=self.shards)
     self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
                                chunk=self.chunk, max_length=cfg.max_target_length, eos_id=self.eos_id,
-                               vocab_size=cfg.vocab_size)
+                               vocab_size=cfg.vocab_size, speculative=cfg.serve_speculative_tokens)
     self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
+    if self.spec is not None:
+      self.spec.reset()
     if not self.abstract:
       self._noop(self.shards, 1)  # the pools now lie as every step returns them (on the params' mesh): no recompile
     self.steps = 0
@@ -107,13 +127,16 @@ class ServingEngine:
     """Compiles every step and write program (each row bucket x (1, chunk)) on padding-only input:
     every write is dropped, nothing changes. Returns how many step programs there are."""
     for b in self.buckets():
-      for t in sorted({1, self.chunk}):
+      for t in sorted({self.t_decode, self.t_mixed}):
         self._noop(b, t)
     return 2 * len(self.buckets())
 
   def _noop(self, b: int, t: int) -> None:
     """A step of b padding rows of t tokens: compiles that program, writes nothing."""
     z, zb = np.zeros((b, t), np.int32), np.zeros((b,), np.int32)
+    if self.spec is not None:
+      self.spec.noop(b, t)
+      return
     self.pools, _ = self._run(t, z, z, z - 1, np.full((b, self.pages_per_seq), -1, np.int32), zb,
                               zb.astype(np.float32), np.ones((b,), np.float32), zb, zb.astype(np.uint32), zb)
 
@@ -137,6 +160,8 @@ class ServingEngine:
     rows = self.scheduler.schedule()
     if not rows:
       return []
+    if self.spec is not None:
+      return self.spec.step(rows)
     t = 1 if all(r.count == 1 for r in rows) else self.chunk
     b, where = self._placement(rows)
     tokens = np.zeros((b, t), np.int32)
@@ -243,10 +268,14 @@ class ServingEngine:
     return requests
 
   def stats(self) -> dict:
+    """spec_drafted / spec_accepted: drafts verified / accepted since reset (0 without speculation);
+    spec_acceptance their ratio (None before any draft)."""
     a = self.allocator
+    drafted, accepted = (self.spec.drafted, self.spec.accepted) if self.spec else (0, 0)
     return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
-            "prefix_hit_rate": a.hit_rate(), "steps": self.steps}
+            "prefix_hit_rate": a.hit_rate(), "steps": self.steps, "spec_drafted": drafted,
+            "spec_accepted": accepted, "spec_acceptance": accepted / drafted if drafted else None}
 
 
 def _outputs(compiled):

@@ -99,13 +99,16 @@ class MTPModule(nnx.Module):
     self.final_norm = RMSNorm(d, config)
     self.remat_policy = config.remat_policy
 
-  def __call__(self, h_prev, next_emb, positions, segment_ids):
-    """h_prev, next_emb [b,t,D] -> (h [b,t,D] for the next depth, normed h for the head, aux)."""
+  def __call__(self, h_prev, next_emb, positions, segment_ids, cache=None):
+    """h_prev, next_emb [b,t,D] -> (h [b,t,D] for the next depth, normed h for the head, aux). With a
+    cache (inference: its layer's CacheView) the layer attends over it (MLA.attend_cached) and aux
+    holds the new tokens' "cache_entries"."""
     cat = jnp.concatenate([self.embed_norm(next_emb), self.hidden_norm(h_prev)], axis=-1)  # [b,t,2D]
     def fwd(layer, x):
-      return layer(x, positions, segment_ids)
+      return layer(x, positions, segment_ids, cache=cache)
 
-    if self.remat_policy != "none":  # as the stacks' layers: a 671B MoE layer's saved activations are ~30 GiB
+    # as the stacks' layers: a 671B MoE layer's saved activations are ~30 GiB (no remat with a cache)
+    if self.remat_policy != "none" and cache is None:
       fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy])
     h, aux = fwd(self.layer, self.projection(cat))
     return h, self.final_norm(h), aux

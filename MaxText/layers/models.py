@@ -37,8 +37,9 @@ class Transformer(nnx.Module):
 
     Inference passes `cache`, {stack name: its CacheView} (inference/cache_view.py): each layer
     attends over its cache plus the new tokens (MLA.attend_cached), no MTP runs, and aux is
-    {"cache_entries": {stack name: the new tokens' entries}}; last_index [b] keeps only the logits
-    at that index of each row ([b,1,V]).
+    {"cache_entries": {stack name: the new tokens' entries}, "hidden": the last layer's output
+    [b,t,D] (what MTP depth 1 reads, see `mtp_cached`)}; last_index [b] keeps only the logits at
+    that index of each row ([b,1,V]), last_index [b,m] those at m indices ([b,m,V]).
 
     positions are the ORIGINAL token positions (context parallelism may reorder the sequence);
     mtp_tokens [n_mtp,b,t]: depth k's input token at each position (token i+k of the original
@@ -91,14 +92,31 @@ class Transformer(nnx.Module):
       if stack is not None:
         x, a = stack(x, positions, None, cache=cache[name])
         entries[name] = a["cache_entries"]
-    if last_index is not None:
-      x = jnp.take_along_axis(x, last_index[:, None, None], axis=1)  # [b,1,D]
-    return self.logits(self.final_norm(x)), {"cache_entries": entries}
+    return self.logits(self.final_norm(_rows_at(x, last_index))), {"cache_entries": entries, "hidden": x}
+
+  def mtp_cached(self, h: jax.Array, next_tokens: jax.Array, positions: jax.Array, cache, depth: int = 0,
+                 last_index: jax.Array | None = None):
+    """Inference through MTP module `depth` with its own cache (speculative decoding's drafter):
+    h [b,t,D] (the last layer's output at each position, or a previous MTP pass's h), next_tokens
+    [b,t] (token i+1 at position i) -> (logits [b,t,V], or at last_index as __call__, the module's h
+    [b,t,D] for a chained pass, the new tokens' cache entries). As training's depth-1 step: the
+    logits at position i predict token i+2."""
+    next_emb = constrain(self.embed(next_tokens), ACTIVATION)  # [b,t,D]
+    h, h_normed, aux = self.mtp[depth](h, next_emb, positions, None, cache=cache)
+    return self.logits(_rows_at(h_normed, last_index)), h, aux["cache_entries"]
 
   def logits(self, h: jax.Array) -> jax.Array:
     """h [b,t,D] (normed) -> logits [b,t,V] fp32, sharded like the activations (vocab over tensor)."""
     logits = self.output_head(constrain(h, ACTIVATION)).astype(jnp.float32)  # [b,t,V]
     return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def _rows_at(x: jax.Array, index: jax.Array | None) -> jax.Array:
+  """x [b,t,D] -> x at index [b] ([b,1,D]) or [b,m] ([b,m,D]); None: all of x."""
+  if index is None:
+    return x
+  index = index[:, None] if index.ndim == 1 else index  # [b,m]
+  return jnp.take_along_axis(x, index[:, :, None], axis=1)  # [b,m,D]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0):

@@ -41,7 +41,7 @@ def run(sched, arrivals, max_steps=2000):
     assert len(rows) <= sched.max_num_seqs and sum(r.count for r in rows) <= sched.max_num_tokens
     assert len({id(r.request) for r in rows}) == len(rows), "a request twice in one step"
     a = sched.allocator
-    assert len({r.count > 1 for r in rows}) <= 1, "decode rows and prefill chunks in one step"
+    assert len({r.is_wide for r in rows}) <= 1, "decode rows and prefill chunks in one step"
     for row in rows:
       assert row.start == row.request.computed and row.count >= 1
       assert len(row.request.pages) * a.page_size >= row.start + row.count, "a token without a page"

@@ -1,0 +1,211 @@
+"""MTP speculative decoding for the serving engine (serving.py, serve_speculative_tokens = k > 0).
+
+The drafter is the model's MTP module 0 run through its own code with a cache
+(Transformer.mtp_cached: its DecoderLayer's MLA.attend_cached) over its own paged pool, one more
+PagedLayerCache under the engine's page table (so prefix pages share it as they share the
+stacks' pools). One jitted program per (rows, tokens) bucket does, for tokens [B,t] whose row i
+holds `known` tokens of its sequence then its drafts d_1..d_m (m <= k):
+
+  1. the target over the pools (Transformer(cache=...)) -> logits at the row's last known token and
+     at each draft [B,k+1,V], and the last layer's output h [B,t,D];
+  2. verification (sampling.verify_drafts): p = the request's distribution of those logits, q =
+     the distribution each draft was drawn from (kept on the device from the step that drew it,
+     `draft_q` [max_seqs,k,V], row `q_row`; greedy: one-hot) -> the accepted run and the drawn token
+     (when every row is greedy a lax.cond takes the same rule as argmax comparisons: no sorting, no draws);
+  3. the MTP layer over every row position i with (h_i, token i+1): token i+1 is the row's next
+     token, from the accepted run and the drawn token at and after the last known token, so the
+     MTP pool holds a valid entry for every position the step computes (a rejected position's
+     entry is rewritten when that position is computed);
+  4. drafts for the next step from the last accepted position a: MTP logits at a predict the token
+     after the drawn one; for k > 1 the module runs again at positions a + 1 .. a + k - 1 on its own
+     h and its previous draft (t = 1 a pass; their pool entries lie past what is computed and are
+     rewritten later). A draft position on a page the row has not got is not written: the next
+     chained pass reads a stale slot there, a weaker draft, never a wrong output.
+
+Keys: position P's draws use fold_in(key(seed), P): split for the accept test and the residual
+draw; fold_in(., 1) for the draft of P. So a request's tokens depend on its seed and its drafts,
+whatever else shares the batch (a preempted sampling request redraws from where it resumes).
+The MTP pool is updated inside the program (donated); the stacks' entries go through the
+engine's write program as without speculation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText.inference import paged_cache
+from MaxText.inference.cache_view import CacheView, stack_views
+from MaxText.inference.model_step import step_head_chunk
+from MaxText.inference.sampling import draw, row_probs, verify_drafts
+from MaxText.inference.scheduler import Scheduled
+from MaxText.runtime.distributed import to_host
+
+SEQ = ("tokens", "positions", "write_pos", "next")  # a step's [B,t] int32 inputs (next: token i+1 in the row)
+ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds")  # [B] int32 (seeds: uint32 bits)
+OPT = ("temp", "top_p")  # [B] fp32
+
+
+class SpecStep:
+  """The engine's step when speculating; holds the MTP pool, the drafts' distributions and the counts."""
+
+  def __init__(self, engine):
+    self.engine, self.k = engine, engine.config.serve_speculative_tokens
+    self._jit = jax.jit(self._step, static_argnums=(0,), donate_argnums=(4,))
+
+  def reset(self) -> None:
+    e = self.engine
+    self.mtp_pool = paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)
+    self.draft_q = jnp.zeros((e.max_seqs, self.k, e.config.vocab_size), jnp.float32)  # [S,k,V]
+    self.drafted = self.accepted = 0
+
+  def noop(self, b: int, t: int) -> None:
+    """b padding rows of t tokens: compiles that program, writes nothing."""
+    self._run(t, self._feed(b, t))
+
+  def _feed(self, b: int, t: int) -> dict:
+    """A step's host inputs for b padding rows of t tokens, packed in 4 arrays (one transfer each);
+    the named fields are views into them (SEQ x [b,t], ROW x [b], OPT x [b] fp32, table [b,P])."""
+    seq, row = np.zeros((len(SEQ), b, t), np.int32), np.zeros((len(ROW), b), np.int32)
+    opt, table = np.ones((len(OPT), b), np.float32), np.full((b, self.engine.pages_per_seq), -1, np.int32)
+    seq[SEQ.index("positions")] = np.arange(t, dtype=np.int32)
+    seq[SEQ.index("write_pos")] = -1  # padding: its writes are dropped
+    opt[OPT.index("temp")] = 0.0
+    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
+    return f | {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "packed": (seq, row, opt, table)}
+
+  def step(self, rows: list[Scheduled]) -> list:
+    e = self.engine
+    t = e.t_decode if all(r.known == 1 for r in rows) else e.t_mixed
+    b = min(e.max_seqs, 1 << (len(rows) - 1).bit_length())  # rows padded to a power of two
+    feed = self._feed(b, t)
+    for i, row in enumerate(rows):
+      r, n, known = row.request, row.count, row.known
+      feed["tokens"][i, :n] = r.tokens[row.start:row.start + known] + list(row.drafts)
+      feed["positions"][i] = row.start + np.arange(t)
+      feed["write_pos"][i, :n] = feed["positions"][i, :n]
+      feed["next"][i, :n - 1] = feed["tokens"][i, 1:n]  # token i+1 within the row
+      if not row.samples:
+        feed["next"][i, n - 1] = r.tokens[row.start + n]  # a prompt chunk's next token is known
+      feed["table"][i, :len(r.pages)] = r.pages
+      feed["last"][i], feed["samples"][i], feed["num_drafts"][i] = known - 1, row.samples, len(row.drafts)
+      feed["q_row"][i] = r.draft_row
+      p = r.params
+      feed["temp"][i], feed["top_p"][i], feed["top_k"][i] = p.temperature, p.top_p, p.top_k
+      feed["seeds"][i] = np.uint32((p.seed or 0) % 2 ** 32).view(np.int32)
+      feed["draw_at"][i] = row.start + known  # the position of the first token this row draws
+    got = to_host(self._run(t, feed))  # [B, 2k+2]
+    out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
+    made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
+    samples = [row.samples for row in rows]  # (update changes what `samples` reads)
+    e.scheduler.update(rows, [out[i, :accepted[i] + 1].tolist() for i in range(len(rows))])
+    stepped = {id(row.request) for row in rows}
+    for r in e.scheduler.running:  # drafts are verified the very next step or dropped (their q is replaced)
+      if id(r) not in stepped:
+        r.drafts = []
+    for i, row in enumerate(rows):
+      r = row.request
+      if samples[i]:
+        self.drafted += len(row.drafts)
+        self.accepted += int(accepted[i])
+        if r.finish_reason is None:  # the next step verifies these (their q is row i of draft_q)
+          r.drafts, r.draft_row = drafts[i].tolist(), i
+    e.steps += 1
+    return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
+
+  def _run(self, t: int, feed: dict) -> jax.Array:
+    e = self.engine
+    packed = tuple(jnp.asarray(a) for a in feed["packed"])
+    with e._rules():
+      entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
+                                                            e.absorbed, self.draft_q, packed)
+      e.pools = e._write_jit(e.pools, entries, packed[0][SEQ.index("write_pos")], packed[3])
+    return out
+
+  def _masked(self, logits: jax.Array) -> jax.Array:
+    v = self.engine.sample_vocab
+    return logits if v is None else jnp.where(jnp.arange(logits.shape[-1]) < v, logits, -jnp.inf)
+
+  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, packed):
+    """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
+    accepted, the next drafts [k]). See the module docstring."""
+    e, k = self.engine, self.k
+    seq, row, opt, table = packed
+    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
+    f |= {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "samples": row[ROW.index("samples")] > 0,
+                                                          "seeds": jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)}
+    model = nnx.merge(e.graphdef, params, buffers)
+    b = f["tokens"].shape[0]
+    chunk = step_head_chunk(e.config, e.chunk, t)
+    views = stack_views(pools, absorbed, mode=e.mode, index_head_chunk=chunk, page_table=f["table"],
+                        page_size=e.page_size)
+    verify_at = jnp.clip(f["last"][:, None] + jnp.arange(k + 1), 0, t - 1)  # [B,k+1]
+    logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=verify_at)  # [B,k+1,V]
+    opts = (f["temp"], f["top_p"], f["top_k"])
+    all_greedy = jnp.all(f["temp"] <= 0)  # then verification and drafting need no distributions (lax.cond)
+    drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]
+    base = jax.vmap(jax.random.key)(f["seeds"])  # [B]
+    key_at = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
+
+    def sampled():
+      p = row_probs(self._masked(logits), *opts)  # [B,k+1,V]
+      greedy = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B,k,V]
+      q = jnp.where((f["temp"] > 0)[:, None, None], draft_q[f["q_row"]], greedy)  # [B,k,V]
+      pos = f["draw_at"][:, None] + jnp.arange(k + 1)  # [B,k+1] the drawn tokens' positions
+      return verify_drafts(p, q, drafts, f["num_drafts"], key_at(base, pos))  # [B,k+1], [B]
+
+    def argmax():  # verify_drafts with one-hot p and q, without drawing: the longest prefix equal to the argmax
+      top = jnp.argmax(self._masked(logits), axis=-1).astype(jnp.int32)  # [B,k+1]
+      ok = (drafts == top[:, :k]) & (jnp.arange(k)[None] < f["num_drafts"][:, None])  # [B,k]
+      accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+      padded = jnp.concatenate([drafts, top[:, k:]], axis=1)  # [B,k+1]
+      return jnp.where(jnp.arange(k + 1)[None] < accepted[:, None], padded, top), accepted.astype(jnp.int32)
+
+    out, accepted = jax.lax.cond(all_greedy, argmax, sampled)  # [B,k+1], [B]
+
+    # The MTP layer over the row: token i+1 from the run at and after the last known token.
+    j = jnp.arange(t)[None]  # [1,t]
+    from_run = (j >= f["last"][:, None]) & f["samples"][:, None]  # [B,t]
+    run_tok = jnp.take_along_axis(out, jnp.clip(j - f["last"][:, None], 0, k), axis=1)  # [B,t]
+    nxt = jnp.where(from_run, run_tok, f["next"])  # [B,t]
+    at = f["last"] + accepted  # [B] the last accepted position's row index
+    mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, chunk)
+    m_logits, h, m_entries = model.mtp_cached(aux["hidden"], nxt, f["positions"], mview,
+                                              last_index=at)  # [B,1,V], [B,t,D]
+    num_slots = e.num_pages * e.page_size
+    write = lambda pool, wpos, ent: paged_cache.write(pool, paged_cache.slots(  # noqa: E731
+        f["table"], wpos, e.page_size, num_slots), **ent)
+    mtp_pool = write(mtp_pool, f["write_pos"], m_entries)
+
+    # Drafts: position a's MTP logits give the token at a + 2; k > 1 chains the module on its own h.
+    at_pos = jnp.take_along_axis(f["positions"], at[:, None], axis=1)[:, 0]  # [B]
+    real = f["write_pos"][:, 0] >= 0  # [B] rows that are not padding
+    h = jnp.take_along_axis(h, at[:, None, None], axis=1)  # [B,1,D]
+    qs, ds = [], []
+    for c in range(k):
+      if c:
+        cpos = (at_pos + c)[:, None]  # [B,1]: this pass's position, token = the previous draft
+        mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, step_head_chunk(e.config, e.chunk, 1))
+        m_logits, h, m_entries = model.mtp_cached(h, ds[-1][:, None], cpos, mview)  # [B,1,V], [B,1,D]
+        mtp_pool = write(mtp_pool, jnp.where(real[:, None], cpos, -1), m_entries)
+      keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(key_at(base, (at_pos + c + 2)[:, None])[:, 0])
+      lg = self._masked(m_logits)  # [B,1,V]
+
+      def draft_sampled(lg=lg, keys=keys):
+        qc = row_probs(lg, *opts)[:, 0]  # [B,V]
+        return qc, draw(qc, keys)
+
+      def draft_argmax(lg=lg):  # greedy rows verify against one-hot drafts: no q needed
+        return jnp.zeros(lg[:, 0].shape, jnp.float32), jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+
+      qc, d = jax.lax.cond(all_greedy, draft_argmax, draft_sampled)  # [B,V], [B]
+      qs.append(qc)
+      ds.append(d)
+    new_q = jnp.zeros_like(draft_q).at[:b].set(jnp.stack(qs, axis=1))  # [S,k,V]
+    result = jnp.concatenate([out, accepted[:, None], jnp.stack(ds, axis=1)], axis=1)  # [B,2k+2]
+    return aux["cache_entries"], mtp_pool, new_q, result
+
+
+__all__ = ["SpecStep"]
