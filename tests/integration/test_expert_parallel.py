@@ -238,20 +238,28 @@ def _serve(mesh_kw, prompts):
   from MaxText.inference.scheduler import SamplingParams
   from MaxText.inference.serving import ServingEngine
   cfg = small_config(num_devices=math.prod(mesh_kw.values()), ici_data_parallelism=1, mtp_num_layers=0,
-                     param_init_std=0.2, max_prefill_length=24, serve_page_size=8, serve_max_num_seqs=2,
+                     param_init_std=0.2, max_prefill_length=24, serve_page_size=8, serve_max_num_seqs=4,
                      serve_max_num_tokens=32, **mesh_kw)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
     eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+    written, finish = {}, eng.scheduler._finish
+    def record(r, reason):  # the slots of each request's written positions, before its pages are released
+      ps = eng.page_size
+      written[id(r)] = [r.pages[i // ps] * ps + i % ps for i in range(r.computed)]
+      finish(r, reason)
+    eng.scheduler._finish = record
     out = eng.generate(prompts, SamplingParams(max_tokens=4))
-    return [r.output for r in out], jax.tree.map(np.asarray, eng.pools)
+    # the pools as each request's entries in position order (a mesh shards pages, so page ids differ)
+    pools = [jax.tree.map(lambda a, s=written[id(r)]: np.asarray(a)[..., s, :], eng.pools) for r in out]
+    return [r.output for r in out], pools
 
 
 def test_serving_runs_expert_parallel():
   # Two prompts: on expert=2 the batch shards over `expert` (all-to-all dispatch); on expert=4 it
   # cannot, and each device runs its own experts on both rows (psum over `expert`). Tokens and
-  # pools equal one device's.
+  # each request's cache entries equal one device's.
   prompts = [list(range(3, 20)), list(range(7, 12))]  # ragged
   want = _serve({}, prompts)
   for mesh in (dict(ici_expert_parallelism=2), dict(ici_expert_parallelism=4)):
