@@ -241,10 +241,14 @@ class ServingEngine:
                         page_table=table, page_size=self.page_size)
     logits, aux = model(tokens, positions, cache=views, last_index=last)  # [B,1,V]
     logits = logits[:, 0]
-    if self.sample_vocab is not None:
-      logits = jnp.where(jnp.arange(logits.shape[-1]) < self.sample_vocab, logits, -jnp.inf)
+    logits = self.mask_vocab(logits)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, draw_at)  # [B]
     return aux["cache_entries"], sample_rows(logits, keys, temp, top_p, top_k)
+
+  def mask_vocab(self, logits: jax.Array) -> jax.Array:
+    """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""
+    v = self.sample_vocab
+    return logits if v is None else jnp.where(jnp.arange(logits.shape[-1]) < v, logits, -jnp.inf)
 
   def _write(self, pools, entries, write_pos, table):
     """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""

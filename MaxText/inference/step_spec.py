@@ -124,10 +124,6 @@ class SpecStep:
       e.pools = e._write_jit(e.pools, entries, packed[0][SEQ.index("write_pos")], packed[3])
     return out
 
-  def _masked(self, logits: jax.Array) -> jax.Array:
-    v = self.engine.sample_vocab
-    return logits if v is None else jnp.where(jnp.arange(logits.shape[-1]) < v, logits, -jnp.inf)
-
   def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, packed):
     """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
     accepted, the next drafts [k]). See the module docstring."""
@@ -150,14 +146,14 @@ class SpecStep:
     key_at = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
 
     def sampled():
-      p = row_probs(self._masked(logits), *opts)  # [B,k+1,V]
+      p = row_probs(self.engine.mask_vocab(logits), *opts)  # [B,k+1,V]
       greedy = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B,k,V]
       q = jnp.where((f["temp"] > 0)[:, None, None], draft_q[f["q_row"]], greedy)  # [B,k,V]
       pos = f["draw_at"][:, None] + jnp.arange(k + 1)  # [B,k+1] the drawn tokens' positions
       return verify_drafts(p, q, drafts, f["num_drafts"], key_at(base, pos))  # [B,k+1], [B]
 
     def argmax():  # verify_drafts with one-hot p and q, without drawing: the longest prefix equal to the argmax
-      top = jnp.argmax(self._masked(logits), axis=-1).astype(jnp.int32)  # [B,k+1]
+      top = jnp.argmax(self.engine.mask_vocab(logits), axis=-1).astype(jnp.int32)  # [B,k+1]
       ok = (drafts == top[:, :k]) & (jnp.arange(k)[None] < f["num_drafts"][:, None])  # [B,k]
       accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
       padded = jnp.concatenate([drafts, top[:, k:]], axis=1)  # [B,k+1]
@@ -191,7 +187,7 @@ class SpecStep:
         m_logits, h, m_entries = model.mtp_cached(h, ds[-1][:, None], cpos, mview)  # [B,1,V], [B,1,D]
         mtp_pool = write(mtp_pool, jnp.where(real[:, None], cpos, -1), m_entries)
       keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(key_at(base, (at_pos + c + 2)[:, None])[:, 0])
-      lg = self._masked(m_logits)  # [B,1,V]
+      lg = self.engine.mask_vocab(m_logits)  # [B,1,V]
 
       def draft_sampled(lg=lg, keys=keys):
         qc = row_probs(lg, *opts)[:, 0]  # [B,V]
