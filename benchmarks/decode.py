@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.config import pyconfig
-from MaxText.inference import kv_cache  # noqa: E402
+from MaxText.inference import kv_cache, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.runtime import sharding
 
@@ -70,10 +70,10 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
 def time_step(engine: ServingEngine, iters: int, stat: str) -> float:
   """One decode step of one row at the pools' last position (its write dropped: the cache stays)."""
   s = engine.pages_per_seq * engine.page_size
-  one = lambda v, dt=np.int32: np.full((1,), v, dt)
-  args = (1, one(1)[:, None], one(s - 1)[:, None], one(-1)[:, None],
-          np.arange(engine.pages_per_seq, dtype=np.int32)[None], one(0), one(0.0, np.float32), one(1.0, np.float32),
-          one(0), one(0, np.uint32), one(s))
+  feed = step_feed.empty(1, 1, engine.pages_per_seq)  # one row, temperature 0, its write dropped (write_pos -1)
+  feed["tokens"][0, 0], feed["positions"][0, 0], feed["draw_at"][0] = 1, s - 1, s
+  feed["table"][0] = np.arange(engine.pages_per_seq, dtype=np.int32)
+  args = (1, feed)
   for _ in range(2):  # compile + warm-up
     engine.pools, nxt = engine._run(*args)
   jax.block_until_ready(nxt)

@@ -51,28 +51,51 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
   """Each row by its own request's options: logits [B,V] fp32, keys [B] (one PRNG key per row),
   temperature [B] (0 = greedy), top_p [B] (1 = off), top_k [B] int (0 = off) -> ids [B] int32.
 
-  A row's draw depends only on its logits, options and key (vmapped per row), so a request with
-  a fixed seed gets the same tokens whatever else shares the batch."""
-  def one(lg, key, temp, p, k):  # [V], key, [], [], []
-    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_lg, -jnp.inf))
-    return jnp.where(temp > 0, order[choice], jnp.argmax(lg)).astype(jnp.int32)
+  A row's draw depends only on its logits, options and key, never on the other rows: greedy is
+  the argmax (lowest id on ties); an unfiltered row (top_p 1, top_k 0) draws over every id from
+  logits / temperature; a filtered row sorts its logits and draws from its top_p / top_k set. The
+  batch only decides what is computed at all (lax.cond): no sort when no row filters, no draw
+  when every row is greedy (the common decode step pays for neither)."""
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+  sampling = temperature > 0  # [B]
+  filtered = sampling & ((top_p < 1) | (top_k > 0))  # [B]
 
-  return jax.vmap(one)(logits.astype(jnp.float32), keys, temperature, top_p, top_k)
+  def unfiltered(lg, key, temp):  # [V], key, []
+    return jax.random.categorical(key, lg / jnp.maximum(temp, 1e-6))
+
+  def kept(lg, key, temp, p, k):  # [V], key, [], [], []
+    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
+    return order[jax.random.categorical(key, jnp.where(keep, sorted_lg, -jnp.inf))]
+
+  def drawn():
+    plain = jax.vmap(unfiltered)(logits, keys, temperature)  # [B]
+    some = lambda: jnp.where(filtered, jax.vmap(kept)(logits, keys, temperature, top_p, top_k), plain)  # noqa: E731
+    ids = jax.lax.cond(jnp.any(filtered), some, lambda: plain)
+    return jnp.where(sampling, ids, greedy).astype(jnp.int32)
+
+  return jax.lax.cond(jnp.any(sampling), drawn, lambda: greedy)
 
 
 def row_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
   """The distribution sample_rows draws from, explicit: logits [B,m,V] fp32, options [B] -> probs
   [B,m,V] fp32 (softmax of logits / temperature over the top_p / top_k set; temperature 0: one-hot
-  at the argmax, lowest id on ties, as sample_rows)."""
+  at the argmax, lowest id on ties, as sample_rows). Sorts only when some sampling row filters."""
+  logits = logits.astype(jnp.float32)
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)  # [B,m,V]
+  sampling = (temperature > 0)[:, None, None]  # [B,1,1]
+  filtered = (temperature > 0) & ((top_p < 1) | (top_k > 0))  # [B]
+
   def one(lg, temp, p, k):  # [V]
     order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
     kept = jax.nn.softmax(jnp.where(keep, sorted_lg, -jnp.inf))  # [V] in sorted order
-    probs = jnp.zeros_like(kept).at[order].set(kept)  # [V] in id order
-    return jnp.where(temp > 0, probs, jax.nn.one_hot(jnp.argmax(lg), lg.shape[0], dtype=probs.dtype))
+    return jnp.zeros_like(kept).at[order].set(kept)  # [V] in id order
 
-  per_row = jax.vmap(one, in_axes=(0, None, None, None))  # over a row's m positions
-  return jax.vmap(per_row)(logits.astype(jnp.float32), temperature, top_p, top_k)
+  plain = jax.nn.softmax(logits / jnp.maximum(temperature, 1e-6)[:, None, None], axis=-1)  # [B,m,V]
+  some = lambda: jnp.where(filtered[:, None, None], jax.vmap(jax.vmap(one, in_axes=(0, None, None, None)))(  # noqa: E731
+      logits, temperature, top_p, top_k), plain)
+  probs = jax.lax.cond(jnp.any(filtered), some, lambda: plain)
+  return jnp.where(sampling, probs, greedy)
 
 
 def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:

@@ -8,13 +8,16 @@
 
 Each `step` asks the scheduler (scheduler.py) for its rows, decode rows and prefill chunks
 together under serve_max_num_tokens, then runs ONE jitted program of fixed shape [B, t]: B the
-rows padded to a power of two (at most serve_max_num_seqs), t = 1 when every row decodes, else
-the prefill chunk; a row's real tokens first, padding after (its writes are dropped). The program is the model's own call with a
-cache (Transformer(cache=...): every layer's MLA.attend_cached) over the paged pools
-(paged_cache.py) seen through the step's page table, then the per-row sampling
-(sampling.sample_rows: each request's temperature, top_p, top_k and seed). A second jitted
-program writes the new tokens' entries into their slots (in place: the pools are donated). So at
-most 2 x (number of row buckets) step programs are compiled (and as many writes), said at start.
+rows padded to a power of two (at most serve_max_num_seqs), t the smallest width holding the
+step's widest row: 1 when every row decodes, else one of serve_width_buckets prefill widths
+(chunk, chunk/2, chunk/4, ...: a short prompt's step is not padded to a whole chunk); a row's real
+tokens first, padding after (its writes are dropped). Its inputs travel packed (step_feed.py: four
+transfers a step). The program is the model's own call with a cache (Transformer(cache=...):
+every layer's MLA.attend_cached) over the paged pools (paged_cache.py) seen through the step's
+page table, then the per-row sampling (sampling.sample_rows: each request's temperature, top_p,
+top_k and seed; no sort or draw unless a row needs it). A second jitted program writes the new
+tokens' entries into their slots (in place: the pools are donated). So at most (row buckets) x
+(widths) step programs are compiled (and as many writes), said at start.
 
 Pages: serve_page_size tokens each, serve_num_pages per pool (0: room for serve_max_num_seqs
 sequences of max_target_length). A finished request frees its pages at once; with
@@ -49,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import default_attention, model_absorbed_weights, step_head_chunk
 from MaxText.inference.page_allocator import PageAllocator
@@ -88,6 +91,8 @@ class ServingEngine:
     self.spec = SpecStep(self) if cfg.serve_speculative_tokens else None
     self.t_decode = 1 + cfg.serve_speculative_tokens  # a decode step's tokens per row
     self.t_mixed = max(self.chunk, self.t_decode)
+    wide = {min(self.t_mixed, max(self.t_decode + 1, -(-self.chunk // 2 ** i))) for i in range(cfg.serve_width_buckets)}
+    self.widths = sorted({self.t_decode} | wide)  # a step's tokens per row: the smallest holding its widest row
     absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
     self.absorbed = _outputs(absorb.lower(params, buffers).compile()) if self.abstract else absorb(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
@@ -98,8 +103,8 @@ class ServingEngine:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
-          f"{2 * len(self.buckets())} step programs: [rows, tokens] in {self.buckets()} x "
-          f"({self.t_decode}, {self.t_mixed})" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
+          f"{len(self.buckets()) * len(self.widths)} step programs: [rows, tokens] in {self.buckets()} x "
+          f"{self.widths}" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
                                                   if self.spec else ""))
 
   def reset(self) -> None:
@@ -124,21 +129,24 @@ class ServingEngine:
     return sorted({self.shards * min(per, 1 << i) for i in range(per.bit_length() + 1)})
 
   def warmup(self) -> int:
-    """Compiles every step and write program (each row bucket x (1, chunk)) on padding-only input:
+    """Compiles every step and write program (each row bucket x each width) on padding-only input:
     every write is dropped, nothing changes. Returns how many step programs there are."""
     for b in self.buckets():
-      for t in sorted({self.t_decode, self.t_mixed}):
+      for t in self.widths:
         self._noop(b, t)
-    return 2 * len(self.buckets())
+    return len(self.buckets()) * len(self.widths)
+
+  def width(self, rows: list[Scheduled]) -> int:
+    """A step's tokens per row: the smallest width holding its widest row (1 + k for decode rows)."""
+    widest = max(row.count for row in rows)
+    return next(w for w in self.widths if w >= widest)
 
   def _noop(self, b: int, t: int) -> None:
     """A step of b padding rows of t tokens: compiles that program, writes nothing."""
-    z, zb = np.zeros((b, t), np.int32), np.zeros((b,), np.int32)
     if self.spec is not None:
       self.spec.noop(b, t)
       return
-    self.pools, _ = self._run(t, z, z, z - 1, np.full((b, self.pages_per_seq), -1, np.int32), zb,
-                              zb.astype(np.float32), np.ones((b,), np.float32), zb, zb.astype(np.uint32), zb)
+    self.pools, _ = self._run(t, step_feed.empty(b, t, self.pages_per_seq))
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -162,27 +170,11 @@ class ServingEngine:
       return []
     if self.spec is not None:
       return self.spec.step(rows)
-    t = 1 if all(r.count == 1 for r in rows) else self.chunk
+    t = self.width(rows)
     b, where = self._placement(rows)
-    tokens = np.zeros((b, t), np.int32)
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
-    write_pos = np.full((b, t), -1, np.int32)  # -1: padding, its write is dropped
-    table = np.full((b, self.pages_per_seq), -1, np.int32)
-    last = np.zeros((b,), np.int32)
-    temp, top_p, top_k = np.zeros((b,), np.float32), np.ones((b,), np.float32), np.zeros((b,), np.int32)
-    seeds, draw_at = np.zeros((b,), np.uint32), np.zeros((b,), np.int32)
-    for i, row in zip(where, rows):
-      r, n = row.request, row.count
-      tokens[i, :n] = r.tokens[row.start:row.start + n]
-      positions[i] = row.start + np.arange(t)
-      write_pos[i, :n] = positions[i, :n]
-      table[i, :len(r.pages)] = r.pages
-      last[i] = n - 1
-      p = r.params
-      temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-      seeds[i] = (p.seed or 0) % 2 ** 32
-      draw_at[i] = row.start + n  # the position of the token this row draws
-    self.pools, sampled = self._run(t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at)
+    feed = step_feed.empty(b, t, self.pages_per_seq)
+    step_feed.fill(feed, rows, where)
+    self.pools, sampled = self._run(t, feed)
     sampled = to_host(sampled)
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     self.scheduler.update(rows, sampled[where])
@@ -206,44 +198,46 @@ class ServingEngine:
     """The step and write programs for b rows of t tokens, compiled from the engine's (abstract or
     real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
     as a step's rows do)."""
-    rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(len(shape)))
-    bt, bb = rows(b, t), rows(b)
-    args = (bt, bt, rows(b, self.pages_per_seq), bb, rows(b, dtype=jnp.float32), rows(b, dtype=jnp.float32), bb,
-            rows(b, dtype=jnp.uint32), bb)
+    packed = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding)
+    seq = packed[0]
+    write_pos = jax.ShapeDtypeStruct(seq.shape[1:], seq.dtype, sharding=self._row_sharding(2))
     with self._rules():
-      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, *args).compile()
+      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, packed).compile()
       entries = _outputs(step)[0]
-      return step, self._write_jit.lower(self.pools, entries, bt, args[2]).compile(), args
+      return step, self._write_jit.lower(self.pools, entries, write_pos, packed[3]).compile(), packed
 
   def _rules(self):
     """The mesh's logical rules, active wherever the engine's programs trace (its step reads them)."""
     return sharding.logical_rules(self.config, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _row_sharding(self, ndim: int):
+  def _row_sharding(self, ndim: int, lead: int = 0):
+    """A step input's sharding: its axis `lead` (the rows; packed fields come first) over the page shards' axes."""
     if self.mesh is None:
       return None
     axes = paged_cache.page_axes(self.config, self.mesh)
-    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
+    spec = [None] * ndim
+    spec[lead] = axes or None
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
 
-  def _run(self, t, tokens, positions, write_pos, table, last, temp, top_p, top_k, seeds, draw_at):
-    args = [jnp.asarray(a) for a in (tokens, positions, table, last, temp, top_p, top_k, seeds, draw_at)]
+  def _run(self, t: int, feed: dict):
+    """The step and write programs on a step_feed -> (the pools after the write, sampled [B])."""
+    packed = step_feed.to_device(feed)
     with self._rules():
-      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, *args)
-      pools = self._write_jit(self.pools, entries, jnp.asarray(write_pos), args[2])
+      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, packed)
+      pools = self._write_jit(self.pools, entries, packed[0][step_feed.SEQ.index("write_pos")], packed[3])
     return pools, sampled
 
-  def _step(self, t, params, buffers, pools, absorbed, tokens, positions, table, last, temp, top_p, top_k, seeds,
-            draw_at):
-    """The model over the pools for tokens [B,t] -> (the new entries, the sampled token per row [B])."""
+  def _step(self, t, params, buffers, pools, absorbed, packed):
+    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B])."""
     cfg = self.config
+    f = step_feed.unpack(packed)
     model = nnx.merge(self.graphdef, params, buffers)
     views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=step_head_chunk(cfg, self.chunk, t),
-                        page_table=table, page_size=self.page_size)
-    logits, aux = model(tokens, positions, cache=views, last_index=last)  # [B,1,V]
-    logits = logits[:, 0]
-    logits = self.mask_vocab(logits)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, draw_at)  # [B]
-    return aux["cache_entries"], sample_rows(logits, keys, temp, top_p, top_k)
+                        page_table=f["table"], page_size=self.page_size)
+    logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=f["last"])  # [B,1,V]
+    logits = self.mask_vocab(logits[:, 0])  # [B,V]
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
+    return aux["cache_entries"], sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""

@@ -33,19 +33,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
 from MaxText.inference.model_step import step_head_chunk
 from MaxText.inference.sampling import draw, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
 from MaxText.runtime.distributed import to_host
-
-SEQ = ("tokens", "positions", "write_pos", "next")  # a step's [B,t] int32 inputs (next: token i+1 in the row)
-ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds")  # [B] int32 (seeds: uint32 bits)
-OPT = ("temp", "top_p")  # [B] fp32
 
 
 class SpecStep:
@@ -63,40 +58,15 @@ class SpecStep:
 
   def noop(self, b: int, t: int) -> None:
     """b padding rows of t tokens: compiles that program, writes nothing."""
-    self._run(t, self._feed(b, t))
-
-  def _feed(self, b: int, t: int) -> dict:
-    """A step's host inputs for b padding rows of t tokens, packed in 4 arrays (one transfer each);
-    the named fields are views into them (SEQ x [b,t], ROW x [b], OPT x [b] fp32, table [b,P])."""
-    seq, row = np.zeros((len(SEQ), b, t), np.int32), np.zeros((len(ROW), b), np.int32)
-    opt, table = np.ones((len(OPT), b), np.float32), np.full((b, self.engine.pages_per_seq), -1, np.int32)
-    seq[SEQ.index("positions")] = np.arange(t, dtype=np.int32)
-    seq[SEQ.index("write_pos")] = -1  # padding: its writes are dropped
-    opt[OPT.index("temp")] = 0.0
-    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
-    return f | {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "packed": (seq, row, opt, table)}
+    self._run(t, step_feed.empty(b, t, self.engine.pages_per_seq))
 
   def step(self, rows: list[Scheduled]) -> list:
     e = self.engine
-    t = e.t_decode if all(r.known == 1 for r in rows) else e.t_mixed
-    b = min(e.max_seqs, 1 << (len(rows) - 1).bit_length())  # rows padded to a power of two
-    feed = self._feed(b, t)
-    for i, row in enumerate(rows):
-      r, n, known = row.request, row.count, row.known
-      feed["tokens"][i, :n] = r.tokens[row.start:row.start + known] + list(row.drafts)
-      feed["positions"][i] = row.start + np.arange(t)
-      feed["write_pos"][i, :n] = feed["positions"][i, :n]
-      feed["next"][i, :n - 1] = feed["tokens"][i, 1:n]  # token i+1 within the row
-      if not row.samples:
-        feed["next"][i, n - 1] = r.tokens[row.start + n]  # a prompt chunk's next token is known
-      feed["table"][i, :len(r.pages)] = r.pages
-      feed["last"][i], feed["samples"][i], feed["num_drafts"][i] = known - 1, row.samples, len(row.drafts)
-      feed["q_row"][i] = r.draft_row
-      p = r.params
-      feed["temp"][i], feed["top_p"][i], feed["top_k"][i] = p.temperature, p.top_p, p.top_k
-      feed["seeds"][i] = np.uint32((p.seed or 0) % 2 ** 32).view(np.int32)
-      feed["draw_at"][i] = row.start + known  # the position of the first token this row draws
-    got = to_host(self._run(t, feed))  # [B, 2k+2]
+    t = e.width(rows)
+    b, where = e._placement(rows)
+    feed = step_feed.empty(b, t, e.pages_per_seq)
+    step_feed.fill(feed, rows, where)
+    got = to_host(self._run(t, feed))[where]  # [rows, 2k+2]
     out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
@@ -110,28 +80,25 @@ class SpecStep:
       if samples[i]:
         self.drafted += len(row.drafts)
         self.accepted += int(accepted[i])
-        if r.finish_reason is None:  # the next step verifies these (their q is row i of draft_q)
-          r.drafts, r.draft_row = drafts[i].tolist(), i
+        if r.finish_reason is None:  # the next step verifies these (their q is draft_q's row where[i])
+          r.drafts, r.draft_row = drafts[i].tolist(), where[i]
     e.steps += 1
     return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
 
   def _run(self, t: int, feed: dict) -> jax.Array:
     e = self.engine
-    packed = tuple(jnp.asarray(a) for a in feed["packed"])
+    packed = step_feed.to_device(feed)
     with e._rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
                                                             e.absorbed, self.draft_q, packed)
-      e.pools = e._write_jit(e.pools, entries, packed[0][SEQ.index("write_pos")], packed[3])
+      e.pools = e._write_jit(e.pools, entries, packed[0][step_feed.SEQ.index("write_pos")], packed[3])
     return out
 
   def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, packed):
     """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
     accepted, the next drafts [k]). See the module docstring."""
     e, k = self.engine, self.k
-    seq, row, opt, table = packed
-    f = {name: seq[i] for i, name in enumerate(SEQ)} | {name: row[i] for i, name in enumerate(ROW)}
-    f |= {name: opt[i] for i, name in enumerate(OPT)} | {"table": table, "samples": row[ROW.index("samples")] > 0,
-                                                          "seeds": jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)}
+    f = step_feed.unpack(packed)
     model = nnx.merge(e.graphdef, params, buffers)
     b = f["tokens"].shape[0]
     chunk = step_head_chunk(e.config, e.chunk, t)
