@@ -103,17 +103,6 @@ def sampling(config: Config, row: int, prompt_length: int):
                         seed=config.seed + row)
 
 
-def load_model(config: Config, mesh):
-  """(graphdef, params, buffers, random?) from load_parameters_path, else random init."""
-  from MaxText.checkpoint import model_state
-  if not config.load_parameters_path:
-    graphdef, params, buffers, _ = model_state.create(config, mesh)
-    return graphdef, params, buffers, True
-  graphdef, params, buffers, _ = model_state.load_parameters(
-      config.load_parameters_path, config, mesh, report=lambda line: print(line, file=sys.stderr, flush=True))
-  return graphdef, params, buffers, False
-
-
 def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
   import jax
 
@@ -130,11 +119,10 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
 
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-    graphdef, params, buffers, is_random = load_model(config, mesh)
+    graphdef, params, buffers, source = model_state.load_or_create(
+        config, mesh, report=lambda line: print(line, file=sys.stderr, flush=True))
     vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
     engine = ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id)
-    source = (f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output is noise, a smoke test"
-              if is_random else f"parameters from load_parameters_path={config.load_parameters_path}")
     print(f"decode: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}",
           file=out, flush=True)
     print(f"decode: {kv_cache.describe(config)}; attention {engine.mode}"

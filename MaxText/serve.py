@@ -60,13 +60,7 @@ def create_server(config: Config, log=_log):
 
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-    if config.load_parameters_path:
-      graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh,
-                                                                 report=log)
-      source = f"parameters from load_parameters_path={config.load_parameters_path}"
-    else:
-      graphdef, params, buffers, _ = model_state.create(config, mesh)
-      source = f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output is noise, a smoke test"
+    graphdef, params, buffers, source = model_state.load_or_create(config, mesh, report=log)
   log(f"serve: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}; "
       f"tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
       f"{'yes' if template else 'none'}")

@@ -125,3 +125,15 @@ def load_parameters(path: str, config: Config, mesh, report=print):
   if os.path.normpath(used) != os.path.normpath(path):
     report(f"load_parameters_path={path}: params and buffers from {used}")
   return graphdef, restored["params"], restored["buffers"], (p_shard, b_shard)
+
+
+def load_or_create(config: Config, mesh, report=print):
+  """The decode/serve parameters: load_parameters(load_parameters_path) when set (report as there), else a
+  random init. -> (graphdef, params, buffers, source): source is the line the entry points print saying which
+  (random parameters are named loudly: their output is noise)."""
+  if not config.load_parameters_path:
+    graphdef, params, buffers, _ = create(config, mesh)
+    return graphdef, params, buffers, (f"RANDOM parameters (no load_parameters_path; seed={config.seed}): the output "
+                                       "is noise, a smoke test")
+  graphdef, params, buffers, _ = load_parameters(config.load_parameters_path, config, mesh, report=report)
+  return graphdef, params, buffers, f"parameters from load_parameters_path={config.load_parameters_path}"

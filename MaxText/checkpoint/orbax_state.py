@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from MaxText.config.types import Config
+from MaxText.config.types import Config, ConfigError
 from MaxText.runtime.cli import RunError
 
 UNUSABLE_DIR = "checkpoints_unusable"
@@ -113,10 +113,23 @@ def _shapes(tree) -> dict[str, tuple]:
   return {name(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def _stored_tree(tree_dir: str) -> dict:
+  """The stored tree's metadata (leaves carry shape and dtype; no array is read); an unreadable one raises."""
+  return ocp.PyTreeCheckpointer().metadata(os.path.abspath(tree_dir)).item_metadata.tree
+
+
+def _quantization(params: dict) -> str:
+  """The weight_quantization a params tree was built with: fp8_block when it holds a block-quantized
+  weight (a `<name>_scale` beside its `<name>`: a linear's kernel_scale, the experts' wi_0_scale), else none
+  (a norm's `scale` has no such sibling)."""
+  shapes = _shapes(params)
+  return "fp8_block" if any(k.endswith("_scale") and k[:-len("_scale")] in shapes for k in shapes) else "none"
+
+
 def model_mismatch(tree_dir: str, target: dict) -> str | None:
-  """How the params/buffers stored in tree_dir differ from target's (another model), or None.
-  Reads only the metadata; an unreadable one raises."""
-  stored = ocp.PyTreeCheckpointer().metadata(os.path.abspath(tree_dir)).item_metadata.tree
+  """How the params/buffers stored in tree_dir differ from target's (another model): the first path
+  whose shapes differ, with both shapes; or None. Reads only the metadata; an unreadable one raises."""
+  stored = _stored_tree(tree_dir)
   for part in ("params", "buffers"):
     have, want = _shapes(stored.get(part, {})), _shapes(target[part])
     for key in sorted(set(have) | set(want)):
@@ -205,10 +218,21 @@ def parameter_candidates(path: str) -> list[str]:
 
 def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict]:
   """(the tree folder used, {"params", "buffers"}) restored onto target's shardings; only those two
-  subtrees are read (a train state's optimizer and step are left on disk)."""
+  subtrees are read (a train state's optimizer and step are left on disk). Before reading any array:
+  a checkpoint whose weight_quantization differs from target's is a ConfigError naming both values, one
+  of another model a CheckpointError naming the first differing path and both shapes."""
   problems = []
   candidates = parameter_candidates(path)
+  want = _quantization(target["params"])
   for tree_dir in candidates:
+    try:
+      have = _quantization(_stored_tree(tree_dir).get("params", {}))
+    except Exception:  # unreadable metadata: the restore below says why
+      have = want
+    if have != want:
+      raise ConfigError(f"weight_quantization={want} does not fit load_parameters_path={path!r}: it was converted "
+                        f"with weight_quantization={have}; set weight_quantization={have} (or convert it again "
+                        f"with weight_quantization={want})")
     try:
       other = model_mismatch(tree_dir, target)
     except Exception:

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from MaxText.checkpoint import model_state
+from MaxText.config.types import ConfigError
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.kernels.fp8_blocks import FP8, dequantize, quantize
 from MaxText.layers.linears import kernel_block, requantized
 from MaxText.runtime import sharding
 from tests.conftest import make_config
+from tests.integration.test_decode import _cli
 from tests.integration.test_expert_parallel import _layer_inputs, _on_mesh, _single_device
 
 BASE = dict(max_target_length=32, max_prefill_length=16, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
@@ -83,3 +85,23 @@ def test_fp8_model_on_a_tensor_x_expert_mesh_equals_one_device():
   got = forward(make_config(num_devices=8, ici_tensor_parallelism=2, ici_expert_parallelism=4, **over))
   assert np.abs(want).max() > 1
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_checkpoint_of_the_other_weight_quantization_is_one_config_error_naming_both(tmp_path):
+  # Read from the stored tree's metadata (kernel_scale leaves or none) before any array: no orbax traceback.
+  def zeros_checkpoint(path, cfg):  # only the tree is read here
+    _, p, b = model_state.abstract_model(cfg)
+    zeros = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree.to_pure_dict())  # noqa: E731
+    model_state.save_parameters(path, zeros(p), zeros(b))
+
+  fp8, plain = make_config(weight_quantization="fp8_block", **BASE), make_config(**BASE)
+  for saved, loaded, have, want in ((fp8, plain, "fp8_block", "none"), (plain, fp8, "none", "fp8_block")):
+    path = str(tmp_path / have)
+    zeros_checkpoint(path, saved)
+    with pytest.raises(ConfigError, match=f"weight_quantization={want} does not fit load_parameters_path=.*converted "
+                                          f"with weight_quantization={have}; set weight_quantization={have}"):
+      model_state.load_parameters(path, loaded, sharding.create_mesh(loaded))
+  r = _cli(f"load_parameters_path={tmp_path / 'fp8_block'}", "prompt=1,2", "weight_block_size=[16,32]",
+           "mtp_num_layers=0", timeout=120)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert "weight_quantization=none does not fit" in r.stderr and "with weight_quantization=fp8_block" in r.stderr
