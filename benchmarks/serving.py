@@ -3,18 +3,22 @@
     python benchmarks/serving.py            # the tiny model and a mid-size one (8 layers, emb 512, 8K contexts)
     python benchmarks/serving.py --quick    # the tiny model, fewer requests, a shorter system prompt
 
-One seeded workload, the same requests in the same arrival order for both policies, in real time:
-Poisson arrivals (--rate per second), prompt lengths uniform in [--prompt-min, --prompt-max],
-output lengths log-uniform in [--out-min, --out-max] (max_tokens, EOS ignored), greedy. Both
-policies drive the same ServingEngine (the same compiled programs, paged caches, up to --seqs
-sequences):
-  continuous  a request joins the running batch at the next step after it arrives and leaves it
-              when done.
-  static      decode.py before this engine: when the engine is idle, every request that has
-              arrived (up to --seqs) forms one batch, which runs until its longest request is
-              done; later arrivals wait for the next batch. (Kinder than the old contiguous
-              engine, whose finished rows kept computing until the batch ended: here a finished
-              request leaves the batch and its steps shrink.)
+One seeded workload, the same requests in the same arrival order for every policy, in real time:
+Poisson arrivals (--rate per second; the default keeps about --seqs requests in flight in the
+continuous engine, printed as "in flight": the mean of requests between arrival and finish),
+prompt lengths uniform in [--prompt-min, --prompt-max], output lengths log-uniform in [--out-min,
+--out-max] (max_tokens, EOS ignored), greedy. Every policy drives the same ServingEngine (the same
+compiled programs, paged caches, up to --seqs sequences a step):
+  continuous     a request joins the running batch at the next step after it arrives and leaves it
+                 when done.
+  static         decode.py before this engine, the baseline of the JSON's ratios: when the engine is
+                 idle, every request that has arrived (up to --seqs) forms one batch, which runs
+                 until its longest request is done, every row computing to the end (the old
+                 contiguous engine's finished rows kept decoding: each request runs to the batch's
+                 longest output, and only its own tokens count, each when it is made); later
+                 arrivals wait for the next batch.
+  static-shrink  the same batches, kinder: a finished request leaves its batch and the steps shrink
+                 (throughput_ratio_vs_shrinking).
 The mid-size row (full mode) runs its own workload, MID_WORKLOAD: contexts to 8K tokens
 (max_target_length 8192), prompts of 128-1024 tokens prefilled in chunks of 256.
 Compiled before the clock starts (ServingEngine.warmup). Reported: output tokens/s over the run,
@@ -34,6 +38,7 @@ Ratios are measured side by side in one process; never a timed assert.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -51,6 +56,7 @@ from MaxText.runtime.optimizers import create_optimizer
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
+POLICIES = ("continuous", "static", "static-shrink")
 MID_WORKLOAD = dict(max_len=8192, chunk=256, page=64, prompt_min=128, prompt_max=1024, requests=16, rate=1.0)
 
 
@@ -68,7 +74,8 @@ def workload(args, seed: int):
 def stats(first, finish, arrival, counts, t0, t1):
   ttft = np.array([f - a for f, a in zip(first, arrival)])
   tpot = np.array([(e - f) / max(n - 1, 1) for f, e, n in zip(first, finish, counts)])
-  return {"tokens_per_s": sum(counts) / (t1 - t0), "ttft_p50": float(np.percentile(ttft, 50)),
+  in_flight = sum(e - a for e, a in zip(finish, arrival)) / (t1 - t0)  # mean requests between arrival and finish
+  return {"tokens_per_s": sum(counts) / (t1 - t0), "in_flight": in_flight, "ttft_p50": float(np.percentile(ttft, 50)),
           "ttft_p99": float(np.percentile(ttft, 99)), "tpot_p50": float(np.percentile(tpot, 50)),
           "tpot_p99": float(np.percentile(tpot, 99))}
 
@@ -77,27 +84,32 @@ def serve(engine: ServingEngine, work, policy: str, seqs: int):
   """The workload in real time through the engine -> stats. policy "continuous": a request joins
   the running batch at the next step after it arrives. "static": a static batch of the old kind
   over the same engine: when the engine is idle, every request that has arrived (up to seqs) joins
-  one batch, which runs until its last request is done; later arrivals wait for the next batch."""
+  one batch, which runs until its longest request is done, every row computing to the end (the old
+  engine's finished rows kept decoding: here each request runs to the batch's longest output, and
+  only its own tokens count, each when it is made); later arrivals wait for the next batch.
+  "static-shrink": the same batches, but a finished request leaves its batch (its steps shrink)."""
   n = len(work)
-  first, finish = [None] * n, [None] * n
+  first, finish, made = [None] * n, [None] * n, [0] * n
   requests, nxt = {}, 0
   t0 = time.perf_counter()
   while nxt < n or not engine.idle:
     now = time.perf_counter() - t0
     if policy == "continuous" or engine.idle:
-      batch = 0
-      while nxt < n and work[nxt][0] <= now and (policy == "continuous" or batch < seqs):
-        a, prompt, out = work[nxt]
-        requests[id(engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True)))] = nxt
-        nxt, batch = nxt + 1, batch + 1
+      batch = [i for i in range(nxt, n) if work[i][0] <= now][:n if policy == "continuous" else seqs]
+      longest = max((work[i][2] for i in batch), default=0)
+      for i in batch:
+        out = longest if policy == "static" else work[i][2]
+        requests[id(engine.add_request(work[i][1], SamplingParams(max_tokens=out, ignore_eos=True)))] = i
+      nxt += len(batch)
     if engine.idle:
       time.sleep(max(0.0, min(0.01, work[nxt][0] - now)))
       continue
     for r, _ in engine.step():
       i, t = requests[id(r)], time.perf_counter() - t0
+      made[i] += 1
       if first[i] is None:
         first[i] = t
-      if r.finish_reason is not None:
+      if made[i] == work[i][2]:
         finish[i] = t
   t1 = time.perf_counter() - t0
   engine.scheduler.take_finished()
@@ -121,7 +133,7 @@ def compare(args, name: str, extra: dict, **overrides) -> dict:
   engine = ServingEngine(cfg, g, p, b)
   engine.warmup()  # every step program compiled before the clock starts; both policies share them
   out = {"model": name}
-  for policy in ("continuous", "static"):
+  for policy in POLICIES:
     engine.reset()  # empty pools and prefix cache; the compiled programs stay
     out[policy] = serve(engine, work, policy, args.seqs)
   return out
@@ -175,11 +187,19 @@ def speculative(args) -> dict:
   return out
 
 
+def fresh(result):
+  """result, after dropping every compiled program (each section compiles its own engines': XLA:CPU
+  maps a few pages per kernel, and a process is allowed 65530 maps)."""
+  jax.clear_caches()
+  gc.collect()
+  return result
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
   ap.add_argument("--requests", type=int, default=128)
-  ap.add_argument("--rate", type=float, default=56.0, help="arrivals per second")
+  ap.add_argument("--rate", type=float, default=100.0, help="arrivals per second (100: about 16 in flight)")
   ap.add_argument("--seqs", type=int, default=16, help="concurrent sequences (continuous) / static batch rows")
   ap.add_argument("--tokens", type=int, default=512, help="serve_max_num_tokens")
   ap.add_argument("--chunk", type=int, default=64, help="prefill_chunk_size")
@@ -199,19 +219,19 @@ def main() -> None:
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 64, 512
-  rows = [compare(args, "tiny", {})]
+  rows = [fresh(compare(args, "tiny", {}))]
   if not args.quick:
-    rows.append(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD))
-  pre = prefix(args, {})
-  spec = speculative(args)
+    rows.append(fresh(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD)))
+  pre = fresh(prefix(args, {}))
+  spec = fresh(speculative(args))
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
         f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored"
         + ("" if args.quick else f"; mid: {MID_WORKLOAD}"))
-  print(f"{'model':>24} {'policy':>10} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+  print(f"{'model':>24} {'policy':>13} {'tok/s':>8} {'in flight':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
   for r in rows:
-    for policy in ("continuous", "static"):
+    for policy in POLICIES:
       m = r[policy]
-      print(f"{r['model']:>24} {policy:>10} {m['tokens_per_s']:8.1f} {m['ttft_p50']:9.3f} {m['ttft_p99']:9.3f} "
+      print(f"{r['model']:>24} {policy:>13} {m['tokens_per_s']:8.1f} {m['in_flight']:9.1f} {m['ttft_p50']:9.3f} {m['ttft_p99']:9.3f} "
             f"{m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
   print(f"shared prefix ({args.system}-token system prompt, {args.prefix_requests} requests): TTFT p50 "
         f"{pre['without']['ttft_p50']:.3f} s without the prefix cache, {pre['with']['ttft_p50']:.3f} s with it")
@@ -221,7 +241,9 @@ def main() -> None:
         f"{args.spec_seqs} sequences): {spec[0]['tokens_per_s']:.1f} tok/s without, {spec[k]['tokens_per_s']:.1f} "
         f"with; acceptance {spec['acceptance']:.3f}; TPOT p50 {spec[0]['tpot_p50']:.4f} / {spec[k]['tpot_p50']:.4f} s")
   ratios = lambda r: {"throughput_ratio": round(r["continuous"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
-                      "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["continuous"]["ttft_p50"], 3)}
+                      "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["continuous"]["ttft_p50"], 3),
+                      "throughput_ratio_vs_shrinking": round(r["continuous"]["tokens_per_s"]
+                                                             / r["static-shrink"]["tokens_per_s"], 3)}
   print(json.dumps({**ratios(rows[0]),
                     "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
                     "spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),

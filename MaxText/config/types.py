@@ -225,6 +225,7 @@ class Serve(_Section):
   serve_max_num_seqs: PosInt
   serve_max_num_tokens: PosInt
   serve_width_buckets: PosInt
+  serve_context_buckets: PosInt
   serve_prefix_caching: bool
   serve_host: str
   serve_port: Annotated[int, Field(ge=0, le=65535)]

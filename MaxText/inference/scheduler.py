@@ -96,7 +96,7 @@ class Request:
   preemptions: int = 0
   first_token_time: float | None = None
   drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
-  draft_row: int = 0  # speculative: the engine's row of the drafts' distributions
+  draft_row: int = 0  # speculative: its row of the engine's drafts' distributions (kept while it runs)
 
   @property
   def tokens(self) -> list[int]:

@@ -93,18 +93,19 @@ class ServingEngine:
     self.t_mixed = max(self.chunk, self.t_decode)
     wide = {min(self.t_mixed, max(self.t_decode + 1, -(-self.chunk // 2 ** i))) for i in range(cfg.serve_width_buckets)}
     self.widths = sorted({self.t_decode} | wide)  # a step's tokens per row: the smallest holding its widest row
+    self.contexts = sorted({-(-self.pages_per_seq // 2 ** i) for i in range(cfg.serve_context_buckets)})  # table widths
     absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
     self.absorbed = _outputs(absorb.lower(params, buffers).compile()) if self.abstract else absorb(params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
-    self._write_jit = jax.jit(self._write, donate_argnums=(0,))
+    self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
     self.reset()
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
-          f"{len(self.buckets()) * len(self.widths)} step programs: [rows, tokens] in {self.buckets()} x "
-          f"{self.widths}" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
+          f"{len(self.buckets()) * len(self.widths) * len(self.contexts)} step programs: [rows, tokens, pages] in "
+          f"{self.buckets()} x {self.widths} x {self.contexts}" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
                                                   if self.spec else ""))
 
   def reset(self) -> None:
@@ -120,7 +121,7 @@ class ServingEngine:
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
-      self._noop(self.shards, 1)  # the pools now lie as every step returns them (on the params' mesh): no recompile
+      self._noop(self.shards, self.t_decode, self.pages_per_seq)  # the pools now lie as every step returns them (on the params' mesh): no recompile
     self.steps = 0
 
   def buckets(self) -> list[int]:
@@ -129,24 +130,28 @@ class ServingEngine:
     return sorted({self.shards * min(per, 1 << i) for i in range(per.bit_length() + 1)})
 
   def warmup(self) -> int:
-    """Compiles every step and write program (each row bucket x each width) on padding-only input:
-    every write is dropped, nothing changes. Returns how many step programs there are."""
+    """Compiles every step and write program (each row bucket x width x context) on padding-only
+    input: every write is dropped, nothing changes. Returns how many step programs there are."""
     for b in self.buckets():
       for t in self.widths:
-        self._noop(b, t)
-    return len(self.buckets()) * len(self.widths)
+        for pages in self.contexts:
+          self._noop(b, t, pages)
+    return len(self.buckets()) * len(self.widths) * len(self.contexts)
 
-  def width(self, rows: list[Scheduled]) -> int:
-    """A step's tokens per row: the smallest width holding its widest row (1 + k for decode rows)."""
-    widest = max(row.count for row in rows)
-    return next(w for w in self.widths if w >= widest)
+  def shape(self, rows: list[Scheduled]) -> tuple[int, int]:
+    """A step's (tokens per row, page-table width): the smallest width holding its widest row (1 + k
+    for decode rows) and the smallest context holding its longest row's pages. The attention and the
+    indexer read table width x page size slots a row: a batch of short sequences reads a short view."""
+    widest, pages = max(row.count for row in rows), max(len(row.request.pages) for row in rows)
+    return next(w for w in self.widths if w >= widest), next(c for c in self.contexts if c >= pages)
 
-  def _noop(self, b: int, t: int) -> None:
-    """A step of b padding rows of t tokens: compiles that program, writes nothing."""
+  def _noop(self, b: int, t: int, pages: int) -> None:
+    """A step of b padding rows of t tokens over a page table of `pages`: compiles that program, writes nothing."""
+    feed = step_feed.empty(b, t, pages)
     if self.spec is not None:
-      self.spec.noop(b, t)
+      self.spec.run(t, feed)
       return
-    self.pools, _ = self._run(t, step_feed.empty(b, t, self.pages_per_seq))
+    self.pools, _ = self._run(t, feed)
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -170,9 +175,9 @@ class ServingEngine:
       return []
     if self.spec is not None:
       return self.spec.step(rows)
-    t = self.width(rows)
+    t, pages = self.shape(rows)
     b, where = self._placement(rows)
-    feed = step_feed.empty(b, t, self.pages_per_seq)
+    feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     self.pools, sampled = self._run(t, feed)
     sampled = to_host(sampled)
@@ -198,39 +203,35 @@ class ServingEngine:
     """The step and write programs for b rows of t tokens, compiled from the engine's (abstract or
     real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
     as a step's rows do)."""
-    packed = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding)
-    seq = packed[0]
-    write_pos = jax.ShapeDtypeStruct(seq.shape[1:], seq.dtype, sharding=self._row_sharding(2))
+    buf = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding(2))
     with self._rules():
-      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, packed).compile()
+      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, buf).compile()
       entries = _outputs(step)[0]
-      return step, self._write_jit.lower(self.pools, entries, write_pos, packed[3]).compile(), packed
+      return step, self._write_jit.lower(t, self.pools, entries, buf).compile(), buf
 
   def _rules(self):
     """The mesh's logical rules, active wherever the engine's programs trace (its step reads them)."""
     return sharding.logical_rules(self.config, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _row_sharding(self, ndim: int, lead: int = 0):
-    """A step input's sharding: its axis `lead` (the rows; packed fields come first) over the page shards' axes."""
+  def _row_sharding(self, ndim: int):
+    """A step input's sharding: its rows (axis 0) over the page shards' axes."""
     if self.mesh is None:
       return None
     axes = paged_cache.page_axes(self.config, self.mesh)
-    spec = [None] * ndim
-    spec[lead] = axes or None
-    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
   def _run(self, t: int, feed: dict):
     """The step and write programs on a step_feed -> (the pools after the write, sampled [B])."""
-    packed = step_feed.to_device(feed)
+    buf = step_feed.to_device(feed)
     with self._rules():
-      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, packed)
-      pools = self._write_jit(self.pools, entries, packed[0][step_feed.SEQ.index("write_pos")], packed[3])
+      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
+      pools = self._write_jit(t, self.pools, entries, buf)
     return pools, sampled
 
-  def _step(self, t, params, buffers, pools, absorbed, packed):
+  def _step(self, t, params, buffers, pools, absorbed, buf):
     """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B])."""
     cfg = self.config
-    f = step_feed.unpack(packed)
+    f = step_feed.unpack(buf, t)
     model = nnx.merge(self.graphdef, params, buffers)
     views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=step_head_chunk(cfg, self.chunk, t),
                         page_table=f["table"], page_size=self.page_size)
@@ -244,9 +245,10 @@ class ServingEngine:
     v = self.sample_vocab
     return logits if v is None else jnp.where(jnp.arange(logits.shape[-1]) < v, logits, -jnp.inf)
 
-  def _write(self, pools, entries, write_pos, table):
+  def _write(self, t, pools, entries, buf):
     """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""
-    slot_ids = paged_cache.slots(table, write_pos, self.page_size, self.allocator.num_pages * self.page_size)
+    f = step_feed.unpack(buf, t)
+    slot_ids = paged_cache.slots(f["table"], f["write_pos"], self.page_size, self.allocator.num_pages * self.page_size)
     return write_stacks(pools, entries, lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
 
   # ---- convenience

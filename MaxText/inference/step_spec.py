@@ -38,7 +38,7 @@ from flax import nnx
 from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
 from MaxText.inference.model_step import step_head_chunk
-from MaxText.inference.sampling import draw, row_probs, verify_drafts
+from MaxText.inference.sampling import draw, greedy_ids, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
 from MaxText.runtime.distributed import to_host
 
@@ -54,53 +54,58 @@ class SpecStep:
     e = self.engine
     self.mtp_pool = paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)
     self.draft_q = jnp.zeros((e.max_seqs, self.k, e.config.vocab_size), jnp.float32)  # [S,k,V]
+    self.slots: dict[int, int] = {}  # id(running request) -> its row of draft_q, kept while it runs
     self.drafted = self.accepted = 0
 
-  def noop(self, b: int, t: int) -> None:
-    """b padding rows of t tokens: compiles that program, writes nothing."""
-    self._run(t, step_feed.empty(b, t, self.engine.pages_per_seq))
+  def _assign_slots(self, rows: list[Scheduled]) -> None:
+    """Each row's request keeps one row of draft_q (Request.draft_row) while it runs, so its drafts and
+    their distributions wait through steps that do not run it (a prefill step between two decode steps)."""
+    live = {id(r) for r in self.engine.scheduler.running}
+    self.slots = {key: slot for key, slot in self.slots.items() if key in live}
+    free = sorted(set(range(self.engine.max_seqs)) - set(self.slots.values()))
+    for row in rows:
+      r = row.request
+      if id(r) not in self.slots:
+        self.slots[id(r)] = free.pop(0)
+      r.draft_row = self.slots[id(r)]
 
   def step(self, rows: list[Scheduled]) -> list:
     e = self.engine
-    t = e.width(rows)
+    t, pages = e.shape(rows)
     b, where = e._placement(rows)
-    feed = step_feed.empty(b, t, e.pages_per_seq)
+    feed = step_feed.empty(b, t, pages)
+    self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
-    got = to_host(self._run(t, feed))[where]  # [rows, 2k+2]
+    got = to_host(self.run(t, feed))[where]  # [rows, 2k+2]
     out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
     e.scheduler.update(rows, [out[i, :accepted[i] + 1].tolist() for i in range(len(rows))])
-    stepped = {id(row.request) for row in rows}
-    for r in e.scheduler.running:  # drafts are verified the very next step or dropped (their q is replaced)
-      if id(r) not in stepped:
-        r.drafts = []
     for i, row in enumerate(rows):
       r = row.request
       if samples[i]:
         self.drafted += len(row.drafts)
         self.accepted += int(accepted[i])
-        if r.finish_reason is None:  # the next step verifies these (their q is draft_q's row where[i])
-          r.drafts, r.draft_row = drafts[i].tolist(), where[i]
+        if r.finish_reason is None:  # the request's next step verifies these (their q: draft_q[r.draft_row])
+          r.drafts = drafts[i].tolist()
     e.steps += 1
     return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
 
-  def _run(self, t: int, feed: dict) -> jax.Array:
+  def run(self, t: int, feed: dict) -> jax.Array:
     e = self.engine
-    packed = step_feed.to_device(feed)
+    buf = step_feed.to_device(feed)
     with e._rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
-                                                            e.absorbed, self.draft_q, packed)
-      e.pools = e._write_jit(e.pools, entries, packed[0][step_feed.SEQ.index("write_pos")], packed[3])
+                                                            e.absorbed, self.draft_q, buf)
+      e.pools = e._write_jit(t, e.pools, entries, buf)
     return out
 
-  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, packed):
+  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf):
     """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
     accepted, the next drafts [k]). See the module docstring."""
     e, k = self.engine, self.k
-    f = step_feed.unpack(packed)
+    f = step_feed.unpack(buf, t)
     model = nnx.merge(e.graphdef, params, buffers)
-    b = f["tokens"].shape[0]
     chunk = step_head_chunk(e.config, e.chunk, t)
     views = stack_views(pools, absorbed, mode=e.mode, index_head_chunk=chunk, page_table=f["table"],
                         page_size=e.page_size)
@@ -109,18 +114,18 @@ class SpecStep:
     opts = (f["temp"], f["top_p"], f["top_k"])
     all_greedy = jnp.all(f["temp"] <= 0)  # then verification and drafting need no distributions (lax.cond)
     drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]
-    base = jax.vmap(jax.random.key)(f["seeds"])  # [B]
-    key_at = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
+    key_at = lambda pos: fold(jax.vmap(jax.random.key)(f["seeds"]), pos)  # noqa: E731  (inside the sampled branches)
 
     def sampled():
       p = row_probs(self.engine.mask_vocab(logits), *opts)  # [B,k+1,V]
       greedy = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B,k,V]
       q = jnp.where((f["temp"] > 0)[:, None, None], draft_q[f["q_row"]], greedy)  # [B,k,V]
       pos = f["draw_at"][:, None] + jnp.arange(k + 1)  # [B,k+1] the drawn tokens' positions
-      return verify_drafts(p, q, drafts, f["num_drafts"], key_at(base, pos))  # [B,k+1], [B]
+      return verify_drafts(p, q, drafts, f["num_drafts"], key_at(pos))  # [B,k+1], [B]
 
     def argmax():  # verify_drafts with one-hot p and q, without drawing: the longest prefix equal to the argmax
-      top = jnp.argmax(self.engine.mask_vocab(logits), axis=-1).astype(jnp.int32)  # [B,k+1]
+      top = greedy_ids(self.engine.mask_vocab(logits))  # [B,k+1]
       ok = (drafts == top[:, :k]) & (jnp.arange(k)[None] < f["num_drafts"][:, None])  # [B,k]
       accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
       padded = jnp.concatenate([drafts, top[:, k:]], axis=1)  # [B,k+1]
@@ -153,20 +158,21 @@ class SpecStep:
         mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, step_head_chunk(e.config, e.chunk, 1))
         m_logits, h, m_entries = model.mtp_cached(h, ds[-1][:, None], cpos, mview)  # [B,1,V], [B,1,D]
         mtp_pool = write(mtp_pool, jnp.where(real[:, None], cpos, -1), m_entries)
-      keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(key_at(base, (at_pos + c + 2)[:, None])[:, 0])
       lg = self.engine.mask_vocab(m_logits)  # [B,1,V]
 
-      def draft_sampled(lg=lg, keys=keys):
+      def draft_sampled(lg=lg, c=c):
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(key_at((at_pos + c + 2)[:, None])[:, 0])  # [B]
         qc = row_probs(lg, *opts)[:, 0]  # [B,V]
         return qc, draw(qc, keys)
 
       def draft_argmax(lg=lg):  # greedy rows verify against one-hot drafts: no q needed
-        return jnp.zeros(lg[:, 0].shape, jnp.float32), jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+        return jnp.zeros(lg[:, 0].shape, jnp.float32), greedy_ids(lg[:, 0])
 
       qc, d = jax.lax.cond(all_greedy, draft_argmax, draft_sampled)  # [B,V], [B]
       qs.append(qc)
       ds.append(d)
-    new_q = jnp.zeros_like(draft_q).at[:b].set(jnp.stack(qs, axis=1))  # [S,k,V]
+    slot = jnp.where(real, f["q_row"], draft_q.shape[0])  # [B] each row's request's row; padding: dropped
+    new_q = draft_q.at[slot].set(jnp.stack(qs, axis=1), mode="drop")  # [S,k,V]
     result = jnp.concatenate([out, accepted[:, None], jnp.stack(ds, axis=1)], axis=1)  # [B,2k+2]
     return aux["cache_entries"], mtp_pool, new_q, result
 

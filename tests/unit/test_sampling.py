@@ -5,7 +5,7 @@ batch takes: all greedy, no filtering row, some filtering row), greedy is the ar
 import jax
 import numpy as np
 
-from MaxText.inference.sampling import row_probs, sample_rows
+from MaxText.inference.sampling import greedy_ids, row_probs, sample_rows
 
 sample = jax.jit(sample_rows)
 
@@ -42,3 +42,9 @@ def test_draw_frequencies_follow_row_probs():
   freq = np.stack([np.bincount(np.asarray(draws[:, i]), minlength=V) / n for i in range(4)])  # [4,V]
   assert np.abs(freq - p).max() < 0.015, np.abs(freq - p).max()
   assert (freq[p == 0] == 0).all()  # nothing outside a row's top_k / top_p set
+
+
+def test_greedy_ids_are_argmax_with_ties_lowest_first():
+  x = jax.random.randint(jax.random.key(3), (64, 3, 9), 0, 4).astype(np.float32)  # many ties
+  x = x.at[0, 0].set(-np.inf).at[1, 1, 4].set(np.inf)
+  assert (np.asarray(greedy_ids(x)) == np.argmax(np.asarray(x), axis=-1)).all()
