@@ -40,10 +40,20 @@ def model_absorbed_weights(model) -> dict:
     if layers[0].attention.wkv_b.kernel_scale is not None:  # fp8: no resident float copy; attend_cached
       out[name] = None  # dequantizes wkv_b inside the step, layer by layer
       continue
-    split = [absorbed_weights(l.attention.wkv_b.kernel_value(), l.attention.num_heads, l.attention.nope,
-                              l.attention.v_dim) for l in layers]
+    split = [_absorbed(layer) for layer in layers]
     out[name] = split[0] if stack.scan else split
   return out
 
 
-__all__ = ["STACKS", "default_attention", "step_head_chunk", "model_absorbed_weights"]
+def mtp_absorbed_weights(model, depth: int = 0):
+  """MTP module `depth`'s layer's Absorbed (the speculative drafter's), None for an fp8 wkv_b."""
+  layer = model.mtp[depth].layer
+  return None if layer.attention.wkv_b.kernel_scale is not None else _absorbed(layer)
+
+
+def _absorbed(layer):
+  a = layer.attention
+  return absorbed_weights(a.wkv_b.kernel_value(), a.num_heads, a.nope, a.v_dim)
+
+
+__all__ = ["STACKS", "default_attention", "step_head_chunk", "model_absorbed_weights", "mtp_absorbed_weights"]

@@ -80,9 +80,6 @@ class ServingEngine:
       if value % self.shards:
         raise ConfigError(f"config key '{key}' = {value}: a multiple of the {self.shards} page shards (the mesh axes "
                           f"{paged_cache.page_axes(cfg, self.mesh)} that shard the rows)")
-    if cfg.serve_speculative_tokens and self.shards > 1:  # the MTP pool and the spec step place rows unsharded
-      raise ConfigError(f"config key 'serve_speculative_tokens' = {cfg.serve_speculative_tokens}: speculative "
-                        f"decoding runs on one page shard; this mesh has {self.shards} (set it to 0)")
     self.abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)

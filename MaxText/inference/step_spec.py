@@ -37,7 +37,7 @@ from flax import nnx
 
 from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
-from MaxText.inference.model_step import step_head_chunk
+from MaxText.inference.model_step import mtp_absorbed_weights, step_head_chunk
 from MaxText.inference.sampling import draw, greedy_ids, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
 from MaxText.runtime.distributed import to_host
@@ -49,10 +49,14 @@ class SpecStep:
   def __init__(self, engine):
     self.engine, self.k = engine, engine.config.serve_speculative_tokens
     self._jit = jax.jit(self._step, static_argnums=(0,), donate_argnums=(4,))
+    absorb = jax.jit(lambda p, b: mtp_absorbed_weights(nnx.merge(engine.graphdef, p, b)))
+    self.absorbed = None if engine.abstract else absorb(engine.params, engine.buffers)  # the MTP layer's, once
 
   def reset(self) -> None:
     e = self.engine
-    self.mtp_pool = paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)
+    self.mtp_pool = paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)  # [N, n] per field
+    if e.mesh is not None:  # its slots shard over pages as the stacks' pools do (each device its rows' pages)
+      self.mtp_pool = jax.device_put(self.mtp_pool, paged_cache.pool_shardings(e.config, e.mesh, self.mtp_pool))
     self.draft_q = jnp.zeros((e.max_seqs, self.k, e.config.vocab_size), jnp.float32)  # [S,k,V]
     self.slots: dict[int, int] = {}  # id(running request) -> its row of draft_q, kept while it runs
     self.drafted = self.accepted = 0
@@ -96,7 +100,7 @@ class SpecStep:
     buf = step_feed.to_device(feed)
     with e._rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
-                                                            e.absorbed, self.draft_q, buf)
+                                                            (e.absorbed, self.absorbed), self.draft_q, buf)
       e.pools = e._write_jit(t, e.pools, entries, buf)
     return out
 
@@ -105,6 +109,7 @@ class SpecStep:
     accepted, the next drafts [k]). See the module docstring."""
     e, k = self.engine, self.k
     f = step_feed.unpack(buf, t)
+    absorbed, mtp_absorbed = absorbed
     model = nnx.merge(e.graphdef, params, buffers)
     chunk = step_head_chunk(e.config, e.chunk, t)
     views = stack_views(pools, absorbed, mode=e.mode, index_head_chunk=chunk, page_table=f["table"],
@@ -139,7 +144,7 @@ class SpecStep:
     run_tok = jnp.take_along_axis(out, jnp.clip(j - f["last"][:, None], 0, k), axis=1)  # [B,t]
     nxt = jnp.where(from_run, run_tok, f["next"])  # [B,t]
     at = f["last"] + accepted  # [B] the last accepted position's row index
-    mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, chunk)
+    mview = CacheView(mtp_pool, mtp_absorbed, f["table"], e.page_size, e.mode, chunk)
     m_logits, h, m_entries = model.mtp_cached(aux["hidden"], nxt, f["positions"], mview,
                                               last_index=at)  # [B,1,V], [B,t,D]
     num_slots = e.num_pages * e.page_size
@@ -155,7 +160,8 @@ class SpecStep:
     for c in range(k):
       if c:
         cpos = (at_pos + c)[:, None]  # [B,1]: this pass's position, token = the previous draft
-        mview = CacheView(mtp_pool, None, f["table"], e.page_size, e.mode, step_head_chunk(e.config, e.chunk, 1))
+        mview = CacheView(mtp_pool, mtp_absorbed, f["table"], e.page_size, e.mode,
+                          step_head_chunk(e.config, e.chunk, 1))
         m_logits, h, m_entries = model.mtp_cached(h, ds[-1][:, None], cpos, mview)  # [B,1,V], [B,1,D]
         mtp_pool = write(mtp_pool, jnp.where(real[:, None], cpos, -1), m_entries)
       lg = self.engine.mask_vocab(m_logits)  # [B,1,V]

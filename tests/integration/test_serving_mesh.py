@@ -29,7 +29,7 @@ NEW = 6
 
 def _serve(num_devices, **mesh):
   """Greedy outputs by prompt index on a mesh of num_devices, and the engine."""
-  cfg = make_config(num_devices=num_devices, **BASE, **mesh)
+  cfg = make_config(num_devices=num_devices, **{**BASE, **mesh})
   m = sharding.create_mesh(cfg)
   with jax.set_mesh(m), sharding.logical_rules(cfg, m):
     graphdef, params, buffers, _ = model_state.create(cfg, m)
@@ -68,6 +68,16 @@ def test_data_x_expert_mesh_equals_one_device(single):
                                                             r"(-start)?\(", line) and re.search(r"[\[,]448[,\]]", line)]
     assert not moved, f"a pool crossed devices: {moved[:2]}"  # each device reads and writes its own pages only
   assert aot.collective_counts(eng.compile_step(8, 1)[0].as_text()).get("all-to-all", 0) > 0  # expert dispatch
+
+
+def test_speculative_decoding_on_a_data_x_expert_mesh_equals_one_device(single):
+  # MTP drafts verified on the mesh: the MTP pool shards over pages as the stacks' pools; greedy = k=0 alone
+  eng, got, homes = _serve(8, ici_data_parallelism=2, ici_expert_parallelism=4, mtp_num_layers=1,
+                           serve_speculative_tokens=1)
+  assert eng.shards == 8 and len(homes) > 1 and eng.stats()["spec_drafted"] > 0
+  assert got == single
+  mtp = jax.tree.leaves(eng.spec.mtp_pool)[0]  # [N, n]
+  assert mtp.sharding.spec[0] == ("data", "expert") and mtp.addressable_shards[0].data.shape[0] == mtp.shape[0] // 8
 
 
 def test_context_parallel_prefill_chunk_equals_one_device(single):
