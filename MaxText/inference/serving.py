@@ -11,13 +11,14 @@ together under serve_max_num_tokens, then runs ONE jitted program of fixed shape
 rows padded to a power of two (at most serve_max_num_seqs), t the smallest width holding the
 step's widest row: 1 when every row decodes, else one of serve_width_buckets prefill widths
 (chunk, chunk/2, chunk/4, ...: a short prompt's step is not padded to a whole chunk); a row's real
-tokens first, padding after (its writes are dropped). Its inputs travel packed (step_feed.py: four
-transfers a step). The program is the model's own call with a cache (Transformer(cache=...):
+tokens first, padding after (its writes are dropped); its page table as wide as the smallest of
+serve_context_buckets widths (P, P/2, ...) holding its longest row's pages (attention and the indexer
+read table width x page size slots a row). Its inputs travel as one int32 array (step_feed.py). The program is the model's own call with a cache (Transformer(cache=...):
 every layer's MLA.attend_cached) over the paged pools (paged_cache.py) seen through the step's
 page table, then the per-row sampling (sampling.sample_rows: each request's temperature, top_p,
 top_k and seed; no sort or draw unless a row needs it). A second jitted program writes the new
 tokens' entries into their slots (in place: the pools are donated). So at most (row buckets) x
-(widths) step programs are compiled (and as many writes), said at start.
+(widths) x (contexts) step programs are compiled (and as many writes), said at start.
 
 Pages: serve_page_size tokens each, serve_num_pages per pool (0: room for serve_max_num_seqs
 sequences of max_target_length). A finished request frees its pages at once; with
@@ -33,12 +34,13 @@ from the engine's `seed` stream; greedy (temperature 0) needs none.
 
 Speculative decoding (serve_speculative_tokens k > 0, MTP module 0 as the drafter, with its own
 paged pool under the same page table; step_spec.py): a decoding row is [its newest token, its k
-drafts], t = 1 + k when every row decodes (so the buckets are (1 + k, chunk)); the step verifies
+drafts], t = 1 + k when every row decodes (the widths are 1 + k and the prefill ones); the step verifies
 the drafts against the target (sampling.verify_drafts: greedy accepts the longest prefix equal to
 the argmax, sampling is rejection sampling, so outputs keep the target's distribution), then runs
 the MTP layer over every row position (the target's h_i and token i+1: the accepted tokens, then
 the drawn one) so its cache holds every computed position, and drafts the next k tokens from the
 last accepted position (k > 1: the module chained on its own h, one position a pass).
+On a mesh the MTP pool shards over pages as the stacks' pools do.
 """
 
 from __future__ import annotations
