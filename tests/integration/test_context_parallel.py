@@ -145,13 +145,7 @@ def _serving_prefill(cp: int, chunk: int, prompts=None):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
     eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
     assert eng.chunk == chunk
-    z = jnp.zeros((1, chunk), jnp.int32)
-    table = jnp.arange(eng.pages_per_seq, dtype=jnp.int32)[None]  # [1,P]
-    zb = jnp.zeros((1,), jnp.int32)
-    compiled = eng._step_jit.lower(chunk, eng.params, eng.buffers, eng.pools, eng.absorbed, z,
-                                   jnp.arange(chunk, dtype=jnp.int32)[None], table, zb + chunk - 1,
-                                   zb.astype(jnp.float32), zb.astype(jnp.float32) + 1, zb, zb.astype(jnp.uint32),
-                                   zb + chunk).compile()
+    compiled = eng.compile_step(1, chunk)[0]  # one row of one chunk over the whole page table
     cost = (compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes)
     if prompts is None:
       return None, cost
