@@ -129,7 +129,11 @@ def _quantization(params: dict) -> str:
 def model_mismatch(tree_dir: str, target: dict) -> str | None:
   """How the params/buffers stored in tree_dir differ from target's (another model): the first path
   whose shapes differ, with both shapes; or None. Reads only the metadata; an unreadable one raises."""
-  stored = _stored_tree(tree_dir)
+  return _mismatch(_stored_tree(tree_dir), target)
+
+
+def _mismatch(stored: dict, target: dict) -> str | None:
+  """model_mismatch on a stored tree's metadata already read."""
   for part in ("params", "buffers"):
     have, want = _shapes(stored.get(part, {})), _shapes(target[part])
     for key in sorted(set(have) | set(want)):
@@ -226,17 +230,15 @@ def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict
   want = _quantization(target["params"])
   for tree_dir in candidates:
     try:
-      have = _quantization(_stored_tree(tree_dir).get("params", {}))
+      stored = _stored_tree(tree_dir)  # the metadata, read once for both checks
     except Exception:  # unreadable metadata: the restore below says why
-      have = want
+      stored = None
+    have = want if stored is None else _quantization(stored.get("params", {}))
     if have != want:
       raise ConfigError(f"weight_quantization={want} does not fit load_parameters_path={path!r}: it was converted "
                         f"with weight_quantization={have}; set weight_quantization={have} (or convert it again "
                         f"with weight_quantization={want})")
-    try:
-      other = model_mismatch(tree_dir, target)
-    except Exception:
-      other = None
+    other = None if stored is None else _mismatch(stored, target)
     if other is not None:
       raise CheckpointError(f"load_parameters_path={path!r} holds another model than this config: {other}; "
                             "give the model keys it was trained with (a converter output has them in model.yml)")

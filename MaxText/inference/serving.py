@@ -13,10 +13,11 @@ step's widest row: 1 when every row decodes, else one of serve_width_buckets pre
 (chunk, chunk/2, chunk/4, ...: a short prompt's step is not padded to a whole chunk); a row's real
 tokens first, padding after (its writes are dropped); its page table as wide as the smallest of
 serve_context_buckets widths (P, P/2, ...) holding its longest row's pages (attention and the indexer
-read table width x page size slots a row). Its inputs travel as one int32 array (step_feed.py). The program is the model's own call with a cache (Transformer(cache=...):
-every layer's MLA.attend_cached) over the paged pools (paged_cache.py) seen through the step's
-page table, then the per-row sampling (sampling.sample_rows: each request's temperature, top_p,
-top_k and seed; no sort or draw unless a row needs it). A second jitted program writes the new
+read table width x page size slots a row). Its inputs travel as one int32 array (step_feed.py).
+The program is the model's own call with a cache (Transformer(cache=...): every layer's
+MLA.attend_cached) over the paged pools (paged_cache.py) seen through the step's page table,
+then the per-row sampling (sampling.sample_rows: each request's temperature, top_p, top_k and
+seed; no sort or draw unless a row needs it). A second jitted program writes the new
 tokens' entries into their slots (in place: the pools are donated). So at most (row buckets) x
 (widths) x (contexts) step programs are compiled (and as many writes), said at start.
 
@@ -34,8 +35,8 @@ from the engine's `seed` stream; greedy (temperature 0) needs none.
 
 Speculative decoding (serve_speculative_tokens k > 0, MTP module 0 as the drafter, with its own
 paged pool under the same page table; step_spec.py): a decoding row is [its newest token, its k
-drafts], t = 1 + k when every row decodes (the widths are 1 + k and the prefill ones); the step verifies
-the drafts against the target (sampling.verify_drafts: greedy accepts the longest prefix equal to
+drafts], t = 1 + k when every row decodes (the widths are 1 + k and the prefill ones); the step
+verifies the drafts against the target (sampling.verify_drafts: greedy accepts the longest prefix equal to
 the argmax, sampling is rejection sampling, so outputs keep the target's distribution), then runs
 the MTP layer over every row position (the target's h_i and token i+1: the accepted tokens, then
 the drawn one) so its cache holds every computed position, and drafts the next k tokens from the
@@ -90,7 +91,8 @@ class ServingEngine:
     self.spec = SpecStep(self) if cfg.serve_speculative_tokens else None
     self.t_decode = 1 + cfg.serve_speculative_tokens  # a decode step's tokens per row
     self.t_mixed = max(self.chunk, self.t_decode)
-    wide = {min(self.t_mixed, max(self.t_decode + 1, -(-self.chunk // 2 ** i))) for i in range(cfg.serve_width_buckets)}
+    wide = {min(self.t_mixed, max(self.t_decode + 1, -(-self.chunk // 2 ** i)))
+            for i in range(cfg.serve_width_buckets)}
     self.widths = sorted({self.t_decode} | wide)  # a step's tokens per row: the smallest holding its widest row
     self.contexts = sorted({-(-self.pages_per_seq // 2 ** i) for i in range(cfg.serve_context_buckets)})  # table widths
     absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
@@ -104,8 +106,8 @@ class ServingEngine:
           f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
           f"{len(self.buckets()) * len(self.widths) * len(self.contexts)} step programs: [rows, tokens, pages] in "
-          f"{self.buckets()} x {self.widths} x {self.contexts}" + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step"
-                                                  if self.spec else ""))
+          f"{self.buckets()} x {self.widths} x {self.contexts}"
+          + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step" if self.spec else ""))
 
   def reset(self) -> None:
     """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
@@ -120,7 +122,8 @@ class ServingEngine:
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
-      self._noop(self.shards, self.t_decode, self.pages_per_seq)  # the pools now lie as every step returns them (on the params' mesh): no recompile
+      # the pools now lie as every step returns them (on the params' mesh): no recompile
+      self._noop(self.shards, self.t_decode, self.pages_per_seq)
     self.steps = 0
 
   def buckets(self) -> list[int]:
