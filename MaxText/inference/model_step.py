@@ -56,4 +56,18 @@ def _absorbed(layer):
   return absorbed_weights(a.wkv_b.kernel_value(), a.num_heads, a.nope, a.v_dim)
 
 
-__all__ = ["STACKS", "default_attention", "step_head_chunk", "model_absorbed_weights", "mtp_absorbed_weights"]
+def compiled_outputs(compiled):
+  """A compiled program's outputs as ShapeDtypeStructs with the shardings it gives them (nothing run)."""
+  import jax
+  return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), compiled.out_info,
+                      compiled.output_shardings)
+
+
+def run_or_shape(fn, abstract: bool, *args):
+  """fn(*args) (a jitted function); for an abstract engine (ShapeDtypeStruct args) what it would give,
+  with its shardings, from the compiled program: nothing allocated."""
+  return compiled_outputs(fn.lower(*args).compile()) if abstract else fn(*args)
+
+
+__all__ = ["STACKS", "default_attention", "step_head_chunk", "model_absorbed_weights", "mtp_absorbed_weights",
+           "compiled_outputs", "run_or_shape"]

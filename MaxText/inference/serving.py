@@ -29,7 +29,9 @@ pools shard over pages on the rows' mesh axes (paged_cache.py), the allocator sp
 as many shards (page_allocator.py), and a step puts each row in its home shard's block of B/D rows,
 so each device runs its own sequences over its own pages; the experts run over `expert`
 (the MoE layer's all-to-all dispatch). Params/buffers given as abstract ShapeDtypeStructs (with
-shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile.
+shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile
+(the speculative step when speculating). `load_weights` serves other weights of the same model
+(a later checkpoint) with the compiled programs kept.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 
@@ -57,7 +59,13 @@ from flax import nnx
 from MaxText.config.types import Config, ConfigError
 from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
-from MaxText.inference.model_step import default_attention, model_absorbed_weights, step_head_chunk
+from MaxText.inference.model_step import (
+  compiled_outputs,
+  default_attention,
+  model_absorbed_weights,
+  run_or_shape,
+  step_head_chunk,
+)
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
@@ -95,8 +103,8 @@ class ServingEngine:
             for i in range(cfg.serve_width_buckets)}
     self.widths = sorted({self.t_decode} | wide)  # a step's tokens per row: the smallest holding its widest row
     self.contexts = sorted({-(-self.pages_per_seq // 2 ** i) for i in range(cfg.serve_context_buckets)})  # table widths
-    absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
-    self.absorbed = _outputs(absorb.lower(params, buffers).compile()) if self.abstract else absorb(params, buffers)
+    self._absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
+    self.absorbed = run_or_shape(self._absorb, self.abstract, params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
@@ -108,6 +116,20 @@ class ServingEngine:
           f"{len(self.buckets()) * len(self.widths) * len(self.contexts)} step programs: [rows, tokens, pages] in "
           f"{self.buckets()} x {self.widths} x {self.contexts}"
           + (f"; speculative: {cfg.serve_speculative_tokens} MTP drafts a step" if self.spec else ""))
+
+  def load_weights(self, params, buffers) -> None:
+    """Serves other weights of the same model (same shapes, dtypes and shardings, e.g. a later
+    checkpoint of a run): their absorbed attention weights are computed, the compiled programs
+    stay, and the engine is reset (every cached page was computed by the old weights)."""
+    if self.abstract:
+      raise ValueError("load_weights: an abstract engine (ShapeDtypeStruct params) runs nothing")
+    if jax.tree.structure((params, buffers)) != jax.tree.structure((self.params, self.buffers)):
+      raise ValueError("load_weights: the new params/buffers are not the engine's model (another tree)")
+    self.params, self.buffers = params, buffers
+    self.absorbed = self._absorb(params, buffers)
+    if self.spec is not None:
+      self.spec.load_weights()
+    self.reset()
 
   def reset(self) -> None:
     """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
@@ -204,11 +226,12 @@ class ServingEngine:
   def compile_step(self, b: int, t: int):
     """The step and write programs for b rows of t tokens, compiled from the engine's (abstract or
     real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
-    as a step's rows do)."""
+    as a step's rows do). Speculating, the step is the speculative one (with the MTP pool)."""
     buf = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding(2))
     with self._rules():
-      step = self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, buf).compile()
-      entries = _outputs(step)[0]
+      step = self.spec.compile(t, buf) if self.spec is not None else \
+          self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, buf).compile()
+      entries = compiled_outputs(step)[0]  # both steps' first output: the stacks' new entries
       return step, self._write_jit.lower(t, self.pools, entries, buf).compile(), buf
 
   def _rules(self):
@@ -278,12 +301,6 @@ class ServingEngine:
             "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
             "prefix_hit_rate": a.hit_rate(), "steps": self.steps, "spec_drafted": drafted,
             "spec_accepted": accepted, "spec_acceptance": accepted / drafted if drafted else None}
-
-
-def _outputs(compiled):
-  """A compiled program's outputs as ShapeDtypeStructs with the shardings it gives them (nothing run)."""
-  return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), compiled.out_info,
-                      compiled.output_shardings)
 
 
 __all__ = ["ServingEngine", "SamplingParams", "Scheduled"]

@@ -37,7 +37,7 @@ from flax import nnx
 
 from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
-from MaxText.inference.model_step import mtp_absorbed_weights, step_head_chunk
+from MaxText.inference.model_step import mtp_absorbed_weights, run_or_shape, step_head_chunk
 from MaxText.inference.sampling import draw, greedy_ids, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
 from MaxText.runtime.distributed import to_host
@@ -49,15 +49,29 @@ class SpecStep:
   def __init__(self, engine):
     self.engine, self.k = engine, engine.config.serve_speculative_tokens
     self._jit = jax.jit(self._step, static_argnums=(0,), donate_argnums=(4,))
-    absorb = jax.jit(lambda p, b: mtp_absorbed_weights(nnx.merge(engine.graphdef, p, b)))
-    self.absorbed = None if engine.abstract else absorb(engine.params, engine.buffers)  # the MTP layer's, once
+    self._absorb = jax.jit(lambda p, b: mtp_absorbed_weights(nnx.merge(engine.graphdef, p, b)))
+    self.load_weights()
+
+  def load_weights(self) -> None:
+    """The MTP layer's absorbed weights from the engine's params (once per set of weights; an abstract
+    engine's: their shapes and shardings)."""
+    e = self.engine
+    self.absorbed = run_or_shape(self._absorb, e.abstract, e.params, e.buffers)
 
   def reset(self) -> None:
     e = self.engine
-    self.mtp_pool = paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)  # [N, n] per field
-    if e.mesh is not None:  # its slots shard over pages as the stacks' pools do (each device its rows' pages)
-      self.mtp_pool = jax.device_put(self.mtp_pool, paged_cache.pool_shardings(e.config, e.mesh, self.mtp_pool))
-    self.draft_q = jnp.zeros((e.max_seqs, self.k, e.config.vocab_size), jnp.float32)  # [S,k,V]
+    make = lambda: paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)  # noqa: E731  [N, n] per field
+    shapes = jax.eval_shape(make)
+    # its slots shard over pages as the stacks' pools do (each device its rows' pages)
+    shards = None if e.mesh is None else paged_cache.pool_shardings(e.config, e.mesh, shapes)
+    q_shape = (e.max_seqs, self.k, e.config.vocab_size)  # draft_q [S,k,V]
+    if e.abstract:  # shapes and shardings only (serve_compile): nothing allocated
+      self.mtp_pool = shapes if shards is None else jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shards)
+      self.draft_q = jax.ShapeDtypeStruct(q_shape, jnp.float32)
+    else:
+      self.mtp_pool = jax.jit(make, out_shardings=shards)()  # made on its devices, each its own pages
+      self.draft_q = jnp.zeros(q_shape, jnp.float32)
     self.slots: dict[int, int] = {}  # id(running request) -> its row of draft_q, kept while it runs
     self.drafted = self.accepted = 0
 
@@ -94,6 +108,13 @@ class SpecStep:
           r.drafts = drafts[i].tolist()
     e.steps += 1
     return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
+
+  def compile(self, t: int, buf):
+    """The speculative step for rows of t tokens, compiled for buf (the step's input as a ShapeDtypeStruct)
+    from the engine's (abstract or real) params and pools (ServingEngine.compile_step)."""
+    e = self.engine
+    return self._jit.lower(t, e.params, e.buffers, e.pools, self.mtp_pool, (e.absorbed, self.absorbed),
+                           self.draft_q, buf).compile()
 
   def run(self, t: int, feed: dict) -> jax.Array:
     e = self.engine

@@ -50,6 +50,16 @@ def _serve(num_devices, **mesh):
     return eng, {i: r.output for i, r in requests.items()}, homes
 
 
+def _no_pool_crosses_devices(programs) -> None:
+  """No collective in the compiled programs moves an array with the pools' 448-slot axis: each device
+  reads and writes its own pages only."""
+  for program in programs:
+    moved = [line for line in program.as_text().splitlines()
+             if re.search(r"\s(all-gather|all-reduce|all-to-all|collective-permute)(-start)?\(", line)
+             and re.search(r"[\[,]448[,\]]", line)]
+    assert not moved, f"a pool crossed devices: {moved[:2]}"
+
+
 @pytest.fixture(scope="module")
 def single():
   return _serve(1, ici_data_parallelism=1)[1]
@@ -62,11 +72,7 @@ def test_data_x_expert_mesh_equals_one_device(single):
   pools = jax.tree.leaves(eng.pools)[0]  # [L, N, n]: the slot axis over data x expert
   assert pools.sharding.spec[1] == ("data", "expert")
   assert pools.addressable_shards[0].data.shape[1] == pools.shape[1] // 8
-  for program in eng.compile_step(8, 1)[:2] + eng.compile_step(8, 8)[:2]:  # decode and prefill: step and write
-    hlo = program.as_text()
-    moved = [line for line in hlo.splitlines() if re.search(r"\s(all-gather|all-reduce|all-to-all|collective-permute)"
-                                                            r"(-start)?\(", line) and re.search(r"[\[,]448[,\]]", line)]
-    assert not moved, f"a pool crossed devices: {moved[:2]}"  # each device reads and writes its own pages only
+  _no_pool_crosses_devices(eng.compile_step(8, 1)[:2] + eng.compile_step(8, 8)[:2])  # decode, prefill: step, write
   assert aot.collective_counts(eng.compile_step(8, 1)[0].as_text()).get("all-to-all", 0) > 0  # expert dispatch
 
 
@@ -78,6 +84,7 @@ def test_speculative_decoding_on_a_data_x_expert_mesh_equals_one_device(single):
   assert got == single
   mtp = jax.tree.leaves(eng.spec.mtp_pool)[0]  # [N, n]
   assert mtp.sharding.spec[0] == ("data", "expert") and mtp.addressable_shards[0].data.shape[0] == mtp.shape[0] // 8
+  _no_pool_crosses_devices(eng.compile_step(8, 2)[:2])  # the speculative decode step (with the MTP pool), its write
 
 
 def test_context_parallel_prefill_chunk_equals_one_device(single):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from MaxText.checkpoint import model_state
 from MaxText.config.types import ConfigError
+from MaxText.inference.model_step import mtp_absorbed_weights
 from MaxText.inference.sampling import verify_drafts
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
@@ -157,3 +158,26 @@ def test_speculation_needs_an_mtp_module_and_a_sampled_request_keeps_its_seed(mo
                                              SamplingParams(max_tokens=NEW, temperature=0.7, seed=3)])
   assert crowd[1].output == alone and len(alone) == NEW
   assert crowd[0].output == model[3][0]  # the greedy neighbour is unaffected
+
+
+def test_load_weights_serves_other_weights_without_recompiling(model):
+  """ServingEngine.load_weights swaps in another set of the model's weights (the target's and the MTP
+  layer's absorbed weights recomputed): the speculative engine then gives what a plain engine built
+  on those weights gives, and back again; compiled programs are kept; another tree fails."""
+  graphdef, p, b, want = model
+  cfg = make_config(**{**BASE, "seed": 1})
+  _, p2, b2, _ = model_state.create(cfg, sharding.create_mesh(cfg))
+  other = [r.output for r in ServingEngine(cfg, graphdef, p2, b2, eos_id=-1).generate(
+      PROMPTS[:3], SamplingParams(max_tokens=NEW))]
+  assert other != want[:3]
+  eng = _engine(model, serve_speculative_tokens=1)
+  eng.load_weights(p2, b2)
+  assert [r.output for r in eng.generate(PROMPTS[:3], SamplingParams(max_tokens=NEW))] == other
+  compiled = eng.spec._jit._cache_size()
+  mtp = jax.jit(lambda p, b: mtp_absorbed_weights(nnx.merge(graphdef, p, b)))(p2, b2)
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(eng.spec.absorbed), jax.tree.leaves(mtp)))
+  eng.load_weights(p, b)
+  assert [r.output for r in eng.generate(PROMPTS[:3], SamplingParams(max_tokens=NEW))] == want[:3]
+  assert eng.spec._jit._cache_size() == compiled  # the same steps again: nothing recompiled
+  with pytest.raises(ValueError, match="another tree"):
+    eng.load_weights(b, p)
