@@ -2,7 +2,7 @@
 the write): prefill + step-by-step decode equals the teacher-forced Transformer at every position
 (with selection mattering), absorbed == expanded MLA attention over the cache, chunked == one-shot
 prefill, fp8 stays close to fp32, a ragged batch equals each prompt alone and the teacher-forced
-argmax, EOS per row, sampling, and the CLI end to end (tokenizers, token ids, a checkpoint, the
+argmax, EOS per row, and the CLI end to end (tokenizers, token ids, a checkpoint, top_p, the
 error cases)."""
 
 import functools
@@ -22,7 +22,6 @@ from MaxText.checkpoint import model_state
 from MaxText.inference import kv_cache, paged_cache
 from MaxText.inference.cache_view import CacheView, stack_views, write_stacks
 from MaxText.inference.model_step import model_absorbed_weights
-from MaxText.inference.sampling import sample
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.kernels.masks import attention_validity
@@ -283,26 +282,6 @@ def test_decode_fills_max_target_length_and_rejects_a_prompt_over_max_prefill_le
   assert all(r.finish_reason == "length" for r in out)
   with pytest.raises(decode.PromptError, match="max_prefill_length=24"):
     decode.check_prompts(cfg, [list(range(3, 30))])
-
-
-def test_sampling_greedy_top_p_and_temperature():
-  logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
-  key = jax.random.key(1)
-  greedy = sample(logits, key, strategy="greedy")
-  np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
-  np.testing.assert_array_equal(sample(logits, key, strategy="top_p", nucleus_p=1e-6), greedy)  # nucleus of 1
-  a = sample(logits, key, strategy="temperature", temperature=1.0)
-  np.testing.assert_array_equal(a, sample(logits, key, strategy="temperature", temperature=1.0))  # seeded
-  draws = jax.vmap(lambda k: sample(logits[:1], k, strategy="temperature"))(jax.random.split(key, 4000))[:, 0]
-  freq = np.bincount(np.asarray(draws), minlength=50) / 4000
-  np.testing.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[0])), atol=0.03)
-  # top_p: never outside the smallest set of tokens with mass >= p
-  p = 0.5
-  probs = np.asarray(jax.nn.softmax(logits[0]))
-  order = np.argsort(-probs)
-  nucleus = set(order[:np.searchsorted(np.cumsum(probs[order]), p) + 1].tolist())
-  draws = jax.vmap(lambda k: sample(logits[:1], k, strategy="top_p", nucleus_p=p))(jax.random.split(key, 500))[:, 0]
-  assert set(np.asarray(draws).tolist()) <= nucleus and len(set(np.asarray(draws).tolist())) > 1
 
 
 # ---------------------------------------------------------------- the CLI
