@@ -26,11 +26,18 @@ time to first token (TTFT: arrival -> first token) and time per output token (TP
 first token) / (tokens - 1)), p50 and p99.
 Then a shared-prefix workload (a --system-token system prompt + 8 tokens of question each, one
 request every --prefix-gap s) with and without the prefix cache: its TTFT.
-Speculative decoding (`speculative`): the tiny model with one MTP module, trained on the synthetic
-progressions for --spec-train-steps steps (an untrained MTP drafts noise), then progression
-prefixes (a PRNG of their own; --spec-requests, prompts 8-32 tokens, outputs 16-64) as prompts, all arriving at once, through our engine with
-serve_speculative_tokens=0 and =--spec-tokens: spec_acceptance (accepted / drafted) and
-spec_speedup (output tokens/s with / without).
+Speculative decoding (`speculative`, also alone with --spec-only): a model of the tiny widths with
+--spec-layers decoder layers (default 12) and one MTP module, trained on the synthetic progressions;
+at each of --spec-checkpoints training steps (an MTP module drafts better as it trains, so the
+checkpoints give a ladder of acceptance rates) the weights are loaded into the same two engines
+(ServingEngine.load_weights), serve_speculative_tokens=0 and =--spec-tokens, and the same requests
+(progression prefixes from a PRNG of their own: --spec-requests, prompts 8-32 tokens, outputs 16-64,
+all arriving at once) run through both, --spec-repeats times interleaved (median tokens/s):
+acceptance (accepted / drafted) and speedup (output tokens/s with / without) per checkpoint; the
+last checkpoint's are spec_acceptance and spec_speedup, spec_min_speedup_at_acceptance_0.6 the
+smallest speedup among checkpoints accepting >= 0.6. Why 12 layers: the drafter is one more layer
+over the step's k + 1 tokens a row, 1/(L + 1) of the layers (DeepSeek-V3.2: 1 of 62); with the
+4-layer tiny model it is a fifth of the step and does not pay on this CPU (--spec-layers 4 measures it).
 A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
 Ratios are measured side by side in one process; never a timed assert.
 """
@@ -43,6 +50,7 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from MaxText import train
@@ -157,34 +165,50 @@ def prefix(args, extra: dict) -> dict:
 
 
 def speculative(args) -> dict:
-  """The tiny model trained with MTP, served greedy with and without MTP drafts, side by side."""
+  """A tiny-width model of --spec-layers decoder layers with one MTP module, trained on the progressions;
+  at each of --spec-checkpoints training steps (an MTP module drafts better as it trains: a ladder of
+  acceptance rates) the same requests are served greedy with and without MTP drafts, side by side
+  (--spec-repeats times each, interleaved; the median tokens/s), the weights swapped into the same two
+  engines (ServingEngine.load_weights: nothing recompiled)."""
   keys = dict(ici_data_parallelism=1, mtp_num_layers=1, max_target_length=160, dataset_type="synthetic",
-              steps=args.spec_train_steps, max_prefill_length=96, prefill_chunk_size=0,
-              serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens, serve_page_size=args.page)
+              steps=max(args.spec_checkpoints), max_prefill_length=96, prefill_chunk_size=0,
+              num_decoder_layers=args.spec_layers, serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens,
+              serve_page_size=args.page)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys)
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
   state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
   step, data = jax.jit(train.make_train_step(cfg, graphdef, tx), donate_argnums=(0,)), create_data_iterator(cfg)
-  t0 = time.perf_counter()
-  for _ in range(cfg.steps):
+  t0, snapshots = time.perf_counter(), {}
+  for i in range(1, cfg.steps + 1):
     state, metrics = step(state, train.prepare_batch(cfg, next(data)))
+    if i in args.spec_checkpoints:  # a copy: the next step donates the state
+      snapshots[i] = jax.tree.map(jnp.copy, (state["params"], state["buffers"]))
   trained = {k: round(float(metrics[k]), 3) for k in ("lm_loss", "mtp_loss", "accuracy")}
   trained["seconds"] = round(time.perf_counter() - t0, 1)
   rng = np.random.default_rng(2)
   rows = SyntheticBatches(cfg, 0, 1, salt=0x5EC)  # progressions for prompts: random starts and steps
   work = [(0.0, rows.row(0, i)["inputs"][:int(rng.integers(8, 33))].tolist(), int(rng.integers(16, 65)))
           for i in range(args.spec_requests)]
-  out = {"train": trained}
+  engines = {}
   for k in (0, args.spec_tokens):
-    eng = ServingEngine(pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys, serve_speculative_tokens=k),
-                        graphdef, state["params"], state["buffers"])
-    eng.warmup()
-    out[k] = serve(eng, work, "continuous", args.spec_seqs)  # every request at once: decode speed, not the arrival rate
-    out[k]["acceptance"] = eng.stats()["spec_acceptance"]
-  out["acceptance"], out["speedup"] = out[args.spec_tokens]["acceptance"], \
-      out[args.spec_tokens]["tokens_per_s"] / out[0]["tokens_per_s"]
-  return out
+    engines[k] = ServingEngine(pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys,
+                                                   serve_speculative_tokens=k), graphdef, *snapshots[cfg.steps])
+    engines[k].warmup()
+  ladder = []
+  for at in sorted(snapshots):
+    runs = {0: [], args.spec_tokens: []}
+    for k in runs:
+      engines[k].load_weights(*snapshots[at])
+    for _ in range(args.spec_repeats):
+      for k, eng in engines.items():  # every request at once: decode speed, not the arrival rate
+        eng.reset()
+        runs[k].append(serve(eng, work, "continuous", args.spec_seqs) | {"acceptance": eng.stats()["spec_acceptance"]})
+    median = {k: sorted(r, key=lambda m: m["tokens_per_s"])[len(r) // 2] for k, r in runs.items()}
+    ladder.append({"step": at, "acceptance": median[args.spec_tokens]["acceptance"],
+                   "without": median[0], "with": median[args.spec_tokens],
+                   "speedup": median[args.spec_tokens]["tokens_per_s"] / median[0]["tokens_per_s"]})
+  return {"train": trained, "ladder": ladder, "acceptance": ladder[-1]["acceptance"], "speedup": ladder[-1]["speedup"]}
 
 
 def fresh(result):
@@ -215,40 +239,57 @@ def main() -> None:
   ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
   ap.add_argument("--spec-requests", type=int, default=16, help="requests of the speculative comparison")
   ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
-  ap.add_argument("--spec-train-steps", type=int, default=300, help="steps training the tiny model with MTP")
+  ap.add_argument("--spec-layers", type=int, default=12,
+                  help="decoder layers of the speculative comparison's model (tiny widths, one MTP module)")
+  ap.add_argument("--spec-checkpoints", type=lambda v: [int(x) for x in v.split(",")],
+                  default=[100, 125, 150, 200, 300],
+                  help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
+  ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
+  ap.add_argument("--spec-only", action="store_true", help="only the speculative comparison")
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 64, 512
+  spec = fresh(speculative(args))
+  k, tr = args.spec_tokens, spec["train"]
+  print(f"speculative: {k} MTP draft(s) a step; tiny widths, {args.spec_layers} layers + 1 MTP module trained "
+        f"{max(args.spec_checkpoints)} steps in {tr['seconds']} s (lm loss {tr['lm_loss']}, "
+        f"mtp loss {tr['mtp_loss']}); {args.spec_requests} requests at once, {args.spec_seqs} sequences, median of {args.spec_repeats}")
+  print(f"{'trained steps':>13} {'acceptance':>10} {'tok/s without':>13} {'tok/s with':>10} {'speedup':>7} "
+        f"{'TPOT p50 without':>16} {'with':>7}")
+  for point in spec["ladder"]:
+    w, o = point["with"], point["without"]
+    print(f"{point['step']:>13} {point['acceptance']:10.3f} {o['tokens_per_s']:13.1f} {w['tokens_per_s']:10.1f} "
+          f"{point['speedup']:7.3f} {o['tpot_p50']:16.4f} {w['tpot_p50']:7.4f}")
+  at_06 = [p["speedup"] for p in spec["ladder"] if p["acceptance"] >= 0.6]
+  out = {"spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
+         "spec_min_speedup_at_acceptance_0.6": round(min(at_06), 3) if at_06 else None,
+         "spec_ladder": [[round(p["acceptance"], 3), round(p["speedup"], 3)] for p in spec["ladder"]]}
+  if args.spec_only:
+    print(json.dumps(out))
+    return
   rows = [fresh(compare(args, "tiny", {}))]
   if not args.quick:
     rows.append(fresh(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD)))
   pre = fresh(prefix(args, {}))
-  spec = fresh(speculative(args))
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
         f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored"
         + ("" if args.quick else f"; mid: {MID_WORKLOAD}"))
-  print(f"{'model':>24} {'policy':>13} {'tok/s':>8} {'in flight':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+  print(f"{'model':>24} {'policy':>13} {'tok/s':>8} {'in flight':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9}")
   for r in rows:
     for policy in POLICIES:
       m = r[policy]
-      print(f"{r['model']:>24} {policy:>13} {m['tokens_per_s']:8.1f} {m['in_flight']:9.1f} {m['ttft_p50']:9.3f} {m['ttft_p99']:9.3f} "
-            f"{m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
+      print(f"{r['model']:>24} {policy:>13} {m['tokens_per_s']:8.1f} {m['in_flight']:9.1f} {m['ttft_p50']:9.3f} "
+            f"{m['ttft_p99']:9.3f} {m['tpot_p50']:9.4f} {m['tpot_p99']:9.4f}")
   print(f"shared prefix ({args.system}-token system prompt, {args.prefix_requests} requests): TTFT p50 "
         f"{pre['without']['ttft_p50']:.3f} s without the prefix cache, {pre['with']['ttft_p50']:.3f} s with it")
-  k, tr = args.spec_tokens, spec["train"]
-  print(f"speculative ({k} MTP drafts a step; tiny model + MTP trained {args.spec_train_steps} steps in "
-        f"{tr['seconds']} s: lm loss {tr['lm_loss']}, mtp loss {tr['mtp_loss']}; {args.spec_requests} requests at once, "
-        f"{args.spec_seqs} sequences): {spec[0]['tokens_per_s']:.1f} tok/s without, {spec[k]['tokens_per_s']:.1f} "
-        f"with; acceptance {spec['acceptance']:.3f}; TPOT p50 {spec[0]['tpot_p50']:.4f} / {spec[k]['tpot_p50']:.4f} s")
   ratios = lambda r: {"throughput_ratio": round(r["continuous"]["tokens_per_s"] / r["static"]["tokens_per_s"], 3),
                       "ttft_p50_ratio": round(r["static"]["ttft_p50"] / r["continuous"]["ttft_p50"], 3),
                       "throughput_ratio_vs_shrinking": round(r["continuous"]["tokens_per_s"]
                                                              / r["static-shrink"]["tokens_per_s"], 3)}
   print(json.dumps({**ratios(rows[0]),
                     "prefix_ttft_ratio": round(pre["without"]["ttft_p50"] / pre["with"]["ttft_p50"], 3),
-                    "spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
-                    "rows": {r["model"]: ratios(r) for r in rows}}))
-
+                    **out, "rows": {r["model"]: ratios(r) for r in rows}}))
 
 if __name__ == "__main__":
   main()
