@@ -62,17 +62,24 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
                             for name, w in kv_cache._widths(config).items()})
 
 
+def placed(config: Config, make, mesh=None, *, abstract: bool = False):
+  """make() (pools of init_layer_pools' or init_pools' layout), made where they live: on a mesh
+  sharded over pages (`pool_shardings`), each device making its own pages; abstract:
+  ShapeDtypeStructs with those shardings, nothing allocated."""
+  shapes = jax.eval_shape(make)
+  shards = None if mesh is None else pool_shardings(config, mesh, shapes)
+  if abstract:
+    return shapes if shards is None else jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shards)
+  return jax.jit(make, out_shardings=shards)()
+
+
 def init_pools(config: Config, num_pages: int, page_size: int, mesh=None, *, abstract: bool = False) -> dict:
   """The whole model's pools, keyed by the Transformer's stack names (model_step.STACKS):
   a scanned stack gets one stacked PagedLayerCache, an unscanned one a list. On a mesh sharded
   over pages (`pool_shardings`); abstract: ShapeDtypeStructs (with those shardings), nothing allocated."""
   if mesh is not None or abstract:
-    shapes = jax.eval_shape(lambda: init_pools(config, num_pages, page_size))
-    shards = None if mesh is None else pool_shardings(config, mesh, shapes)
-    if abstract:
-      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shards) \
-          if shards is not None else shapes
-    return jax.jit(lambda: init_pools(config, num_pages, page_size), out_shardings=shards)()
+    return placed(config, lambda: init_pools(config, num_pages, page_size), mesh, abstract=abstract)
   n = num_pages * page_size
   pools = {}
   for name, layers in (("dense_layers", config.first_num_dense_layers), ("moe_layers", config.num_moe_layers)):
@@ -232,5 +239,5 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
   return kv_cache.bytes_per_token_per_layer(config) * layers * num_pages * page_size
 
 
-__all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "page_axes", "page_shards", "pool_shardings", "slots",
+__all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "placed", "page_axes", "page_shards", "pool_shardings", "slots",
            "write", "sequence_view", "gather_selected", "pool_bytes"]

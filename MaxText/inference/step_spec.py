@@ -60,18 +60,11 @@ class SpecStep:
 
   def reset(self) -> None:
     e = self.engine
-    make = lambda: paged_cache.init_layer_pools(e.config, e.num_pages * e.page_size)  # noqa: E731  [N, n] per field
-    shapes = jax.eval_shape(make)
-    # its slots shard over pages as the stacks' pools do (each device its rows' pages)
-    shards = None if e.mesh is None else paged_cache.pool_shardings(e.config, e.mesh, shapes)
+    # [N, n] per field; its slots shard over pages as the stacks' pools do (each device its rows' pages)
+    self.mtp_pool = paged_cache.placed(e.config, lambda: paged_cache.init_layer_pools(
+        e.config, e.num_pages * e.page_size), e.mesh, abstract=e.abstract)
     q_shape = (e.max_seqs, self.k, e.config.vocab_size)  # draft_q [S,k,V]
-    if e.abstract:  # shapes and shardings only (serve_compile): nothing allocated
-      self.mtp_pool = shapes if shards is None else jax.tree.map(
-          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shards)
-      self.draft_q = jax.ShapeDtypeStruct(q_shape, jnp.float32)
-    else:
-      self.mtp_pool = jax.jit(make, out_shardings=shards)()  # made on its devices, each its own pages
-      self.draft_q = jnp.zeros(q_shape, jnp.float32)
+    self.draft_q = jax.ShapeDtypeStruct(q_shape, jnp.float32) if e.abstract else jnp.zeros(q_shape, jnp.float32)
     self.slots: dict[int, int] = {}  # id(running request) -> its row of draft_q, kept while it runs
     self.drafted = self.accepted = 0
 
