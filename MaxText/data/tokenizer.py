@@ -2,7 +2,7 @@
 
     tok = load_tokenizer(config)                      # reads tokenizer_type, tokenizer_path, *_id
     ids = tok.encode("I love to")                     # no BOS/EOS: the caller adds them
-    text = tok.decode(ids)                            # special tokens (bos/eos/pad) are dropped
+    text = tok.decode(ids)                            # bos/eos/pad are dropped; other added tokens are text
 
 Nothing is ever downloaded: `tokenizer_path` is a file (or a folder holding tokenizer.model /
 tokenizer.json). Special ids come from the tokenizer when it defines them, else from the
@@ -131,7 +131,10 @@ class HFTokenizer(Tokenizer):
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    # Only BOS/EOS/PAD are dropped: other added tokens (a chat format's <think>, </think>, turn and
+    # tool-call markers) are text the chat parser reads (MaxText/data/chat_dsv32.py).
+    drop = (self.bos_id, self.eos_id, self.pad_id)
+    return self._tok.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
 
 
 def _resolve_special_ids(own: dict[str, int | None], fallback: dict[str, int | None], path: str) -> dict[str, int]:

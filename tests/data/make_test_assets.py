@@ -7,7 +7,9 @@ Writes, next to this file:
                      (the field is not "text" on purpose: tests set jsonl_text_field=content)
   tokenizer.model    a sentencepiece BPE model (vocab 384, byte fallback, identity
                      normalization: decode(encode(s)) == s for any text)
-  tokenizer.json     a Hugging Face `tokenizers` byte-level BPE (vocab 384)
+  tokenizer.json     a Hugging Face `tokenizers` byte-level BPE (vocab 384), then DeepSeek-V3.2's chat
+                     tokens as added special tokens (ids 384-390, MaxText/data/chat_dsv32.py): the tiny
+                     model serves the real conversation format end to end
 
 Both tokenizers use the ids of configs/base.yml: pad 0, bos 1, eos 2 (unk 3), and a vocabulary
 smaller than the tiny model's vocab_size (512). Runs are deterministic: the same corpus gives
@@ -21,6 +23,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB_SIZE = 384
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
+# DeepSeek-V3.2's conversation tokens (BOS, EOS, turns, thinking, DSML's marker), added after the
+# trained vocabulary so the ids above never move. Spelled here, not imported: this script runs alone.
+CHAT_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                 "</think>", "｜DSML｜"]  # ids 384-390
 
 
 def read_paragraphs(path: str) -> list[str]:
@@ -48,13 +54,14 @@ def train_sentencepiece(corpus: str, prefix: str) -> None:
 
 
 def train_hf_bpe(paragraphs: list[str], path: str) -> None:
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE(unk_token=None))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
   tok.train_from_iterator(paragraphs, trainer=trainer)
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIALS])
   tok.save(path, pretty=False)
 
 
