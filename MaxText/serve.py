@@ -11,8 +11,10 @@ events), GET /v1/models, GET /health (503 while the engine compiles, 200 when re
 keys) in its own thread; the HTTP side is FastAPI + uvicorn (MaxText/server/).
 load_parameters_path: as for decode.py (a converter output, a run's checkpoints folder, one step);
 without it the parameters are random (said at start): a smoke test. Without tokenizer_path prompts
-are token ids and the text of a choice is its ids joined by commas. Chat needs a chat template
-(chat_template_path, or chat_template in the tokenizer_config.json next to tokenizer_path).
+are token ids and the text of a choice is its ids joined by commas. Chat renders the chat template
+(chat_template_path, or chat_template in the tokenizer_config.json next to tokenizer_path), or, without
+one (DeepSeek-V3.2 ships none) or with chat_encoding=deepseek_v32, DeepSeek-V3.2's own format with
+thinking and tool calls (MaxText/server/chat.py).
 serve_host / serve_port: where it listens; serve_max_waiting: waiting requests before a 429;
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to serve_shutdown_timeout
 seconds, exit 0. Bad config (an unknown key, a missing tokenizer) is one `error:` line, exit 2; a
@@ -48,13 +50,15 @@ def create_server(config: Config, log=_log):
   from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
   from MaxText.server.app import Server, build_app
+  from MaxText.server.chat import resolve_chat_encoding
   from MaxText.server.engine_thread import EngineThread
   from MaxText.server.protocol import Texts, load_chat_template
 
   tokenizer = load_tokenizer(config) if config.tokenizer_path else None
   template, where, special = load_chat_template(config.chat_template_path, config.tokenizer_path)
+  encoding = resolve_chat_encoding(config.chat_encoding, template is not None, tokenizer is not None)
   texts = Texts(tokenizer, add_bos=config.add_bos, vocab_size=config.vocab_size, chat_template=template,
-                chat_template_source=where, special_tokens=special)
+                chat_template_source=where, special_tokens=special, chat_encoding=encoding)
   eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
   vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
 
@@ -63,7 +67,7 @@ def create_server(config: Config, log=_log):
     graphdef, params, buffers, source = model_state.load_or_create(config, mesh, report=log)
   log(f"serve: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}; "
       f"tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
-      f"{'yes' if template else 'none'}")
+      f"{'yes' if template else 'none'}; chat format {encoding}")
 
   @contextlib.contextmanager
   def make_engine():

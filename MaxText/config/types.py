@@ -232,6 +232,7 @@ class Serve(_Section):
   serve_max_waiting: PosInt
   serve_shutdown_timeout: Annotated[float, Field(ge=0)]
   chat_template_path: str
+  chat_encoding: Literal["auto", "deepseek_v32", "jinja"]
   serve_max_index_score_bytes: PosInt
   serve_speculative_tokens: NonNegInt
 

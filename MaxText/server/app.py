@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from MaxText.config.types import Config
+from MaxText.server.chat import chat_turn
 from MaxText.server.engine_thread import EngineThread, RequestStream
 from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
 from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
@@ -57,13 +58,13 @@ class Piece:
 
 
 async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
-                  max_tokens: int | None) -> list[RequestStream]:
-  """Every prompt's request, accepted by the engine, or none (ApiError)."""
+                  max_tokens: int | None, stop_ids: Sequence[int] = ()) -> list[RequestStream]:
+  """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own."""
   body.check()
   if body.model and body.model != server.model_id:
     raise ApiError(404, f"model={body.model!r} is not served here: this server serves {server.model_id!r}",
                    "model", "model_not_found")
-  stop_ids, _ = server.texts.stop_plan(body.stop_strings, body.stop_token_ids)
+  stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids])
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
   streams: list[RequestStream] = []
   try:
@@ -196,13 +197,14 @@ def _sse(obj) -> str:
 
 
 async def _event_stream(streams, gens, chunk, usage_chunk) -> AsyncIterator[str]:
-  """SSE: chunk(piece) per piece, then usage_chunk(counts) if asked, then [DONE]. An engine error
-  mid-stream is sent as an error event (the status line is already out)."""
+  """SSE: chunk(piece) per piece (none where it is None), then usage_chunk(counts) if asked, then
+  [DONE]. An engine error mid-stream is sent as an error event (the status line is already out)."""
   counts = [0] * len(streams)
   try:
     async for piece in _merged(gens):
       counts[piece.index] += len(piece.token_ids)
-      yield _sse(chunk(piece))
+      if (event := chunk(piece)) is not None:
+        yield _sse(event)
     if usage_chunk is not None:
       yield _sse(usage_chunk(_usage(streams, counts)))
   except ApiError as e:
@@ -290,19 +292,23 @@ def build_app(server: Server) -> FastAPI:
   async def chat(body: ChatRequest, request: Request):
     arrival = time.perf_counter()
     body.check()
-    prompt = server.texts.chat_prompt(body.messages)
+    turn = chat_turn(server.texts, body)
+    prompt = turn.prompt
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    streams = await _submit(server, body, [prompt], max_tokens)
+    streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids)
     gens = [_pieces(server, 0, streams[0], body.stop_strings, arrival)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
     if body.stream:
       first = [True]
 
-      def chunk(p: Piece) -> dict:
-        delta = {"role": "assistant", "content": p.text} if first[0] else {"content": p.text}
+      def chunk(p: Piece) -> dict | None:
+        delta = turn.delta(p.text, final=p.finish_reason is not None)
+        if not (delta or first[0] or p.finish_reason or body.return_token_ids):
+          return None  # the parser holds this piece back (a tag may be starting)
+        delta = {"role": "assistant", "content": "", **delta} if first[0] else delta
         first[0] = False
-        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": p.finish_reason}
+        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": turn.finish_reason(p.finish_reason)}
         if body.return_token_ids:
           c["token_ids"] = p.token_ids
         return {**head, "object": "chat.completion.chunk", "choices": [c], "usage": None}
@@ -312,8 +318,7 @@ def build_app(server: Server) -> FastAPI:
           (lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
           if body.include_usage else None))
     (p,) = await _collect(request, gens)
-    c = {"index": 0, "message": {"role": "assistant", "content": p.text}, "logprobs": None,
-         "finish_reason": p.finish_reason}
+    c = {"index": 0, "message": turn.message(p.text), "logprobs": None, "finish_reason": turn.finish_reason(p.finish_reason)}
     out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
     if body.return_token_ids:
       c["token_ids"] = p.token_ids

@@ -98,10 +98,20 @@ class ChatMessage(BaseModel):
       return "".join(str(p.get("text", "")) for p in self.content)
     return self.content or ""
 
+  def as_dict(self) -> dict:
+    """The message as a chat renderer reads it: every field given, content as one string."""
+    return {**self.model_dump(exclude_none=True), "content": self.text()}
+
 
 class ChatRequest(SamplingFields):
   messages: list[ChatMessage]
   max_completion_tokens: int | None = None
+  # Read by the DeepSeek-V3.2 format (MaxText/server/chat.py); the jinja path ignores them.
+  tools: list[Any] | None = None
+  tool_choice: str | dict | None = None
+  parallel_tool_calls: bool = True
+  response_format: dict | None = None
+  chat_template_kwargs: dict | None = None  # {"thinking": true} (or "enable_thinking")
 
   def check(self) -> None:
     super().check()
@@ -113,11 +123,13 @@ class ChatRequest(SamplingFields):
 
 
 class Texts:
-  """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text."""
+  """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text.
+  chat_encoding: "jinja" (chat_prompt renders the template) or "deepseek_v32" (server/chat.py)."""
 
   def __init__(self, tokenizer: Tokenizer | None, *, add_bos: bool, vocab_size: int, chat_template: str | None,
-               chat_template_source: str, special_tokens: dict[str, str]):
+               chat_template_source: str, special_tokens: dict[str, str], chat_encoding: str = "jinja"):
     self.tokenizer, self.add_bos, self.vocab_size = tokenizer, add_bos, vocab_size
+    self.chat_encoding = chat_encoding
     self.chat_template_source = chat_template_source
     self._special = special_tokens
     self._template = _compile_template(chat_template) if chat_template else None
@@ -146,8 +158,8 @@ class Texts:
                      "chat_template_path")
     import jinja2
     try:
-      text = self._template.render(messages=[{**m.model_dump(exclude_none=True), "content": m.text()}
-                                             for m in messages], add_generation_prompt=True, **self._special)
+      text = self._template.render(messages=[m.as_dict() for m in messages], add_generation_prompt=True,
+                                   **self._special)
     except jinja2.TemplateError as e:
       raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
     return self.encode(text, bos=False)  # the template writes BOS itself when the model wants one

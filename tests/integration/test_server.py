@@ -10,8 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
-import threading
 import time
 
 import httpx
@@ -23,6 +21,7 @@ from MaxText.checkpoint import model_state
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
+from tests.server_harness import serving
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -51,8 +50,6 @@ def _wait_for(predicate, what: str, timeout: float = 20.0):
 def served(tmp_path_factory):
   """(config, base url, Server): a tokenizer folder with a chat template in its tokenizer_config.json,
   parameters saved as a run's, the server on a pre-bound free port in a thread; stopped at the end."""
-  import uvicorn
-
   from MaxText.serve import create_server
   tmp = tmp_path_factory.mktemp("served")
   shutil.copy(os.path.join(DATA, "tokenizer.json"), tmp / "tokenizer.json")
@@ -63,19 +60,9 @@ def served(tmp_path_factory):
   model_state.save_parameters(str(tmp / "params"), params, buffers)
   cfg = make_config(**KEYS, tokenizer_path=str(tmp / "tokenizer.json"), load_parameters_path=str(tmp / "params"))
   server, app = create_server(cfg, log=lambda line: None)
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-  uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-  thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  try:
+  with serving(app) as (url, thread):
     _wait_for(lambda: _get_status(f"{url}/health") == 200, "/health 200", timeout=180)
     yield cfg, url, server
-  finally:
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
   assert not thread.is_alive() and server.engine.state == "stopped"
 
 

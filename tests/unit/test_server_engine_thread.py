@@ -9,52 +9,26 @@ import time
 
 import pytest
 
-from MaxText.inference.page_allocator import PageAllocator
-from MaxText.inference.scheduler import SamplingParams, Scheduler
+from MaxText.inference.scheduler import SamplingParams
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError
+from tests.server_harness import SchedulerEngine
 
 
-class ScriptedEngine:
+class ScriptedEngine(SchedulerEngine):
   """ServingEngine's interface over the real Scheduler; step() samples token 100 + position, or
   raises while `fail_next` is set."""
 
   def __init__(self):
-    self.max_seqs, self.fail_next, self.warmed = 2, False, False
-    self.reset()
+    self.fail_next = False
+    super().__init__(num_pages=16, page_size=4, max_num_seqs=2, max_num_tokens=8, chunk=4, max_length=32, eos_id=None)
 
-  def reset(self):
-    self.allocator = PageAllocator(16, 4, prefix_caching=False)
-    self.scheduler = Scheduler(self.allocator, max_num_seqs=2, max_num_tokens=8, chunk=4, max_length=32, eos_id=None,
-                               vocab_size=512)
-
-  def warmup(self):
-    self.warmed = True
-    return 0
-
-  def add_request(self, prompt, params):
-    return self.scheduler.add(prompt, params)
-
-  def abort(self, request):
-    self.scheduler.abort(request)
-
-  @property
-  def idle(self):
-    return self.scheduler.idle
-
-  def step(self):
+  def next_tokens(self, rows):
     time.sleep(0.005)  # a step takes time: commands arrive between steps
-    rows = self.scheduler.schedule()
     if self.fail_next:
       self.fail_next = False
       raise RuntimeError("boom")
-    made = [len(r.request.output) for r in rows]
-    self.scheduler.update(rows, [100 + r.start + r.count for r in rows])
-    return [(r.request, r.request.output[-1]) for r, n in zip(rows, made) if len(r.request.output) > n]
-
-  def stats(self):
-    return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "pages_used": self.allocator.used_pages, "pages_total": 16}
+    return [100 + r.start + r.count for r in rows]
 
 
 @pytest.fixture

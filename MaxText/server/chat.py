@@ -1,0 +1,131 @@
+"""A /v1/chat/completions request as a turn: its prompt ids and the parser of its reply, in the
+tokenizer's jinja template or in DeepSeek-V3.2's own format (MaxText/data/chat_dsv32.py).
+
+    turn = chat_turn(texts, body)             # ApiError 400 naming the field for bad messages or tools
+    delta = turn.delta(piece_text)            # OpenAI's streamed delta fields for a piece of the reply
+    message = turn.message(reply_text)        # OpenAI's message: content, reasoning_content, tool_calls
+
+DeepSeek-V3.2 per request: `chat_template_kwargs: {"thinking": true}` (or "enable_thinking") ends the
+prompt with <think> and the reply's text up to </think> is `reasoning_content`; `tools` go into the
+system prompt and DSML blocks in the reply become `tool_calls` (finish_reason "tool_calls");
+`tool_choice`: "auto", "none" (no tools in the prompt), "required" or {"type": "function",
+"function": {"name": ...}} (the reply is started with the function_calls block, or that function's
+invoke, so a tool is called; thinking is off for such a turn); `parallel_tool_calls: false` keeps the
+first call; `response_format` goes into the system prompt. The EOS marker is a stop token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from MaxText.data import chat_dsv32 as fmt
+from MaxText.data.chat_dsv32_stream import CompletionParser, Delta
+from MaxText.server.protocol import ApiError, ChatRequest, Texts
+
+
+def resolve_chat_encoding(chat_encoding: str, has_template: bool, has_tokenizer: bool) -> str:
+  """chat_encoding=auto: the jinja template when there is one, else DeepSeek-V3.2's format (the
+  release ships no template) when there is a tokenizer; deepseek_v32 needs a tokenizer."""
+  from MaxText.config.types import ConfigError
+  if chat_encoding == "deepseek_v32" and not has_tokenizer:
+    raise ConfigError("chat_encoding=deepseek_v32 needs tokenizer_path (the format is text: a tokenizer.json "
+                      "holding its markers, e.g. DeepSeek-V3.2's or tests/data/tokenizer.json)")
+  if chat_encoding == "auto":
+    return "jinja" if has_template or not has_tokenizer else "deepseek_v32"
+  return chat_encoding
+
+
+class _PlainParser:
+  """The jinja path's reply: all content."""
+
+  def feed(self, text: str) -> Delta:
+    return Delta(content=text)
+
+  def finish(self) -> Delta:
+    return Delta()
+
+
+@dataclasses.dataclass
+class ChatTurn:
+  """One request's prompt and reply parser. Tool calls are numbered as sent (index 0, 1, ...)."""
+  prompt: list[int]
+  parser: Any  # CompletionParser or _PlainParser: feed(text) -> Delta, finish() -> Delta
+  stop_ids: tuple[int, ...] = ()
+  thinking: bool = False
+  parallel_tool_calls: bool = True
+  calls: int = 0
+
+  def _calls(self, delta: Delta) -> list[dict]:
+    calls = delta.tool_calls if self.parallel_tool_calls else delta.tool_calls[:max(0, 1 - self.calls)]
+    out = [{"index": self.calls + k, **c} for k, c in enumerate(calls)]
+    self.calls += len(out)
+    return out
+
+  def delta(self, text: str, final: bool) -> dict:
+    """OpenAI's delta fields for the next piece of the reply ({} while the parser holds it back)."""
+    d = self.parser.feed(text)
+    if final:
+      end = self.parser.finish()
+      d = Delta(d.reasoning_content + end.reasoning_content, d.content + end.content, d.tool_calls + end.tool_calls)
+    out: dict = {}
+    if d.reasoning_content:
+      out["reasoning_content"] = d.reasoning_content
+    if d.content:
+      out["content"] = d.content
+    if calls := self._calls(d):
+      out["tool_calls"] = calls
+    return out
+
+  def message(self, text: str) -> dict:
+    """The whole reply as OpenAI's message (content null when the reply is only tool calls)."""
+    d = self.delta(text, final=True)
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in d.get("tool_calls", [])]
+    msg: dict = {"role": "assistant", "content": d.get("content", "") if not calls or d.get("content") else None}
+    if self.thinking:
+      msg["reasoning_content"] = d.get("reasoning_content", "")
+    if calls:
+      msg["tool_calls"] = calls
+    return msg
+
+  def finish_reason(self, reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" and self.calls else reason
+
+
+def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
+  if texts.chat_encoding != "deepseek_v32":
+    return ChatTurn(texts.chat_prompt(body.messages), _PlainParser())
+  kwargs = body.chat_template_kwargs or {}
+  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+  try:
+    tools = fmt.check_tools(body.tools)
+    forced = _forced_start(body.tool_choice, tools)
+    text = fmt.render([m.as_dict() for m in body.messages], thinking=thinking and forced is None,
+                      tools=tools if body.tool_choice != "none" else None, response_format=body.response_format)
+  except fmt.ChatFormatError as e:
+    raise ApiError(400, str(e), e.field) from None
+  parser = CompletionParser(thinking=text.endswith(fmt.THINK_START))
+  if forced:
+    parser.feed(forced)  # the start of a block: held, sent with the rest of it
+  eos = texts.tokenizer.encode(fmt.EOS) if texts.tokenizer is not None else []
+  return ChatTurn(texts.encode(text + (forced or ""), bos=False), parser, tuple(eos) if len(eos) == 1 else (),
+                  thinking=text.endswith(fmt.THINK_START), parallel_tool_calls=body.parallel_tool_calls)
+
+
+def _forced_start(tool_choice: Any, tools: list[dict]) -> str | None:
+  """The text a reply must start with for tool_choice (None: the model chooses)."""
+  if tool_choice in (None, "auto", "none"):
+    return None
+  names = [t["function"]["name"] for t in tools]
+  if not names:
+    raise fmt.ChatFormatError(f"tool_choice={tool_choice!r} needs tools", "tool_choice")
+  start = fmt.CALLS_SEP + fmt.CALLS_OPEN + "\n"
+  if tool_choice == "required":
+    return start
+  name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+  if name is None:
+    raise fmt.ChatFormatError(f"tool_choice={tool_choice!r} is not \"auto\", \"none\", \"required\" or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+  if name not in names:
+    raise fmt.ChatFormatError(f"tool_choice names function {name!r}, which is not in tools ({names})", "tool_choice")
+  return start + fmt.INVOKE_TEMPLATE.format(name=name, parameters="").split("\n")[0] + "\n"

@@ -1,0 +1,71 @@
+"""What the server tests share: a stand-in for ServingEngine over the real Scheduler, and an app served
+on a free localhost port in a thread."""
+
+import contextlib
+import socket
+import threading
+
+from MaxText.inference.page_allocator import PageAllocator
+from MaxText.inference.scheduler import Scheduler
+
+
+class SchedulerEngine:
+  """ServingEngine's interface (what EngineThread calls) over the real Scheduler and PageAllocator;
+  a subclass says each scheduled row's next token in next_tokens(rows) (it may raise: a failed step)."""
+
+  def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_tokens: int, chunk: int,
+               max_length: int, eos_id: int | None):
+    self.max_seqs, self.warmed = max_num_seqs, False
+    self._sizes = dict(num_pages=num_pages, page_size=page_size, max_num_tokens=max_num_tokens, chunk=chunk,
+                       max_length=max_length, eos_id=eos_id)
+    self.reset()
+
+  def reset(self):
+    s = self._sizes
+    self.allocator = PageAllocator(s["num_pages"], s["page_size"], prefix_caching=False)
+    self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=s["max_num_tokens"],
+                               chunk=s["chunk"], max_length=s["max_length"], eos_id=s["eos_id"], vocab_size=512)
+
+  def warmup(self):
+    self.warmed = True
+    return 0
+
+  def add_request(self, prompt, params):
+    return self.scheduler.add(prompt, params)
+
+  def abort(self, request):
+    self.scheduler.abort(request)
+
+  @property
+  def idle(self):
+    return self.scheduler.idle
+
+  def next_tokens(self, rows) -> list[int]:
+    raise NotImplementedError
+
+  def step(self):
+    rows = self.scheduler.schedule()
+    made = [len(r.request.output) for r in rows]
+    self.scheduler.update(rows, self.next_tokens(rows))
+    return [(r.request, r.request.output[-1]) for r, n in zip(rows, made) if len(r.request.output) > n]
+
+  def stats(self):
+    return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "pages_used": self.allocator.used_pages, "pages_total": self._sizes["num_pages"]}
+
+
+@contextlib.contextmanager
+def serving(app):
+  """-> (base url, the server's thread): uvicorn serves `app` on a pre-bound free port until the block ends."""
+  import uvicorn
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+  thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+  finally:
+    uv.should_exit = True
+    thread.join(30)
+    sock.close()
