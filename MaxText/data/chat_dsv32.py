@@ -177,6 +177,11 @@ def _text(content: Any) -> str:
   return "" if content is None else str(content)
 
 
+def _user_turn(content: str, thinking: bool) -> str:
+  """A user turn and the generation prompt's mode: <think> (thinking, the last user turn) or </think>."""
+  return USER_TEMPLATE.format(content=content) + (THINK_START if thinking else THINK_END)
+
+
 def _tool_turn_end(thinking: bool) -> str:
   return "\n\n" + (THINK_START if thinking else THINK_END)
 
@@ -193,21 +198,21 @@ def render_pieces(messages: Sequence[dict], *, thinking: bool, tools: Sequence[d
     messages.insert(0, {"role": "system", "content": ""})
   last_user = max((i for i, m in enumerate(messages) if m.get("role") in USER_ROLES), default=-1)
   pieces: list[tuple[str, str]] = [("bos", BOS)] if bos else []
-  calls: list[dict] = []  # the tool calls the tool messages answer (the last assistant's)
+  calls: list[dict] = []  # the calls tool messages may answer: the assistant message right before them
   answered = 0
   for i, m in enumerate(messages):
     role, text = m.get("role"), _text(m.get("content"))
     where = f"messages[{i - inserted}]"  # as the caller numbers them
-    turn_thinking = thinking and i == last_user
+    if role != "tool":
+      calls, answered = list(m.get("tool_calls") or []) if role == "assistant" else [], 0
     if role == "system":
       pieces.append((role, text + (extras if i == 0 else "")))
     elif role == "user":
-      pieces.append((role, USER_TEMPLATE.format(content=text) + (THINK_START if turn_thinking else THINK_END)))
+      pieces.append((role, _user_turn(text, thinking and i == last_user)))
     elif role == "developer":
       body = _system_extras(m.get("tools"), m.get("response_format")) + DEVELOPER_MESSAGE_TEMPLATE.format(content=text)
-      pieces.append((role, USER_TEMPLATE.format(content=body) + (THINK_START if turn_thinking else THINK_END)))
+      pieces.append((role, _user_turn(body, thinking and i == last_user)))
     elif role == "assistant":
-      calls, answered = list(m.get("tool_calls") or []), 0
       reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
       head = reasoning + THINK_END if thinking and i > last_user else ""
       tail = CALLS_SEP + render_tool_calls(calls, f"{where}.tool_calls") if calls else ""

@@ -94,6 +94,9 @@ def test_bad_tools_and_tool_messages_name_the_field():
   for msgs, field in [([{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}], "messages[1].tool_call_id"),
                       ([{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "nope"}],
                        "messages[1].tool_call_id"),
+                      ([{"role": "assistant", "tool_calls": [CALL, CALL]}, {"role": "tool", "tool_call_id": "call_0"},
+                        {"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "call_0"}],
+                       "messages[3].tool_call_id"),  # a user turn ends the calls a result may answer
                       ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
                        "messages[0].tool_calls[0].function.arguments"),
                       ([{"role": "narrator", "content": "x"}], "messages[0].role")]:
