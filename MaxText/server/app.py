@@ -318,7 +318,8 @@ def build_app(server: Server) -> FastAPI:
           (lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
           if body.include_usage else None))
     (p,) = await _collect(request, gens)
-    c = {"index": 0, "message": turn.message(p.text), "logprobs": None, "finish_reason": turn.finish_reason(p.finish_reason)}
+    c = {"index": 0, "message": turn.message(p.text), "logprobs": None,
+         "finish_reason": turn.finish_reason(p.finish_reason)}
     out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
     if body.return_token_ids:
       c["token_ids"] = p.token_ids

@@ -136,7 +136,8 @@ def test_a_tool_call_its_result_sent_back_and_a_final_answer(served, thinking):
   msgs += [choice.message.model_dump(exclude_none=True),
            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "sunny"})}]
   final = client.chat.completions.create(model="dsv32-stand-in", messages=msgs, **kw).choices[0]
-  assert (final.message.content, final.message.tool_calls, final.finish_reason) == ("It is sunny in Paris.", None, "stop")
+  assert (final.message.content, final.message.tool_calls, final.finish_reason) == (
+      "It is sunny in Paris.", None, "stop")
 
 
 def test_a_reply_cut_by_max_tokens_inside_a_tool_call_is_content_streamed_or_not(served):
@@ -160,7 +161,8 @@ def test_tool_choice_forces_a_call_and_parallel_tool_calls_false_keeps_the_first
     assert len(calls) == n and all(json.loads(c.function.arguments) == ARGS for c in calls)
     _, content, streamed, reason, _ = _stream(client, messages=msgs, tools=TOOLS, tool_choice=choice,
                                               parallel_tool_calls=parallel)
-    assert (content, len(streamed), reason) == ("", n, "tool_calls") and [c["index"] for c in streamed] == list(range(n))
+    assert (content, len(streamed), reason) == ("", n, "tool_calls")
+    assert [c["index"] for c in streamed] == list(range(n))
   assert client.chat.completions.create(model="dsv32-stand-in", messages=msgs, tools=TOOLS,
                                         tool_choice="none").choices[0].message.content == "Hello!"
 

@@ -91,7 +91,8 @@ def test_bad_tools_and_tool_messages_name_the_field():
       check_tools(tools)
     assert e.value.field == field
   assert check_tools([TOOL]) == [TOOL]
-  for msgs, field in [([{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}], "messages[1].tool_call_id"),
+  for msgs, field in [([{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}],
+                       "messages[1].tool_call_id"),
                       ([{"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "nope"}],
                        "messages[1].tool_call_id"),
                       ([{"role": "assistant", "tool_calls": [CALL, CALL]}, {"role": "tool", "tool_call_id": "call_0"},
@@ -146,7 +147,8 @@ def test_the_streaming_parser_equals_the_whole_parse_at_every_split_point(text, 
   assert _streamed(list(text), thinking) == expected
 
 
-@pytest.mark.parametrize("text", [COMPLETIONS[8][0], COMPLETIONS[10][0], f"<{D}function_calls>\ngarbage\n</{D}function_calls>",
+@pytest.mark.parametrize("text", [COMPLETIONS[8][0], COMPLETIONS[10][0],
+                                  f"<{D}function_calls>\ngarbage\n</{D}function_calls>",
                                   f"<{D}function_calls>\n<{D}invoke name=\"f\">",
                                   f"\n\n<{D}function_calls>\n<{D}invoke name=\"f\">\n</{D}invoke>"])
 def test_malformed_or_truncated_dsml_comes_back_as_content_character_for_character(text):
