@@ -8,11 +8,12 @@ from MaxText.inference.scheduler import Scheduler
 
 
 class ScriptedEngine:
-  """ServingEngine's interface over the real Scheduler; step() samples token 100 + position, raises
+  """ServingEngine's interface over the real Scheduler; step() samples token token_base + position, raises
   while `fail_next` is set, schedules nothing while `paused` (requests stay waiting)."""
 
-  def __init__(self, step_s: float = 0.005):
+  def __init__(self, step_s: float = 0.005, token_base: int = 100):
     self.max_seqs, self.fail_next, self.warmed, self.paused, self.step_s = 2, False, False, False, step_s
+    self.token_base = token_base
     self.requests = []  # every request added, in order
     self.reset()
 
@@ -45,7 +46,7 @@ class ScriptedEngine:
       self.fail_next = False
       raise RuntimeError("boom")
     made = [len(r.request.output) for r in rows]
-    self.scheduler.update(rows, [100 + r.start + r.count for r in rows])
+    self.scheduler.update(rows, [self.token_base + r.start + r.count for r in rows])
     return [(r.request, r.request.output[-1]) for r, n in zip(rows, made) if len(r.request.output) > n]
 
   def stats(self):

@@ -1,12 +1,14 @@
 """The routes' abort sites (MaxText/server/app.py), each on its own, over the real app, uvicorn and
 engine thread with a scripted engine (tests/unit/scripted_engine.py: no model): a plain request
 whose client disconnects mid-generation (the collect path), a streamed one (the event stream), and
-a request of several prompts one of which the engine refuses (the accepted ones) are all aborted
-in the engine, their pages freed; and a 429 is OpenAI's body."""
+a request of several prompts one of which the engine refuses (the accepted ones), and a request cut
+by a stop string (the text's own stop) are all aborted in the engine, their pages freed; and a 429
+is OpenAI's body."""
 
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -14,12 +16,14 @@ import time
 import httpx
 import pytest
 
+from MaxText.data.tokenizer import load_tokenizer
 from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import Texts
-from tests.conftest import make_config
+from tests.conftest import REPO_ROOT, make_config
 from tests.unit.scripted_engine import ScriptedEngine
 
+DATA = os.path.join(REPO_ROOT, "tests", "data")
 MAX_TOKENS = 24  # 24 steps of 0.05 s: a request runs about a second unless aborted
 
 
@@ -36,9 +40,10 @@ def _wait_for(predicate, what: str, timeout: float = 10.0):
 def served():
   """(base url, ScriptedEngine): the app on a pre-bound free port in a thread; stopped at the end."""
   import uvicorn
-  eng = ScriptedEngine(step_s=0.05)
+  eng = ScriptedEngine(step_s=0.05, token_base=300)  # from position 2: 'ver', ' e', 'ay', 'it', 'me', ...
   engine = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
-  texts = Texts(None, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
+  tokenizer = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=os.path.join(DATA, "tokenizer.json")))
+  texts = Texts(tokenizer, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
                 special_tokens={})
   app = build_app(Server(make_config(), texts, engine, "tiny"))  # max_target_length 64 > the engine's 32
   sock = socket.socket()
@@ -98,6 +103,19 @@ def test_the_accepted_prompts_of_a_request_the_engine_refuses_in_part_are_aborte
   (first,) = eng.requests[n:]
   _wait_for(lambda: first.finish_reason is not None, "the accepted prompt to end")
   assert first.finish_reason == "abort" and len(first.output) < 20
+  _wait_for(lambda: eng.scheduler.idle and eng.allocator.used_pages == 0, "its pages to be freed")
+
+
+def test_a_stop_string_in_the_text_ends_the_request_in_the_engine_at_once(served):
+  url, eng = served
+  n = len(eng.requests)
+  r = httpx.post(f"{url}/v1/completions", timeout=10, json={"prompt": [1, 2], "max_tokens": MAX_TOKENS,
+                                                              "stop": ["ayit"]})  # two tokens: no stop id
+  assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ver e", r.text
+  assert r.json()["choices"][0]["finish_reason"] == "stop"
+  (request,) = eng.requests[n:]
+  _wait_for(lambda: request.finish_reason is not None, "the request to end")
+  assert request.finish_reason == "abort" and len(request.output) < MAX_TOKENS, request.output
   _wait_for(lambda: eng.scheduler.idle and eng.allocator.used_pages == 0, "its pages to be freed")
 
 
