@@ -29,6 +29,7 @@ class RunInfo(_Section):
   base_output_directory: str
   model_name: str
   seed: int
+  jax_cache_dir: str
 
 
 class ModelShape(_Section):
