@@ -7,26 +7,22 @@ import jax
 
 from MaxText import serve_compile
 from MaxText.inference import paged_cache
-from MaxText.runtime import sharding
+from MaxText.runtime import aot, sharding
 from tests.conftest import make_config
 
 KEYS = dict(max_target_length=64, serve_page_size=16, serve_max_num_seqs=4, serve_num_pages=8, mtp_num_layers=1)
 
 
-def _held(**keys):
-  cfg = make_config(**KEYS, **keys)
+def test_speculating_counts_the_mtp_pool_its_weights_and_the_drafts():
+  cfg = make_config(**KEYS, serve_speculative_tokens=1)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-    return cfg, serve_compile.resident_bytes(serve_compile.build_engine(cfg))
-
-
-def test_speculating_counts_the_mtp_pool_its_weights_and_the_drafts():
-  cfg, spec = _held(serve_speculative_tokens=1)
-  _, plain = _held(serve_speculative_tokens=0)
-  assert spec["cache"] == paged_cache.pool_bytes(cfg, 8, 16)  # the stacks' layers + the MTP layer's
-  assert spec["cache"] - plain["cache"] == paged_cache.pool_bytes(cfg, 8, 16) // (cfg.num_decoder_layers + 1)
-  assert spec["weights"] > plain["weights"]  # the MTP layer's absorbed attention weights
-  assert spec["draft"] == 4 * 1 * cfg.vocab_size * 4 and plain["draft"] == 0  # draft_q [S,k,V] fp32
+    engine = serve_compile.build_engine(cfg)
+  held = serve_compile.resident_bytes(engine)
+  assert held["cache"] == paged_cache.pool_bytes(cfg, 8, 16)  # the stacks' layers + the MTP layer's
+  target = aot.bytes_per_device((engine.params, engine.buffers, engine.absorbed))
+  assert held["weights"] - target == aot.bytes_per_device(engine.spec.absorbed) > 0  # the MTP layer's absorbed
+  assert held["draft"] == 4 * 1 * cfg.vocab_size * 4  # draft_q [S,k,V] fp32
 
 
 def test_a_mesh_that_copies_the_weights_on_every_device_is_told_which_keys_shard_them():
