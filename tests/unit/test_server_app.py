@@ -24,7 +24,7 @@ from tests.conftest import REPO_ROOT, make_config
 from tests.unit.scripted_engine import ScriptedEngine
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
-MAX_TOKENS = 24  # 24 steps of 0.05 s: a request runs about a second unless aborted
+MAX_TOKENS = 28  # 28 steps of 0.08 s: a request runs over two seconds unless aborted
 
 
 def _wait_for(predicate, what: str, timeout: float = 10.0):
@@ -40,7 +40,7 @@ def _wait_for(predicate, what: str, timeout: float = 10.0):
 def served():
   """(base url, ScriptedEngine): the app on a pre-bound free port in a thread; stopped at the end."""
   import uvicorn
-  eng = ScriptedEngine(step_s=0.05, token_base=300)  # from position 2: 'ver', ' e', 'ay', 'it', 'me', ...
+  eng = ScriptedEngine(step_s=0.08, token_base=300)  # from position 2: 'ver', ' e', 'ay', 'it', 'me', ...
   engine = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
   tokenizer = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=os.path.join(DATA, "tokenizer.json")))
   texts = Texts(tokenizer, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
@@ -121,22 +121,24 @@ def test_a_stop_string_in_the_text_ends_the_request_in_the_engine_at_once(served
 
 def test_past_serve_max_waiting_is_a_429_in_openais_body(served):
   url, eng = served
+  got: list = []  # responses as they come
+
+  async def burst():  # 2 sequence slots + 4 waiting accepted, the 7th refused
+    async with httpx.AsyncClient(timeout=10) as c:
+      async def one():
+        got.append(await c.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}))
+      await asyncio.gather(*[one() for _ in range(7)])
+
   eng.paused = True
+  task = threading.Thread(target=lambda: asyncio.run(burst()))
   try:
-    async def burst():  # 2 sequence slots + 4 waiting accepted, the 7th refused
-      async with httpx.AsyncClient(timeout=10) as c:
-        return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
-                                      for _ in range(7)])
-    task = threading.Thread(target=lambda: got.extend(asyncio.run(burst())))
-    got: list = []
     task.start()
-    _wait_for(lambda: len(eng.scheduler.waiting) == 6, "6 requests to wait")
-    time.sleep(0.2)
+    _wait_for(lambda: len(got) == 1, "the refusal while 6 requests wait")
   finally:
     eng.paused = False
   task.join(10)
   assert sorted(r.status_code for r in got) == [200] * 6 + [429]
-  err = next(r for r in got if r.status_code == 429).json()["error"]
+  err = got[0].json()["error"]
   assert err["type"] == "rate_limit_error" and err["code"] == "too_many_waiting" and "serve_max_waiting" in err["message"]
 
 
