@@ -18,7 +18,7 @@ pool to measure those, then again with the pools sized (a whole number of pages 
 When weights and temporaries alone exceed G: one line, exit 1; an explicit pool over G: the same.
 
 Prints a short table, then, as the LAST line of stdout, one JSON object (bytes per device):
-peak_bytes_per_device = weights + cache + the step's row inputs and outputs + the larger program's
+peak_bytes_per_device = weights + cache (+ drafts) + the step's row inputs and outputs + the larger program's
 temporaries (what is resident between steps, plus what one step adds), weight_bytes_per_device
 (params, buffers, the engine's head-major wkv_b copies; speculating, the MTP layer's too),
 cache_bytes_per_device (speculating, with the MTP layer's pool), draft_bytes_per_device (speculating:
