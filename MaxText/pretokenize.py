@@ -1,7 +1,7 @@
 """Text -> ArrayRecord shards of token ids, for dataset_type=grain with tokenize_train_data=false.
 
     python -m MaxText.pretokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.model --output shards/
-    python MaxText/train.py configs/base.yml dataset_type=grain grain_train_files='shards/*.arrayrecord' \\
+    python MaxText/train.py configs/base.yml dataset_type=grain grain_train_files=shards \\
         tokenize_train_data=false tokenizer_path=tokenizer.model
 
 Inputs (comma-separated files, globs or folders): .txt (a document per paragraph), .jsonl (the
@@ -191,7 +191,7 @@ def pretokenize(args) -> dict:
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(prog="python -m MaxText.pretokenize", description=__doc__.split("\n\n")[0],
-                               epilog="Train on the result: dataset_type=grain grain_train_files='<output>/*.arrayrecord' "
+                               epilog="Train on the result: dataset_type=grain grain_train_files=<output> (its *.arrayrecord) "
                                       "tokenize_train_data=false.")
   ap.add_argument("--input", required=True, help="files, globs or folders (comma-separated): .txt, .jsonl, "
                                                  ".parquet, or a save_to_disk dataset folder")

@@ -33,7 +33,7 @@ import signal
 
 from MaxText.config import pyconfig
 from MaxText.config.types import Config
-from MaxText.runtime import cli, distributed
+from MaxText.runtime import cli, compile_cache, distributed
 
 
 def _log(line: str) -> None:
@@ -97,6 +97,7 @@ def serve(config: Config) -> None:
 def main(argv) -> None:
   config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)
   cli.quiet_libraries()
+  compile_cache.enable(config)
   cli.run(lambda: serve(config))
 
 

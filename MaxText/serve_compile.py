@@ -18,9 +18,11 @@ pool to measure those, then again with the pools sized (a whole number of pages 
 When weights and temporaries alone exceed G: one line, exit 1; an explicit pool over G: the same.
 
 Prints a short table, then, as the LAST line of stdout, one JSON object (bytes per device):
-peak_bytes_per_device = weights + cache + the step's row inputs and outputs + the larger program's
+peak_bytes_per_device = weights + cache (+ drafts) + the step's row inputs and outputs + the larger program's
 temporaries (what is resident between steps, plus what one step adds), weight_bytes_per_device
-(params, buffers, the engine's head-major wkv_b copies), cache_bytes_per_device,
+(params, buffers, the engine's head-major wkv_b copies; speculating, the MTP layer's too),
+cache_bytes_per_device (speculating, with the MTP layer's pool), draft_bytes_per_device (speculating:
+the drafts' distributions, [serve_max_num_seqs, k, vocab] fp32),
 temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages, cache_tokens (pages x page size),
 requests_at_max_target_length (whole max_target_length sequences the pools hold: each lives in
 one page shard), rows, tokens_per_row, collectives (op -> count, step and write), mesh,
@@ -55,6 +57,17 @@ def build_engine(config):
   return ServingEngine(config, graphdef, params, buffers)
 
 
+def resident_bytes(engine) -> dict:
+  """Bytes per device the engine holds between steps: weights (params, buffers, the absorbed attention
+  weights), cache (the stacks' pools) and, speculating, the MTP layer's pool (in cache: it grows per
+  page) and absorbed weights (in weights), and the drafts' distributions draft_q [S,k,V] (draft)."""
+  from MaxText.runtime import aot
+  spec = engine.spec
+  weights = aot.bytes_per_device((engine.params, engine.buffers, engine.absorbed, spec.absorbed if spec else ()))
+  cache = aot.bytes_per_device((engine.pools, spec.mtp_pool if spec else ()))
+  return {"weights": weights, "cache": cache, "draft": aot.bytes_per_device(spec.draft_q) if spec else 0}
+
+
 def compile_report(config) -> dict:
   """The JSON object serve_compile prints for config's pools (bytes per device)."""
   import jax
@@ -67,12 +80,14 @@ def compile_report(config) -> dict:
     step, write, rows = engine.compile_step(engine.max_seqs, engine.chunk)
     seconds = time.perf_counter() - t0
   m_step, m_write = aot.memory(step), aot.memory(write)
-  weights = aot.bytes_per_device((engine.params, engine.buffers, engine.absorbed))
-  cache = aot.bytes_per_device(engine.pools)
-  # resident between steps: weights and pools; during a step also its row inputs and outputs (the new
-  # entries, alive until the write) and the larger program's temporaries (jit drops unused arguments
-  # such as the MTP layer's, so the step's own argument count would miss weights the engine holds)
-  peak = weights + cache + aot.bytes_per_device(rows) + m_step["output"] + max(m_step["temp"], m_write["temp"])
+  held = resident_bytes(engine)
+  weights, cache = held["weights"], held["cache"]
+  # resident between steps: weights, pools (and the drafts' distributions); during a step also its row
+  # inputs and outputs (the new entries, alive until the write) and the larger program's temporaries
+  # (jit drops unused arguments such as the MTP layer's, so the step's own argument count would miss
+  # weights the engine holds)
+  peak = (weights + cache + held["draft"] + aot.bytes_per_device(rows) + m_step["output"]
+          + max(m_step["temp"], m_write["temp"]))
   cost = step.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   pages_per_shard = engine.num_pages // engine.shards
@@ -81,6 +96,7 @@ def compile_report(config) -> dict:
       "peak_bytes_per_device": peak,
       "weight_bytes_per_device": weights,
       "cache_bytes_per_device": cache,
+      "draft_bytes_per_device": held["draft"],
       "temp_bytes_per_device": m_step["temp"],
       "row_input_bytes_per_device": aot.bytes_per_device(rows),
       "step_peak_bytes_per_device": m_step["peak"],
@@ -115,7 +131,7 @@ def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
   shards = probe["page_shards"]
   per_shard = lambda r: r["cache_pages"] // shards
   page_bytes = probe["cache_bytes_per_device"] / per_shard(probe)  # one page in every shard
-  fixed = (probe["weight_bytes_per_device"] + probe["row_input_bytes_per_device"]
+  fixed = (probe["weight_bytes_per_device"] + probe["draft_bytes_per_device"] + probe["row_input_bytes_per_device"]
            + probe["step_output_bytes_per_device"])  # the peak's parts that do not depend on the pool
   room = hbm_gib * 2**30 - fixed  # for the pools and the larger of the two programs' temporaries
   temp = max(probe["temp_bytes_per_device"], probe["write_temp_bytes_per_device"])  # the step's does not grow
@@ -156,6 +172,17 @@ def _report_or_exit(config) -> dict:
   return out
 
 
+def weights_hint(config) -> str:
+  """What would shard the weights, when the data axis holds copies of them ("" when it does not):
+  the default mesh puts every device on `data`, where each holds all the weights."""
+  copies = config.mesh_shape["data"]
+  if copies == 1:
+    return ""
+  return (f"; each of the data={copies} devices holds a copy of the weights: shard them over devices with "
+          f"ici_expert_parallelism (the routed experts) and ici_fsdp_parallelism (the other weights), e.g. "
+          f"ici_expert_parallelism={copies} ici_data_parallelism=1")
+
+
 def _fail(line: str) -> None:
   print(f"error: {line}", file=sys.stderr, flush=True)
   sys.exit(1)
@@ -181,7 +208,7 @@ def main(argv) -> None:
       _fail(f"weights ({probe['weight_bytes_per_device'] / 2**30:.2f} GiB) and temporaries "
             f"({probe['temp_bytes_per_device'] / 2**30:.2f} GiB) need "
             f"{(probe['peak_bytes_per_device'] - probe['cache_bytes_per_device']) / 2**30:.2f} GiB per device: "
-            f"no room for the cache pools in compile_hbm_gib={hbm:g}")
+            f"no room for the cache pools in compile_hbm_gib={hbm:g}{weights_hint(config)}")
     config = pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=pages)
     r = _report_or_exit(config)
     if r["peak_bytes_per_device"] > hbm * 2**30:  # the write's temporaries grew with the pool: size again
@@ -194,7 +221,8 @@ def main(argv) -> None:
   print(_table(config, r), flush=True)
   print(json.dumps(r), flush=True)
   if hbm and r["peak_bytes_per_device"] > hbm * 2**30:
-    _fail(f"needs {r['peak_bytes_per_device'] / 2**30:.2f} GiB per device, the limit is {hbm:g} (compile_hbm_gib)")
+    _fail(f"needs {r['peak_bytes_per_device'] / 2**30:.2f} GiB per device, the limit is {hbm:g} (compile_hbm_gib)"
+          f"{weights_hint(config)}")
 
 
 if __name__ == "__main__":

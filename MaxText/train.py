@@ -42,7 +42,7 @@ from MaxText.data import input_pipeline
 from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from MaxText.layers.moe import update_routing_bias
-from MaxText.runtime import cli, distributed, sharding
+from MaxText.runtime import cli, compile_cache, distributed, sharding
 from MaxText.runtime.cli import RunError
 from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, peak_flops_per_device, warn
 from MaxText.runtime.metrics_prefetch import DeferredMetrics
@@ -378,6 +378,7 @@ def train(config: Config) -> dict:
 def main(argv) -> None:
   config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)  # joins the processes
   cli.quiet_libraries()
+  compile_cache.enable(config)
   cli.run(lambda: train(config))
 
 

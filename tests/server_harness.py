@@ -4,6 +4,7 @@ on a free localhost port in a thread."""
 import contextlib
 import socket
 import threading
+import time
 
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.scheduler import Scheduler
@@ -16,6 +17,7 @@ class SchedulerEngine:
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int, max_num_tokens: int, chunk: int,
                max_length: int, eos_id: int | None):
     self.max_seqs, self.warmed = max_num_seqs, False
+    self.requests = []  # every request added, in order
     self._sizes = dict(num_pages=num_pages, page_size=page_size, max_num_tokens=max_num_tokens, chunk=chunk,
                        max_length=max_length, eos_id=eos_id)
     self.reset()
@@ -31,7 +33,8 @@ class SchedulerEngine:
     return 0
 
   def add_request(self, prompt, params):
-    return self.scheduler.add(prompt, params)
+    self.requests.append(self.scheduler.add(prompt, params))
+    return self.requests[-1]
 
   def abort(self, request):
     self.scheduler.abort(request)
@@ -52,6 +55,25 @@ class SchedulerEngine:
   def stats(self):
     return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_used": self.allocator.used_pages, "pages_total": self._sizes["num_pages"]}
+
+
+class ScriptedEngine(SchedulerEngine):
+  """The server's unit-test engine: a step takes step_s seconds, samples token token_base + position,
+  raises while `fail_next` is set, and schedules nothing while `paused` (requests stay waiting)."""
+
+  def __init__(self, step_s: float = 0.005, token_base: int = 100):
+    self.fail_next, self.paused, self.step_s, self.token_base = False, False, step_s, token_base
+    super().__init__(num_pages=16, page_size=4, max_num_seqs=2, max_num_tokens=8, chunk=4, max_length=32, eos_id=None)
+
+  def next_tokens(self, rows):
+    if self.fail_next:
+      self.fail_next = False
+      raise RuntimeError("boom")
+    return [self.token_base + r.start + r.count for r in rows]
+
+  def step(self):
+    time.sleep(self.step_s)  # a step takes time: commands arrive between steps
+    return [] if self.paused else super().step()
 
 
 @contextlib.contextmanager

@@ -126,6 +126,12 @@ def _quantization(params: dict) -> str:
   return "fp8_block" if any(k.endswith("_scale") and k[:-len("_scale")] in shapes for k in shapes) else "none"
 
 
+def _quantizations(stored: dict | None, target: dict) -> tuple[str, str]:
+  """(the stored tree's weight_quantization, target's); both target's when the metadata was unreadable."""
+  want = _quantization(target["params"])
+  return (want if stored is None else _quantization(stored.get("params", {}))), want
+
+
 def model_mismatch(tree_dir: str, target: dict) -> str | None:
   """How the params/buffers stored in tree_dir differ from target's (another model): the first path
   whose shapes differ, with both shapes; or None. Reads only the metadata; an unreadable one raises."""
@@ -163,9 +169,15 @@ def restore_newest_good(manager: ocp.CheckpointManager | None, abstract_state: d
   for step in sorted(manager.all_steps(), reverse=True):
     step_dir = os.path.join(str(manager.directory), str(step))
     try:
-      other = model_mismatch(os.path.join(step_dir, "state"), abstract_state)
+      stored = _stored_tree(os.path.join(step_dir, "state"))
     except Exception:  # unreadable metadata: the restore below says why
-      other = None
+      stored = None
+    have, want = _quantizations(stored, abstract_state)
+    if have != want:
+      raise ConfigError(f"checkpoint step {step} in {manager.directory} was written with weight_quantization={have} "
+                        f"but this config has weight_quantization={want}: resume with weight_quantization={have}, "
+                        "or choose another run_name")
+    other = None if stored is None else _mismatch(stored, abstract_state)
     if other is not None:  # a whole other model: the checkpoints are fine, the config is not theirs
       raise CheckpointError(f"checkpoint step {step} in {manager.directory} is of another model: {other}; "
                             "choose another run_name (or run with the keys it was trained with)")
@@ -227,13 +239,12 @@ def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict
   of another model a CheckpointError naming the first differing path and both shapes."""
   problems = []
   candidates = parameter_candidates(path)
-  want = _quantization(target["params"])
   for tree_dir in candidates:
     try:
       stored = _stored_tree(tree_dir)  # the metadata, read once for both checks
     except Exception:  # unreadable metadata: the restore below says why
       stored = None
-    have = want if stored is None else _quantization(stored.get("params", {}))
+    have, want = _quantizations(stored, target)
     if have != want:
       raise ConfigError(f"weight_quantization={want} does not fit load_parameters_path={path!r}: it was converted "
                         f"with weight_quantization={have}; set weight_quantization={have} (or convert it again "

@@ -12,10 +12,12 @@ import math
 import os
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
+# A list of names where a single name also means a one-name list (`train_data_columns=text`, as MaxText's users write)
+Names = Annotated[tuple[str], BeforeValidator(lambda v: (v,) if isinstance(v, str) else v)]
 
 
 class _Section(BaseModel):
@@ -27,6 +29,7 @@ class RunInfo(_Section):
   base_output_directory: str
   model_name: str
   seed: int
+  jax_cache_dir: str
 
 
 class ModelShape(_Section):
@@ -136,7 +139,7 @@ class Data(_Section):
   grain_file_type: Literal["arrayrecord", "parquet"]
   grain_worker_count: NonNegInt
   hf_path: str
-  train_data_columns: tuple[str]
+  train_data_columns: Names
   tokenize_train_data: bool
   tokenizer_type: Literal["sentencepiece", "hf"]
   tokenizer_path: str

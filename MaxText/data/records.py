@@ -51,6 +51,25 @@ def expand_globs(patterns: str, key: str) -> list[str]:
   return files
 
 
+SHARD_SUFFIXES = {"arrayrecord": (".arrayrecord", ".array_record"), "parquet": (".parquet",)}
+
+
+def _shard_files(patterns: str, key: str, file_type: str) -> list[str]:
+  """grain's files: a folder means its shards (`<folder>/*.arrayrecord`, `*.parquet`); a glob that
+  matches shards and other files too (pretokenize's summary.json beside its shards) is a DataError
+  naming the other file and the glob that would work."""
+  suffixes = SHARD_SUFFIXES[file_type]
+  parts = [p.strip() for p in patterns.split(",") if p.strip()]
+  parts = [os.path.join(p, "*" + suffixes[0]) if os.path.isdir(os.path.expanduser(p)) else p for p in parts]
+  files = expand_globs(",".join(parts), key)
+  others = [f for f in files if not f.endswith(suffixes)]
+  if others and len(others) < len(files):
+    glob_ = os.path.join(os.path.dirname(others[0]), "*" + suffixes[0])
+    raise DataError(f"{key}='{patterns}' matches {others[0]}, which is not a shard (grain_file_type={file_type}: "
+                    f"*{suffixes[0]}): name the shards, e.g. {key}='{glob_}', or give the folder")
+  return files
+
+
 class Table:
   """Records of several files, indexed 0..len-1 in file order."""
 
@@ -204,7 +223,7 @@ def open_table(config: Config, *, eval: bool = False) -> Table:
     key = "hf_eval_files" if eval else "hf_path"
     return HFTable(getattr(config, key), config.train_data_columns[0], key)
   key = "grain_eval_files" if eval else "grain_train_files"
-  files = expand_globs(getattr(config, key), key)
+  files = _shard_files(getattr(config, key), key, config.grain_file_type)
   if config.grain_file_type == "parquet":
     return ParquetTable(files, config.train_data_columns[0])
   return ArrayRecordTable(files)

@@ -52,8 +52,9 @@ def test_the_json_keys_agree(explicit):
   cfg = make_config(num_devices=8, **KEYS)
   assert r["cache_bytes_per_device"] == paged_cache.pool_bytes(cfg, pages, 16) // SHARDS  # pages sharded
   assert r["rows"] == 8 and r["tokens_per_row"] == 16
+  assert r["draft_bytes_per_device"] == 0  # not speculating
   assert r["peak_bytes_per_device"] == (r["weight_bytes_per_device"] + r["cache_bytes_per_device"]
-                                        + r["row_input_bytes_per_device"] + r["step_output_bytes_per_device"]
+                                        + r["draft_bytes_per_device"] + r["row_input_bytes_per_device"] + r["step_output_bytes_per_device"]
                                         + max(r["temp_bytes_per_device"], r["write_temp_bytes_per_device"]))
   assert r["write_alias_bytes_per_device"] == r["cache_bytes_per_device"]  # the write updates the pools in place
   assert r["collectives"].get("all-to-all", 0) > 0  # the experts' dispatch over `expert`

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (MaxText/serve.py, MaxText/server/) in this process on a free localhost
 port, one tiny model saved to disk and loaded as a trained run is: the real `openai` client (plain,
 streamed, chat), greedy outputs equal to decode.py's for the same prompts and weights, OpenAI error
-bodies naming the field for bad input (httpx), 429 past serve_max_waiting, a disconnect mid-stream
+bodies naming the field for bad input (httpx), a disconnect mid-stream
 freeing its pages, and 64 concurrent streaming clients that all finish with every page free after."""
 
 import asyncio
@@ -197,27 +197,13 @@ def test_bad_input_is_an_openai_error_naming_the_field(served, body, param):
   assert err["param"] == param and err["message"] and err["type"] and "code" in err, err
 
 
-def test_bad_chat_malformed_json_429_and_the_server_survives(served):
-  cfg, url, server = served
+def test_bad_chat_and_malformed_json_are_400s_and_the_server_survives(served):
+  _, url, _ = served
   r = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
   assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
   r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30,
                  headers={"content-type": "application/json"})
   assert r.status_code == 400 and "error" in r.json()
-  # 429: with serve_max_waiting=2, 14 requests at once on 4 sequence slots: 4 run, 2 wait, the rest are refused
-  server.engine.max_waiting = 2
-  try:
-    async def burst():
-      async with httpx.AsyncClient(timeout=60) as c:
-        return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
-            "prompt": "I love to", "max_tokens": 40, "ignore_eos": True}) for _ in range(14)])
-    got = asyncio.run(burst())
-  finally:
-    server.engine.max_waiting = cfg.serve_max_waiting
-  codes = sorted(r.status_code for r in got)
-  assert set(codes) == {200, 429} and codes.count(200) >= 6, codes
-  refused = next(r for r in got if r.status_code == 429).json()["error"]
-  assert "serve_max_waiting" in refused["message"] and refused["code"] == "too_many_waiting"
   assert _get_status(f"{url}/health") == 200
   assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
 

@@ -75,6 +75,11 @@ def test_cli_override_values_use_yaml_typing():
   assert cfg.run_name == "123"
 
 
+def test_one_column_name_is_a_one_column_list():
+  assert init("base.yml", "train_data_columns=text").train_data_columns == ("text",)
+  assert init("base.yml", "train_data_columns=[text]").train_data_columns == ("text",)
+
+
 def test_a_yaml_path_layers_over_base(tmp_path):
   p = tmp_path / "mine.yml"
   p.write_text("indexer_topk: 5\nsteps: 3\n")

@@ -236,6 +236,11 @@ def _bad(corpus, tmp_path, case):
   ids = [np.arange(3, 20, dtype="<i4").tobytes()] * 5
   if case == "no_match":
     return dict(dataset_type="grain", grain_train_files=f"{tmp_path}/none-*.arrayrecord"), "matches no file"
+  if case == "a_summary_beside_the_shards":  # as pretokenize --output leaves them
+    write_arrayrecord(str(tmp_path / "shard-0.arrayrecord"), ids)
+    (tmp_path / "summary.json").write_text("{}")
+    return (dict(dataset_type="grain", grain_train_files=f"{tmp_path}/*"),
+            rf"matches {tmp_path}/summary.json, which is not a shard .*grain_train_files='{tmp_path}/\*.arrayrecord'")
   if case == "empty_file":
     open(tmp_path / "empty.arrayrecord", "wb").close()
     return dict(dataset_type="grain", grain_train_files=f"{tmp_path}/empty.arrayrecord"), "empty.arrayrecord: .*empty"
@@ -284,9 +289,19 @@ def _bad(corpus, tmp_path, case):
   raise AssertionError(case)
 
 
-BAD = ["no_match", "empty_file", "truncated", "no_records", "corrupt_record", "odd_bytes", "missing_column",
+BAD = ["no_match", "a_summary_beside_the_shards", "empty_file", "truncated", "no_records", "corrupt_record", "odd_bytes", "missing_column",
        "hf_missing_column", "ids_past_vocab", "ids_past_vocab_in_a_worker", "text_as_ids",
        "truncated_parquet", "not_a_saved_dataset"]
+
+
+def test_a_folder_of_shards_means_its_shards(corpus):
+  from MaxText.data.records import open_table
+  (corpus / "summary.json").write_text("{}")  # as pretokenize --output leaves it beside the shards
+  try:
+    files = open_table(make_config(dataset_type="grain", grain_train_files=str(corpus))).files
+  finally:
+    (corpus / "summary.json").unlink()
+  assert files == [str(corpus / n) for n in ("ids-0.arrayrecord", "ids-1.arrayrecord", "text.arrayrecord")]
 
 
 @pytest.mark.parametrize("case", BAD)

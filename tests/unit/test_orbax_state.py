@@ -24,3 +24,49 @@ def test_one_low_mantissa_bit_in_any_leaf_changes_the_fingerprint_and_nothing_el
     assert orbax_state._check_restored(changed, {"fingerprint": int(fingerprint)}).startswith(
         "its contents do not match the fingerprint"), path
   assert orbax_state._check_restored(tree, {"fingerprint": int(fingerprint)}) is None
+
+
+def _saved(tmp_path, state):
+  """A checkpoint manager over tmp_path holding `state` as step 1 (synchronous writes)."""
+  import orbax.checkpoint as ocp
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False, create=True))
+  orbax_state.save(manager, 1, state, {"cursor": 0})
+  manager.wait_until_finished()
+  return manager
+
+
+def _abstract(state):
+  import jax
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+
+def test_resume_checks_the_saved_fingerprint_and_sets_aside_a_checkpoint_that_fails_it(tmp_path):
+  state = {"params": {"w": np.arange(8, dtype=np.float32)}, "buffers": {}, "step": np.int32(1)}
+  manager = _saved(tmp_path, state)
+  step, restored, data = orbax_state.restore_newest_good(manager, _abstract(state), report=lambda line: None)
+  assert step == 1 and data == {"cursor": 0} and np.array_equal(restored["params"]["w"], state["params"]["w"])
+  meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
+  meta.write_text(meta.read_text().replace(str(int(orbax_state.state_check(state)[0])), "12345"))
+  lines = []
+  try:
+    orbax_state.restore_newest_good(manager, _abstract(state), report=lines.append)
+    raise AssertionError("a checkpoint whose fingerprint does not match was resumed")
+  except orbax_state.CheckpointError:
+    pass
+  assert len(lines) == 1 and "do not match the fingerprint" in lines[0], lines
+  assert (tmp_path / orbax_state.UNUSABLE_DIR / "1").is_dir()
+
+
+def test_resuming_with_the_other_weight_quantization_names_it(tmp_path):
+  from MaxText.config.types import ConfigError
+  fp8 = {"params": {"wo": {"kernel": np.zeros((4, 4), np.float32), "kernel_scale": np.ones((1, 1), np.float32)}},
+         "buffers": {}}
+  plain = {"params": {"wo": {"kernel": np.zeros((4, 4), np.float32)}}, "buffers": {}}
+  for saved, target, have, want in [(fp8, plain, "fp8_block", "none"), (plain, fp8, "none", "fp8_block")]:
+    manager = _saved(tmp_path / have, saved)
+    try:
+      orbax_state.restore_newest_good(manager, _abstract(target), report=lambda line: None)
+      raise AssertionError("resumed across weight_quantization")
+    except ConfigError as e:
+      assert f"weight_quantization={have}" in str(e) and f"weight_quantization={want}" in str(e), e

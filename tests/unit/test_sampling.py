@@ -48,3 +48,38 @@ def test_greedy_ids_are_argmax_with_ties_lowest_first():
   x = jax.random.randint(jax.random.key(3), (64, 3, 9), 0, 4).astype(np.float32)  # many ties
   x = x.at[0, 0].set(-np.inf).at[1, 1, 4].set(np.inf)
   assert (np.asarray(greedy_ids(x)) == np.argmax(np.asarray(x), axis=-1)).all()
+
+
+# Kept sets computed by hand (not through sampling.py's helpers): top_p keeps the fewest most likely
+# tokens whose mass reaches top_p (the most likely always), top_k the k most likely (ties lowest id
+# first). Ids are out of probability order; dyadic probabilities make the boundary ties exact.
+FILTER_CASES = [  # probs by id, temperature, top_p, top_k, kept ids
+    ([.1, .4, .2, .3], 1.0, 0.3, 0, {1}),  # below the top token's mass: the top token alone
+    ([.1, .4, .2, .3], 1.0, 0.5, 0, {1, 3}),
+    ([.1, .4, .2, .3], 1.0, 0.95, 0, {0, 1, 2, 3}),
+    ([.125, .5, .125, .25], 1.0, 0.5, 0, {1}),  # exactly the top token's mass
+    ([.125, .5, .125, .25], 1.0, 0.75, 0, {1, 3}),  # exactly the top two's
+    ([.125, .5, .125, .25], 1.0, 0.875, 0, {0, 1, 3}),  # a tie at the boundary: the lower id
+    ([.125, .5, .125, .25], 1.0, 0.876, 0, {0, 1, 2, 3}),
+    ([.125, .5, .125, .25], 1.0, 1.0, 2, {1, 3}),
+    ([.125, .5, .125, .25], 1.0, 1.0, 3, {0, 1, 3}),  # top_k at a tie: the lower id
+    ([.125, .5, .125, .25], 1.0, 1.0, 1, {1}),
+    ([.125, .5, .125, .25], 1.0, 0.6, 3, {1, 3}),  # both: the smaller set
+    ([.125, .5, .125, .25], 1.0, 0.9, 2, {1, 3}),
+    ([.125, .5, .125, .25], 0.5, 0.8, 0, {1, 3}),  # temperature first: probs ∝ p**2 = [1, 16, 1, 4] / 22
+    ([.125, .5, .125, .25], 0.5, 0.7, 0, {1}),
+]
+
+
+def test_top_p_and_top_k_keep_the_hand_computed_sets():
+  probs, temp, top_p, top_k, kept = zip(*FILTER_CASES)  # one row per case: one compile
+  logits = np.log(np.array(probs, np.float32))  # [B,V]
+  opts = np.array(temp, np.float32), np.array(top_p, np.float32), np.array(top_k, np.int32)  # [B] each
+  p = np.asarray(row_probs(logits[:, None], *opts))[:, 0]  # [B,V]
+  keys = jax.random.split(jax.random.key(1), (500, len(kept)))  # [n,B]: each kept token (p >= 0.1) is drawn
+  draws = np.asarray(jax.jit(jax.vmap(lambda k: sample_rows(logits, k, *opts)))(keys))  # [n,B]
+  for i, want_set in enumerate(kept):
+    assert set(np.flatnonzero(p[i]).tolist()) == want_set, (FILTER_CASES[i], p[i])
+    want = np.where(np.isin(np.arange(p.shape[1]), list(want_set)), np.array(probs[i]) ** (1 / temp[i]), 0.0)
+    np.testing.assert_allclose(p[i], want / want.sum(), atol=1e-6, err_msg=str(FILTER_CASES[i]))  # renormalized
+    assert set(draws[:, i].tolist()) == want_set, FILTER_CASES[i]

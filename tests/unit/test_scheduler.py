@@ -214,6 +214,18 @@ def test_a_bad_request_names_its_field_and_leaves_the_queue_alone(kwargs, field)
   assert list(sched.waiting) == [good]
 
 
+@pytest.mark.parametrize("pages,max_length,why", [(16, 32, "context length 32"), (8, 64, "pages")])
+def test_prompt_plus_max_tokens_fills_the_context_or_the_pool_exactly_and_one_more_is_refused(pages, max_length, why):
+  """The context check and the pool check each on its own (a pool of 16 pages of 4 outlasts a 32-token
+  context; a 64-token context outlasts a pool of 8 pages of 4)."""
+  sched = Scheduler(PageAllocator(pages, page_size=4), max_num_seqs=2, max_num_tokens=16, chunk=8,
+                    max_length=max_length, eos_id=EOS, vocab_size=V)
+  assert sched.add([4, 5, 6], SamplingParams(max_tokens=29)).params.max_tokens == 29  # 32 tokens: fits exactly
+  with pytest.raises(RequestError) as e:
+    sched.add([4, 5, 6], SamplingParams(max_tokens=30))
+  assert e.value.field == "max_tokens" and why in str(e.value), e.value
+
+
 def test_budgets_must_allow_a_token_per_sequence():
   with pytest.raises(ValueError, match="serve_max_num_tokens"):
     Scheduler(PageAllocator(8, page_size=4), max_num_seqs=8, max_num_tokens=4, chunk=4, max_length=32,

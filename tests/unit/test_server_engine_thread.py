@@ -12,23 +12,7 @@ import pytest
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError
-from tests.server_harness import SchedulerEngine
-
-
-class ScriptedEngine(SchedulerEngine):
-  """ServingEngine's interface over the real Scheduler; step() samples token 100 + position, or
-  raises while `fail_next` is set."""
-
-  def __init__(self):
-    self.fail_next = False
-    super().__init__(num_pages=16, page_size=4, max_num_seqs=2, max_num_tokens=8, chunk=4, max_length=32, eos_id=None)
-
-  def next_tokens(self, rows):
-    time.sleep(0.005)  # a step takes time: commands arrive between steps
-    if self.fail_next:
-      self.fail_next = False
-      raise RuntimeError("boom")
-    return [100 + r.start + r.count for r in rows]
+from tests.server_harness import ScriptedEngine
 
 
 @pytest.fixture
@@ -92,3 +76,20 @@ def test_stop_aborts_what_still_runs():
 
   n, reason = asyncio.run(asyncio.wait_for(run(), 20))
   assert reason == "abort" and n < 24 and eng.allocator.used_pages == 0
+
+
+def test_exactly_serve_max_waiting_requests_wait_beyond_the_free_slots_and_the_next_is_a_429(thread):
+  t, eng = thread  # max_waiting 4, 2 sequence slots
+  eng.paused = True
+
+  async def fill():
+    streams = [await t.submit([1, 2], SamplingParams(max_tokens=2)) for _ in range(2 + 4)]  # slots + waiting
+    assert len(eng.scheduler.waiting) == 6 and not eng.scheduler.running
+    with pytest.raises(ApiError) as e:
+      await t.submit([1, 2], SamplingParams(max_tokens=2))
+    eng.paused = False
+    return e.value, [[tok async for tok in s] for s in streams]
+
+  refused, outs = asyncio.run(asyncio.wait_for(fill(), 10))
+  assert refused.status == 429 and refused.code == "too_many_waiting" and "serve_max_waiting" in refused.message
+  assert outs == [[102, 103]] * 6 and eng.allocator.used_pages == 0  # the accepted ones all run

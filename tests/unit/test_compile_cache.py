@@ -1,0 +1,31 @@
+"""runtime/compile_cache: the persistent compilation cache's folder is jax_cache_dir (`~` expanded, ""
+= off) unless JAX_COMPILATION_CACHE_DIR is set, which wins; enabling it caches every program unless
+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
+
+import os
+
+import jax
+
+from MaxText.runtime import compile_cache
+from tests.conftest import make_config
+
+
+def _enabled(monkeypatch, env: dict, **keys) -> tuple[str, dict]:
+  for k in (compile_cache.DIR_ENV, compile_cache.MIN_TIME_ENV):
+    monkeypatch.delenv(k, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+  return compile_cache.enable(make_config(**keys)), updates
+
+
+def test_the_key_names_the_folder_the_environment_wins_and_empty_is_off(monkeypatch, tmp_path):
+  path, updates = _enabled(monkeypatch, {}, jax_cache_dir="~/some/cache")
+  assert path == os.path.expanduser("~/some/cache") != "~/some/cache"
+  assert updates == {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0}
+  path, updates = _enabled(monkeypatch, {compile_cache.DIR_ENV: str(tmp_path)}, jax_cache_dir="~/some/cache")
+  assert path == str(tmp_path) and updates["jax_compilation_cache_dir"] == str(tmp_path)
+  path, updates = _enabled(monkeypatch, {compile_cache.MIN_TIME_ENV: "2"}, jax_cache_dir="/x")
+  assert path == "/x" and updates == {"jax_compilation_cache_dir": "/x"}  # the environment's threshold stays
+  assert _enabled(monkeypatch, {}, jax_cache_dir="") == ("", {})
