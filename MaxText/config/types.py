@@ -136,7 +136,7 @@ class Data(_Section):
   grain_file_type: Literal["arrayrecord", "parquet"]
   grain_worker_count: NonNegInt
   hf_path: str
-  train_data_columns: tuple[str]
+  train_data_columns: tuple[str, ...]
   tokenize_train_data: bool
   tokenizer_type: Literal["sentencepiece", "hf"]
   tokenizer_path: str
@@ -145,6 +145,8 @@ class Data(_Section):
   pad_id: NonNegInt
   bos_id: NonNegInt
   eos_id: NonNegInt
+  use_sft: bool
+  sft_train_on_completion_only: bool
 
 
 class Checkpointing(_Section):
@@ -349,6 +351,13 @@ class Config(*SECTIONS):
     if self.eval_interval and eval_files and not getattr(self, eval_files):
       bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
           "data); or set eval_interval=0")
+    n_cols = len(self.train_data_columns)
+    if n_cols not in ((1, 2) if self.use_sft else (1,)):
+      bad(f"train_data_columns={list(self.train_data_columns)}: "
+          + ("use_sft reads [messages] (a list of chat messages) or [prompt, completion]" if self.use_sft
+             else "name one column (two, [prompt, completion], only with use_sft=true)"))
+    if self.use_sft and self.dataset_type not in ("file", "grain", "hf"):
+      bad(f"use_sft=true reads conversations from files: dataset_type=file, grain or hf, not {self.dataset_type}")
     if self.serve_speculative_tokens and self.mtp_num_layers < 1:
       bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
           f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")
