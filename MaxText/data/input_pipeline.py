@@ -50,6 +50,9 @@ file (dataset_type=file): `dataset_path` is a .txt or .jsonl file, or a folder s
 grain (dataset_type=grain: ArrayRecord or Parquet shards) and hf (dataset_type=hf: a local Hugging
 Face dataset): streamed, never held in memory, packed by the same rule in lanes, read by grain
 worker processes; see streams.py (records.py reads the files, packing.py packs).
+
+use_sft: the records are conversations (file: .jsonl only); sft.py renders each into ids and
+per-token weights (1 on what the assistant produces), which the packers multiply into `weights`.
 """
 
 from __future__ import annotations

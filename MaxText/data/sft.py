@@ -13,12 +13,13 @@ default: true when an assistant message has reasoning_content).
 
 The text is chat_dsv32.render_pieces (the one renderer the server uses too), tokenized piece by
 piece. Invariant: mask[i] is the weight of predicting token i: 1 on every token of an assistant
-piece (its reasoning, `</think>`, content, the DSML tool-call block and the closing EOS), 0 on BOS
-(the format's marker, as the server's prompts begin; add_bos) and the system, user, developer and tool pieces, which also hold the format's own prompt tokens
-(`<｜Assistant｜>` and the generation prompt `<think>` / `</think>` after it, the `<think>` after tool
-results); with sft_train_on_completion_only=false every token weighs 1. Every piece boundary sits next
-to one of the format's markers, each a single added token of V3.2's tokenizer, so tokenizing piece by
-piece gives the ids of the whole text (the encoder checks the markers are single tokens).
+piece (its reasoning, `</think>`, content, the DSML tool-call block and the closing EOS); 0 on BOS
+(the format's marker, as the server's prompts begin; add_bos) and on the system, user, developer and
+tool pieces, which also hold the format's own prompt tokens (`<｜Assistant｜>` and the generation
+prompt `<think>` / `</think>` after it, the `<think>` after tool results). With
+sft_train_on_completion_only=false every token weighs 1. Every piece boundary sits next to one of
+the format's markers, each a single added token of V3.2's tokenizer, so tokenizing piece by piece
+gives the ids of the whole text (the encoder checks the markers are single tokens).
 
 A conversation of more than max_target_length + 1 tokens is dropped (counted; the pipeline reports
 the count once). A bad record is one DataError naming where it is: no messages, an unknown role, an
