@@ -13,7 +13,8 @@ little-endian int32, as `python -m MaxText.pretokenize` writes; a Parquet / HF c
 integers). Either way add_bos / add_eos apply here, so every source gives the packer the same
 documents. The column is `train_data_columns` (one name). With use_sft a record is a conversation
 (sft.py): an ArrayRecord record is a UTF-8 JSON object, a Parquet / HF row gives the
-train_data_columns ([messages] or [prompt, completion]); the document is its ids and loss weights. Nothing is ever downloaded: hf_path is a
+train_data_columns ([messages] or [prompt, completion]) and the SFT_OPTIONAL_COLUMNS it has; the
+document is its ids and loss weights. Nothing is ever downloaded: hf_path is a
 folder written by `datasets.Dataset.save_to_disk` or a glob of local .parquet / .json / .jsonl files.
 
 Bad data is one DataError naming the file and record (or column): no file matches the glob, an
@@ -34,6 +35,12 @@ import numpy as np
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.data.tokenizer import Tokenizer
+
+SFT_OPTIONAL_COLUMNS = ("tools", "thinking")  # use_sft: read beside train_data_columns when a table has them
+
+
+def _with_optional(columns: tuple[str, ...], optional: tuple[str, ...], names: list[str]) -> tuple[str, ...]:
+  return columns + tuple(c for c in optional if c in names and c not in columns)
 
 
 class DataError(ConfigError):
@@ -120,7 +127,8 @@ def _check_column(schema_names: list[str], column: str, where: str) -> None:
 class ParquetTable(Table):
   """Parquet files read one row group at a time (the last few kept)."""
 
-  def __init__(self, files: list[str], columns: tuple[str, ...]):
+  def __init__(self, files: list[str], columns: tuple[str, ...], optional: tuple[str, ...] = ()):
+    """optional: columns read too when every file has them."""
     import pyarrow.parquet as pq
     counts, self.group_rows = [], []
     for f in files:
@@ -131,11 +139,12 @@ class ParquetTable(Table):
         raise DataError(f"{f}: not a readable Parquet file ({str(e).splitlines()[0][:160]})") from None
       for column in columns:
         _check_column(names, column, f)
+      optional = tuple(c for c in optional if c in names)
       if meta.num_rows == 0:
         raise DataError(f"{f}: a Parquet file with no rows")
       counts.append(meta.num_rows)
       self.group_rows.append(np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
-    super().__init__(files, counts, columns)
+    super().__init__(files, counts, _with_optional(columns, optional, list(optional)))
     self.blocks = np.unique(np.concatenate([self.starts[f] + g for f, g in enumerate(self.group_rows)]))
     self._groups: dict[tuple[int, int], list] = {}
 
@@ -163,7 +172,7 @@ class ParquetTable(Table):
 class HFTable(Table):
   """A local `datasets` dataset: a save_to_disk folder (memory-mapped Arrow) or local data files."""
 
-  def __init__(self, path: str, columns: tuple[str, ...], key: str = "hf_path"):
+  def __init__(self, path: str, columns: tuple[str, ...], key: str = "hf_path", optional: tuple[str, ...] = ()):
     try:
       import datasets
     except ImportError:
@@ -195,6 +204,7 @@ class HFTable(Table):
       _check_column(list(ds.column_names), column, f"{key}='{path}'")
     if len(ds) == 0:
       raise DataError(f"{key}='{path}' holds no rows")
+    columns = _with_optional(columns, optional, list(ds.column_names))
     self.ds, self.key = ds.select_columns(list(columns)), key
     super().__init__([path], [len(ds)], columns)
 
@@ -208,13 +218,14 @@ class HFTable(Table):
 
 def open_table(config: Config, *, eval: bool = False) -> Table:
   """The training files, or with eval=True the held-out ones (grain_eval_files / hf_eval_files)."""
+  optional = SFT_OPTIONAL_COLUMNS if config.use_sft else ()
   if config.dataset_type == "hf":
     key = "hf_eval_files" if eval else "hf_path"
-    return HFTable(getattr(config, key), tuple(config.train_data_columns), key)
+    return HFTable(getattr(config, key), tuple(config.train_data_columns), key, optional)
   key = "grain_eval_files" if eval else "grain_train_files"
   files = expand_globs(getattr(config, key), key)
   if config.grain_file_type == "parquet":
-    return ParquetTable(files, tuple(config.train_data_columns))
+    return ParquetTable(files, tuple(config.train_data_columns), optional)
   return ArrayRecordTable(files)
 
 

@@ -193,3 +193,29 @@ def test_parquet_prompt_completion_streams_the_same_weights(tmp_path, tok):
   doc = encoder(tok, ("prompt", "completion"))(record, "x")  # every record is this one: the order cannot matter
   want, _ = pack_row(lambda j: doc, (0, 0), 1, 32)
   assert batch["weights"][0].tolist() == want["weights"].tolist() and batch["weights"].sum() > 0
+
+
+def test_an_hf_dataset_reads_each_conversation_with_its_tools(tmp_path, tok):
+  from MaxText.data.records import open_table
+  from MaxText.data.sft import ConversationReader
+  records = [CASES[k][0] for k in ("tools_thinking", "system_user_assistant", "thinking_multi_turn")]
+  path = write_jsonl(tmp_path / "chats.jsonl", records)
+  cfg = make_config(dataset_type="hf", hf_path=str(path), tokenizer_type="hf", tokenizer_path=HF_JSON, use_sft=True,
+                    train_data_columns=["messages"], max_target_length=2048)
+  read = ConversationReader(open_table(cfg), ConversationEncoder.from_config(cfg, tok))
+  for i, record in enumerate(records):  # the row (arrow fills absent fields with None) renders as the record does
+    assert [a.tolist() for a in read(i)] == [a.tolist() for a in encoder(tok)(record, "x")]
+
+
+def test_sft_keys_and_tokenizer_are_checked_in_one_line():
+  from MaxText.config.types import ConfigError
+  with pytest.raises(ConfigError, match=r"train_data_columns=\['prompt', 'completion'\]: name one column"):
+    make_config(train_data_columns=["prompt", "completion"])
+  with pytest.raises(ConfigError, match="use_sft=true reads conversations from files"):
+    make_config(use_sft=True)  # dataset_type=synthetic
+  sp = load_tokenizer(tokenizer_type="sentencepiece", tokenizer_path=HF_JSON.replace(".json", ".model"))
+  cfg = make_config(dataset_type="file", use_sft=True)
+  with pytest.raises(DataError, match="markers must be single tokens: the tokenizer at .* splits"):
+    ConversationEncoder.from_config(cfg, sp)
+  with pytest.raises(DataError, match="chat_template_path='t.jinja': use_sft renders DeepSeek-V3.2's chat format"):
+    ConversationEncoder.from_config(make_config(dataset_type="file", use_sft=True, chat_template_path="t.jinja"), sp)
