@@ -454,8 +454,8 @@ def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = T
     records, report = read_jsonl_records(path)
     encode = ConversationEncoder.from_config(config, tokenizer)
     pairs = [d for d in (encode(record, where) for where, record in records) if d is not None]
-    if encode.dropped:
-      log.warning("dataset_path=%s: %s", path, encode.dropped_note())
+    if encode.cut or encode.dropped:
+      log.warning("dataset_path=%s: %s", path, encode.too_long_note())
     kept, masks = [ids for ids, _ in pairs], [mask for _, mask in pairs]
   else:
     docs, report = read_documents(path, config.jsonl_text_field)

@@ -21,8 +21,9 @@ sft_train_on_completion_only=false every token weighs 1. Every piece boundary si
 the format's markers, each a single added token of V3.2's tokenizer, so tokenizing piece by piece
 gives the ids of the whole text (the encoder checks the markers are single tokens).
 
-A conversation of more than max_target_length + 1 tokens is dropped (counted; the pipeline reports
-the count once). A bad record is one DataError naming where it is: no messages, an unknown role, an
+A conversation of more than max_target_length + 1 tokens is cut after its last assistant turn that
+fits (a prefix of its tokens, ending on that turn's EOS), or dropped when even its first assistant
+turn does not fit; both are counted and the pipeline reports the counts once. A bad record is one DataError naming where it is: no messages, an unknown role, an
 assistant turn with neither content nor tool calls, no assistant turn at all, or what
 render_pieces rejects (a tool result answering no call, bad tools).
 """
@@ -98,7 +99,8 @@ class ConversationEncoder:
   completion_only: bool
   add_bos: bool
   max_tokens: int  # max_target_length + 1: a row's inputs and its last target
-  dropped: int = 0  # conversations over max_tokens, so far
+  cut: int = 0  # conversations over max_tokens cut at a turn boundary, so far
+  dropped: int = 0  # conversations over max_tokens whose first assistant turn does not fit, so far
 
   @classmethod
   def from_config(cls, config: Config, tokenizer: Tokenizer) -> ConversationEncoder:
@@ -127,27 +129,36 @@ class ConversationEncoder:
       raise DataError(f"{where}: {e}") from None
     ids: list[int] = []
     mask: list[float] = []
+    turn_ends = []  # token count after each assistant piece
     for role, text in pieces:
       piece = self.tokenizer.encode(text)
       ids += piece
       mask += [1.0 if role == "assistant" or not self.completion_only else 0.0] * len(piece)
+      if role == "assistant":
+        turn_ends.append(len(ids))
     if len(ids) > self.max_tokens:
-      self.dropped += 1
-      return None
+      fits = [n for n in turn_ends if n <= self.max_tokens]
+      if not fits:
+        self.dropped += 1
+        return None
+      self.cut += 1
+      ids, mask = ids[:fits[-1]], mask[:fits[-1]]
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
-  def dropped_note(self) -> str:
-    return (f"{self.dropped} conversation(s) longer than max_target_length + 1 = {self.max_tokens} tokens dropped "
-            "(raise max_target_length to keep them)")
+  def too_long_note(self) -> str:
+    return (f"conversations longer than max_target_length + 1 = {self.max_tokens} tokens: {self.cut} cut after "
+            f"their last assistant turn that fits, {self.dropped} dropped (even the first assistant turn is longer); "
+            "raise max_target_length to keep them whole")
 
 
 class ConversationReader:
   """Record i of a records.Table (dataset_type=grain / hf) -> its Document; picklable (grain workers).
-  A dropped (too long) conversation is an empty document, which the packer skips; the first drop in
-  a process is logged with the count so far."""
+  A dropped (too long) conversation is an empty document, which the packer skips; the first cut or
+  drop in a process is logged."""
 
   def __init__(self, table: Table, encoder: ConversationEncoder):
     self.table, self.encoder = table, encoder
+    self._told = False
 
   def record(self, i: int) -> Any:
     value = self.table.raw(i)
@@ -160,9 +171,8 @@ class ConversationReader:
 
   def __call__(self, i: int) -> Document:
     doc = self.encoder(self.record(i), self.table.where(i))
-    if doc is not None:
-      return doc
-    if self.encoder.dropped == 1:
-      log.warning("%s: %s (the first; later drops are counted, not logged)", self.table.where(i),
-                  self.encoder.dropped_note())
-    return np.zeros(0, np.int32)
+    if self.encoder.cut + self.encoder.dropped == 1 and not self._told:
+      self._told = True
+      log.warning("%s: %s (the first in this process; later ones are not logged)", self.table.where(i),
+                  self.encoder.too_long_note())
+    return np.zeros(0, np.int32) if doc is None else doc

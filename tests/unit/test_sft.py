@@ -102,6 +102,16 @@ def test_completion_only_false_weighs_every_token(tok):
   assert mask.tolist() == [1.0] * len(ids)
 
 
+def test_a_long_conversation_is_cut_after_its_last_assistant_turn_that_fits(tok):
+  record = CASES["thinking_multi_turn"][0]
+  full_ids, full_mask = encoder(tok)(record, "x")
+  two_turns = [i for i in range(len(full_ids)) if full_ids[i] == tok.encode(fmt.EOS)[0]]  # [2] each turn's EOS
+  enc = encoder(tok, max_tokens=two_turns[1])  # one token short of the whole
+  ids, mask = enc(record, "x")
+  assert ids.tolist() == full_ids[:two_turns[0] + 1].tolist() and mask.tolist() == full_mask[:len(ids)].tolist()
+  assert enc(CASES["developer"][0], "x") is None and (enc.cut, enc.dropped) == (1, 1)  # 29 tokens, none fits
+
+
 def _pack_reference(docs, L):
   """Hand-written packing of (ids, mask) docs into one row: weight = same doc and the target's mask."""
   toks = [t for ids, _ in docs for t in ids]
@@ -167,7 +177,8 @@ def test_file_batches_weigh_the_assistant_and_resume_exactly(tmp_path, caplog):
                    max_prefill_length=64)
   it = ip.create_data_iterator(cfg, process_index=0, process_count=1)
   assert it.source.corpus.num_documents == len(records)  # the long one dropped
-  assert "1 conversation(s) longer than max_target_length + 1 = 65 tokens dropped" in caplog.text
+  assert "max_target_length + 1 = 65 tokens: 0 cut after their last assistant turn that fits, 1 dropped" \
+      in caplog.text
   batches = [next(it) for _ in range(4)]
   w = np.concatenate([b["weights"] for b in batches])
   assert 0 < w.sum() < 0.5 * w.size  # the prompts weigh nothing
