@@ -75,7 +75,9 @@ def make_optimizer(config: Config, params) -> optax.GradientTransformation:
   fp8 block-quantized weights are a serving and loading format: no gradient step can update them."""
   if config.weight_quantization != "none":
     raise ConfigError(f"weight_quantization={config.weight_quantization}: fp8 weights are for serving and loading "
-                      "(decode, serve, convert/export); train on float weights: weight_quantization=none")
+                      "(decode, serve, convert/export); train on float weights: weight_quantization=none (for "
+                      "DeepSeek-V3.2's fp8 release: python -m MaxText.convert_hf_checkpoint --hf-path DIR --output "
+                      "OUT weight_quantization=none dequantizes it, then load_parameters_path=OUT)")
   return create_optimizer(config, trainable_labels(config, params))
 
 

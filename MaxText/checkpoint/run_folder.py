@@ -29,7 +29,8 @@ RESUME_KEYS = (
     "shared_experts", "moe_mlp_dim", "routed_bias", "mtp_num_layers",
     "dataset_type", "dataset_path", "jsonl_text_field", "tokenizer_type", "tokenizer_path", "add_bos", "add_eos",
     "pad_id", "bos_id", "eos_id", "seed", "global_batch_size", "max_target_length",
-    "grain_train_files", "grain_file_type", "hf_path", "train_data_columns", "tokenize_train_data",
+    "grain_train_files", "grain_file_type", "hf_path", "train_data_columns", "tokenize_train_data", "use_sft",
+    "sft_train_on_completion_only",
 )
 # Data keys of dataset_type=synthetic_retrieval alone (other data ignores them).
 RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys", "retrieval_values",

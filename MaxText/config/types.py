@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 # A list of names where a single name also means a one-name list (`train_data_columns=text`, as MaxText's users write)
-Names = Annotated[tuple[str], BeforeValidator(lambda v: (v,) if isinstance(v, str) else v)]
+Names = Annotated[tuple[str, ...], BeforeValidator(lambda v: (v,) if isinstance(v, str) else v)]
 
 
 class _Section(BaseModel):
@@ -148,6 +148,8 @@ class Data(_Section):
   pad_id: NonNegInt
   bos_id: NonNegInt
   eos_id: NonNegInt
+  use_sft: bool
+  sft_train_on_completion_only: bool
 
 
 class Checkpointing(_Section):
@@ -352,6 +354,13 @@ class Config(*SECTIONS):
     if self.eval_interval and eval_files and not getattr(self, eval_files):
       bad(f"eval_interval={self.eval_interval} with dataset_type={self.dataset_type} needs {eval_files} (held-out "
           "data); or set eval_interval=0")
+    n_cols = len(self.train_data_columns)
+    if n_cols not in ((1, 2) if self.use_sft else (1,)):
+      bad(f"train_data_columns={list(self.train_data_columns)}: "
+          + ("use_sft reads [messages] (a list of chat messages) or [prompt, completion]" if self.use_sft
+             else "name one column (two, [prompt, completion], only with use_sft=true)"))
+    if self.use_sft and self.dataset_type not in ("file", "grain", "hf"):
+      bad(f"use_sft=true reads conversations from files: dataset_type=file, grain or hf, not {self.dataset_type}")
     if self.serve_speculative_tokens and self.mtp_num_layers < 1:
       bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
           f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")

@@ -50,6 +50,9 @@ file (dataset_type=file): `dataset_path` is a .txt or .jsonl file, or a folder s
 grain (dataset_type=grain: ArrayRecord or Parquet shards) and hf (dataset_type=hf: a local Hugging
 Face dataset): streamed, never held in memory, packed by the same rule in lanes, read by grain
 worker processes; see streams.py (records.py reads the files, packing.py packs).
+
+use_sft: the records are conversations (file: .jsonl only); sft.py renders each into ids and
+per-token weights (1 on what the assistant produces), which the packers multiply into `weights`.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import numpy as np
 
 from MaxText.config.types import Config
 from MaxText.data.records import DataError
+from MaxText.data.sft import ConversationEncoder
 from MaxText.data.streams import HeldOutBatches, StreamIterator, create_stream_iterator
 from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -157,8 +161,9 @@ def _txt_documents(path: str) -> list[str]:
   return docs
 
 
-def _jsonl_documents(path: str, field: str, report: ReadReport) -> list[str]:
-  docs = []
+def _jsonl_records(path: str, report: ReadReport) -> list[tuple[int, dict]]:
+  """(line number, JSON object) of each non-blank line."""
+  records = []
   for n, line in enumerate(_lines(path), 1):
     if not line.strip():
       report.blank_jsonl_lines += 1
@@ -169,6 +174,26 @@ def _jsonl_documents(path: str, field: str, report: ReadReport) -> list[str]:
       raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
       raise DataError(f"{path}:{n}: a jsonl line must be a JSON object, got {type(record).__name__}")
+    records.append((n, record))
+  return records
+
+
+def read_jsonl_records(path: str) -> tuple[list[tuple[str, dict]], ReadReport]:
+  """use_sft: ("file:line", record) of every .jsonl record under `path` (a .txt file is an error)."""
+  report, out = ReadReport(), []
+  for f in _list_files(path, report):
+    if not f.endswith(".jsonl"):
+      raise DataError(f"{f}: use_sft reads conversations from .jsonl files (one JSON object per line), not .txt")
+    report.files.append(f)
+    out += [(f"{f}:{n}", record) for n, record in _jsonl_records(f, report)]
+  if not out:
+    raise DataError(f"dataset_path='{path}' holds no records ({report.summary()})")
+  return out, report
+
+
+def _jsonl_documents(path: str, field: str, report: ReadReport) -> list[str]:
+  docs = []
+  for n, record in _jsonl_records(path, report):
     if field not in record:
       raise DataError(f"{path}:{n}: the record has no field '{field}' (jsonl_text_field); "
                       f"its fields are {sorted(record)}")
@@ -206,12 +231,15 @@ class PackedCorpus:
   epoch g // R.
   """
 
-  def __init__(self, docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, seed: int, shuffle: bool = True):
+  def __init__(self, docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, seed: int, shuffle: bool = True,
+               masks: Sequence[Sequence[float]] | None = None):
+    """masks: per document, each token's weight as a target (packing.Document); None = all 1."""
     lengths = np.array([len(d) for d in docs], np.int64)
     if np.any(lengths == 0):
       raise ValueError("PackedCorpus needs documents of at least one token")
     self.doc_starts = np.concatenate([[0], np.cumsum(lengths)])                    # [N+1]
     self.tokens = np.concatenate([np.asarray(d, np.int32) for d in docs])          # [T]
+    self.mask = None if masks is None else np.concatenate([np.asarray(m, np.float32) for m in masks])  # [T]
     self.lengths = lengths
     self.num_documents = len(docs)
     self.tokens_per_epoch = int(self.doc_starts[-1])
@@ -250,16 +278,19 @@ class PackedCorpus:
     valid = p < T
     pc = np.minimum(p, T - 1)
     slot = np.searchsorted(cum, pc, side="right") - 1    # [L+1] stream slot (document) of each position
-    tok = self.tokens[self.doc_starts[perm[slot]] + (pc - cum[slot])]
-    tok = np.where(valid, tok, self.pad_id).astype(np.int32)
+    at = self.doc_starts[perm[slot]] + (pc - cum[slot])  # [L+1] index into self.tokens
+    tok = np.where(valid, self.tokens[at], self.pad_id).astype(np.int32)
     s = slot[:L]
     v = valid[:L]
+    weights = (valid[1:] & (slot[1:] == s)).astype(np.float32)  # [L]
+    if self.mask is not None:
+      weights *= self.mask[at[1:]]
     return {
         "inputs": tok[:L],
         "targets": tok[1:],
         "segment_ids": np.where(v, s - s[0] + 1, 0).astype(np.int32),
         "positions": np.where(v, p[:L] - np.maximum(cum[s], start), 0).astype(np.int32),
-        "weights": (valid[1:] & (slot[1:] == s)).astype(np.float32),
+        "weights": weights,
     }
 
 
@@ -415,18 +446,27 @@ def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = T
                       path: str | None = None) -> tuple[PackedCorpus, ReadReport]:
   """path: dataset_path unless given (eval_dataset_path)."""
   path = config.dataset_path if path is None else path
-  docs, report = read_documents(path, config.jsonl_text_field)
   if tokenizer.vocab_size > config.vocab_size:
     raise DataError(f"the tokenizer at tokenizer_path='{tokenizer.path}' has {tokenizer.vocab_size} tokens but "
                     f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
-  ids = tokenize_documents(docs, tokenizer, add_bos=config.add_bos, add_eos=config.add_eos)
-  kept = [d for d in ids if d]
-  report.empty_documents += len(ids) - len(kept)  # only possible with add_bos=add_eos=false
+  masks = None
+  if config.use_sft:  # conversations: ids and loss weights per token (sft.py)
+    records, report = read_jsonl_records(path)
+    encode = ConversationEncoder.from_config(config, tokenizer)
+    pairs = [d for d in (encode(record, where) for where, record in records) if d is not None]
+    if encode.cut or encode.dropped:
+      log.warning("dataset_path=%s: %s", path, encode.too_long_note())
+    kept, masks = [ids for ids, _ in pairs], [mask for _, mask in pairs]
+  else:
+    docs, report = read_documents(path, config.jsonl_text_field)
+    ids = tokenize_documents(docs, tokenizer, add_bos=config.add_bos, add_eos=config.add_eos)
+    kept = [d for d in ids if d]
+    report.empty_documents += len(ids) - len(kept)  # only possible with add_bos=add_eos=false
   report.documents = len(kept)
   if not kept:
     raise DataError(f"'{path}' holds no tokens ({report.summary()})")
   corpus = PackedCorpus(kept, seq_len=config.max_target_length, pad_id=config.pad_id, seed=config.seed,
-                        shuffle=shuffle)
+                        shuffle=shuffle, masks=masks)
   report.tokens = corpus.tokens_per_epoch
   return corpus, report
 

@@ -5,7 +5,9 @@ one stream and cut into rows of L = max_target_length tokens; a document longer 
 of a row continues at the start of the lane's next row; no token is dropped and no row is padded.
 A row's last target is the first token of the next row. Within a row, segment_ids number the
 document pieces 1, 2, ...; positions count from 0 within each piece; weights are 0 where the target
-belongs to another document.
+belongs to another document, and otherwise the target token's own loss weight: a document is its
+token ids, or (ids, mask) where mask[i] weighs the prediction of token i (SFT: 1 on what the
+assistant produces, data/sft.py); plain ids weigh every token 1.
 
 Lanes: the global batch has B rows, and row b of every batch comes from lane b. The documents are
 read in one seeded order (an index shuffle, different each epoch, never held in memory) and
@@ -28,24 +30,31 @@ import numpy as np
 
 from MaxText.data.records import DataError
 
+Document = np.ndarray | tuple[np.ndarray, np.ndarray]  # int32 ids [n], or (ids [n], float32 mask [n])
 Cursor = tuple[int, int]  # (order position j of the row's first document, token offset in it)
 _MAX_EMPTY_DOCUMENTS = 10_000  # consecutive documents of no tokens before a lane gives up
 
 
-def pack_row(read: Callable[[int], np.ndarray], cursor: Cursor, stride: int,
+def split_document(doc: Document) -> tuple[np.ndarray, np.ndarray | None]:
+  """(ids [n], mask [n] or None: every token weighs 1)."""
+  return doc if isinstance(doc, tuple) else (doc, None)
+
+
+def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int,
              seq_len: int) -> tuple[dict[str, np.ndarray], Cursor]:
   """(row, next cursor): the row of L inputs (and L targets) starting at `cursor`, reading documents
-  j, j + stride, ... through `read(j)` -> int32 token ids."""
+  j, j + stride, ... through `read(j)` -> a Document."""
   L = seq_len
   j, offset = cursor
-  toks, segs, poss = [], [], []
+  toks, masks, segs, poss = [], [], [], []
   n, seg, empty, nxt = 0, 0, 0, None
   while n < L + 1:
-    doc = read(j)
+    doc, mask = split_document(read(j))
     piece = doc[offset:offset + L + 1 - n]
     if len(piece):
       seg += 1
       toks.append(piece)
+      masks.append(np.ones(len(piece), np.float32) if mask is None else mask[offset:offset + len(piece)])
       segs.append(np.full(len(piece), seg, np.int32))
       poss.append(np.arange(len(piece), dtype=np.int32))
       if n + len(piece) > L:  # this piece holds stream token L: the next row starts there
@@ -60,12 +69,13 @@ def pack_row(read: Callable[[int], np.ndarray], cursor: Cursor, stride: int,
     if n < L + 1:
       j, offset = j + stride, 0
   tok, seg_ids, pos = np.concatenate(toks), np.concatenate(segs), np.concatenate(poss)  # [L+1]
+  mask = np.concatenate(masks)  # [L+1] each token's weight as a target
   row = {
       "inputs": tok[:L],
       "targets": tok[1:],
       "segment_ids": seg_ids[:L],
       "positions": pos[:L],
-      "weights": (seg_ids[1:] == seg_ids[:L]).astype(np.float32),
+      "weights": (seg_ids[1:] == seg_ids[:L]) * mask[1:],
   }
   return row, nxt
 
@@ -75,7 +85,7 @@ class PackedLanes(grain.IterDataset):
   plus "cursors" [len(lanes), 2] int64 after it. grain's mp_prefetch gives worker w the lanes w::W
   (set_slice)."""
 
-  def __init__(self, read: Callable[[int], np.ndarray], *, lanes: Sequence[int], num_lanes: int, seq_len: int,
+  def __init__(self, read: Callable[[int], Document], *, lanes: Sequence[int], num_lanes: int, seq_len: int,
                cursors: Sequence[Cursor] | None = None):
     super().__init__()
     self.read, self.num_lanes, self.seq_len = read, num_lanes, seq_len
@@ -99,14 +109,14 @@ class PackedLanesIterator(grain.DatasetIterator):
     super().__init__()
     self.ds = ds
     self.cursors = list(ds.cursors)
-    self._docs: list[dict[int, np.ndarray]] = [{} for _ in ds.lanes]  # per lane: documents of its last row
+    self._docs: list[dict[int, Document]] = [{} for _ in ds.lanes]  # per lane: documents of its last row
 
   def __next__(self) -> dict[str, np.ndarray]:
     rows = []
     for k in range(len(self.ds.lanes)):
       cache = self._docs[k]
 
-      def read(j: int, cache=cache) -> np.ndarray:
+      def read(j: int, cache=cache) -> Document:
         if j not in cache:
           cache[j] = self.ds.read(j)
         return cache[j]

@@ -11,7 +11,10 @@ What a record holds (`tokenize_train_data`): true, text to tokenize (an ArrayRec
 bytes; a Parquet / HF column holds strings); false, token ids already (an ArrayRecord record is
 little-endian int32, as `python -m MaxText.pretokenize` writes; a Parquet / HF column holds lists of
 integers). Either way add_bos / add_eos apply here, so every source gives the packer the same
-documents. The column is `train_data_columns` (one name). Nothing is ever downloaded: hf_path is a
+documents. The column is `train_data_columns` (one name). With use_sft a record is a conversation
+(sft.py): an ArrayRecord record is a UTF-8 JSON object, a Parquet / HF row gives the
+train_data_columns ([messages] or [prompt, completion]) and the SFT_OPTIONAL_COLUMNS it has; the
+document is its ids and loss weights. Nothing is ever downloaded: hf_path is a
 folder written by `datasets.Dataset.save_to_disk` or a glob of local .parquet / .json / .jsonl files.
 
 Bad data is one DataError naming the file and record (or column): no file matches the glob, an
@@ -32,6 +35,12 @@ import numpy as np
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.data.tokenizer import Tokenizer
+
+SFT_OPTIONAL_COLUMNS = ("tools", "thinking")  # use_sft: read beside train_data_columns when a table has them
+
+
+def _with_optional(columns: tuple[str, ...], optional: tuple[str, ...], names: list[str]) -> tuple[str, ...]:
+  return columns + tuple(c for c in optional if c in names and c not in columns)
 
 
 class DataError(ConfigError):
@@ -73,8 +82,10 @@ def _shard_files(patterns: str, key: str, file_type: str) -> list[str]:
 class Table:
   """Records of several files, indexed 0..len-1 in file order."""
 
-  def __init__(self, files: list[str], counts: list[int], column: str):
-    self.files, self.counts, self.column = files, counts, column
+  def __init__(self, files: list[str], counts: list[int], columns: tuple[str, ...]):
+    """raw(i) is the value of the one column, or with several a dict of them."""
+    self.files, self.counts, self.columns = files, counts, columns
+    self.column = ", ".join(columns)
     self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [F+1]
     self.blocks: np.ndarray | None = None  # [K+1] boundaries of records best read together (Parquet row groups)
     self._open: dict[int, Any] = {}
@@ -114,7 +125,7 @@ class ArrayRecordTable(Table):
       if n == 0:
         raise DataError(f"{f}: an ArrayRecord file with no records")
       counts.append(n)
-    super().__init__(files, counts, column="")
+    super().__init__(files, counts, columns=())
 
   def raw(self, i: int) -> bytes:
     from array_record.python.array_record_module import ArrayRecordReader
@@ -135,7 +146,8 @@ def _check_column(schema_names: list[str], column: str, where: str) -> None:
 class ParquetTable(Table):
   """Parquet files read one row group at a time (the last few kept)."""
 
-  def __init__(self, files: list[str], column: str):
+  def __init__(self, files: list[str], columns: tuple[str, ...], optional: tuple[str, ...] = ()):
+    """optional: columns read too when every file has them."""
     import pyarrow.parquet as pq
     counts, self.group_rows = [], []
     for f in files:
@@ -144,12 +156,14 @@ class ParquetTable(Table):
         meta, names = pf.metadata, pf.schema_arrow.names
       except Exception as e:  # an empty file, a cut footer, not Parquet
         raise DataError(f"{f}: not a readable Parquet file ({str(e).splitlines()[0][:160]})") from None
-      _check_column(names, column, f)
+      for column in columns:
+        _check_column(names, column, f)
+      optional = tuple(c for c in optional if c in names)
       if meta.num_rows == 0:
         raise DataError(f"{f}: a Parquet file with no rows")
       counts.append(meta.num_rows)
       self.group_rows.append(np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]))
-    super().__init__(files, counts, column)
+    super().__init__(files, counts, _with_optional(columns, optional, list(optional)))
     self.blocks = np.unique(np.concatenate([self.starts[f] + g for f, g in enumerate(self.group_rows)]))
     self._groups: dict[tuple[int, int], list] = {}
 
@@ -161,7 +175,8 @@ class ParquetTable(Table):
       try:
         if f not in self._open:
           self._open[f] = pq.ParquetFile(self.files[f])
-        values = self._open[f].read_row_group(g, columns=[self.column]).column(0).to_pylist()
+        table = self._open[f].read_row_group(g, columns=list(self.columns))
+        values = table.column(0).to_pylist() if len(self.columns) == 1 else table.to_pylist()
       except Exception as e:
         raise DataError(f"{self.files[f]} row group {g}: cannot be read ({str(e).splitlines()[0][:160]})") from None
       if len(self._groups) >= 4:
@@ -176,7 +191,7 @@ class ParquetTable(Table):
 class HFTable(Table):
   """A local `datasets` dataset: a save_to_disk folder (memory-mapped Arrow) or local data files."""
 
-  def __init__(self, path: str, column: str, key: str = "hf_path"):
+  def __init__(self, path: str, columns: tuple[str, ...], key: str = "hf_path", optional: tuple[str, ...] = ()):
     try:
       import datasets
     except ImportError:
@@ -204,28 +219,32 @@ class HFTable(Table):
         ds = datasets.load_dataset(builder[next(iter(kinds))], data_files=files, split="train")
       except Exception as e:
         raise DataError(f"{key}='{path}': cannot be read ({str(e).splitlines()[0][:200]})") from None
-    _check_column(list(ds.column_names), column, f"{key}='{path}'")
+    for column in columns:
+      _check_column(list(ds.column_names), column, f"{key}='{path}'")
     if len(ds) == 0:
       raise DataError(f"{key}='{path}' holds no rows")
-    self.ds, self.key = ds.select_columns([column]), key
-    super().__init__([path], [len(ds)], column)
+    columns = _with_optional(columns, optional, list(ds.column_names))
+    self.ds, self.key = ds.select_columns(list(columns)), key
+    super().__init__([path], [len(ds)], columns)
 
   def where(self, i: int) -> str:
     return f"{self.key}='{self.files[0]}' row {i}"
 
   def raw(self, i: int) -> Any:
-    return self.ds[int(i)][self.column]
+    row = self.ds[int(i)]
+    return row[self.columns[0]] if len(self.columns) == 1 else row
 
 
 def open_table(config: Config, *, eval: bool = False) -> Table:
   """The training files, or with eval=True the held-out ones (grain_eval_files / hf_eval_files)."""
+  optional = SFT_OPTIONAL_COLUMNS if config.use_sft else ()
   if config.dataset_type == "hf":
     key = "hf_eval_files" if eval else "hf_path"
-    return HFTable(getattr(config, key), config.train_data_columns[0], key)
+    return HFTable(getattr(config, key), tuple(config.train_data_columns), key, optional)
   key = "grain_eval_files" if eval else "grain_train_files"
   files = _shard_files(getattr(config, key), key, config.grain_file_type)
   if config.grain_file_type == "parquet":
-    return ParquetTable(files, config.train_data_columns[0])
+    return ParquetTable(files, tuple(config.train_data_columns), optional)
   return ArrayRecordTable(files)
 
 

@@ -24,8 +24,9 @@ import numpy as np
 from grain.experimental import index_shuffle
 
 from MaxText.config.types import Config
-from MaxText.data.packing import PackedLanes
+from MaxText.data.packing import Document, PackedLanes
 from MaxText.data.records import DataError, DocumentReader, Table, open_table
+from MaxText.data.sft import ConversationEncoder, ConversationReader
 from MaxText.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class OrderedDocuments:
   One block is the same order as the flat shuffle.
   """
 
-  def __init__(self, reader: DocumentReader, seed: int):
+  def __init__(self, reader: DocumentReader | ConversationReader, seed: int):
     self.reader = reader
     self.n = len(reader.table)
     self.seed = (seed ^ _ORDER_SALT) % 2**32
@@ -75,7 +76,7 @@ class OrderedDocuments:
       self._epochs[epoch] = order, np.concatenate([[0], np.cumsum(sizes)])
     return self._epochs[epoch]
 
-  def __call__(self, j: int) -> np.ndarray:
+  def __call__(self, j: int) -> Document:
     return self.reader(self.record(j))
 
 
@@ -199,12 +200,14 @@ def create_stream_iterator(config: Config, *, process_index: int, process_count:
                            tokenizer: Tokenizer | None = None, prefetch: int = 2, eval: bool = False) -> StreamIterator:
   """eval=True: the held-out files (grain_eval_files / hf_eval_files), read in the main process."""
   table = open_table(config, eval=eval)
-  if config.tokenize_train_data:
+  if config.tokenize_train_data or config.use_sft:
     tokenizer = tokenizer or load_tokenizer(config)
     if tokenizer.vocab_size > config.vocab_size:
       raise DataError(f"the tokenizer at tokenizer_path='{tokenizer.path}' has {tokenizer.vocab_size} tokens but "
                       f"vocab_size={config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
-  read = OrderedDocuments(DocumentReader(table, config, tokenizer), config.seed)
+  reader = ConversationReader(table, ConversationEncoder.from_config(config, tokenizer)) if config.use_sft \
+      else DocumentReader(table, config, tokenizer)
+  read = OrderedDocuments(reader, config.seed)
   local = config.global_batch_size // process_count
   source = table.files[0] if len(table.files) == 1 else f"{table.files[0]} ... ({len(table.files)} files)"
   fingerprint = {"seed": config.seed, "global_batch_size": config.global_batch_size,

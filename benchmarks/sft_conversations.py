@@ -1,0 +1,60 @@
+"""A synthetic conversation set for the SFT demo: two-digit additions a tiny model learns on the CPU.
+
+    python benchmarks/sft_conversations.py --out /tmp/sft --train 2000 --eval 100 --tool_share 0.25
+
+Writes <out>/train.jsonl and <out>/eval.jsonl (use_sft=true, train_data_columns=[messages]). Each
+conversation asks "a+b=?"; the assistant thinks in one short line ("a+b: units u, carry c") and
+answers the sum. A share of them give the assistant the `add` tool: it calls add(a, b), receives the
+result and answers it. Prints a table and one JSON line (the counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "a + b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+
+
+def conversation(rng: random.Random, tool: bool) -> dict:
+  a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+  user = {"role": "user", "content": f"{a}+{b}=?"}
+  if not tool:
+    units = a % 10 + b % 10
+    think = f"{a}+{b}: units {units % 10}, carry {units // 10}"
+    return {"messages": [user, {"role": "assistant", "reasoning_content": think, "content": str(a + b)}]}
+  call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+  return {"tools": [ADD_TOOL], "messages": [
+      user, {"role": "assistant", "reasoning_content": "use add", "content": "", "tool_calls": [call]},
+      {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)},
+      {"role": "assistant", "reasoning_content": "got it", "content": str(a + b)}]}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--train", type=int, default=2000)
+  p.add_argument("--eval", type=int, default=100)
+  p.add_argument("--tool_share", type=float, default=0.25)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args()
+  rng = random.Random(args.seed)
+  os.makedirs(args.out, exist_ok=True)
+  counts = {}
+  for split, n in (("train", args.train), ("eval", args.eval)):
+    rows = [conversation(rng, rng.random() < args.tool_share) for _ in range(n)]
+    with open(os.path.join(args.out, f"{split}.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    counts[split] = {"conversations": n, "with_tools": sum("tools" in r for r in rows)}
+  print(f"{'split':<8}{'conversations':>15}{'with tools':>12}")
+  for split, c in counts.items():
+    print(f"{split:<8}{c['conversations']:>15}{c['with_tools']:>12}")
+  print(json.dumps({"out": args.out, **{f"{s}_{k}": v for s, c in counts.items() for k, v in c.items()}}))
+
+
+if __name__ == "__main__":
+  main()
