@@ -61,7 +61,7 @@ def served(tmp_path_factory):
   cfg = make_config(**KEYS, tokenizer_path=str(tmp / "tokenizer.json"), load_parameters_path=str(tmp / "params"))
   server, app = create_server(cfg, log=lambda line: None)
   with serving(app) as (url, thread):
-    _wait_for(lambda: _get_status(f"{url}/health") == 200, "/health 200", timeout=180)
+    _wait_for(lambda: _get_status(f"{url}/health") == 200, "/health 200", timeout=600)  # compiling: ~60 s alone, 5x that on a loaded host
     yield cfg, url, server
   assert not thread.is_alive() and server.engine.state == "stopped"
 
