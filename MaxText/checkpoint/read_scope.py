@@ -1,0 +1,73 @@
+"""A checkpoint read that owns its asyncio tasks: none is left running when the read returns or fails.
+
+orbax runs each read in an event loop of its own (`asyncio_utils.run_sync`: `asyncio.new_event_loop()`,
+`run_until_complete`, `close()`), one task per array shard under an `asyncio.gather`. When one shard fails
+(a truncated or garbled file), the gather raises at once and the loop is closed with the sibling reads still
+in flight. They then report from wherever they end, long after the caller has moved on to the checkpoint
+before: `Exception ignored in: <coroutine object _read_array_index_and_device_put>` when an abandoned
+coroutine is garbage collected, `RuntimeError: Event loop is closed` when a TensorStore read completes into
+the closed loop, `Task exception was never retrieved`. Whether and how much depends on timing (issue 46).
+
+`owned()` scopes a read (a context manager and a decorator): an event loop that the entering thread creates
+inside it cancels its pending tasks and waits for them, its async generators and its default executor's
+threads before it closes, as `asyncio.run` does. Invariant: when a loop created in the scope is closed,
+nothing it ran is still running, so nothing reports after the read's own error. Other threads' loops are
+left as they are (a server's loop, orbax's background writer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+
+def _finish_then_close(loop: asyncio.AbstractEventLoop, close) -> None:
+  """Cancels loop's pending tasks and runs the loop until each has ended (a read cancelled mid-way ends
+  with its error: orbax turns CancelledError into Exception; both are collected here, never reported),
+  then shuts down its async generators and executor threads, then closes it."""
+  try:
+    if not loop.is_closed() and not loop.is_running():
+      pending = asyncio.all_tasks(loop)
+      for task in pending:
+        task.cancel()
+      if pending:  # gather() of nothing would look for a current loop (orbax has unset it)
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      loop.run_until_complete(loop.shutdown_asyncgens())
+      loop.run_until_complete(loop.shutdown_default_executor())
+  finally:
+    close()
+
+
+class _OwningPolicy(asyncio.AbstractEventLoopPolicy):
+  """The policy in force around the scope, except that the owner thread's new loops finish before closing."""
+
+  def __init__(self, inner: asyncio.AbstractEventLoopPolicy, owner: int):
+    self._inner, self._owner = inner, owner
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    loop = self._inner.new_event_loop()
+    if threading.get_ident() == self._owner:
+      close = loop.close
+      loop.close = lambda: _finish_then_close(loop, close)
+    return loop
+
+  def get_event_loop(self):
+    return self._inner.get_event_loop()
+
+  def set_event_loop(self, loop) -> None:
+    self._inner.set_event_loop(loop)
+
+  def __getattr__(self, name):  # the rest (child watchers on Unix) as the policy around the scope has them
+    return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def owned():
+  """Inside: every event loop this thread creates ends its tasks before it closes (see the module)."""
+  inner = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_OwningPolicy(inner, threading.get_ident()))
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(inner)
