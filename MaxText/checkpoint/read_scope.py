@@ -39,15 +39,22 @@ def _finish_then_close(loop: asyncio.AbstractEventLoop, close) -> None:
     close()
 
 
-class _OwningPolicy(asyncio.AbstractEventLoopPolicy):
-  """The policy in force around the scope, except that the owner thread's new loops finish before closing."""
+_lock = threading.Lock()
+_owners: dict[int, int] = {}  # thread id -> how many owned() scopes it is inside; guarded by _lock
+_outer: list[asyncio.AbstractEventLoopPolicy] = []  # the policy around the scopes, while any is open
 
-  def __init__(self, inner: asyncio.AbstractEventLoopPolicy, owner: int):
-    self._inner, self._owner = inner, owner
+
+class _OwningPolicy(asyncio.AbstractEventLoopPolicy):
+  """The policy around the scopes, except that an owner thread's new loops end their tasks before closing."""
+
+  def __init__(self, inner: asyncio.AbstractEventLoopPolicy):
+    self._inner = inner
 
   def new_event_loop(self) -> asyncio.AbstractEventLoop:
     loop = self._inner.new_event_loop()
-    if threading.get_ident() == self._owner:
+    with _lock:
+      mine = threading.get_ident() in _owners
+    if mine:
       close = loop.close
       loop.close = lambda: _finish_then_close(loop, close)
     return loop
@@ -58,16 +65,26 @@ class _OwningPolicy(asyncio.AbstractEventLoopPolicy):
   def set_event_loop(self, loop) -> None:
     self._inner.set_event_loop(loop)
 
-  def __getattr__(self, name):  # the rest (child watchers on Unix) as the policy around the scope has them
+  def __getattr__(self, name):  # the rest (child watchers on Unix) as the policy around the scopes has them
     return getattr(self._inner, name)
 
 
 @contextlib.contextmanager
 def owned():
-  """Inside: every event loop this thread creates ends its tasks before it closes (see the module)."""
-  inner = asyncio.get_event_loop_policy()
-  asyncio.set_event_loop_policy(_OwningPolicy(inner, threading.get_ident()))
+  """Inside: every event loop this thread creates ends its tasks before it closes (see the module). Nests, and
+  several threads may be inside at once: the policy is installed by the first to enter, undone by the last out."""
+  me = threading.get_ident()
+  with _lock:
+    if not _owners:
+      _outer.append(asyncio.get_event_loop_policy())
+      asyncio.set_event_loop_policy(_OwningPolicy(_outer[0]))
+    _owners[me] = _owners.get(me, 0) + 1
   try:
     yield
   finally:
-    asyncio.set_event_loop_policy(inner)
+    with _lock:
+      _owners[me] -= 1
+      if not _owners[me]:
+        del _owners[me]
+      if not _owners:
+        asyncio.set_event_loop_policy(_outer.pop())

@@ -8,6 +8,7 @@ alone on orbax's loop runner."""
 import asyncio
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -141,3 +142,35 @@ def test_a_read_failing_while_a_sibling_is_in_flight_ends_the_sibling_before_it_
   assert sibling[0].cancelled()
   assert not read_noise(said())
   assert not isinstance(asyncio.get_event_loop_policy(), read_scope._OwningPolicy)  # the scope is undone
+
+
+def _ends_its_tasks_on_close() -> bool:
+  """Whether a loop made here now cancels a task still sleeping when it is closed."""
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(asyncio.sleep(10))
+  loop.run_until_complete(asyncio.sleep(0))
+  loop.close()
+  return task.cancelled()
+
+
+def test_the_scope_nests_and_holds_for_each_thread_inside_until_the_last_one_leaves():
+  outside = asyncio.get_event_loop_policy()
+  entered, left, seen = threading.Event(), threading.Event(), []
+
+  def other():
+    with read_scope.owned():
+      entered.set()
+      left.wait(10)
+      seen.append(_ends_its_tasks_on_close())  # the main thread has left its scope by now
+
+  thread = threading.Thread(target=other)
+  with read_scope.owned():
+    thread.start()
+    entered.wait(10)
+    with read_scope.owned():
+      pass
+    assert _ends_its_tasks_on_close()  # still inside the outer scope
+  left.set()
+  thread.join(10)
+  assert seen == [True]
+  assert asyncio.get_event_loop_policy() is outside
