@@ -1,9 +1,9 @@
 """A corrupt newest checkpoint falls back in one line and nothing reports after it (issue 46): the reads a
 failed restore left in flight are ended inside the attempt (checkpoint/read_scope.py), for the train resume
 (restore_newest_good) and the parameter-only load of load_parameters_path, decode and serve
-(restore_parameters). A tiny state sharded over the 8 test devices, its newest step corrupted three ways and
-restored repeatedly (the race as it comes), then with lingering reads (the race every time), then read_scope
-alone on orbax's loop runner."""
+(restore_parameters), and the export (hf_export.restore_raw). A tiny state sharded over the 8 test devices,
+its newest step corrupted three ways and restored repeatedly (the race as it comes), then with lingering reads
+(the race every time); then read_scope alone: on orbax's loop runner, nested, in two threads."""
 
 import asyncio
 import os
@@ -40,11 +40,6 @@ def saved(tmp_path_factory):
   manager.close()
   abstract = orbax_state.abstract_like(states[1], jax.tree.map(lambda a: a.sharding, states[1]))
   return folder, jax.device_get(states[1]), abstract
-
-
-def _data_files(step_dir):
-  return sorted((os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
-                 if os.sep + "d" + os.sep in os.path.join(d, f)), key=os.path.getsize)
 
 
 def _largest_data_file(step_dir):
