@@ -10,9 +10,11 @@ the closed loop, `Task exception was never retrieved`. Whether and how much depe
 
 `owned()` scopes a read (a context manager and a decorator): an event loop that the entering thread creates
 inside it cancels its pending tasks and waits for them, its async generators and its default executor's
-threads before it closes, as `asyncio.run` does. Invariant: when a loop created in the scope is closed,
-nothing it ran is still running, so nothing reports after the read's own error. Other threads' loops are
-left as they are (a server's loop, orbax's background writer).
+threads before it closes, as `asyncio.run` does; and once closed it drops what other threads still hand it
+(a cancelled TensorStore read completing late) instead of raising in those threads. Invariant: when a loop
+created in the scope is closed, none of its tasks is running and nothing it started can report, so nothing
+prints after the read's own error. Other threads' loops are left as they are (a server's loop, orbax's
+background writer).
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def _finish_then_close(loop: asyncio.AbstractEventLoop, close) -> None:
     close()
 
 
+def _dropped_once_closed(loop: asyncio.AbstractEventLoop, call_soon_threadsafe):
+  """loop.call_soon_threadsafe, except that a call into the loop once it is closed is dropped, not raised.
+  Such a call is a cancelled read completing late: TensorStore's thread settles the future its task awaited
+  (the task has ended; nobody waits for the result), and the RuntimeError would print from that thread."""
+  def call(callback, *args, **kwargs):
+    try:
+      return call_soon_threadsafe(callback, *args, **kwargs)
+    except RuntimeError:
+      if loop.is_closed():
+        return None
+      raise
+  return call
+
+
 _lock = threading.Lock()
 _owners: dict[int, int] = {}  # thread id -> how many owned() scopes it is inside; guarded by _lock
 _outer: list[asyncio.AbstractEventLoopPolicy] = []  # the policy around the scopes, while any is open
@@ -55,8 +71,9 @@ class _OwningPolicy(asyncio.AbstractEventLoopPolicy):
     with _lock:
       mine = threading.get_ident() in _owners
     if mine:
-      close = loop.close
+      close, call_soon_threadsafe = loop.close, loop.call_soon_threadsafe
       loop.close = lambda: _finish_then_close(loop, close)
+      loop.call_soon_threadsafe = _dropped_once_closed(loop, call_soon_threadsafe)
     return loop
 
   def get_event_loop(self):
