@@ -56,3 +56,56 @@ def make_config(**overrides):
 @pytest.fixture
 def tiny_config():
   return make_config
+
+
+# What a checkpoint read left running prints when it ends late (issue 46: checkpoint/read_scope.py).
+READ_NOISE = ("Traceback", "Exception ignored", "Event loop is closed", "never retrieved", "destroyed but it is pending")
+
+
+def read_noise(said: str) -> list[str]:
+  return [n for n in READ_NOISE if n in said]
+
+
+@pytest.fixture
+def said(capfd, caplog, monkeypatch):
+  """-> collect(): what the process said outside return values since the last call: stdout and stderr (at the
+  file descriptors, so also what TensorStore's threads print), logging (asyncio's 'never retrieved'), and
+  exceptions ignored (sys.unraisablehook, threading.excepthook), after the garbage left behind is freed."""
+  import gc
+  import logging
+  import threading
+  import time
+  ignored = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(f"Exception ignored in: {u.object!r}: "
+                                                                       f"{u.exc_value!r}"))
+  monkeypatch.setattr(threading, "excepthook", lambda a: ignored.append(f"Traceback (thread): {a.exc_value!r}"))
+  caplog.set_level(logging.WARNING, logger="asyncio")
+
+  def collect() -> str:
+    time.sleep(0.05)  # abandoned reads end late: TensorStore completes them, then the collector frees them
+    gc.collect()
+    out, err = capfd.readouterr()
+    text = "\n".join([out, err, caplog.text, *ignored])
+    ignored.clear()
+    caplog.clear()
+    return text
+
+  return collect
+
+
+@pytest.fixture
+def lingering_reads(monkeypatch):
+  """Each array read of a checkpoint that succeeds lingers 0.1 s before it returns: when one read fails, its
+  siblings are surely still in flight (the race of issue 46, made certain). Patches orbax 0.12.8's
+  serialization._read_shard (the TensorStore read of one shard), called by name for every shard."""
+  import asyncio
+
+  from orbax.checkpoint._src.serialization import serialization
+  read = serialization._read_shard
+
+  async def lingering(*args, **kwargs):
+    shard = await read(*args, **kwargs)
+    await asyncio.sleep(0.1)
+    return shard
+
+  monkeypatch.setattr(serialization, "_read_shard", lingering)

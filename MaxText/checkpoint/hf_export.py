@@ -17,7 +17,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from MaxText.checkpoint import hf_format
+from MaxText.checkpoint import hf_format, read_scope
 from MaxText.config import pyconfig
 from MaxText.config.types import Config
 
@@ -52,6 +52,7 @@ def _int_keys(tree):
   return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
 
 
+@read_scope.owned()  # a failed read's in-flight siblings end before the one-line error (issue 46)
 def restore_raw(item: str) -> dict:
   """{"params", "buffers"} of an orbax item folder as host numpy arrays, in the layout saved (scanned or
   not); a training state's optimizer state and step are not read."""

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from MaxText.checkpoint import read_scope
 from MaxText.config.types import Config, ConfigError
 from MaxText.runtime.cli import RunError
 
@@ -159,6 +160,7 @@ def _check_restored(tree, meta: dict | None) -> str | None:
   return None
 
 
+@read_scope.owned()  # a failed read's in-flight siblings end before the fallback goes on (issue 46)
 def restore_newest_good(manager: ocp.CheckpointManager | None, abstract_state: dict, report=print):
   """(step, state, data_state) of the newest checkpoint that reads back intact, or None when there is
   none at all. A bad one is reported (one line), set aside, and the one before it tried; when every
@@ -232,6 +234,7 @@ def parameter_candidates(path: str) -> list[str]:
   return [os.path.join(folder, str(s), "state") for s in steps]
 
 
+@read_scope.owned()  # as restore_newest_good
 def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict]:
   """(the tree folder used, {"params", "buffers"}) restored onto target's shardings; only those two
   subtrees are read (a train state's optimizer and step are left on disk). Before reading any array:

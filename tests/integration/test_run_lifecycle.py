@@ -22,7 +22,7 @@ from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.runtime import sharding
 from MaxText.runtime.metrics import fmt_loss
-from tests.conftest import REPO_ROOT, make_config
+from tests.conftest import REPO_ROOT, make_config, read_noise
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 COMMON = ["mtp_num_layers=0", "log_period=1", "steps=4", "checkpoint_period=2"]
@@ -152,9 +152,28 @@ def test_a_truncated_newest_checkpoint_falls_back_and_tensorboard_shows_each_ste
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   unusable = [l for l in r.stdout.splitlines() if l.startswith("checkpoint step 4 is unusable")]
   assert len(unusable) == 1 and "cannot be read" in unusable[0], r.stdout
+  assert not read_noise(r.stdout + r.stderr), r.stderr[-3000:]  # the abandoned reads ended quietly (issue 46)
   assert "resumed from checkpoint step 2" in r.stdout and steps_logged(r.stdout) == [3, 4, 5]
   assert (run / "checkpoints_unusable" / "4").is_dir()
   assert tb_steps(run, "loss") == [1, 2, 3, 4, 5]  # steps 3 and 4 of the first run purged
+
+
+def test_decode_and_serve_take_the_weights_before_a_truncated_newest_step_in_one_line_and_quietly(
+    base_run, said, lingering_reads):
+  """model_state.load_or_create, as decode.py and serve.py call it (in-process), the race made certain."""
+  _, run = copy_run(base_run, "weights")
+  path = largest_data_file(run / "checkpoints" / "4")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  cfg = make_config(mtp_num_layers=0, load_parameters_path=str(run / "checkpoints"))
+  said()
+  lines = []
+  _, _, _, source = model_state.load_or_create(cfg, sharding.create_mesh(cfg), report=lines.append)
+  heard = said()
+  assert len(lines) == 2 and lines[0].startswith(f"load_parameters_path: {run}/checkpoints/4/state is unusable: "
+                                                 "it does not fit the configured model or cannot be read"), lines
+  assert lines[1].endswith(f"params and buffers from {run}/checkpoints/2/state") and "RANDOM" not in source
+  assert not read_noise(heard), heard[:3000]
 
 
 def flip_lowest_mantissa_bit(step_dir):
