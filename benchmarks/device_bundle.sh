@@ -11,7 +11,9 @@
 #            DIR's wheels for PYTHON (default python3) into DIR/site-pyXY with no index and no resolution, checks
 #            that everything the device check imports imports, and prints that folder: its one line on stdout)
 set -euo pipefail
+CALLER="$PWD"
 cd "$(dirname "$0")/.."
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # a path as the caller meant it
 MAX_MIB=40
 # The imports of device_check.sh's sections and of tests/unit's collection (pydantic, omegaconf, grain, ...),
 # and of the server; datasets and tensorboard stay out (nothing the device runs imports them).
@@ -64,14 +66,14 @@ if check:
 
 if [ "${1:-}" = --install ]; then
   [ $# -ge 2 ] || { echo "usage: bash benchmarks/device_bundle.sh --install DIR [PYTHON]" >&2; exit 2; }
-  install "$2" "${3:-python3}"
+  install "$(abs "$2")" "${3:-python3}"
   exit 0
 fi
 if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: bash benchmarks/device_bundle.sh DIR   (DIR: a new or empty folder for the wheels)" >&2
   exit 2
 fi
-DIR="$1"
+DIR="$(abs "$1")"
 PYV="${BUNDLE_PYTHON:-3.12}"
 pins=()
 for n in "${NEEDS[@]}"; do

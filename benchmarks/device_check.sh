@@ -7,7 +7,6 @@
 #            of benchmarks/device_bundle.sh DIR installed offline into DIR/site-pyXY, no index, no resolution)
 # What each section measures, the device command, and the figures so far: docs/accelerators.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 BUNDLE=""
 args=()
 while [ $# -gt 0 ]; do
@@ -18,6 +17,8 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
+case "$BUNDLE" in "" | /*) ;; *) BUNDLE="$PWD/$BUNDLE" ;; esac  # relative to where it was called from
+cd "$(dirname "$0")/.."
 if [ -n "$BUNDLE" ]; then
   PY="${PYTHON:-python3}"
 else
