@@ -8,12 +8,12 @@
 # Default pytest args: tests/unit -n 2 -q. The versions it tested are printed first and recorded in
 # docs/accelerators.md. Re-running reuses VENV (pip installs only what is missing).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: bash benchmarks/jax_next_env.sh VENV [pytest args]  (VENV: a new folder outside the repository)" >&2
   exit 2
 fi
-VENV="$(realpath -m "$1")"; shift
+VENV="$(realpath -m "$1")"; shift  # relative to where it was called from
+cd "$(dirname "$0")/.."
 case "$VENV/" in "$PWD"/*) echo "jax_next_env.sh: VENV=$VENV is inside the repository; choose a folder outside it" >&2; exit 2 ;; esac
 JAX_NEXT="${JAX_NEXT:-0.11.2}"
 
