@@ -18,8 +18,8 @@ contiguous reference is the model's own contiguous cache view (cache_view.CacheV
 kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
 the same model call with the same sampling and a write of its entries, in the same process. The
 variants alternate call by call (so a disturbance hits all alike): --stat (min or median) of
---iters calls each after a warm-up. Prints a table, then one JSON line (the rows); asserts
-nothing about time.
+--iters calls each after a warm-up. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the
+paged engine's, *_contiguous_ms the reference's); asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -162,13 +162,13 @@ def decode_rows(args, params, buffers) -> list[dict]:
       feed = decode_feed(engine, args.batch)
       got = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
                           args.iters, args.stat)
-      row[f"{mode}_paged_ms"], row[f"{mode}_contiguous_ms"] = (round(got[k], 3) for k in ("paged", "contiguous"))
+      row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(got[k], 3) for k in ("paged", "contiguous"))
       del engine
-    ratios = [row[f"{m}_paged_ms"] / row[f"{m}_contiguous_ms"] for m in modes]
-    line = f"{s:>8} " + " ".join(f"{row[f'{m}_{v}_ms']:>16.1f}" for m in modes for v in ("paged", "contiguous"))
+    ratios = [row[f"{m}_ms"] / row[f"{m}_contiguous_ms"] for m in modes]
+    line = f"{s:>8} " + " ".join(f"{row[f'{m}{v}_ms']:>16.1f}" for m in modes for v in ("", "_contiguous"))
     line += " " + " ".join(f"{r:>9.2f}x" for r in ratios)
     if len(modes) == 2:
-      line += f"  {row['dense_paged_ms'] / row['sparse_paged_ms']:>11.1f}x"
+      line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
     print(line, flush=True)
     rows.append(row)
   return rows

@@ -9,6 +9,7 @@ import pytest
 from conftest import make_config
 
 from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels.cached_attention import ContiguousKeys
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
 
@@ -22,7 +23,7 @@ def _entries(cfg, b, t, seed):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
-def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype):
+def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype, monkeypatch):
   cfg = make_config(kv_cache_dtype=dtype, indexer_topk=5)
   lengths = np.array([11, 7])  # ragged rows
   # rows share their first page (the same prompt prefix), then hold their own pages in any order
@@ -63,6 +64,15 @@ def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys
          for c in (view, contiguous)]
   for g, w_ in zip(*sel):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+
+  # scored where the pages lie (PagedKeys), in blocks of 2 pages (row 0's real positions in both):
+  # every score equal to the contiguous keys' bit for bit, -inf past each position
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * 2 * PAGE * cfg.indexer_head_dim * 4)
+  pos = jnp.asarray(lengths - 1, jnp.int32)[:, None]  # [B,1]
+  paged = paged_cache.PagedKeys(pools.idx_k, pools.idx_k_scale, table, PAGE).scores(q, w, pos, head_chunk=4)
+  want = ContiguousKeys(kv_cache.read_indexer_keys(contiguous)).scores(q, w, pos, head_chunk=4)
+  assert paged.shape == (2, 1, s) and np.isfinite(np.asarray(want)).sum() == lengths.sum()
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(want))
 
 
 def test_padding_and_positions_past_the_table_are_dropped_not_written():
