@@ -1,11 +1,11 @@
 """Decode step time vs context length: the paged engine against a contiguous cache of the same data,
 sparse (indexer + top-k + gather over k latents) and dense (absorbed attention over the whole latent
-cache); and, with --prefill, the time per chunk of a long prompt through the engine.
+cache); with --prefill, a prefill chunk over a cached prefix instead of a decode step.
 
     python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
     python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
-    python benchmarks/decode.py --prefill 32768              # a 32K prompt in chunks: ms per chunk
+    python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
 
 The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
 nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
@@ -13,7 +13,8 @@ nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow resi
 model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The serving
 engine's paged pools hold --batch sequences of each context (S = max_target_length = context),
 filled with random latents; one decode step of the engine (its step and write programs: each row
-at the last position, its write dropped so every call sees the same cache) is timed. The
+at the last position, its write dropped so every call sees the same cache) is timed, or with
+--prefill one chunk of --chunk tokens at each row's last positions (the prefix before it cached). The
 contiguous reference is the model's own contiguous cache view (cache_view.CacheView over a
 kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
 the same model call with the same sampling and a write of its entries, in the same process. The
@@ -41,7 +42,6 @@ from MaxText.inference import kv_cache, paged_cache, step_feed  # noqa: E402
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import step_head_chunk
 from MaxText.inference.sampling import greedy_ids
-from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.runtime import sharding
 
@@ -78,11 +78,13 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
   engine.pools = {name: jax.jit(fill)(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
 
 
-def decode_feed(engine: ServingEngine, batch: int) -> dict:
-  """`batch` rows, each at its last position over its own pages, writes dropped (write_pos -1)."""
+def step_feed_at_end(engine: ServingEngine, batch: int, t: int) -> dict:
+  """`batch` rows of t new tokens each, the row's last t positions over its own pages (a decode
+  step for t = 1, a prefill chunk over a cached prefix of S - t otherwise), writes dropped."""
   s, p = engine.pages_per_seq * engine.page_size, engine.pages_per_seq
-  feed = step_feed.empty(batch, 1, p)  # temperature 0
-  feed["tokens"][:, 0], feed["positions"][:, 0], feed["draw_at"][:] = 1, s - 1, s
+  feed = step_feed.empty(batch, t, p)  # temperature 0, write_pos -1
+  feed["tokens"][:], feed["positions"][:] = 1, s - t + np.arange(t, dtype=np.int32)
+  feed["last"][:], feed["draw_at"][:] = t - 1, s
   feed["table"][:] = np.arange(batch * p, dtype=np.int32).reshape(batch, p)
   return feed
 
@@ -91,7 +93,7 @@ def paged_step(engine: ServingEngine, feed: dict):
   """The engine's step and write programs on the feed: a function () -> sampled [B] (the write is
   dropped, so the pools keep their data)."""
   def run():
-    engine.pools, sampled = engine._run(1, feed)
+    engine.pools, sampled = engine._run(feed["t"], feed)
     return sampled
   return run
 
@@ -99,7 +101,7 @@ def paged_step(engine: ServingEngine, feed: dict):
 def contiguous_step(engine: ServingEngine, feed: dict):
   """The same step over a contiguous copy of the pools' rows: a function () -> sampled [B] that
   runs the model with kv_cache.LayerCache views (no page table) and writes its entries in place."""
-  cfg, t = engine.config, 1
+  cfg, t = engine.config, feed["t"]
   table, positions = jnp.asarray(feed["table"]), jnp.asarray(feed["positions"])
   tokens = jnp.asarray(feed["tokens"])
 
@@ -115,7 +117,7 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   def step(params, buffers, stores, absorbed):
     model = nnx.merge(graphdef, params, buffers)
     views = stack_views(stores, absorbed, mode=engine.mode, index_head_chunk=head_chunk)
-    logits, aux = model(tokens, positions, cache=views, last_index=jnp.zeros(tokens.shape[0], jnp.int32))
+    logits, aux = model(tokens, positions, cache=views, last_index=jnp.full(tokens.shape[0], t - 1, jnp.int32))
     return aux["cache_entries"], greedy_ids(logits[:, 0])
 
   @jax.jit
@@ -147,7 +149,7 @@ def time_variants(fns: dict, iters: int, stat: str) -> dict:
   return {name: pick(ts) * 1e3 for name, ts in times.items()}
 
 
-def decode_rows(args, params, buffers) -> list[dict]:
+def step_rows(args, params, buffers) -> list[dict]:
   modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
   print(f"{'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
         + " " + " ".join(f"{m + ' p/c':>10}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
@@ -159,7 +161,7 @@ def decode_rows(args, params, buffers) -> list[dict]:
     for mode in modes:
       engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
       fill_pools(engine, seed=s)
-      feed = decode_feed(engine, args.batch)
+      feed = step_feed_at_end(engine, args.batch, args.chunk if args.prefill else 1)
       got = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
                           args.iters, args.stat)
       row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(got[k], 3) for k in ("paged", "contiguous"))
@@ -174,34 +176,6 @@ def decode_rows(args, params, buffers) -> list[dict]:
   return rows
 
 
-def prefill_rows(args, params, buffers) -> list[dict]:
-  """One prompt of --prefill tokens through the engine in chunks of --chunk: ms per chunk step as
-  the cached prefix grows (min of --iters prompts, each on a reset engine)."""
-  n = args.prefill
-  cfg = config_for(n + PAGE, args)
-  graphdef, _, _ = model_state.abstract_model(cfg)
-  engine = ServingEngine(cfg, graphdef, params, buffers)
-  prompt = list(np.random.default_rng(0).integers(1, cfg.vocab_size, n))
-  engine.warmup()
-  times = []
-  for _ in range(args.iters):
-    engine.reset()
-    engine.add_request(prompt, SamplingParams(max_tokens=1))
-    steps = []
-    while not engine.idle:
-      t0 = time.perf_counter()
-      engine.step()
-      steps.append((time.perf_counter() - t0) * 1e3)
-    times.append(steps)
-  per_chunk = np.min(np.asarray(times), axis=0) if args.stat == "min" else np.median(np.asarray(times), axis=0)
-  print(f"{'chunk':>6} {'prefix':>8} {'ms':>9}")
-  rows = []
-  for i, ms in enumerate(per_chunk):
-    print(f"{i:>6} {i * args.chunk:>8} {ms:>9.1f}")
-    rows.append(dict(chunk=i, prefix=i * args.chunk, ms=round(float(ms), 3)))
-  return rows
-
-
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
@@ -212,8 +186,9 @@ def main() -> None:
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
   ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
-  ap.add_argument("--prefill", type=int, default=0, help="time a prompt of this many tokens in chunks instead")
-  ap.add_argument("--chunk", type=int, default=4096, help="the prefill chunk (max_prefill_length)")
+  ap.add_argument("--prefill", action="store_true",
+                  help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
+  ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
   ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
   args = ap.parse_args()
@@ -223,18 +198,17 @@ def main() -> None:
   cfg0 = config_for(args.contexts[0], args)
   mesh = sharding.create_mesh(cfg0)
   _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context
-  print(f"backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch {args.batch}, "
+  what = f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step"
+  print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch {args.batch}, "
         f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {args.topk}"
         f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}; "
         f"{args.stat} of {args.iters} steps")
   common = dict(backend=jax.default_backend(), layers=args.layers, topk=args.topk, cache_dtype=args.cache_dtype,
                 approx=args.approx, stat=args.stat, iters=args.iters)
-  if args.prefill:
-    rows = prefill_rows(args, params, buffers)
-    print(json.dumps(dict(benchmark="decode_prefill", prompt=args.prefill, chunk=args.chunk, **common, rows=rows)))
-    return
-  rows = decode_rows(args, params, buffers)
-  print(json.dumps(dict(benchmark="decode", batch=args.batch, **common, rows=rows)))
+  rows = step_rows(args, params, buffers)
+  name = "decode_prefill_chunk" if args.prefill else "decode"
+  print(json.dumps(dict(benchmark=name, batch=args.batch, chunk=args.chunk if args.prefill else 1, **common,
+                        rows=rows)))
 
 
 if __name__ == "__main__":

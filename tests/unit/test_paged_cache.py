@@ -128,7 +128,7 @@ def test_a_compiled_decode_step_reads_the_indexer_keys_by_whole_pages_never_toke
   from MaxText.runtime import sharding
   d, page = 24, 8  # an indexer width no other cached vector has (kv_lora 32, rope 8)
   cfg = make_config(indexer_head_dim=d, serve_page_size=page, max_target_length=64, serve_max_num_seqs=2,
-                    max_prefill_length=16)
+                    max_prefill_length=16, num_decoder_layers=1)  # one dense layer: a short compile
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     step, _, _ = serve_compile.build_engine(cfg).compile_step(2, 1)  # abstract: nothing allocated
