@@ -14,13 +14,13 @@ model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in me
 engine's paged pools hold --batch sequences of each context (S = max_target_length = context),
 filled with random latents; one decode step of the engine (its step and write programs: each row
 at the last position, its write dropped so every call sees the same cache) is timed, or with
---prefill one chunk of --chunk tokens at each row's last positions (the prefix before it cached). The
-contiguous reference is the model's own contiguous cache view (cache_view.CacheView over a
+--prefill one chunk of --chunk tokens at each row's last positions (the prefix before it cached).
+The contiguous reference is the model's own contiguous cache view (cache_view.CacheView over a
 kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
 the same model call with the same sampling and a write of its entries, in the same process. The
 variants alternate call by call (so a disturbance hits all alike): --stat (min or median) of
---iters calls each after a warm-up. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the
-paged engine's, *_contiguous_ms the reference's); asserts nothing about time.
+--iters calls each after a warm-up. Prints a table, then one JSON line (the rows: sparse_ms and
+dense_ms the paged engine's, *_contiguous_ms the reference's); asserts nothing about time.
 """
 
 from __future__ import annotations

@@ -150,8 +150,8 @@ def select_spliced(q_i: jax.Array, w_i: jax.Array, keys, k_new: jax.Array, posit
                    select: Callable, *, head_chunk: int, max_bytes: int, precision=None) -> tuple[jax.Array, ...]:
   """The indexer's selection for t new tokens per row at positions [b,t] (consecutive per row) over
   the key source `keys` (the cache's S slots: ContiguousKeys, paged_cache.PagedKeys) and their own
-  keys k_new [b,t,d]: select(scores) of index_scores_spliced's scores [b,t,S] (valid: slot <= the query's position),
-  computed in blocks of queries (a lax.map; score_blocks) so that no block's [b, tq, heads, S]
+  keys k_new [b,t,d]: select(scores) of index_scores_spliced's scores [b,t,S] (valid: slot <= the
+  query's position), computed in blocks of queries (a lax.map; score_blocks) so that no block's [b, tq, heads, S]
   fp32 score buffer exceeds max_bytes whatever t x S (neither the [b,t,S] scores of every query
   nor their [b,t,S] validity are ever live at once). select: scores [b,tq,S] -> arrays [b,tq,...]
   (e.g. topk_indices: idx, valid [b,tq,k]); each query's selection is its own, so blocks change
