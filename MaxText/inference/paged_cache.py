@@ -141,10 +141,12 @@ def _shard_index(mesh, axes) -> jax.Array:
   return i
 
 
-def _on_shards(fn, pools, rows, pool_out: bool):
+def _on_shards(fn, pools, rows, pool_out: bool, check_vma: bool = True):
   """fn(pools, rows, first_slot) on each device's own page shard: pools leaves [.., N, n] (slot axis
   -2), rows a tuple of arrays with the row axis given as (array, dim) pairs; without page shards
-  fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0)."""
+  fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0). check_vma=False
+  for an fn whose loops start from constants (the selection kernels' fori_loops): every value in
+  it is per device anyway."""
   arrays = tuple(a for a, _ in rows)
   local = _local()
   if local is None:
@@ -158,7 +160,8 @@ def _on_shards(fn, pools, rows, pool_out: bool):
     return fn(pools, arrays, _shard_index(mesh, axes) * n_local)
 
   out_specs = pool_specs if pool_out else P(axes)
-  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs)(pools, arrays)
+  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs,
+                       check_vma=check_vma)(pools, arrays)
 
 
 def slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_slots: int) -> jax.Array:
@@ -259,7 +262,8 @@ def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: 
     table = jnp.where(arrays[0] >= 0, arrays[0] - first // page_size, -1)  # [B_l,P] local pages
     return fn(PagedKeys(stores["idx_k"], stores.get("idx_k_scale"), table, page_size), *arrays[1:])
 
-  return _on_shards(run, present, ((page_table, 0),) + tuple((a, 0) for a in rows), pool_out=False)
+  return _on_shards(run, present, ((page_table, 0),) + tuple((a, 0) for a in rows), pool_out=False,
+                    check_vma=False)
 
 
 def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int) -> kv_cache.LayerCache:
