@@ -1,19 +1,26 @@
-"""Decode step time vs context length: sparse (indexer + top-k + gather over k latents) vs dense
-(absorbed attention over the whole latent cache).
+"""Decode step time vs context length: the paged engine against a contiguous cache of the same data,
+sparse (indexer + top-k + gather over k latents) and dense (absorbed attention over the whole latent
+cache); with --prefill, a prefill chunk over a cached prefix instead of a decode step.
 
+    python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
-    python benchmarks/decode.py --contexts 4096 16384 --layers 2 --cache-dtype fp8
+    python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
+    python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
 
 The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
 nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
 1 dense layer and a 512-token vocabulary, so attention dominates a step as it does in the full
 model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The serving
-engine's paged pools hold one sequence of each context (S = max_target_length = context), filled
-with random latents; one decode step of the engine (its step and write programs: one row at the
-last position, its write dropped so every call sees the same cache) is timed: the best of --iters
-calls after a warm-up (the least disturbed by other work on a shared machine; --stat median for the
-median). Both columns run the same ServingEngine, attention="sparse" or "dense". Prints a table,
-then one JSON line (the rows); asserts nothing about time.
+engine's paged pools hold --batch sequences of each context (S = max_target_length = context),
+filled with random latents; one decode step of the engine (its step and write programs: each row
+at the last position, its write dropped so every call sees the same cache) is timed, or with
+--prefill one chunk of --chunk tokens at each row's last positions (the prefix before it cached).
+The contiguous reference is the model's own contiguous cache view (cache_view.CacheView over a
+kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
+the same model call with the same sampling and a write of its entries, in the same process. The
+variants alternate call by call (so a disturbance hits all alike): --stat (min or median) of
+--iters calls each after a warm-up. Prints a table, then one JSON line (the rows: sparse_ms and
+dense_ms the paged engine's, *_contiguous_ms the reference's); asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -27,17 +34,21 @@ import time
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx
 
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.config import pyconfig
-from MaxText.inference import kv_cache, step_feed  # noqa: E402
+from MaxText.inference import kv_cache, paged_cache, step_feed  # noqa: E402
+from MaxText.inference.cache_view import stack_views, write_stacks
+from MaxText.inference.model_step import step_head_chunk
+from MaxText.inference.sampling import greedy_ids
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.runtime import sharding
 
 WIDE = dict(  # official attention dims, narrow everything else
     model_name="default", vocab_size=512, emb_dim=1024, mlp_dim=1024, first_num_dense_layers=1,
     num_query_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, indexer_n_heads=64, indexer_head_dim=128, indexer_topk=2048, use_indexer=True,
+    v_head_dim=128, indexer_n_heads=64, indexer_head_dim=128, use_indexer=True,
     rope_factor=40.0, original_max_position_embeddings=4096, max_position_embeddings=163840,
     num_experts=8, num_experts_per_tok=2, n_routing_groups=4, topk_routing_group=2, moe_mlp_dim=256,
     mtp_num_layers=0, ici_data_parallelism=1,
@@ -45,12 +56,12 @@ WIDE = dict(  # official attention dims, narrow everything else
 PAGE = 64
 
 
-def config_for(context: int, args):
+def config_for(context: int, args, batch: int = 1):
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
-                             max_target_length=context, max_prefill_length=min(context, 4096),
+                             max_target_length=context, max_prefill_length=min(context, args.chunk),
                              kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
-                             serve_max_num_seqs=1, serve_page_size=PAGE, serve_num_pages=-(-context // PAGE),
-                             indexer_topk=args.topk, **{k: v for k, v in WIDE.items() if k != "indexer_topk"})
+                             serve_max_num_seqs=batch, serve_page_size=PAGE,
+                             serve_num_pages=batch * -(-context // PAGE), indexer_topk=args.topk, **WIDE)
 
 
 def fill_pools(engine: ServingEngine, seed: int) -> None:
@@ -67,58 +78,137 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
   engine.pools = {name: jax.jit(fill)(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
 
 
-def time_step(engine: ServingEngine, iters: int, stat: str) -> float:
-  """One decode step of one row at the pools' last position (its write dropped: the cache stays)."""
-  s = engine.pages_per_seq * engine.page_size
-  feed = step_feed.empty(1, 1, engine.pages_per_seq)  # one row, temperature 0, its write dropped (write_pos -1)
-  feed["tokens"][0, 0], feed["positions"][0, 0], feed["draw_at"][0] = 1, s - 1, s
-  feed["table"][0] = np.arange(engine.pages_per_seq, dtype=np.int32)
-  args = (1, feed)
-  for _ in range(2):  # compile + warm-up
-    engine.pools, nxt = engine._run(*args)
-  jax.block_until_ready(nxt)
-  times = []
+def step_feed_at_end(engine: ServingEngine, batch: int, t: int) -> dict:
+  """`batch` rows of t new tokens each, the row's last t positions over its own pages (a decode
+  step for t = 1, a prefill chunk over a cached prefix of S - t otherwise), writes dropped."""
+  s, p = engine.pages_per_seq * engine.page_size, engine.pages_per_seq
+  feed = step_feed.empty(batch, t, p)  # temperature 0, write_pos -1
+  feed["tokens"][:], feed["positions"][:] = 1, s - t + np.arange(t, dtype=np.int32)
+  feed["last"][:], feed["draw_at"][:] = t - 1, s
+  feed["table"][:] = np.arange(batch * p, dtype=np.int32).reshape(batch, p)
+  return feed
+
+
+def paged_step(engine: ServingEngine, feed: dict):
+  """The engine's step and write programs on the feed: a function () -> sampled [B] (the write is
+  dropped, so the pools keep their data)."""
+  def run():
+    engine.pools, sampled = engine._run(feed["t"], feed)
+    return sampled
+  return run
+
+
+def contiguous_step(engine: ServingEngine, feed: dict):
+  """The same step over a contiguous copy of the pools' rows: a function () -> sampled [B] that
+  runs the model with kv_cache.LayerCache views (no page table) and writes its entries in place."""
+  cfg, t = engine.config, feed["t"]
+  table, positions = jnp.asarray(feed["table"]), jnp.asarray(feed["positions"])
+  tokens = jnp.asarray(feed["tokens"])
+
+  def as_rows(pool):  # a stacked pool [L,N,n] -> a LayerCache [L,B,S,n] (idx_k [L,B,d,S])
+    if isinstance(pool, list):
+      return [paged_cache.sequence_view(p, table, engine.page_size) for p in pool]
+    return jax.vmap(lambda p: paged_cache.sequence_view(p, table, engine.page_size))(pool)
+
+  state = {"stores": jax.jit(lambda pools: {n: as_rows(p) for n, p in pools.items()})(engine.pools)}
+  graphdef, head_chunk = engine.graphdef, step_head_chunk(cfg, engine.chunk, t)
+
+  @jax.jit
+  def step(params, buffers, stores, absorbed):
+    model = nnx.merge(graphdef, params, buffers)
+    views = stack_views(stores, absorbed, mode=engine.mode, index_head_chunk=head_chunk)
+    logits, aux = model(tokens, positions, cache=views, last_index=jnp.full(tokens.shape[0], t - 1, jnp.int32))
+    return aux["cache_entries"], greedy_ids(logits[:, 0])
+
+  @jax.jit
+  def write(stores, entries):  # at the last position: every call writes the same entries
+    return write_stacks(stores, entries, lambda store, **e: kv_cache.write(store, positions[:, 0], **e))
+
+  write = jax.jit(write.__wrapped__, donate_argnums=(0,))
+
+  def run():
+    entries, sampled = step(engine.params, engine.buffers, state["stores"], engine.absorbed)
+    state["stores"] = write(state["stores"], entries)
+    return sampled
+
+  return run
+
+
+def time_variants(fns: dict, iters: int, stat: str) -> dict:
+  """{name: ms} for each fn () -> array, called in turn (after a compile + warm-up call each)."""
+  for fn in fns.values():
+    for _ in range(2):
+      jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
   for _ in range(iters):
-    t0 = time.perf_counter()
-    engine.pools, nxt = engine._run(*args)
-    jax.block_until_ready(nxt)
-    times.append(time.perf_counter() - t0)
-  return (min(times) if stat == "min" else statistics.median(times)) * 1e3
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - t0)
+  pick = min if stat == "min" else statistics.median
+  return {name: pick(ts) * 1e3 for name, ts in times.items()}
+
+
+def step_rows(args, params, buffers) -> list[dict]:
+  modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
+  print(f"{'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
+        + " " + " ".join(f"{m + ' p/c':>10}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
+  rows = []
+  for s in args.contexts:
+    cfg = config_for(s, args, args.batch)
+    graphdef, _, _ = model_state.abstract_model(cfg)
+    row = dict(context=s)
+    for mode in modes:
+      engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
+      fill_pools(engine, seed=s)
+      feed = step_feed_at_end(engine, args.batch, args.chunk if args.prefill else 1)
+      got = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
+                          args.iters, args.stat)
+      row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(got[k], 3) for k in ("paged", "contiguous"))
+      del engine
+    ratios = [row[f"{m}_ms"] / row[f"{m}_contiguous_ms"] for m in modes]
+    line = f"{s:>8} " + " ".join(f"{row[f'{m}{v}_ms']:>16.1f}" for m in modes for v in ("", "_contiguous"))
+    line += " " + " ".join(f"{r:>9.2f}x" for r in ratios)
+    if len(modes) == 2:
+      line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
+    print(line, flush=True)
+    rows.append(row)
+  return rows
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
+  ap.add_argument("--quick", action="store_true", help="contexts 32768 131072, sparse only, 5 iters")
+  ap.add_argument("--sparse-only", action="store_true", help="skip the dense columns")
+  ap.add_argument("--batch", type=int, default=1, help="rows in the decode step, each its own sequence")
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
   ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
-  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--prefill", action="store_true",
+                  help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
+  ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
+  ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
   args = ap.parse_args()
+  if args.quick:
+    args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
 
   cfg0 = config_for(args.contexts[0], args)
   mesh = sharding.create_mesh(cfg0)
   _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context
-  print(f"backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch 1, "
+  what = f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step"
+  print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch {args.batch}, "
         f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {args.topk}"
         f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}; "
         f"{args.stat} of {args.iters} steps")
-  print(f"{'context':>8} {'sparse ms':>10} {'dense ms':>10} {'dense/sparse':>13}")
-  rows = []
-  for s in args.contexts:
-    cfg = config_for(s, args)
-    graphdef, _, _ = model_state.abstract_model(cfg)
-    row = {}
-    for mode in ("sparse", "dense"):
-      engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
-      fill_pools(engine, seed=s)
-      row[mode] = time_step(engine, args.iters, args.stat)
-      del engine
-    print(f"{s:>8} {row['sparse']:>10.1f} {row['dense']:>10.1f} {row['dense'] / row['sparse']:>12.1f}x", flush=True)
-    rows.append(dict(context=s, sparse_ms=round(row["sparse"], 3), dense_ms=round(row["dense"], 3)))
-  print(json.dumps(dict(benchmark="decode", backend=jax.default_backend(), layers=args.layers, topk=args.topk,
-                        cache_dtype=args.cache_dtype, approx=args.approx, stat=args.stat, rows=rows)))
+  common = dict(backend=jax.default_backend(), layers=args.layers, topk=args.topk, cache_dtype=args.cache_dtype,
+                approx=args.approx, stat=args.stat, iters=args.iters)
+  rows = step_rows(args, params, buffers)
+  name = "decode_prefill_chunk" if args.prefill else "decode"
+  print(json.dumps(dict(benchmark=name, batch=args.batch, chunk=args.chunk if args.prefill else 1, **common,
+                        rows=rows)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """What a layer reads of its cache during inference: the one interface MLA.attend_cached uses.
 
 A CacheView wraps one layer's storage, contiguous (kv_cache.LayerCache, [b,S,n] per row) or
-paged (paged_cache.PagedLayerCache plus the step's page table), and answers the same four
+paged (paged_cache.PagedLayerCache plus the step's page table), and answers the same
 questions either way, so the model's math is written once for both:
 
     length              S, the slots a row can see (positions >= a row's length are masked)
-    indexer_keys()      every slot's indexer key [b,S,d] fp32 (each query scores all: O(S))
+    select_indexer(..)  the indexer's top-k over every slot's key and the new tokens' (each query
+                        scores all: O(S)); paged, a block of pages at a time where they lie
     latents(dtype)      every slot's c_kv [b,S,c], k_pe [b,S,r] (dense attention only)
     gather(idx, dtype)  the selected slots' c_kv [b,n,c], k_pe [b,n,r] (sparse: O(k) per query)
     stored(name, x)     x as a later read will return it (rounded to the storage dtype; fp8 blocks)
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels.cached_attention import Absorbed
+from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, select_spliced
 
 
 @jax.tree_util.register_dataclass
@@ -53,8 +54,19 @@ class CacheView:
       return paged_cache.sequence_view(self.store, self.page_table, self.page_size)
     return self.store
 
-  def indexer_keys(self) -> jax.Array:
-    return kv_cache.read_indexer_keys(self._contiguous())
+  def select_indexer(self, q_i: jax.Array, w_i: jax.Array, k_new: jax.Array, positions: jax.Array, select, *,
+                     max_bytes: int, precision=None) -> tuple[jax.Array, ...]:
+    """kernels.cached_attention.select_spliced over this cache's indexer keys (and the new tokens'
+    k_new [b,t,d] as stored): q_i [b,t,h,d], w_i [b,t,h], positions [b,t] -> select's arrays [b,t,...].
+    Paged: the keys are scored where their pages lie (paged_cache.PagedKeys), on a mesh each
+    device over its own rows and page shard; never gathered token by token."""
+    def run(keys, q, w, new, pos):
+      return select_spliced(q, w, keys, new, pos, select, head_chunk=self.index_head_chunk, max_bytes=max_bytes,
+                            precision=precision)
+    if self.paged:
+      return paged_cache.select_over_pages(self.store, self.page_table, self.page_size, run, q_i, w_i, k_new,
+                                           positions)
+    return run(ContiguousKeys(kv_cache.read_indexer_keys(self.store)), q_i, w_i, k_new, positions)
 
   def latents(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     return kv_cache.read_latents(self._contiguous(), dtype)

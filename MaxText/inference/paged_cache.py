@@ -13,11 +13,17 @@ fp8), flattened over the slot axis:
     c_kv   [(L,) N, kv_lora]     k_pe [(L,) N, rope]     idx_k [(L,) N, d_I]      N = pages * page
 
 Writes go through a slot mapping (`slots`): a padding token's slot is N, dropped by the
-scatter, so fixed-shape steps write only real tokens. Reads come in two kinds:
-  - `sequence_view`: a sequence's whole indexer keys (every step scores all of them: O(S) per
-    query, as the contiguous cache) in kv_cache's contiguous LayerCache layout;
+scatter, so fixed-shape steps write only real tokens. Reads come in three kinds, every one of
+whole pages but the last:
+  - `select_over_pages` / `PagedKeys`: the indexer scores every cached key of a row (O(S) per query,
+    as over a contiguous cache) a block of pages at a time where the pages lie: each block's
+    [page, d] pages gathered whole into a small buffer and scored there, so the [S, d] keys are
+    never copied out (a token-by-token gather of them cost more than the scoring itself);
+  - `sequence_view`: a row's whole sequence in kv_cache's contiguous LayerCache layout, gathered
+    page by page (dense attention reads every latent);
   - `gather_selected`: only the selected latents (O(k) per query), through the page table.
-So a paged step computes the same function as a contiguous one over the same tokens.
+So a paged step computes the same function as a contiguous one over the same tokens, score for
+score (kernels/cached_attention.py: both key sources score with index_scores).
 
 On a mesh (under sharding.logical_rules) the pools shard over pages, on the same mesh axes as the
 step's rows ("activation_batch": data, fsdp, expert; the `page_shards` of `page_sharding`): with
@@ -41,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
+from MaxText.kernels.index_scores import index_scores
 from MaxText.runtime import sharding
 
 
@@ -134,10 +141,12 @@ def _shard_index(mesh, axes) -> jax.Array:
   return i
 
 
-def _on_shards(fn, pools, rows, pool_out: bool):
+def _on_shards(fn, pools, rows, pool_out: bool, check_vma: bool = True):
   """fn(pools, rows, first_slot) on each device's own page shard: pools leaves [.., N, n] (slot axis
   -2), rows a tuple of arrays with the row axis given as (array, dim) pairs; without page shards
-  fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0)."""
+  fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0). check_vma=False
+  for an fn whose loops start from constants (the selection kernels' fori_loops): every value in
+  it is per device anyway."""
   arrays = tuple(a for a, _ in rows)
   local = _local()
   if local is None:
@@ -151,7 +160,8 @@ def _on_shards(fn, pools, rows, pool_out: bool):
     return fn(pools, arrays, _shard_index(mesh, axes) * n_local)
 
   out_specs = pool_specs if pool_out else P(axes)
-  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs)(pools, arrays)
+  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs,
+                       check_vma=check_vma)(pools, arrays)
 
 
 def slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_slots: int) -> jax.Array:
@@ -191,18 +201,81 @@ def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
   return jnp.take(a, ids, axis=0, mode="clip")
 
 
+def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
+  """a [N, n] (slots), pages [B, G] page ids -> [B, G * page_size, n]: whole pages, one gather
+  slice of [page_size, n] each (never one per token)."""
+  by_page = a.reshape(a.shape[0] // page_size, page_size, a.shape[-1])  # [N/page, page, n]
+  return jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1])  # [B,G*page,n]
+
+
+KEY_BLOCK_BYTES = 1 << 20  # fp32 indexer keys (all rows) one PagedKeys block scores: a cache-sized buffer
+
+
+class PagedKeys(NamedTuple):
+  """A key source (kernels/cached_attention.py) over the indexer-key pool: each row's keys lie in
+  the pages of its table row. `scores` reads them a block of pages at a time (a fori_loop over
+  blocks of KEY_BLOCK_BYTES of fp32 keys for all rows): the block's pages gathered whole, fp8
+  blocks dequantized there, scored by index_scores into the block's slice of the [b,tq,S] result.
+  Each score is index_scores' arithmetic on the same key, so it equals ContiguousKeys' bit for bit."""
+  idx_k: jax.Array                # [N, d] stored dtype (on a page shard: this device's slots)
+  idx_k_scale: jax.Array | None   # [N, ceil(d/128)] fp32; fp8 only
+  table: jax.Array                # [b, P] page ids into idx_k's pages (< 0: none; read as page 0, masked)
+  page_size: int
+
+  @property
+  def slots(self) -> int:
+    return self.table.shape[1] * self.page_size
+
+  def row(self, i: jax.Array) -> "PagedKeys":
+    return self._replace(table=jax.lax.dynamic_slice_in_dim(self.table, i, 1, axis=0))  # [1,P]
+
+  def scores(self, q: jax.Array, w: jax.Array, pos: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
+    """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos."""
+    (b, p), d, page = self.table.shape, self.idx_k.shape[-1], self.page_size
+    per_block = max(1, min(p, KEY_BLOCK_BYTES // (b * page * d * 4)))  # pages a block
+    n = -(-p // per_block)
+    width = per_block * page  # slots a block
+    table = jnp.pad(jnp.maximum(self.table, 0), ((0, 0), (0, n * per_block - p)))  # [b, n*per_block]
+
+    def block(i, out):  # out [b,tq,n*width]
+      pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b,per_block]
+      keys = _pages(self.idx_k, pages, page)  # [b,width,d] stored
+      if self.idx_k_scale is not None:
+        keys = dequantize_fp8(keys, _pages(self.idx_k_scale, pages, page))
+      slot = i * width + jnp.arange(width, dtype=jnp.int32)  # [width]
+      valid = slot[None, None, :] <= pos[:, :, None]  # [b,tq,width]
+      got = index_scores(q, w, keys, valid, head_chunk=head_chunk, precision=precision)  # [b,tq,width]
+      return jax.lax.dynamic_update_slice_in_dim(out, got, i * width, axis=2)
+
+    out = jnp.full((b, q.shape[1], n * width), -jnp.inf, jnp.float32)
+    out = jax.lax.fori_loop(0, n, block, out) if n > 1 else block(0, out)
+    return out[..., :self.slots]  # [b,tq,S]
+
+
+def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, fn, *rows: jax.Array):
+  """fn(keys, *rows) with keys the rows' PagedKeys (page_table [B,P]) and rows arrays [B,...]: on a
+  mesh each device runs fn on its own rows over its own page shard (shard_map; no pool moves), its
+  outputs [B,...] sharded over rows. The indexer's selection (cache_view.CacheView.select_indexer)."""
+  present = {name: getattr(pools, name) for name in ("idx_k", "idx_k_scale") if getattr(pools, name) is not None}
+
+  def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
+    table = jnp.where(arrays[0] >= 0, arrays[0] - first // page_size, -1)  # [B_l,P] local pages
+    return fn(PagedKeys(stores["idx_k"], stores.get("idx_k_scale"), table, page_size), *arrays[1:])
+
+  return _on_shards(run, present, ((page_table, 0),) + tuple((a, 0) for a in rows), pool_out=False,
+                    check_vma=False)
+
+
 def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int) -> kv_cache.LayerCache:
   """A layer's pools seen through page_table [B,P] as kv_cache's contiguous LayerCache of
-  S = P * page_size positions per row: c_kv/k_pe [B,S,n], idx_k [B,d,S]. Positions a row has not
-  written (or pages it has not got, entries < 0) read as whatever their slot holds: callers mask
-  them by position, as with a contiguous cache."""
-  p = page_table.shape[1]
-  pos = jnp.arange(p * page_size, dtype=jnp.int32)  # [S]
+  S = P * page_size positions per row: c_kv/k_pe [B,S,n], idx_k [B,d,S], gathered page by page.
+  Positions a row has not written (or pages it has not got, entries < 0) read as whatever their
+  slot holds: callers mask them by position, as with a contiguous cache."""
   present = {name: a for name, a in pools._asdict().items() if a is not None}
 
   def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P]
-    ids = jnp.maximum(arrays[0], 0)[:, pos // page_size] * page_size + pos % page_size - first  # [B_l,S]
-    return {name: _rows(a, ids) for name, a in stores.items()}  # [B_l,S,n]
+    pages = jnp.maximum(arrays[0], 0) - first // page_size  # [B_l,P] local pages
+    return {name: _pages(a, pages, page_size) for name, a in stores.items()}  # [B_l,S,n]
 
   got = _on_shards(read, present, ((page_table, 0),), pool_out=False)
   view = {name: got.get(name) for name in pools._fields}  # [B,S,n]
@@ -240,4 +313,4 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
 
 
 __all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "placed", "page_axes", "page_shards", "pool_shardings", "slots",
-           "write", "sequence_view", "gather_selected", "pool_bytes"]
+           "write", "PagedKeys", "select_over_pages", "sequence_view", "gather_selected", "pool_bytes"]

@@ -14,6 +14,12 @@ cache). So every read splices the new tokens' values into their slots start[b] .
 
 With the absorbed weights (sparse_attention.absorb_q / unabsorb_out) this is MLA's function of
 the same tokens: tests/integration/test_decode.py holds it equal to the expanded layer.
+
+The cached indexer keys come as a key source: an object with `slots` (S), `scores(q, w, pos, *,
+head_chunk, precision)` -> [b,tq,S] fp32 (-inf at slots past each query's position) and `row(i)`
+(the source of row i alone). `ContiguousKeys` scores a [b,S,d] array; the paged pools' source
+(inference/paged_cache.PagedKeys) scores a page block at a time where the pages lie. Both compute
+each score with the same arithmetic (index_scores over a block of keys), so they select alike.
 """
 
 from __future__ import annotations
@@ -95,14 +101,33 @@ def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, 
           + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]
 
 
-def index_scores_spliced(q_i: jax.Array, w_i: jax.Array, k_old: jax.Array, k_new: jax.Array, valid: jax.Array,
+class ContiguousKeys(NamedTuple):
+  """A key source over cached indexer keys laid out per row: k [b,S,d] (any float dtype)."""
+  k: jax.Array  # [b,S,d]
+
+  @property
+  def slots(self) -> int:
+    return self.k.shape[1]
+
+  def scores(self, q: jax.Array, w: jax.Array, pos: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
+    """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos."""
+    valid = jnp.arange(self.slots, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [b,tq,S]
+    return index_scores(q, w, self.k, valid, head_chunk=head_chunk, precision=precision)
+
+  def row(self, i: jax.Array) -> "ContiguousKeys":
+    return ContiguousKeys(jax.lax.dynamic_slice_in_dim(self.k, i, 1, axis=0))  # [1,S,d]
+
+
+def index_scores_spliced(q_i: jax.Array, w_i: jax.Array, keys, k_new: jax.Array, pos: jax.Array,
                          start: jax.Array, head_chunk: int, precision=None, query_offset: jax.Array | int = 0
                          ) -> jax.Array:
-  """Indexer scores [b,tq,S] fp32 of tq queries q_i [b,tq,h,d], w_i [b,tq,h] (the new tokens
-  query_offset .. query_offset+tq-1 of t): the cached keys k_old [b,S,d], with the t new tokens'
-  keys k_new [b,t,d] (as stored) spliced into their slots; -inf where not valid [b,tq,S]."""
+  """Indexer scores [b,tq,S] fp32 of tq queries q_i [b,tq,h,d], w_i [b,tq,h] at positions pos
+  [b,tq] (the new tokens query_offset .. query_offset+tq-1 of t): the cached keys of the key source
+  `keys` (S slots), with the t new tokens' keys k_new [b,t,d] (as stored) spliced into their slots;
+  -inf at slots past a query's position."""
   tq, t = q_i.shape[1], k_new.shape[1]
-  old = index_scores(q_i, w_i, k_old, valid, head_chunk=head_chunk, precision=precision)  # [b,tq,S]
+  valid = jnp.arange(keys.slots, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [b,tq,S]
+  old = keys.scores(q_i, w_i, pos, head_chunk=head_chunk, precision=precision)  # [b,tq,S]
   causal = jnp.arange(t)[None, :] <= query_offset + jnp.arange(tq)[:, None]  # [tq,t]
   new = index_scores(q_i, w_i, k_new, jnp.broadcast_to(causal, (k_new.shape[0], tq, t)), head_chunk=head_chunk,
                      precision=precision)  # [b,tq,t]
@@ -121,30 +146,30 @@ def score_blocks(b: int, t: int, h: int, s: int, head_chunk: int, max_bytes: int
   return max(1, max_bytes // row), 1
 
 
-def select_spliced(q_i: jax.Array, w_i: jax.Array, k_old: jax.Array, k_new: jax.Array, positions: jax.Array,
+def select_spliced(q_i: jax.Array, w_i: jax.Array, keys, k_new: jax.Array, positions: jax.Array,
                    select: Callable, *, head_chunk: int, max_bytes: int, precision=None) -> tuple[jax.Array, ...]:
-  """The indexer's selection for t new tokens per row at positions [b,t] (consecutive per row):
-  select(scores) of index_scores_spliced's scores [b,t,S] (valid: slot <= the query's position),
-  computed in blocks of queries (a lax.map; score_blocks) so that no block's [b, tq, heads, S]
+  """The indexer's selection for t new tokens per row at positions [b,t] (consecutive per row) over
+  the key source `keys` (the cache's S slots: ContiguousKeys, paged_cache.PagedKeys) and their own
+  keys k_new [b,t,d]: select(scores) of index_scores_spliced's scores [b,t,S] (valid: slot <= the
+  query's position), computed in blocks of queries (a lax.map; score_blocks) so that no block's [b, tq, heads, S]
   fp32 score buffer exceeds max_bytes whatever t x S (neither the [b,t,S] scores of every query
   nor their [b,t,S] validity are ever live at once). select: scores [b,tq,S] -> arrays [b,tq,...]
   (e.g. topk_indices: idx, valid [b,tq,k]); each query's selection is its own, so blocks change
   nothing but the order of the head sum. Over budget with one query, rows go one at a time."""
   b, t, h, _ = q_i.shape
-  s = k_old.shape[1] + t  # the cache's slots, and the new tokens' (splice pads by them)
+  s = keys.slots + t  # the cache's slots, and the new tokens' (splice pads by them)
   if b > 1 and b * s * 4 > max_bytes:  # one query of every row is already too much: row by row
     def one_row(args):
-      out = select_spliced(*(a[None] for a in args), select, head_chunk=head_chunk, max_bytes=max_bytes,
-                           precision=precision)
+      i, *rows = args
+      out = select_spliced(rows[0][None], rows[1][None], keys.row(i), *(a[None] for a in rows[2:]), select,
+                           head_chunk=head_chunk, max_bytes=max_bytes, precision=precision)
       return tuple(o[0] for o in out)
-    return jax.lax.map(one_row, (q_i, w_i, k_old, k_new, positions))  # each [b,t,...]
+    return jax.lax.map(one_row, (jnp.arange(b, dtype=jnp.int32), q_i, w_i, k_new, positions))  # each [b,t,...]
   tq, heads = score_blocks(b, t, h, s, head_chunk, max_bytes)
   start = positions[:, 0]
-  slots = jnp.arange(k_old.shape[1], dtype=jnp.int32)
 
   def scores(q, w, pos, first):  # tq queries [b,tq,h,d], [b,tq,h] at pos [b,tq], new tokens first.. of t
-    valid = slots[None, None, :] <= pos[:, :, None]  # [b,tq,S]
-    return index_scores_spliced(q, w, k_old, k_new, valid, start, heads, precision, query_offset=first)
+    return index_scores_spliced(q, w, keys, k_new, pos, start, heads, precision, query_offset=first)
 
   if tq >= t:
     return select(scores(q_i, w_i, positions, 0))
@@ -173,4 +198,4 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
 
 
 __all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
-           "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected"]
+           "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected"]

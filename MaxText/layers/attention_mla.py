@@ -54,7 +54,6 @@ from MaxText.kernels.cached_attention import (
   key_kernel,
   latent_attention_dense,
   merge_selected,
-  select_spliced,
   value_kernel,
 )
 from MaxText.kernels.index_scores import indexer_kl_loss
@@ -241,9 +240,9 @@ class MLA(nnx.Module):
       q_i, w_i = self.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
       select = lambda scores: topk_indices(scores, cfg.indexer_topk, approx=cfg.indexer_use_approx_top_k,
                                            recall_target=cfg.indexer_approx_top_k_recall)  # [b,tq,S] -> [b,tq,k] each
-      idx, idx_valid = select_spliced(q_i, w_i, cache.indexer_keys(), stored["idx_k"], positions, select,
-                                      head_chunk=cache.index_head_chunk, max_bytes=cfg.serve_max_index_score_bytes,
-                                      precision=precision)  # scores in blocks of <= serve_max_index_score_bytes
+      idx, idx_valid = cache.select_indexer(q_i, w_i, stored["idx_k"], positions, select,
+                                            max_bytes=cfg.serve_max_index_score_bytes,
+                                            precision=precision)  # scores in blocks of <= serve_max_index_score_bytes
       k = idx.shape[-1]
       flat = idx.reshape(b, t * k)  # [b,t*k]
       c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,

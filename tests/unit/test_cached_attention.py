@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.kernels.cached_attention import score_blocks, select_spliced
+from MaxText.kernels.cached_attention import ContiguousKeys, score_blocks, select_spliced
 from MaxText.kernels.topk_indices import topk_indices
 
 B, T, H, D, S, K = 2, 64, 4, 16, 512, 16  # rows, new tokens (a prefill chunk), indexer heads, dim, slots, top-k
@@ -26,7 +26,8 @@ def _inputs(seed=0):
 
 
 def _select(max_bytes):
-  return jax.jit(lambda *a: select_spliced(*a, lambda s: topk_indices(s, K), head_chunk=H, max_bytes=max_bytes))
+  return jax.jit(lambda q, w, k_old, *a: select_spliced(q, w, ContiguousKeys(k_old), *a, lambda s: topk_indices(s, K),
+                                                        head_chunk=H, max_bytes=max_bytes))
 
 
 def _largest_array_bytes(hlo: str) -> int:

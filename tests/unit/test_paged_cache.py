@@ -9,6 +9,7 @@ import pytest
 from conftest import make_config
 
 from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels.cached_attention import ContiguousKeys
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
 
@@ -22,7 +23,7 @@ def _entries(cfg, b, t, seed):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
-def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype):
+def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype, monkeypatch):
   cfg = make_config(kv_cache_dtype=dtype, indexer_topk=5)
   lengths = np.array([11, 7])  # ragged rows
   # rows share their first page (the same prompt prefix), then hold their own pages in any order
@@ -64,6 +65,15 @@ def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys
   for g, w_ in zip(*sel):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
 
+  # scored where the pages lie (PagedKeys), in blocks of 2 pages (row 0's real positions in both):
+  # every score equal to the contiguous keys' bit for bit, -inf past each position
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * 2 * PAGE * cfg.indexer_head_dim * 4)
+  pos = jnp.asarray(lengths - 1, jnp.int32)[:, None]  # [B,1]
+  paged = paged_cache.PagedKeys(pools.idx_k, pools.idx_k_scale, table, PAGE).scores(q, w, pos, head_chunk=4)
+  want = ContiguousKeys(kv_cache.read_indexer_keys(contiguous)).scores(q, w, pos, head_chunk=4)
+  assert paged.shape == (2, 1, s) and np.isfinite(np.asarray(want)).sum() == lengths.sum()
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(want))
+
 
 def test_padding_and_positions_past_the_table_are_dropped_not_written():
   cfg = make_config()
@@ -95,3 +105,32 @@ def test_a_stack_writes_every_layer_at_its_slots():
     np.testing.assert_array_equal(np.asarray(view.c_kv)[1, 2], np.asarray(e["c_kv"])[i, 1, 0])
   assert paged_cache.pool_bytes(cfg, PAGES, PAGE) == \
       kv_cache.bytes_per_token_per_layer(cfg) * cfg.num_decoder_layers * n
+
+
+def _key_gathers(hlo: str, d: int) -> list[tuple[str, int]]:
+  """(element type, tokens per slice) of each gather of d-wide rows in a compiled program's text:
+  slice_sizes {.., tokens, d}."""
+  found = []
+  for line in hlo.split("\n"):
+    if " gather(" not in line:
+      continue
+    sizes = [int(x) for x in line.split("slice_sizes={", 1)[1].split("}", 1)[0].split(",")]
+    if sizes[-1] == d:
+      found.append((line.split(" = ", 1)[1].split("[", 1)[0], int(np.prod(sizes[:-1]))))
+  return found
+
+
+def test_a_compiled_decode_step_reads_the_indexer_keys_by_whole_pages_never_token_by_token():
+  """The paged step scores the indexer keys where their pages lie: the keys are gathered a page
+  ([page, d]) at a time; a gather of one token's key (slice_sizes {1, d}) copies the whole key cache
+  row by row every step (issue 45: 2.8x slower decode at 128K)."""
+  from MaxText import serve_compile
+  from MaxText.runtime import sharding
+  d, page = 24, 8  # an indexer width no other cached vector has (kv_lora 32, rope 8)
+  cfg = make_config(indexer_head_dim=d, serve_page_size=page, max_target_length=64, serve_max_num_seqs=2,
+                    max_prefill_length=16, num_decoder_layers=1)  # one dense layer: a short compile
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    step, _, _ = serve_compile.build_engine(cfg).compile_step(2, 1)  # abstract: nothing allocated
+  gathers = _key_gathers(step.as_text(), d)
+  assert gathers and all(tokens == page for _, tokens in gathers), gathers
