@@ -17,7 +17,7 @@ abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # a path 
 MAX_MIB=40
 # The imports of device_check.sh's sections and of tests/unit's collection (pydantic, omegaconf, grain, ...),
 # and of the server; datasets and tensorboard stay out (nothing the device runs imports them).
-NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi uvicorn prometheus_client Jinja2)
+NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi uvicorn prometheus_client Jinja2 httpx)
 # What the device check imports, from the bundle or the image, checked after the install: a failure stops it; what
 # only the server imports is a warning.
 MODULES="jax flax optax orbax.checkpoint numpy yaml pydantic omegaconf grain array_record tensorboardX sentencepiece
