@@ -32,6 +32,9 @@ so each device runs its own sequences over its own pages; the experts run over `
 shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile
 (the speculative step when speculating). `load_weights` serves other weights of the same model
 (a later checkpoint) with the compiled programs kept.
+Logprobs (logprobs.py): a step holding a row whose request asks for them runs a second program,
+the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
+logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (plain and streamed as
-server-sent events), /v1/models, /health and /metrics, over the engine thread.
+server-sent events; logprobs and echo: server/logprobs.py), /v1/models, /health, /metrics, and vLLM's
+/tokenize and /detokenize, over the engine thread.
 
     app = build_app(Server(config, texts, engine_thread, model_id))
     uvicorn.run(app, ...)

@@ -3,7 +3,7 @@ stop strings, chat templates, ids to text).
 
 Requests follow OpenAI's /v1/completions and /v1/chat/completions fields (unknown fields are
 ignored, as OpenAI-compatible servers do), plus vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids` and `return_token_ids`. Every bad field is an `ApiError` whose `param` names it.
+`stop_token_ids`, `return_token_ids` and `prompt_logprobs`. Every bad field is an `ApiError` whose `param` names it.
 
 Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
 is its ids joined by commas, as decode.py prints them.

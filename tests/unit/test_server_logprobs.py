@@ -82,6 +82,9 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only_and_vllm_prompt_logprobs(
   assert c["prompt_logprobs"][0] is None
   assert c["prompt_logprobs"][1] == {"7": {"logprob": -0.01, "rank": 1, "decoded_token": url[1].decode([7])},
                                      "40": {"logprob": -0.1, "rank": 2, "decoded_token": url[1].decode([40])}}
+  stopped = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "logprobs": 0, "echo": True,
+                                           "prompt_logprobs": 1, "stop_token_ids": [300 + len(PROMPT)]}).json()  # no token made
+  assert stopped["choices"][0]["logprobs"] == c["logprobs"]  # the prompt's came with the end instead
   bad = _post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
