@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (plain and streamed as
 server-sent events; logprobs and echo: server/logprobs.py), /v1/models, /health, /metrics, and vLLM's
-/tokenize and /detokenize, over the engine thread.
+/tokenize, /detokenize and /tokenizer_info, over the engine thread.
 
     app = build_app(Server(config, texts, engine_thread, model_id))
     uvicorn.run(app, ...)
@@ -38,6 +38,7 @@ from MaxText.server.logprobs import (
   detokenize,
   prompt_logprobs,
   tokenize,
+  tokenizer_info,
 )
 from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
 from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
@@ -375,5 +376,9 @@ def build_app(server: Server) -> FastAPI:
   @app.post("/detokenize")
   async def detokenize_route(body: DetokenizeRequest):
     return detokenize(server.texts, body)
+
+  @app.get("/tokenizer_info")
+  async def tokenizer_info_route():
+    return tokenizer_info(server.texts, server.config.max_target_length)
 
   return app

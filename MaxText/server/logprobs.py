@@ -1,4 +1,4 @@
-"""Logprobs and token ids in OpenAI's and vLLM's response shapes, and /tokenize, /detokenize.
+"""Logprobs and token ids in OpenAI's and vLLM's response shapes, and /tokenize, /detokenize, /tokenizer_info.
 
 The engine gives, per position, logprobs.Logprob(logprob, rank, top [(id, logprob)]) (MaxText/inference/
 logprobs.py: the model's log-softmax before temperature, top_p and top_k). Here they become:
@@ -91,6 +91,15 @@ def tokenize(texts: Texts, body: TokenizeRequest, chat_prompt, max_model_len: in
   return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
 
+def tokenizer_info(texts: Texts, max_model_len: int) -> dict:
+  """vLLM's GET /tokenizer_info: what lm-evaluation-harness's local-completions reads to use the server's
+  tokenizer through /tokenize and /detokenize (then it loads no tokenizer of its own)."""
+  special = texts.special_tokens
+  return {"eos_token": special.get("eos_token") or None, "bos_token": special.get("bos_token") or None,
+          "pad_token": None, "model_max_length": max_model_len,
+          "tokenizer_class": type(texts.tokenizer).__name__ if texts.tokenizer is not None else None}
+
+
 def detokenize(texts: Texts, body: DetokenizeRequest) -> dict:
   """{"tokens"} -> {"prompt"}: their text (ids joined by commas without a tokenizer)."""
   bad = [t for t in body.tokens if not 0 <= t < texts.vocab_size]
@@ -100,4 +109,4 @@ def detokenize(texts: Texts, body: DetokenizeRequest) -> dict:
 
 
 __all__ = ["token_text", "completion_logprobs", "prompt_logprobs", "chat_logprobs", "TokenizeRequest",
-           "DetokenizeRequest", "tokenize", "detokenize"]
+           "DetokenizeRequest", "tokenize", "detokenize", "tokenizer_info"]

@@ -166,6 +166,11 @@ class Texts:
     self._special = special_tokens
     self._template = _compile_template(chat_template) if chat_template else None
 
+  @property
+  def special_tokens(self) -> dict[str, str]:
+    """{bos_token, eos_token}: their text from the tokenizer_config.json ("" when it names none)."""
+    return dict(self._special)
+
   def prompts(self, prompt: Any) -> list[list[int]]:
     """A completions `prompt` (a string, token ids, or a list of either) -> ids per prompt."""
     if isinstance(prompt, str):

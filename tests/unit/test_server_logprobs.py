@@ -46,7 +46,7 @@ def url():
   tokenizer = load_tokenizer(make_config(tokenizer_type="hf",
                                          tokenizer_path=os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")))
   texts = Texts(tokenizer, add_bos=False, vocab_size=512, chat_template="{{ messages[0]['content'] }}",
-                chat_template_source="test", special_tokens={})
+                chat_template_source="test", special_tokens={"bos_token": "", "eos_token": "</s>"})
   with serving(build_app(Server(make_config(), texts, engine, "tiny"))) as (base, _):
     with httpx.Client(base_url=base, timeout=30) as c:
       for _ in range(500):
@@ -110,11 +110,13 @@ def test_chat_logprobs_plain_and_streamed_carry_each_generated_token(url):
   assert streamed == content
 
 
-def test_tokenize_and_detokenize_in_vllms_shapes(url):
+def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(url):
   r = _post(url, "/tokenize", {"prompt": "hello world"}).json()
   assert r == {"tokens": url[1].encode("hello world"), "count": len(r["tokens"]), "max_model_len": 64}
   chat = _post(url, "/tokenize", {"messages": [{"role": "user", "content": "hello world"}]}).json()
   assert chat["tokens"] == r["tokens"]  # the test template renders the first message's content
   assert _post(url, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "hello world"}
+  info = httpx.get(url[0] + "/tokenizer_info").json()  # lm-eval's remote-tokenizer probe reads eos_token
+  assert info["eos_token"] == "</s>" and info["bos_token"] is None and info["model_max_length"] == 64
   bad = _post(url, "/detokenize", {"tokens": [1, 9999]})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
