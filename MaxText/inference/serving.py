@@ -269,7 +269,7 @@ class ServingEngine:
 
   def _forward(self, t, params, buffers, pools, absorbed, buf, every_position: bool):
     """The model over the pools for a step_feed's tokens [B,t] -> (the feed's fields, logits [B,1,V] at
-    each row's last known token, or [B,t,V] at every position, vocab-masked; the model's aux)."""
+    each row's last known token, or [B,t,V] at every position (the model's own: not vocab-masked); aux)."""
     cfg = self.config
     f = step_feed.unpack(buf, t)
     model = nnx.merge(self.graphdef, params, buffers)
@@ -277,10 +277,11 @@ class ServingEngine:
                         page_table=f["table"], page_size=self.page_size)
     logits, aux = model(f["tokens"], f["positions"], cache=views,
                         last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
-    return f, self.mask_vocab(logits), aux
+    return f, logits, aux
 
   def _sample(self, f: dict, logits: jax.Array) -> jax.Array:
-    """Each row's token [B] from its logits [B,V] by its own request's options and key."""
+    """Each row's token [B] from its logits [B,V] (ids past sample_vocab masked) by its request's options and key."""
+    logits = self.mask_vocab(logits)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
     return sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
 
