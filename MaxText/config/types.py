@@ -240,6 +240,7 @@ class Serve(_Section):
   chat_encoding: Literal["auto", "deepseek_v32", "jinja"]
   serve_max_index_score_bytes: PosInt
   serve_speculative_tokens: NonNegInt
+  serve_max_logprobs: PosInt
 
 
 class AheadOfTimeCompile(_Section):

@@ -68,6 +68,8 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
   seed: int | None = None
+  logprobs: int | None = None  # each generated token's logprob and the top N (inference/logprobs.py); None = off
+  prompt_logprobs: int | None = None  # every prompt token's logprob and the top N; None = off
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -97,6 +99,7 @@ class Request:
   first_token_time: float | None = None
   drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
   draft_row: int = 0  # speculative: its row of the engine's drafts' distributions (kept while it runs)
+  logprobs: dict = dataclasses.field(default_factory=dict)  # position -> logprobs.Logprob (when asked)
 
   @property
   def tokens(self) -> list[int]:
@@ -280,8 +283,11 @@ class Scheduler:
     keeping at least its last prompt token to compute (none when that prefix's shard is full). A head
     of the queue retried step after step (waiting for pages) counts as one lookup in the hit rate.
     With speculative decoding the last matched page is recomputed too: the MTP entry at a page's last
-    position depends on the NEXT token, which the page's key does not hold (vLLM drops it alike)."""
+    position depends on the NEXT token, which the page's key does not hold (vLLM drops it alike).
+    A request asking for prompt_logprobs takes no cached pages."""
     pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
+    if r.params.prompt_logprobs is not None:
+      pages = []  # every prompt position's logits are needed: recompute the whole prompt (logprobs.py)
     self._looked_up = r
     if self.speculative and pages:
       pages = pages[:-1]

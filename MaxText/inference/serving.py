@@ -32,6 +32,9 @@ so each device runs its own sequences over its own pages; the experts run over `
 shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile
 (the speculative step when speculating). `load_weights` serves other weights of the same model
 (a later checkpoint) with the compiled programs kept.
+Logprobs (logprobs.py): a step holding a row whose request asks for them runs a second program,
+the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
+logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 
@@ -57,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import paged_cache, step_feed
+from MaxText.inference import logprobs, paged_cache, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -106,6 +109,7 @@ class ServingEngine:
     self._absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
     self.absorbed = run_or_shape(self._absorb, self.abstract, params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
+    self._step_lp_jit = jax.jit(self._step_lp, static_argnums=(0,))  # a step with a row asking for logprobs
     self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
     self.reset()
@@ -175,11 +179,13 @@ class ServingEngine:
     if self.spec is not None:
       self.spec.run(t, feed)
       return
-    self.pools, _ = self._run(t, feed)
+    self.pools, _, _ = self._run(t, feed)
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
     """Queues a request (RequestError naming the field for a bad one; the others are untouched)."""
+    logprobs.check(params.logprobs, params.prompt_logprobs, self.config.serve_max_logprobs,
+                   self.config.serve_speculative_tokens)
     if params.seed is None and params.temperature > 0:
       params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
     return self.scheduler.add(prompt, params)
@@ -203,8 +209,10 @@ class ServingEngine:
     b, where = self._placement(rows)
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
-    self.pools, sampled = self._run(t, feed)
+    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows))
     sampled = to_host(sampled)
+    if lps is not None:
+      logprobs.record(rows, where, *(to_host(a) for a in lps))
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     self.scheduler.update(rows, sampled[where])
     self.steps += 1
@@ -245,25 +253,51 @@ class ServingEngine:
     axes = paged_cache.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
-  def _run(self, t: int, feed: dict):
-    """The step and write programs on a step_feed -> (the pools after the write, sampled [B])."""
+  def _run(self, t: int, feed: dict, with_logprobs: bool = False):
+    """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
+    with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
+    else None)."""
     buf = step_feed.to_device(feed)
+    lps = None
     with self._rules():
-      entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
+      if with_logprobs:
+        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
+      else:
+        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
       pools = self._write_jit(t, self.pools, entries, buf)
-    return pools, sampled
+    return pools, sampled, lps
 
-  def _step(self, t, params, buffers, pools, absorbed, buf):
-    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B])."""
+  def _forward(self, t, params, buffers, pools, absorbed, buf, every_position: bool):
+    """The model over the pools for a step_feed's tokens [B,t] -> (the feed's fields, logits [B,1,V] at
+    each row's last known token, or [B,t,V] at every position (the model's own: not vocab-masked); aux)."""
     cfg = self.config
     f = step_feed.unpack(buf, t)
     model = nnx.merge(self.graphdef, params, buffers)
     views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=step_head_chunk(cfg, self.chunk, t),
                         page_table=f["table"], page_size=self.page_size)
-    logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=f["last"])  # [B,1,V]
-    logits = self.mask_vocab(logits[:, 0])  # [B,V]
+    logits, aux = model(f["tokens"], f["positions"], cache=views,
+                        last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
+    return f, logits, aux
+
+  def _sample(self, f: dict, logits: jax.Array) -> jax.Array:
+    """Each row's token [B] from its logits [B,V] (ids past sample_vocab masked) by its request's options and key."""
+    logits = self.mask_vocab(logits)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
-    return aux["cache_entries"], sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
+    return sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
+
+  def _step(self, t, params, buffers, pools, absorbed, buf):
+    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B])."""
+    f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=False)  # [B,1,V]
+    return aux["cache_entries"], self._sample(f, logits[:, 0])
+
+  def _step_lp(self, t, params, buffers, pools, absorbed, buf):
+    """_step, plus logprobs.step_logprobs at every row position: (entries, sampled [B], (token logprobs
+    [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N])), N = serve_max_logprobs."""
+    f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=True)  # [B,t,V]
+    last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
+    sampled = self._sample(f, last)
+    lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs)
+    return aux["cache_entries"], sampled, lps
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (plain and streamed as
-server-sent events), /v1/models, /health and /metrics, over the engine thread.
+server-sent events; logprobs and echo: server/logprobs.py), /v1/models, /health, /metrics, and vLLM's
+/tokenize, /detokenize and /tokenizer_info, over the engine thread.
 
     app = build_app(Server(config, texts, engine_thread, model_id))
     uvicorn.run(app, ...)
@@ -29,6 +30,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from MaxText.config.types import Config
 from MaxText.server.chat import chat_turn
 from MaxText.server.engine_thread import EngineThread, RequestStream
+from MaxText.server.logprobs import (
+  DetokenizeRequest,
+  TokenizeRequest,
+  chat_logprobs,
+  completion_logprobs,
+  detokenize,
+  prompt_logprobs,
+  tokenize,
+  tokenizer_info,
+)
 from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
 from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
 
@@ -52,6 +63,7 @@ class Piece:
   text: str
   token_ids: list[int]
   finish_reason: str | None = None
+  logprobs: list = dataclasses.field(default_factory=list)  # per token id: its Logprob, when asked
 
 
 # ---------------------------------------------------------------- requests -> engine streams
@@ -61,6 +73,7 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
                   max_tokens: int | None, stop_ids: Sequence[int] = ()) -> list[RequestStream]:
   """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own."""
   body.check()
+  body.check_logprobs(server.config.serve_max_logprobs)
   if body.model and body.model != server.model_id:
     raise ApiError(404, f"model={body.model!r} is not served here: this server serves {server.model_id!r}",
                    "model", "model_not_found")
@@ -88,15 +101,15 @@ async def _pieces(server: Server, index: int, stream: RequestStream, stops: list
       last = time.perf_counter()
       first = first or last
       n += 1
-      text = detok.push(tok)
+      text, lp = detok.push(tok), stream.logprobs[-1:]
       if stop is not None:
         text, hit = stop.push(text)
         if hit:
           reason = "stop"
           server.engine.abort(stream)
-          yield Piece(index, text, [tok], reason)
+          yield Piece(index, text, [tok], reason, lp)
           return
-      yield Piece(index, text, [tok])
+      yield Piece(index, text, [tok], logprobs=lp)
     reason = stream.finish_reason
     tail = detok.flush()
     if stop is not None:
@@ -109,6 +122,13 @@ async def _pieces(server: Server, index: int, stream: RequestStream, stops: list
       server.engine.abort(stream)  # the client went away (or the caller failed): free its pages now
     server.metrics.observe(prompt_tokens=len(stream.prompt), generated=n, finish_reason=reason or "abort",
                            arrival=arrival, first_token=first, last_token=last)
+
+
+async def _dropped(gen: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+  """A choice's pieces with their text and tokens dropped (max_tokens=0 with echo: only the prompt)."""
+  async for p in gen:
+    if p.finish_reason is not None:
+      yield Piece(p.index, "", [], "length")
 
 
 async def _merged(gens: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
@@ -152,6 +172,7 @@ async def _collect(request: Request, gens: list[AsyncIterator[Piece]]) -> list[P
     async for p in _merged(gens):
       out[p.index].text += p.text
       out[p.index].token_ids += p.token_ids
+      out[p.index].logprobs += p.logprobs
       out[p.index].finish_reason = p.finish_reason or out[p.index].finish_reason
     return out
 
@@ -261,15 +282,32 @@ def build_app(server: Server) -> FastAPI:
   async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
     prompts = server.texts.prompts(body.prompt)
-    streams = await _submit(server, body, prompts, body.max_tokens)
+    score_only = body.max_tokens == 0  # echo: the prompt scored, the one token made is dropped
+    streams = await _submit(server, body, prompts, 1 if score_only else body.max_tokens)
     gens = [_pieces(server, i, s, body.stop_strings, arrival) for i, s in enumerate(streams)]
+    if score_only:
+      gens = [_dropped(g) for g in gens]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
 
     started: set[int] = set()
 
+    offsets: dict[int, int] = {}  # a choice's characters sent so far (logprobs' text_offset)
+
     def choice(p: Piece, streamed: bool) -> dict:
       c = {"index": p.index, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason}
+      first = p.index not in offsets
+      s = streams[p.index]
+      ids, entries = p.token_ids, p.logprobs
+      if body.echo and first:
+        gap = "," if server.texts.tokenizer is None and p.text else ""  # ids joined by commas
+        c["text"] = server.texts.text_of(s.prompt) + gap + p.text
+        ids, entries = s.prompt + ids, (s.prompt_logprobs or [None] * len(s.prompt)) + entries
+      if body.logprobs is not None:
+        c["logprobs"] = completion_logprobs(server.texts, ids, entries, offsets.get(p.index, 0))
+      if body.prompt_logprobs is not None and first:
+        c["prompt_logprobs"] = prompt_logprobs(server.texts, s.prompt, s.prompt_logprobs or [None] * len(s.prompt))
+      offsets[p.index] = offsets.get(p.index, 0) + len(c["text"])
       if body.return_token_ids:
         c["token_ids"] = p.token_ids
         if streamed and p.index not in started:  # a streamed choice's first chunk carries its prompt's ids
@@ -300,15 +338,18 @@ def build_app(server: Server) -> FastAPI:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
     if body.stream:
-      first = [True]
+      first, held = [True], Piece(0, "", [])  # held: the tokens of pieces the parser held back
 
       def chunk(p: Piece) -> dict | None:
+        held.token_ids, held.logprobs = held.token_ids + p.token_ids, held.logprobs + p.logprobs
         delta = turn.delta(p.text, final=p.finish_reason is not None)
         if not (delta or first[0] or p.finish_reason or body.return_token_ids):
           return None  # the parser holds this piece back (a tag may be starting)
         delta = {"role": "assistant", "content": "", **delta} if first[0] else delta
         first[0] = False
-        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": turn.finish_reason(p.finish_reason)}
+        lps = {"content": chat_logprobs(server.texts, held.token_ids, held.logprobs)} if body.logprobs else None
+        held.token_ids, held.logprobs = [], []
+        c = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": turn.finish_reason(p.finish_reason)}
         if body.return_token_ids:
           c["token_ids"] = p.token_ids
         return {**head, "object": "chat.completion.chunk", "choices": [c], "usage": None}
@@ -318,12 +359,26 @@ def build_app(server: Server) -> FastAPI:
           (lambda u: {**head, "object": "chat.completion.chunk", "choices": [], "usage": u})
           if body.include_usage else None))
     (p,) = await _collect(request, gens)
-    c = {"index": 0, "message": turn.message(p.text), "logprobs": None,
+    lps = {"content": chat_logprobs(server.texts, p.token_ids, p.logprobs)} if body.logprobs else None
+    c = {"index": 0, "message": turn.message(p.text), "logprobs": lps,
          "finish_reason": turn.finish_reason(p.finish_reason)}
     out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
     if body.return_token_ids:
       c["token_ids"] = p.token_ids
       out["prompt_token_ids"] = prompt
     return out
+
+  @app.post("/tokenize")
+  async def tokenize_route(body: TokenizeRequest):
+    return tokenize(server.texts, body, lambda messages: chat_turn(server.texts, ChatRequest(messages=messages)).prompt,
+                    server.config.max_target_length)
+
+  @app.post("/detokenize")
+  async def detokenize_route(body: DetokenizeRequest):
+    return detokenize(server.texts, body)
+
+  @app.get("/tokenizer_info")
+  async def tokenizer_info_route():
+    return tokenizer_info(server.texts, server.config.max_target_length)
 
   return app

@@ -5,6 +5,10 @@
     stream = await engine.submit(prompt_ids, sampling)   # ApiError 400 / 429 / 503 when refused
     async for token in stream: ...                       # tokens as the engine makes them
     stream.finish_reason                                 # "stop" | "length" | "abort"
+    stream.logprobs, stream.prompt_logprobs              # asked for: one Logprob a token; the prompt's
+
+A request that asks for logprobs gets each token's with its event, and its prompt's (one per prompt
+token, the first None) with its first token's event.
 
 The asyncio side talks to the thread through two thread-safe queues: an inbox (add, abort, stop)
 the thread reads between steps, and one asyncio queue per request that the thread fills with
@@ -23,7 +27,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 from MaxText.inference.scheduler import RequestError, SamplingParams
 from MaxText.server.protocol import ApiError
@@ -34,6 +38,8 @@ _IDLE_WAIT_S = 0.05  # how long an idle engine waits for the inbox before lookin
 @dataclasses.dataclass
 class _Event:
   token: int | None = None
+  logprob: Any = None  # the token's inference.logprobs.Logprob, when asked
+  prompt_logprobs: list | None = None  # with the first token, when asked
   finish_reason: str | None = None
   error: ApiError | None = None
 
@@ -46,6 +52,8 @@ class RequestStream:
     self._queue: asyncio.Queue[_Event] = asyncio.Queue()
     self.finish_reason: str | None = None
     self.request = None  # the engine's Request (touched by the engine thread only)
+    self.logprobs: list = []  # per token iterated: its Logprob (None when not asked)
+    self.prompt_logprobs: list | None = None  # set before the first token is iterated, when asked
 
   def put(self, event: _Event) -> None:
     """From the engine thread."""
@@ -64,9 +72,12 @@ class RequestStream:
     if event.error is not None:
       self.finish_reason = "error"
       raise event.error
+    if event.prompt_logprobs is not None:
+      self.prompt_logprobs = event.prompt_logprobs
     if event.finish_reason is not None:
       self.finish_reason = event.finish_reason
       raise StopAsyncIteration
+    self.logprobs.append(event.logprob)
     return event.token
 
 
@@ -194,16 +205,27 @@ class EngineThread:
         engine.reset()
       return
     for request, token in made:
-      self._streams[request].put(_Event(token=token))
+      self._streams[request].put(self._token_event(request, token))
     self._finish(engine)
 
+  @staticmethod
+  def _token_event(request, token: int) -> _Event:
+    """A token's event; with the logprobs its request asks for (the prompt's with its first token)."""
+    p, pos = request.params, len(request.tokens) - 1  # the token just made is the sequence's last
+    event = _Event(token=token, logprob=request.logprobs.get(pos) if p.logprobs is not None else None)
+    if p.prompt_logprobs is not None and len(request.output) == 1:
+      event.prompt_logprobs = _prompt_logprobs(request)
+    return event
+
   def _finish(self, engine) -> None:
-    """Ends the streams of finished requests and empties the scheduler's finished list."""
-    for request in engine.scheduler.finished:
+    """Empties the scheduler's finished list, then ends those requests' streams (in that order: a client
+    that sees its end never sees its request still listed)."""
+    for request in engine.scheduler.take_finished():
       stream = self._streams.pop(request, None)
-      if stream is not None:
-        stream.put(_Event(finish_reason=request.finish_reason))
-    engine.scheduler.finished.clear()
+      if stream is not None:  # a request that made no token (its first was a stop) gets its prompt's here
+        unsent = request.params.prompt_logprobs is not None and not request.output
+        stream.put(_Event(finish_reason=request.finish_reason, prompt_logprobs=_prompt_logprobs(request) if unsent
+                          else None))
 
   def _refuse_all(self, error: ApiError) -> None:
     for stream in self._streams.values():
@@ -216,3 +238,8 @@ class EngineThread:
         return
       if cmd[0] == "add":
         cmd[1].put(_Event(error=error))
+
+
+def _prompt_logprobs(request) -> list:
+  """A request's prompt logprobs, one per prompt token (the first None: nothing predicts it)."""
+  return [request.logprobs.get(i) if i else None for i in range(len(request.prompt))]

@@ -3,7 +3,7 @@ stop strings, chat templates, ids to text).
 
 Requests follow OpenAI's /v1/completions and /v1/chat/completions fields (unknown fields are
 ignored, as OpenAI-compatible servers do), plus vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids` and `return_token_ids`. Every bad field is an `ApiError` whose `param` names it.
+`stop_token_ids`, `return_token_ids` and `prompt_logprobs`. Every bad field is an `ApiError` whose `param` names it.
 
 Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
 is its ids joined by commas, as decode.py prints them.
@@ -64,6 +64,17 @@ class SamplingFields(BaseModel):
     """Clients send null for a field they leave unset: it takes the default."""
     return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+  def check_logprobs(self, most: int) -> None:
+    """400 naming the field when a logprobs count is outside [0, serve_max_logprobs]."""
+    for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+      n = getattr(self, field, None)
+      if isinstance(n, int) and not isinstance(n, bool) and not 0 <= n <= most:
+        raise ApiError(400, f"{field}={n} is invalid: expected an integer in [0, {most}] (serve_max_logprobs)", field)
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    """(N for the generated tokens, N for the prompt's); None = not asked."""
+    return None, None
+
   def check(self) -> None:
     if self.n != 1:
       raise ApiError(400, f"n={self.n} is not supported: only n=1 (send the request again for more choices)", "n")
@@ -81,7 +92,20 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
   prompt: str | list[int] | list[str] | list[list[int]]
-  max_tokens: int | None = 16  # OpenAI's default for completions
+  max_tokens: int | None = 16  # OpenAI's default for completions; 0 with echo: score the prompt only
+  logprobs: int | None = None  # each token's logprob and the top N (server/logprobs.py)
+  echo: bool = False  # the prompt in the text (with logprobs: its tokens' logprobs too)
+  prompt_logprobs: int | None = None  # vLLM's: every prompt token's logprob and the top N
+
+  def check(self) -> None:
+    super().check()
+    if self.max_tokens == 0 and not self.echo:
+      raise ApiError(400, "max_tokens=0 is only allowed with echo=true (scoring the prompt)", "max_tokens")
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    """(N for the generated tokens, N for the prompt's) as the engine's SamplingParams take them."""
+    prompt_n = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+    return self.logprobs, max(prompt_n) if prompt_n else None
 
 
 class ChatMessage(BaseModel):
@@ -113,8 +137,16 @@ class ChatRequest(SamplingFields):
   response_format: dict | None = None
   chat_template_kwargs: dict | None = None  # {"thinking": true} (or "enable_thinking")
 
+  logprobs: bool = False  # each generated token's logprob (server/logprobs.py)
+  top_logprobs: int | None = None  # and the top N (needs logprobs=true)
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    return (self.top_logprobs or 0) if self.logprobs else None, None
+
   def check(self) -> None:
     super().check()
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     if not self.messages:
       raise ApiError(400, "messages is empty: give at least one message", "messages")
 
@@ -133,6 +165,11 @@ class Texts:
     self.chat_template_source = chat_template_source
     self._special = special_tokens
     self._template = _compile_template(chat_template) if chat_template else None
+
+  @property
+  def special_tokens(self) -> dict[str, str]:
+    """{bos_token, eos_token}: their text from the tokenizer_config.json ("" when it names none)."""
+    return dict(self._special)
 
   def prompts(self, prompt: Any) -> list[list[int]]:
     """A completions `prompt` (a string, token ids, or a list of either) -> ids per prompt."""
@@ -185,9 +222,15 @@ class Texts:
     if len(prompt) >= max_length:
       raise ApiError(400, f"prompt has {len(prompt)} tokens: the context (max_target_length={max_length}) leaves "
                      "no room to generate", "prompt")
+    logprobs, prompt_logprobs = body.logprob_counts()
     return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
                           temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed)
+                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed,
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+  def text_of(self, ids: Sequence[int]) -> str:
+    """Token ids as text (joined by commas without a tokenizer)."""
+    return ",".join(map(str, ids)) if self.tokenizer is None else self.tokenizer.decode(ids)
 
   def detokenizer(self, prompt: Sequence[int]):
     """-> an object with push(token id) -> the text it adds, and flush() -> the text held back at the

@@ -1,0 +1,112 @@
+"""Logprobs and token ids in OpenAI's and vLLM's response shapes, and /tokenize, /detokenize, /tokenizer_info.
+
+The engine gives, per position, logprobs.Logprob(logprob, rank, top [(id, logprob)]) (MaxText/inference/
+logprobs.py: the model's log-softmax before temperature, top_p and top_k). Here they become:
+  /v1/completions `logprobs`: {"tokens": [text], "token_logprobs": [float | null], "top_logprobs":
+    [{text: logprob} | null], "text_offset": [int]}: one entry per token of the choice's text (with
+    `echo` the prompt's first: its first token's logprob and top are null); a top dict holds the top N
+    and the token itself (vLLM's).
+  vLLM's `prompt_logprobs`: [null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...] per prompt token.
+  /v1/chat/completions `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]}.
+A token's text is its own decode (its ids joined by commas without a tokenizer: the ids as text).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from MaxText.server.protocol import ApiError, ChatMessage, Texts
+
+
+def token_text(texts: Texts, tok: int) -> str:
+  """One token's own text (its id without a tokenizer)."""
+  return str(tok) if texts.tokenizer is None else texts.tokenizer.decode([tok])
+
+
+def completion_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any], offset: int = 0) -> dict:
+  """OpenAI's completions logprobs for tokens and their Logprob entries (None: no logprob, the prompt's
+  first); text_offset counts from `offset` (the characters of the choice's text before these)."""
+  out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  for tok, e in zip(tokens, entries):
+    text = token_text(texts, tok)
+    out["tokens"].append(text)
+    out["token_logprobs"].append(None if e is None else e.logprob)
+    top = None if e is None else {token_text(texts, i): v for i, v in e.top}
+    if top is not None:
+      top.setdefault(text, e.logprob)
+    out["top_logprobs"].append(top)
+    out["text_offset"].append(offset)
+    offset += len(text)
+  return out
+
+
+def prompt_logprobs(texts: Texts, prompt: Sequence[int], entries: Sequence[Any]) -> list:
+  """vLLM's prompt_logprobs: null for the first token, then {"<id>": {logprob, rank, decoded_token}} with
+  the prompt token and the top N (ranks 1..N)."""
+  out: list = []
+  for tok, e in zip(prompt, entries):
+    if e is None:
+      out.append(None)
+      continue
+    d = {str(i): {"logprob": v, "rank": k + 1, "decoded_token": token_text(texts, i)} for k, (i, v) in enumerate(e.top)}
+    d.setdefault(str(tok), {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(texts, tok)})
+    out.append(d)
+  return out
+
+
+def chat_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any]) -> list[dict]:
+  """OpenAI's chat `logprobs.content` entries for tokens and their Logprob entries."""
+  def one(tok: int, lp: float) -> dict:
+    text = token_text(texts, tok)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+  return [{**one(tok, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
+          for tok, e in zip(tokens, entries) if e is not None]
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize (vLLM's shapes)
+
+
+class TokenizeRequest(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  tokens: list[int]
+
+
+def tokenize(texts: Texts, body: TokenizeRequest, chat_prompt, max_model_len: int) -> dict:
+  """{"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}; chat_prompt(messages) -> ids
+  renders messages as /v1/chat/completions does."""
+  if (body.prompt is None) == (body.messages is None):
+    raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)", "prompt")
+  ids = chat_prompt(body.messages) if body.messages is not None else \
+      texts.encode(body.prompt, bos=None if body.add_special_tokens else False)
+  return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+
+def tokenizer_info(texts: Texts, max_model_len: int) -> dict:
+  """vLLM's GET /tokenizer_info: what lm-evaluation-harness's local-completions reads to use the server's
+  tokenizer through /tokenize and /detokenize (then it loads no tokenizer of its own)."""
+  special = texts.special_tokens
+  return {"eos_token": special.get("eos_token") or None, "bos_token": special.get("bos_token") or None,
+          "pad_token": None, "model_max_length": max_model_len,
+          "tokenizer_class": type(texts.tokenizer).__name__ if texts.tokenizer is not None else None}
+
+
+def detokenize(texts: Texts, body: DetokenizeRequest) -> dict:
+  """{"tokens"} -> {"prompt"}: their text (ids joined by commas without a tokenizer)."""
+  bad = [t for t in body.tokens if not 0 <= t < texts.vocab_size]
+  if bad:
+    raise ApiError(400, f"tokens has ids {bad[:5]} outside [0, {texts.vocab_size})", "tokens")
+  return {"prompt": texts.text_of(body.tokens)}
+
+
+__all__ = ["token_text", "completion_logprobs", "prompt_logprobs", "chat_logprobs", "TokenizeRequest",
+           "DetokenizeRequest", "tokenize", "detokenize", "tokenizer_info"]

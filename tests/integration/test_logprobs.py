@@ -1,0 +1,57 @@
+"""The engine's logprobs (MaxText/inference/logprobs.py): a request's prompt logprobs and its sampled
+tokens' logprobs equal the teacher-forced model's log-softmax on the same weights (f32, within 1e-4),
+also when its prompt's prefix pages are cached by an earlier request; the top N are the N largest; a
+step without a row asking runs the plain program (no logprob program is even compiled)."""
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText.checkpoint import model_state
+from MaxText.inference.scheduler import RequestError, SamplingParams
+from MaxText.inference.serving import ServingEngine
+from MaxText.runtime import sharding
+from tests.conftest import make_config
+
+# as tests/integration/test_serving.py: top-k 8 of up to 40 keys (the selection matters), pages of 8
+BASE = dict(max_target_length=40, max_prefill_length=24, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
+            serve_page_size=8, serve_max_num_seqs=4, serve_max_num_tokens=24, prefill_chunk_size=8)
+SYSTEM = [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # one full page and a half
+
+
+@pytest.fixture(scope="module")
+def engine():
+  cfg = make_config(**BASE, serve_width_buckets=1, serve_context_buckets=1)  # few step shapes: few compiles
+  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
+  fwd = jax.jit(lambda p, b, t: model_state.merge(graphdef, p, b)(t)[0])  # teacher-forced logits [1,T,V]
+  return ServingEngine(cfg, graphdef, params, buffers, eos_id=-1), lambda seq: np.asarray(
+      jax.nn.log_softmax(fwd(params, buffers, np.asarray([seq], np.int32))[0], axis=-1))  # [T,V]
+
+
+def test_prompt_and_sampled_logprobs_equal_the_teacher_forced_log_softmax_through_the_prefix_cache(engine):
+  """Sampled at temperature 2 and top_k 3: the logprobs are still the model's own (before temperature)."""
+  eng, teacher = engine
+  (first,) = eng.generate([SYSTEM + [30, 31]], SamplingParams(max_tokens=2))  # caches SYSTEM's first page
+  assert first.logprobs == {} and eng._step_lp_jit._cache_size() == 0  # no row asked: no logprob program ran
+  prompt, n = SYSTEM + [40, 41, 42], 5
+  asks = SamplingParams(max_tokens=4, logprobs=n, prompt_logprobs=n, temperature=2.0, top_k=3, seed=3)
+  r, other = eng.generate([prompt, SYSTEM + [50]], [asks, SamplingParams(max_tokens=4)])
+  assert eng.allocator.hits > 0  # the second prompt shared the cached page: the first still recomputed it
+  seq = prompt + r.output
+  want = teacher(seq)  # [T,V]: row p - 1 predicts token p
+  assert sorted(r.logprobs) == list(range(1, len(seq)))  # every prompt position from 1, every sampled token
+  assert other.logprobs == {}
+  for p, (lp, rank, top) in r.logprobs.items():
+    np.testing.assert_allclose(lp, want[p - 1, seq[p]], atol=1e-4, err_msg=f"position {p}")
+    above = lambda x: 1 + np.sum(want[p - 1] > want[p - 1, seq[p]] + x)  # noqa: E731 (ties within 1e-4 either way)
+    assert above(1e-4) <= rank <= above(-1e-4), p
+    ids, vals = zip(*top)
+    np.testing.assert_allclose(vals, np.sort(want[p - 1])[::-1][:n], atol=1e-4, err_msg=f"top at {p}")
+    assert set(ids) == set(np.argsort(-want[p - 1])[:n].tolist()), p
+
+
+def test_logprobs_past_serve_max_logprobs_are_refused_naming_the_field(engine):
+  eng, _ = engine
+  with pytest.raises(RequestError, match="serve_max_logprobs") as e:
+    eng.add_request([1, 2], SamplingParams(prompt_logprobs=21))
+  assert e.value.field == "prompt_logprobs"
