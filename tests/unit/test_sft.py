@@ -132,6 +132,29 @@ def test_both_packers_carry_each_tokens_weight():
   assert corpus.row(0)["weights"].tolist() == want.tolist()
 
 
+def test_both_packers_keep_each_conversation_whole_in_one_row():
+  docs = [(np.arange(10 * k + 3, 10 * k + 3 + n, dtype=np.int32), np.ones(n, np.float32))
+          for k, n in enumerate((5, 7, 9, 4, 6))]
+  L = 12  # rows of 13 tokens: [5 7 +1 pad], [9 4], [6 +7 pad]: a conversation that does not fit starts the next row
+  want = [[0, 1, None], [2, 3], [4] + [None] * 7]
+  corpus = ip.PackedCorpus([d[0] for d in docs], masks=[d[1] for d in docs], seq_len=L, pad_id=0, seed=0,
+                           shuffle=False, whole=True)
+  full = (np.arange(L + 1, dtype=np.int32), np.ones(L + 1, np.float32))  # the lane's next: a row of its own
+  cursor, lanes = (0, 0), []
+  for _ in range(3):
+    row, cursor = pack_row(lambda j: docs[j] if j < len(docs) else full, cursor, 1, L, whole=True)
+    lanes.append(row)
+  assert cursor == (5, 0)
+  assert corpus.rows_per_epoch == 3 and corpus.row(3)["inputs"].tolist() == corpus.row(0)["inputs"].tolist()
+  for r, parts in enumerate(want):
+    toks = [t for k in parts for t in (docs[k][0].tolist() if k is not None else [0])]
+    seg = [s + 1 if k is not None else 0 for s, k in enumerate(parts) for _ in (docs[k][0] if k is not None else [0])]
+    weights = [float(seg[i] == seg[i + 1] != 0) for i in range(L)]
+    for row in (corpus.row(r), lanes[r]):
+      assert row["inputs"].tolist() == toks[:L] and row["targets"].tolist() == toks[1:]
+      assert row["segment_ids"].tolist() == seg[:L] and row["weights"].tolist() == weights
+
+
 def test_the_masked_loss_is_the_hand_computed_masked_mean():
   from MaxText.layers.models import cross_entropy
   rng = np.random.default_rng(1)
@@ -202,7 +225,7 @@ def test_parquet_prompt_completion_streams_the_same_weights(tmp_path, tok):
                     global_batch_size=1)
   batch = next(ip.create_data_iterator(cfg, process_index=0, process_count=1))
   doc = encoder(tok, ("prompt", "completion"))(record, "x")  # every record is this one: the order cannot matter
-  want, _ = pack_row(lambda j: doc, (0, 0), 1, 32)
+  want, _ = pack_row(lambda j: doc, (0, 0), 1, 32, whole=True, pad_id=cfg.pad_id)  # whole conversations
   assert batch["weights"][0].tolist() == want["weights"].tolist() and batch["weights"].sum() > 0
 
 
