@@ -253,3 +253,21 @@ def test_sft_keys_and_tokenizer_are_checked_in_one_line():
     ConversationEncoder.from_config(cfg, sp)
   with pytest.raises(DataError, match="chat_template_path='t.jinja': use_sft renders DeepSeek-V3.2's chat format"):
     ConversationEncoder.from_config(make_config(dataset_type="file", use_sft=True, chat_template_path="t.jinja"), sp)
+
+
+def test_the_demos_training_config_is_valid_and_holds_its_conversations_whole(tmp_path, tok):
+  """benchmarks/sft_demo.py's plumbing without training or serving: its train.py command is a valid config
+  and every conversation it generates (a tool one is ~1050 tokens) fits a row, neither cut nor dropped."""
+  from benchmarks import sft_demo
+  from MaxText.config import pyconfig
+  args, extra = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "8", "--eval", "2",
+                                                    "--tool_share", "0.5"])
+  sft_demo.write_sets(args, str(tmp_path))
+  cmd = sft_demo.train_command(args, str(tmp_path), ["mtp_num_layers=0"])
+  cfg = pyconfig.initialize(cmd[2:], num_devices=1, ici_data_parallelism=1)
+  assert cfg.use_sft and cfg.steps == args.steps and cfg.mtp_num_layers == 0
+  enc = ConversationEncoder.from_config(cfg, tok)
+  for split in ("train", "eval"):
+    for n, line in enumerate(open(tmp_path / f"{split}.jsonl")):
+      enc(json.loads(line), f"{split}.jsonl:{n + 1}")
+  assert (enc.cut, enc.dropped) == (0, 0)
