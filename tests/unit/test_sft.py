@@ -251,8 +251,27 @@ def test_sft_keys_and_tokenizer_are_checked_in_one_line():
   cfg = make_config(dataset_type="file", use_sft=True)
   with pytest.raises(DataError, match="markers must be single tokens: the tokenizer at .* splits"):
     ConversationEncoder.from_config(cfg, sp)
-  with pytest.raises(DataError, match="chat_template_path='t.jinja': use_sft renders DeepSeek-V3.2's chat format"):
-    ConversationEncoder.from_config(make_config(dataset_type="file", use_sft=True, chat_template_path="t.jinja"), sp)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_jinja_chat_template_weighs_what_the_template_adds_for_each_assistant_message(tmp_path, tok):
+  def encoder_of(template):
+    (tmp_path / "t.jinja").write_text(template)
+    cfg = make_config(dataset_type="file", use_sft=True, train_data_columns=["messages"], tokenizer_type="hf",
+                      tokenizer_path=HF_JSON, chat_template_path=str(tmp_path / "t.jinja"), max_target_length=256)
+    return ConversationEncoder.from_config(cfg, tok)
+
+  record = CASES["thinking_multi_turn"][0]
+  ids, mask = encoder_of(CHATML)(record, "x.jsonl:1")
+  assert runs(ids, mask) == [tok.encode("2<|im_end|>\n"), tok.encode("4<|im_end|>\n")]  # content and the closing
+  prompt = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in record["messages"][:3])
+  assert tok.decode(ids.tolist()) == prompt + "<|im_start|>assistant\n4<|im_end|>\n"
+  bad = encoder_of(CHATML.replace("assistant\n{% endif %}", "model\n{% endif %}"))  # the prompt ends unlike a reply
+  with pytest.raises(DataError, match=r"x.jsonl:1: the chat template's rendering of messages\[:1\]"):
+    bad(record, "x.jsonl:1")
 
 
 def test_the_demos_training_config_is_valid_and_holds_its_conversations_whole(tmp_path, tok):
