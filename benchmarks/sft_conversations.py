@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--train", type=int, default=2000)
   p.add_argument("--eval", type=int, default=100)
   p.add_argument("--tool_share", type=float, default=0.25)
+  p.add_argument("--eval_tool_share", type=float, default=None, help="the eval set's (default: --tool_share)")
   p.add_argument("--low", type=int, default=10, help="smallest operand")
   p.add_argument("--high", type=int, default=100, help="operands are below this")
   p.add_argument("--seed", type=int, default=0)
@@ -49,8 +50,9 @@ def write_sets(args, out: str) -> dict:
   rng = random.Random(args.seed)
   os.makedirs(out, exist_ok=True)
   counts = {}
-  for split, n in (("train", args.train), ("eval", args.eval)):
-    rows = [conversation(rng, rng.random() < args.tool_share, args.low, args.high) for _ in range(n)]
+  eval_share = args.tool_share if args.eval_tool_share is None else args.eval_tool_share
+  for split, n, share in (("train", args.train, args.tool_share), ("eval", args.eval, eval_share)):
+    rows = [conversation(rng, rng.random() < share, args.low, args.high) for _ in range(n)]
     with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     counts[split] = {"conversations": n, "with_tools": sum("tools" in r for r in rows)}
