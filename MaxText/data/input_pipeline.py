@@ -73,6 +73,7 @@ import grain
 import numpy as np
 
 from MaxText.config.types import Config
+from MaxText.data.packing import whole_row_starts
 from MaxText.data.records import DataError
 from MaxText.data.sft import ConversationEncoder
 from MaxText.data.streams import HeldOutBatches, StreamIterator, create_stream_iterator
@@ -281,13 +282,7 @@ class PackedCorpus:
     cum = np.concatenate([[0], np.cumsum(self.lengths[perm])])
     if not self.whole:
       return perm, cum, None
-    firsts, used = [0], 0
-    for k, n in enumerate(self.lengths[perm].tolist()):
-      if used + n > self.seq_len + 1:  # does not fit the rest of the row: starts the next one
-        firsts.append(k)
-        used = 0
-      used += n
-    return perm, cum, np.array(firsts + [self.num_documents], np.int64)
+    return perm, cum, whole_row_starts(self.lengths[perm], self.seq_len)
 
   def _locate(self, g: int) -> tuple[int, int]:
     """(epoch, row within it) of global row g."""

@@ -98,6 +98,18 @@ def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int, seq_l
   return row, nxt
 
 
+def whole_row_starts(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+  """[R+1]: the first of each row's documents of `lengths` [N] (in stream order) packed whole into rows
+  of seq_len + 1 tokens (pack_row's whole rule, for the file dataset's PackedCorpus), then N."""
+  firsts, used = [0], 0
+  for k, n in enumerate(lengths.tolist()):
+    if used + n > seq_len + 1:  # does not fit the rest of the row: starts the next one
+      firsts.append(k)
+      used = 0
+    used += n
+  return np.array(firsts + [len(lengths)], np.int64)
+
+
 class PackedLanes(grain.IterDataset):
   """Rows of `lanes` (indices among num_lanes), one element per step: dict of [len(lanes), L] arrays,
   plus "cursors" [len(lanes), 2] int64 after it; whole: whole documents only (use_sft). grain's mp_prefetch gives worker w the lanes w::W
