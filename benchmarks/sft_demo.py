@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--learning_rate", type=float, default=3e-3)
   p.add_argument("--max_target_length", type=int, default=1088)
   p.add_argument("--score", type=int, default=40, help="held-out conversations scored (the first of eval.jsonl)")
-  p.add_argument("--max_tokens", type=int, default=64)
+  p.add_argument("--max_tokens", type=int, default=160, help="a tool call turn is ~140 tokens")
   p.add_argument("--workers", type=int, default=8, help="concurrent requests (and serve_max_num_seqs)")
   return p
 
