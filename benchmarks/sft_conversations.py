@@ -20,8 +20,9 @@ ADD_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
 
 
-def conversation(rng: random.Random, tool: bool) -> dict:
-  a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+def conversation(rng: random.Random, tool: bool, low: int = 10, high: int = 100) -> dict:
+  """Operands a, b in [low, high)."""
+  a, b = rng.randrange(low, high), rng.randrange(low, high)
   user = {"role": "user", "content": f"{a}+{b}=?"}
   if not tool:
     units = a % 10 + b % 10
@@ -34,22 +35,36 @@ def conversation(rng: random.Random, tool: bool) -> dict:
       {"role": "assistant", "reasoning_content": "got it", "content": str(a + b)}]}
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", required=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--train", type=int, default=2000)
   p.add_argument("--eval", type=int, default=100)
   p.add_argument("--tool_share", type=float, default=0.25)
+  p.add_argument("--eval_tool_share", type=float, default=None, help="the eval set's (default: --tool_share)")
+  p.add_argument("--low", type=int, default=10, help="smallest operand")
+  p.add_argument("--high", type=int, default=100, help="operands are below this")
   p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args()
+
+
+def write_sets(args, out: str) -> dict:
+  """Writes <out>/train.jsonl and <out>/eval.jsonl -> {split: {conversations, with_tools}}."""
   rng = random.Random(args.seed)
-  os.makedirs(args.out, exist_ok=True)
+  os.makedirs(out, exist_ok=True)
   counts = {}
-  for split, n in (("train", args.train), ("eval", args.eval)):
-    rows = [conversation(rng, rng.random() < args.tool_share) for _ in range(n)]
-    with open(os.path.join(args.out, f"{split}.jsonl"), "w") as f:
+  eval_share = args.tool_share if args.eval_tool_share is None else args.eval_tool_share
+  for split, n, share in (("train", args.train, args.tool_share), ("eval", args.eval, eval_share)):
+    rows = [conversation(rng, rng.random() < share, args.low, args.high) for _ in range(n)]
+    with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     counts[split] = {"conversations": n, "with_tools": sum("tools" in r for r in rows)}
+  return counts
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  add_arguments(p)
+  args = p.parse_args()
+  counts = write_sets(args, args.out)
   print(f"{'split':<8}{'conversations':>15}{'with tools':>12}")
   for split, c in counts.items():
     print(f"{split:<8}{c['conversations']:>15}{c['with_tools']:>12}")

@@ -53,6 +53,8 @@ worker processes; see streams.py (records.py reads the files, packing.py packs).
 
 use_sft: the records are conversations (file: .jsonl only); sft.py renders each into ids and
 per-token weights (1 on what the assistant produces), which the packers multiply into `weights`.
+Both packers then keep each conversation whole in one row (PackedCorpus(whole=True), packing.py):
+one that does not fit the rest of a row starts the next, and the rest of the row is padding.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ import grain
 import numpy as np
 
 from MaxText.config.types import Config
+from MaxText.data.packing import whole_row_starts
 from MaxText.data.records import DataError
 from MaxText.data.sft import ConversationEncoder
 from MaxText.data.streams import HeldOutBatches, StreamIterator, create_stream_iterator
@@ -229,14 +232,23 @@ class PackedCorpus:
   Epoch e streams the documents in order perm_e (a seeded permutation; identity when shuffle is
   off) and is cut into rows_per_epoch = ceil(tokens / seq_len) rows; global row g is row g % R of
   epoch g // R.
+
+  whole=True (use_sft): rows hold whole documents only (packing.py's rule): epoch e's stream is
+  dealt greedily into rows of at most seq_len + 1 tokens, a document that does not fit the rest of a
+  row starting the next one, the rest padded; its row count R_e depends on its order, and global row
+  g is found by counting the rows of epochs 0, 1, ... (kept as ints).
   """
 
   def __init__(self, docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, seed: int, shuffle: bool = True,
-               masks: Sequence[Sequence[float]] | None = None):
+               masks: Sequence[Sequence[float]] | None = None, whole: bool = False):
     """masks: per document, each token's weight as a target (packing.Document); None = all 1."""
     lengths = np.array([len(d) for d in docs], np.int64)
     if np.any(lengths == 0):
       raise ValueError("PackedCorpus needs documents of at least one token")
+    if whole and np.any(lengths > seq_len + 1):
+      raise ValueError(f"whole=True needs documents of at most seq_len + 1 = {seq_len + 1} tokens")
+    self.whole = whole
+    self._epoch_rows: list[int] = []  # whole: R_e of epochs 0, 1, ... counted so far
     self.doc_starts = np.concatenate([[0], np.cumsum(lengths)])                    # [N+1]
     self.tokens = np.concatenate([np.asarray(d, np.int32) for d in docs])          # [T]
     self.mask = None if masks is None else np.concatenate([np.asarray(m, np.float32) for m in masks])  # [T]
@@ -247,12 +259,13 @@ class PackedCorpus:
     self.pad_id = pad_id
     self.seed = seed
     self.shuffle = shuffle
-    self.rows_per_epoch = math.ceil(self.tokens_per_epoch / seq_len)
-    self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
     self._lock = threading.Lock()
+    self.rows_per_epoch = len(self._epoch(0)[2]) - 1 if whole else math.ceil(self.tokens_per_epoch / seq_len)
 
-  def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(perm [N]: document of each stream slot, cum [N+1]: stream offset of each slot)."""
+  def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(perm [N]: document of each stream slot, cum [N+1]: stream offset of each slot,
+    whole: firsts [R_e+1]: the first slot of each row, then N; else None)."""
     with self._lock:
       if epoch not in self._epochs:
         if len(self._epochs) >= 4:  # the epochs in use: a batch (and the read-ahead) spans few
@@ -267,13 +280,30 @@ class PackedCorpus:
     else:
       perm = np.arange(self.num_documents)
     cum = np.concatenate([[0], np.cumsum(self.lengths[perm])])
-    return perm, cum
+    if not self.whole:
+      return perm, cum, None
+    return perm, cum, whole_row_starts(self.lengths[perm], self.seq_len)
+
+  def _locate(self, g: int) -> tuple[int, int]:
+    """(epoch, row within it) of global row g."""
+    if not self.whole:
+      return divmod(g, self.rows_per_epoch)
+    epoch = 0
+    while True:
+      if epoch == len(self._epoch_rows):
+        self._epoch_rows.append(len(self._epoch(epoch)[2]) - 1)
+      if g < self._epoch_rows[epoch]:
+        return epoch, g
+      g, epoch = g - self._epoch_rows[epoch], epoch + 1
 
   def row(self, g: int) -> dict[str, np.ndarray]:
-    L, T = self.seq_len, self.tokens_per_epoch
-    epoch, r = divmod(int(g), self.rows_per_epoch)
-    perm, cum = self._epoch(epoch)
-    start = r * L
+    L = self.seq_len
+    epoch, r = self._locate(int(g))
+    perm, cum, firsts = self._epoch(epoch)
+    if firsts is None:
+      start, T = r * L, self.tokens_per_epoch            # the stream cut every L tokens
+    else:
+      start, T = int(cum[firsts[r]]), int(cum[firsts[r + 1]])  # whole documents: T - start <= L + 1
     p = start + np.arange(L + 1)                         # [L+1] stream positions: L inputs + the last target
     valid = p < T
     pc = np.minimum(p, T - 1)
@@ -466,7 +496,7 @@ def build_file_corpus(config: Config, tokenizer: Tokenizer, *, shuffle: bool = T
   if not kept:
     raise DataError(f"'{path}' holds no tokens ({report.summary()})")
   corpus = PackedCorpus(kept, seq_len=config.max_target_length, pad_id=config.pad_id, seed=config.seed,
-                        shuffle=shuffle, masks=masks)
+                        shuffle=shuffle, masks=masks, whole=config.use_sft)
   report.tokens = corpus.tokens_per_epoch
   return corpus, report
 

@@ -15,6 +15,11 @@ dealt round robin: lane b streams documents b, b + B, b + 2B, ... of that order.
 depend only on the data, the seed and B: each process reads only the documents of its own lanes
 (its rows of the batch), and the batches are the same for any number of processes or workers.
 
+Whole documents (whole=True, use_sft: a conversation must keep its prompt): a row holds whole
+documents only; one that does not fit what is left of the row starts the next row, and the rest of
+the row is padding (pad_id, segment 0, weight 0); no target crosses rows. A document longer than
+L + 1 tokens is an error (sft.py cuts or drops those first).
+
 A lane's position is a cursor (j, offset): the row starts at token `offset` of the lane's document
 at order position j. `PackedLanes` is a grain IterDataset over some lanes; its iterator's state
 is their cursors, and each element carries the cursors after it ("cursors"), so the consumer knows
@@ -40,16 +45,22 @@ def split_document(doc: Document) -> tuple[np.ndarray, np.ndarray | None]:
   return doc if isinstance(doc, tuple) else (doc, None)
 
 
-def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int,
-             seq_len: int) -> tuple[dict[str, np.ndarray], Cursor]:
+def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int, seq_len: int, *,
+             whole: bool = False, pad_id: int = 0) -> tuple[dict[str, np.ndarray], Cursor]:
   """(row, next cursor): the row of L inputs (and L targets) starting at `cursor`, reading documents
-  j, j + stride, ... through `read(j)` -> a Document."""
+  j, j + stride, ... through `read(j)` -> a Document. whole: whole documents only (module docstring)."""
   L = seq_len
   j, offset = cursor
   toks, masks, segs, poss = [], [], [], []
   n, seg, empty, nxt = 0, 0, 0, None
   while n < L + 1:
     doc, mask = split_document(read(j))
+    if whole and len(doc) > L + 1:
+      raise DataError(f"a document of {len(doc)} tokens cannot be packed whole into a row of max_target_length + 1 "
+                      f"= {L + 1} tokens")
+    if whole and n + len(doc) > L + 1:  # it does not fit the rest of this row: it starts the next one
+      nxt = (j, 0)
+      break
     piece = doc[offset:offset + L + 1 - n]
     if len(piece):
       seg += 1
@@ -57,7 +68,7 @@ def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int,
       masks.append(np.ones(len(piece), np.float32) if mask is None else mask[offset:offset + len(piece)])
       segs.append(np.full(len(piece), seg, np.int32))
       poss.append(np.arange(len(piece), dtype=np.int32))
-      if n + len(piece) > L:  # this piece holds stream token L: the next row starts there
+      if n + len(piece) > L and not whole:  # this piece holds stream token L: the next row starts there
         nxt = (j, offset + L - n)
       n += len(piece)
       empty = 0
@@ -66,8 +77,15 @@ def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int,
       if empty > _MAX_EMPTY_DOCUMENTS:
         raise DataError(f"{_MAX_EMPTY_DOCUMENTS} documents in a row hold no tokens (add_bos=add_eos=false and "
                         "empty texts?)")
-    if n < L + 1:
+    if n < L + 1 or whole:
       j, offset = j + stride, 0
+  if whole:
+    nxt = nxt or (j, 0)  # the row ended exactly full: the next row starts at the next document
+    pad = L + 1 - n  # [pad] tokens of segment 0, weight 0
+    toks.append(np.full(pad, pad_id, np.int32))
+    masks.append(np.zeros(pad, np.float32))
+    segs.append(np.zeros(pad, np.int32))
+    poss.append(np.zeros(pad, np.int32))
   tok, seg_ids, pos = np.concatenate(toks), np.concatenate(segs), np.concatenate(poss)  # [L+1]
   mask = np.concatenate(masks)  # [L+1] each token's weight as a target
   row = {
@@ -80,15 +98,28 @@ def pack_row(read: Callable[[int], Document], cursor: Cursor, stride: int,
   return row, nxt
 
 
+def whole_row_starts(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+  """[R+1]: the first of each row's documents of `lengths` [N] (in stream order) packed whole into rows
+  of seq_len + 1 tokens (pack_row's whole rule, for the file dataset's PackedCorpus), then N."""
+  firsts, used = [0], 0
+  for k, n in enumerate(lengths.tolist()):
+    if used + n > seq_len + 1:  # does not fit the rest of the row: starts the next one
+      firsts.append(k)
+      used = 0
+    used += n
+  return np.array(firsts + [len(lengths)], np.int64)
+
+
 class PackedLanes(grain.IterDataset):
   """Rows of `lanes` (indices among num_lanes), one element per step: dict of [len(lanes), L] arrays,
-  plus "cursors" [len(lanes), 2] int64 after it. grain's mp_prefetch gives worker w the lanes w::W
+  plus "cursors" [len(lanes), 2] int64 after it; whole: whole documents only (use_sft). grain's mp_prefetch gives worker w the lanes w::W
   (set_slice)."""
 
   def __init__(self, read: Callable[[int], Document], *, lanes: Sequence[int], num_lanes: int, seq_len: int,
-               cursors: Sequence[Cursor] | None = None):
+               cursors: Sequence[Cursor] | None = None, whole: bool = False, pad_id: int = 0):
     super().__init__()
     self.read, self.num_lanes, self.seq_len = read, num_lanes, seq_len
+    self.whole, self.pad_id = whole, pad_id
     self.lanes = list(lanes)
     self.cursors = [tuple(c) for c in cursors] if cursors is not None else [(b, 0) for b in self.lanes]
 
@@ -121,7 +152,8 @@ class PackedLanesIterator(grain.DatasetIterator):
           cache[j] = self.ds.read(j)
         return cache[j]
 
-      row, self.cursors[k] = pack_row(read, self.cursors[k], self.ds.num_lanes, self.ds.seq_len)
+      row, self.cursors[k] = pack_row(read, self.cursors[k], self.ds.num_lanes, self.ds.seq_len,
+                                      whole=self.ds.whole, pad_id=self.ds.pad_id)
       for j in [j for j in cache if j < self.cursors[k][0]]:
         del cache[j]  # a long document stays cached (read and tokenized once) while its rows last
       rows.append(row)

@@ -21,6 +21,12 @@ sft_train_on_completion_only=false every token weighs 1. Every piece boundary si
 the format's markers, each a single added token of V3.2's tokenizer, so tokenizing piece by piece
 gives the ids of the whole text (the encoder checks the markers are single tokens).
 
+chat_template_path (a jinja template, as the server's /v1/chat/completions renders it): the pieces
+are chat_template.render_pieces's instead, the assistant's span of each assistant message being what
+the template adds for it after the prompt of the messages before it (with the generation prompt),
+tokenized piece by piece (a token spanning a piece boundary in the whole text is split there); no BOS
+is added (the template writes it); thinking is the template's business.
+
 A conversation of more than max_target_length + 1 tokens is cut after its last assistant turn that
 fits (a prefix of its tokens, ending on that turn's EOS), or dropped when even its first assistant
 turn does not fit; both are counted and the pipeline reports the counts once. A bad record is one DataError naming where it is: no messages, an unknown role, an
@@ -38,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from MaxText.config.types import Config
-from MaxText.data import chat_dsv32
+from MaxText.data import chat_dsv32, chat_template
 from MaxText.data.packing import Document
 from MaxText.data.records import DataError, Table
 from MaxText.data.tokenizer import Tokenizer
@@ -101,12 +107,16 @@ class ConversationEncoder:
   max_tokens: int  # max_target_length + 1: a row's inputs and its last target
   cut: int = 0  # conversations over max_tokens cut at a turn boundary, so far
   dropped: int = 0  # conversations over max_tokens whose first assistant turn does not fit, so far
+  template: str | None = None  # chat_template_path's jinja source: rendered instead of V3.2's format
+  special: dict = dataclasses.field(default_factory=dict)  # {bos_token, eos_token} for the template
 
   @classmethod
   def from_config(cls, config: Config, tokenizer: Tokenizer) -> ConversationEncoder:
-    if config.chat_template_path:
-      raise DataError(f"chat_template_path='{config.chat_template_path}': use_sft renders DeepSeek-V3.2's chat "
-                      "format; SFT through a jinja template is not supported yet: set chat_template_path=''")
+    if config.chat_template_path:  # the template writes BOS itself (as the server renders it)
+      template, _, special = chat_template.load_chat_template(config.chat_template_path, config.tokenizer_path)
+      chat_template.compile_template(template)  # a template that does not compile: one ConfigError now
+      return cls(tokenizer, tuple(config.train_data_columns), config.sft_train_on_completion_only, False,
+                 config.max_target_length + 1, template=template, special=special)
     split = {m: tokenizer.encode(m) for m in chat_dsv32.SPECIAL_TOKENS}
     split = {m: ids for m, ids in split.items() if len(ids) != 1}
     if split:
@@ -123,9 +133,12 @@ class ConversationEncoder:
     if thinking is None:
       thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
     try:
-      tools = chat_dsv32.check_tools(record.get("tools"))
-      pieces = chat_dsv32.render_pieces(messages, thinking=bool(thinking), tools=tools, bos=self.add_bos)
-    except chat_dsv32.ChatFormatError as e:
+      if self.template is not None:
+        pieces = chat_template.render_pieces(self.template, messages, tools=record.get("tools"), special=self.special)
+      else:
+        tools = chat_dsv32.check_tools(record.get("tools"))
+        pieces = chat_dsv32.render_pieces(messages, thinking=bool(thinking), tools=tools, bos=self.add_bos)
+    except (chat_dsv32.ChatFormatError, chat_template.TemplateRenderError) as e:
       raise DataError(f"{where}: {e}") from None
     ids: list[int] = []
     mask: list[float] = []

@@ -85,8 +85,9 @@ class StreamIterator(Iterator[dict[str, np.ndarray]]):
 
   def __init__(self, read: OrderedDocuments, *, dataset_type: str, fingerprint: dict[str, Any], num_lanes: int,
                first_lane: int, local_lanes: int, seq_len: int, workers: int, prefetch: int,
-               tokenizer: Tokenizer | None, table: Table):
+               tokenizer: Tokenizer | None, table: Table, whole: bool = False, pad_id: int = 0):
     self.read, self.dataset_type, self.fingerprint = read, dataset_type, fingerprint
+    self.whole, self.pad_id = whole, pad_id  # packing.py: whole documents only (use_sft)
     self.num_lanes, self.first_lane, self.seq_len = num_lanes, first_lane, seq_len
     self.lanes = list(range(first_lane, first_lane + local_lanes))
     self.workers = min(workers, local_lanes)
@@ -100,7 +101,7 @@ class StreamIterator(Iterator[dict[str, np.ndarray]]):
   def _start(self) -> None:
     self.close()
     ds = PackedLanes(self.read, lanes=self.lanes, num_lanes=self.num_lanes, seq_len=self.seq_len,
-                     cursors=self._cursors)
+                     cursors=self._cursors, whole=self.whole, pad_id=self.pad_id)
     if self.workers:
       from absl import flags
       if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags; our CLI does not use absl
@@ -217,8 +218,8 @@ def create_stream_iterator(config: Config, *, process_index: int, process_count:
   data = StreamIterator(read, dataset_type=config.dataset_type, fingerprint=fingerprint,
                         num_lanes=config.global_batch_size, first_lane=process_index * local, local_lanes=local,
                         seq_len=config.max_target_length, workers=0 if eval else config.grain_worker_count,
-                        prefetch=prefetch,
-                        tokenizer=tokenizer, table=table)
+                        prefetch=prefetch, tokenizer=tokenizer, table=table, whole=config.use_sft,
+                        pad_id=config.pad_id)
   for _ in range(start_step):
     next(data)
   return data

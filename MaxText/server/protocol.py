@@ -11,13 +11,11 @@ is its ids joined by commas, as decode.py prints them.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from MaxText.data.chat_template import compile_template, load_chat_template  # noqa: F401 (serve.py imports it here)
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.inference.scheduler import SamplingParams
 
@@ -164,7 +162,7 @@ class Texts:
     self.chat_encoding = chat_encoding
     self.chat_template_source = chat_template_source
     self._special = special_tokens
-    self._template = _compile_template(chat_template) if chat_template else None
+    self._template = compile_template(chat_template) if chat_template else None
 
   @property
   def special_tokens(self) -> dict[str, str]:
@@ -279,61 +277,3 @@ class StopText:
   def flush(self) -> str:
     out, self._pending = self._pending, ""
     return out
-
-
-# ---------------------------------------------------------------- chat templates
-
-
-def load_chat_template(chat_template_path: str, tokenizer_path: str) -> tuple[str | None, str, dict[str, str]]:
-  """-> (template or None, where it was looked for, {bos_token, eos_token} for the template).
-  chat_template_path wins; else `chat_template` of the tokenizer_config.json next to tokenizer_path."""
-  from MaxText.config.types import ConfigError
-  special: dict[str, str] = {"bos_token": "", "eos_token": ""}
-  folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
-  cfg_path = os.path.join(folder, "tokenizer_config.json") if tokenizer_path else ""
-  cfg: dict = {}
-  if cfg_path and os.path.isfile(cfg_path):
-    try:
-      with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"{cfg_path} (next to tokenizer_path) is not valid JSON: {e}") from None
-    for kind in ("bos_token", "eos_token"):
-      tok = cfg.get(kind)
-      special[kind] = (tok.get("content") if isinstance(tok, dict) else tok) or ""
-  if chat_template_path:
-    try:
-      with open(chat_template_path, encoding="utf-8") as f:
-        return f.read(), f"chat_template_path={chat_template_path}", special
-    except OSError as e:
-      raise ConfigError(f"chat_template_path='{chat_template_path}' is not readable: {e.strerror}") from None
-  template = cfg.get("chat_template")
-  if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": ...}]
-    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-  where = f"looked in {cfg_path}" if cfg_path else "no tokenizer_path"
-  return template or None, where, special
-
-
-def _compile_template(source: str):
-  """As transformers compiles chat templates: a sandbox, trimmed blocks, loop controls, tojson,
-  raise_exception and strftime_now."""
-  import jinja2
-  from jinja2.ext import loopcontrols
-  from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-  def raise_exception(message):
-    raise jinja2.TemplateError(message)
-
-  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-  env.filters["tojson"] = tojson
-  env.globals["raise_exception"] = raise_exception
-  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-  try:
-    return env.from_string(source)
-  except jinja2.TemplateSyntaxError as e:
-    from MaxText.config.types import ConfigError
-    raise ConfigError(f"the chat template does not compile (chat_template_path / tokenizer_config.json): {e}") from None
-

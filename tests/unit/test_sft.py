@@ -132,6 +132,29 @@ def test_both_packers_carry_each_tokens_weight():
   assert corpus.row(0)["weights"].tolist() == want.tolist()
 
 
+def test_both_packers_keep_each_conversation_whole_in_one_row():
+  docs = [(np.arange(10 * k + 3, 10 * k + 3 + n, dtype=np.int32), np.ones(n, np.float32))
+          for k, n in enumerate((5, 7, 9, 4, 6))]
+  L = 12  # rows of 13 tokens: [5 7 +1 pad], [9 4], [6 +7 pad]: a conversation that does not fit starts the next row
+  want = [[0, 1, None], [2, 3], [4] + [None] * 7]
+  corpus = ip.PackedCorpus([d[0] for d in docs], masks=[d[1] for d in docs], seq_len=L, pad_id=0, seed=0,
+                           shuffle=False, whole=True)
+  full = (np.arange(L + 1, dtype=np.int32), np.ones(L + 1, np.float32))  # the lane's next: a row of its own
+  cursor, lanes = (0, 0), []
+  for _ in range(3):
+    row, cursor = pack_row(lambda j: docs[j] if j < len(docs) else full, cursor, 1, L, whole=True)
+    lanes.append(row)
+  assert cursor == (5, 0)
+  assert corpus.rows_per_epoch == 3 and corpus.row(3)["inputs"].tolist() == corpus.row(0)["inputs"].tolist()
+  for r, parts in enumerate(want):
+    toks = [t for k in parts for t in (docs[k][0].tolist() if k is not None else [0])]
+    seg = [s + 1 if k is not None else 0 for s, k in enumerate(parts) for _ in (docs[k][0] if k is not None else [0])]
+    weights = [float(seg[i] == seg[i + 1] != 0) for i in range(L)]
+    for row in (corpus.row(r), lanes[r]):
+      assert row["inputs"].tolist() == toks[:L] and row["targets"].tolist() == toks[1:]
+      assert row["segment_ids"].tolist() == seg[:L] and row["weights"].tolist() == weights
+
+
 def test_the_masked_loss_is_the_hand_computed_masked_mean():
   from MaxText.layers.models import cross_entropy
   rng = np.random.default_rng(1)
@@ -202,7 +225,7 @@ def test_parquet_prompt_completion_streams_the_same_weights(tmp_path, tok):
                     global_batch_size=1)
   batch = next(ip.create_data_iterator(cfg, process_index=0, process_count=1))
   doc = encoder(tok, ("prompt", "completion"))(record, "x")  # every record is this one: the order cannot matter
-  want, _ = pack_row(lambda j: doc, (0, 0), 1, 32)
+  want, _ = pack_row(lambda j: doc, (0, 0), 1, 32, whole=True, pad_id=cfg.pad_id)  # whole conversations
   assert batch["weights"][0].tolist() == want["weights"].tolist() and batch["weights"].sum() > 0
 
 
@@ -228,5 +251,42 @@ def test_sft_keys_and_tokenizer_are_checked_in_one_line():
   cfg = make_config(dataset_type="file", use_sft=True)
   with pytest.raises(DataError, match="markers must be single tokens: the tokenizer at .* splits"):
     ConversationEncoder.from_config(cfg, sp)
-  with pytest.raises(DataError, match="chat_template_path='t.jinja': use_sft renders DeepSeek-V3.2's chat format"):
-    ConversationEncoder.from_config(make_config(dataset_type="file", use_sft=True, chat_template_path="t.jinja"), sp)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_jinja_chat_template_weighs_what_the_template_adds_for_each_assistant_message(tmp_path, tok):
+  def encoder_of(template):
+    (tmp_path / "t.jinja").write_text(template)
+    cfg = make_config(dataset_type="file", use_sft=True, train_data_columns=["messages"], tokenizer_type="hf",
+                      tokenizer_path=HF_JSON, chat_template_path=str(tmp_path / "t.jinja"), max_target_length=256)
+    return ConversationEncoder.from_config(cfg, tok)
+
+  record = CASES["thinking_multi_turn"][0]
+  ids, mask = encoder_of(CHATML)(record, "x.jsonl:1")
+  assert runs(ids, mask) == [tok.encode("2<|im_end|>\n"), tok.encode("4<|im_end|>\n")]  # content and the closing
+  prompt = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in record["messages"][:3])
+  assert tok.decode(ids.tolist()) == prompt + "<|im_start|>assistant\n4<|im_end|>\n"
+  bad = encoder_of(CHATML.replace("assistant\n{% endif %}", "model\n{% endif %}"))  # the prompt ends unlike a reply
+  with pytest.raises(DataError, match=r"x.jsonl:1: the chat template's rendering of messages\[:1\]"):
+    bad(record, "x.jsonl:1")
+
+
+def test_the_demos_training_config_is_valid_and_holds_its_conversations_whole(tmp_path, tok):
+  """benchmarks/sft_demo.py's plumbing without training or serving: its train.py command is a valid config
+  and every conversation it generates (a tool one is ~1050 tokens) fits a row, neither cut nor dropped."""
+  from benchmarks import sft_demo
+  from MaxText.config import pyconfig
+  args, extra = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "8", "--eval", "2",
+                                                    "--tool_share", "0.5"])
+  sft_demo.write_sets(args, str(tmp_path))
+  cmd = sft_demo.train_command(args, str(tmp_path), ["mtp_num_layers=0"])
+  cfg = pyconfig.initialize(cmd[2:], num_devices=1, ici_data_parallelism=1)
+  assert cfg.use_sft and cfg.steps == args.steps and cfg.mtp_num_layers == 0
+  enc = ConversationEncoder.from_config(cfg, tok)
+  for split in ("train", "eval"):
+    for n, line in enumerate(open(tmp_path / f"{split}.jsonl")):
+      enc(json.loads(line), f"{split}.jsonl:{n + 1}")
+  assert (enc.cut, enc.dropped) == (0, 0)
