@@ -131,7 +131,9 @@ def _int_keys(d: dict) -> dict[int, float]:
 def _assert_losses_equal(got: dict, want: dict):
   assert got, "no losses printed"
   for s, loss in got.items():
-    assert loss == pytest.approx(want[s], abs=1e-5), (s, loss, want[s])
+    # The console prints 4 decimals: equal losses may still round apart by one unit of the last place
+    # (6.23165 -> 6.2317 / 6.2316 seen with 2 processes vs 1); any other difference is a real one.
+    assert loss == pytest.approx(want[s], abs=1.01e-4), (s, loss, want[s])
 
 
 @pytest.fixture(scope="module")

@@ -76,10 +76,13 @@ def copy_run(base_run, name):
   return out, out / name
 
 
+def data_files(step_dir):
+  return [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs if os.sep + "d" + os.sep in
+          os.path.join(d, f)]
+
+
 def largest_data_file(step_dir):
-  files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs if os.sep + "d" + os.sep in
-           os.path.join(d, f)]
-  return max(files, key=os.path.getsize)
+  return max(data_files(step_dir), key=os.path.getsize)
 
 
 # ---------------------------------------------------------------- console, eval, tensorboard, profiler (items 7-9)
@@ -162,9 +165,9 @@ def test_decode_and_serve_take_the_weights_before_a_truncated_newest_step_in_one
     base_run, said, lingering_reads):
   """model_state.load_or_create, as decode.py and serve.py call it (in-process), the race made certain."""
   _, run = copy_run(base_run, "weights")
-  path = largest_data_file(run / "checkpoints" / "4")
-  with open(path, "r+b") as f:
-    f.truncate(os.path.getsize(path) // 2)
+  for path in data_files(run / "checkpoints" / "4"):  # every one: the largest may hold only optimizer state,
+    with open(path, "r+b") as f:                      # which a parameter load never reads
+      f.truncate(os.path.getsize(path) // 2)
   cfg = make_config(mtp_num_layers=0, load_parameters_path=str(run / "checkpoints"))
   said()
   lines = []
