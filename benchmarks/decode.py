@@ -93,7 +93,7 @@ def paged_step(engine: ServingEngine, feed: dict):
   """The engine's step and write programs on the feed: a function () -> sampled [B] (the write is
   dropped, so the pools keep their data)."""
   def run():
-    engine.pools, sampled = engine._run(feed["t"], feed)
+    engine.pools, sampled, _ = engine._run(feed["t"], feed)
     return sampled
   return run
 
