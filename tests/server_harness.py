@@ -76,6 +76,17 @@ class ScriptedEngine(SchedulerEngine):
     return [] if self.paused else super().step()
 
 
+def wait_for(predicate, what: str, timeout: float = 20.0, poll: float = 0.05):
+  """Polls predicate() every `poll` seconds until it holds; fails the test naming `what` after `timeout`."""
+  import pytest
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return
+    time.sleep(poll)
+  pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
 @contextlib.contextmanager
 def serving(app):
   """-> (base url, the server's thread): uvicorn serves `app` on a pre-bound free port until the block ends."""

@@ -5,6 +5,7 @@ bodies naming the field for bad input (httpx), a disconnect mid-stream
 freeing its pages, and 64 concurrent streaming clients that all finish with every page free after."""
 
 import asyncio
+import functools
 import io
 import json
 import os
@@ -21,7 +22,7 @@ from MaxText.checkpoint import model_state
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import serving
+from tests.server_harness import serving, wait_for
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -37,13 +38,7 @@ def _metrics(url) -> dict[str, float]:
   return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
 
 
-def _wait_for(predicate, what: str, timeout: float = 20.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return
-    time.sleep(0.05)
-  pytest.fail(f"timed out after {timeout} s waiting for {what}")
+_wait_for = functools.partial(wait_for, timeout=20.0, poll=0.05)
 
 
 @pytest.fixture(scope="module")

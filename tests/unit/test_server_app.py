@@ -7,11 +7,11 @@ is OpenAI's body."""
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,19 +21,13 @@ from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import Texts
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import ScriptedEngine
+from tests.server_harness import ScriptedEngine, wait_for
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 MAX_TOKENS = 28  # 28 steps of 0.08 s: a request runs over two seconds unless aborted
 
 
-def _wait_for(predicate, what: str, timeout: float = 10.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if predicate():
-      return
-    time.sleep(0.01)
-  pytest.fail(f"timed out after {timeout} s waiting for {what}")
+_wait_for = functools.partial(wait_for, timeout=10.0, poll=0.01)
 
 
 @pytest.fixture(scope="module")
