@@ -1,17 +1,19 @@
 """Orbax checkpoints of the whole train state (params, buffers, optimizer, step) and the data position.
 
 A run's `checkpoints/<step>/` holds three items: `state` (the train state), `data` (the data
-iterator's JSON state) and `meta` (a fingerprint of the state's bits). Restoring checks the
-fingerprint and that every value is finite; a checkpoint that fails either, or fails to read, is
+iterator's JSON state) and `meta` (fingerprints of the state's bits: the whole state's, and its params +
+buffers' for a parameter-only load). Restoring checks the fingerprint and that every value is finite; a checkpoint that fails either, or fails to read, is
 reported in one line, moved to `<run>/checkpoints_unusable/` and the one before it is used.
 
 `restore_parameters` reads params + buffers from any checkpoint this project writes: a converter
 output (a parameter-only tree), a run's `checkpoints` folder (its newest usable step), one step
-folder, or its `state` subfolder (a run folder itself works too).
+folder, or its `state` subfolder (a run folder itself works too). A run's step is checked against its
+parameters' fingerprint (a converter output has none: finiteness only).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -71,12 +73,23 @@ def state_check(tree):
   return total, finite
 
 
+def parameters_of(state: dict) -> dict:
+  """The part of a state a parameter-only load reads: {"params", "buffers"} (the same tree restore_parameters
+  restores, so the same leaves in the same order feed state_check)."""
+  return {"params": state["params"], "buffers": state.get("buffers", {})}
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: dict, data_state: dict) -> None:
+  """Writes `state` (the data iterator's JSON beside it) as `step`, with meta = {"fingerprint": the whole state's,
+  "parameters_fingerprint": parameters_of(state)'s}: a resume checks the first, load_parameters_path the second."""
   fingerprint, _ = state_check(state)
+  meta = {"fingerprint": int(fingerprint)}
+  if "params" in state:
+    meta["parameters_fingerprint"] = int(state_check(parameters_of(state))[0])
   try:
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                data=ocp.args.JsonSave(data_state),
-                                               meta=ocp.args.JsonSave({"fingerprint": int(fingerprint)})),
+                                               meta=ocp.args.JsonSave(meta)),
                  force=True)
   except Exception as e:  # a full disk, a folder made read-only under us: one line, not orbax's pages
     raise CheckpointError(f"cannot write checkpoint step {step} to {manager.directory}: {one_line(e)}") from None
@@ -150,10 +163,11 @@ def _mismatch(stored: dict, target: dict) -> str | None:
   return None
 
 
-def _check_restored(tree, meta: dict | None) -> str | None:
-  """Why a restored state must not be used, or None."""
+def _check_restored(tree, meta: dict | None, key: str = "fingerprint") -> str | None:
+  """Why a restored tree must not be used, or None: its state_check against meta[key] (no check when meta
+  lacks it: checkpoints written before fingerprints, converter outputs) and every value finite."""
   fingerprint, finite = jax.device_get(state_check(tree))
-  if meta is not None and int(fingerprint) != meta.get("fingerprint"):
+  if meta is not None and key in meta and int(fingerprint) != meta[key]:
     return "its contents do not match the fingerprint saved with it (corrupt files)"
   if not finite:
     return "it holds non-finite values"
@@ -234,6 +248,16 @@ def parameter_candidates(path: str) -> list[str]:
   return [os.path.join(folder, str(s), "state") for s in steps]
 
 
+def _step_meta(tree_dir: str) -> dict | None:
+  """The meta JSON saved beside a run's step (<step>/meta/metadata next to <step>/state), or None (a converter
+  output, or a step written before fingerprints)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(tree_dir)), "meta", "metadata")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 @read_scope.owned()  # as restore_newest_good
 def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict]:
   """(the tree folder used, {"params", "buffers"}) restored onto target's shardings; only those two
@@ -260,7 +284,7 @@ def restore_parameters(path: str, target: dict, report=print) -> tuple[str, dict
       restored = ocp.PyTreeCheckpointer().restore(
           os.path.abspath(tree_dir), args=ocp.args.PyTreeRestore(
               item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-      why = _check_restored(restored, None)
+      why = _check_restored(restored, _step_meta(tree_dir), "parameters_fingerprint")
     except Exception as e:
       why = f"it does not fit the configured model or cannot be read ({one_line(e)})"
     if why is None:

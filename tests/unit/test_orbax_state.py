@@ -70,3 +70,26 @@ def test_resuming_with_the_other_weight_quantization_names_it(tmp_path):
       raise AssertionError("resumed across weight_quantization")
     except ConfigError as e:
       assert f"weight_quantization={have}" in str(e) and f"weight_quantization={want}" in str(e), e
+
+
+def test_a_parameter_load_checks_the_parameters_fingerprint_of_a_step(tmp_path):
+  """load_parameters_path reads params + buffers only, so it checks their own fingerprint (saved beside the
+  whole state's): a step whose parameters do not match it is refused in one line, the step before it used."""
+  import orbax.checkpoint as ocp
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False, create=True))
+  states = {s: {"params": {"w": np.arange(8, dtype=np.float32) * s}, "buffers": {"b": np.ones(2, np.float32)},
+                "opt": {"mu": np.zeros(3, np.float32)}} for s in (1, 2)}
+  for s, state in states.items():
+    orbax_state.save(manager, s, state, {"cursor": s})
+  manager.wait_until_finished()
+  target = _abstract(orbax_state.parameters_of(states[1]))
+  used, restored = orbax_state.restore_parameters(str(tmp_path), target, report=lambda line: None)
+  assert used.endswith("2/state") and np.array_equal(restored["params"]["w"], states[2]["params"]["w"])
+  meta = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
+  saved = int(orbax_state.state_check(orbax_state.parameters_of(states[2]))[0])
+  meta.write_text(meta.read_text().replace(str(saved), "12345"))  # as a garbled-but-finite parameter would
+  lines = []
+  used, restored = orbax_state.restore_parameters(str(tmp_path), target, report=lines.append)
+  assert used.endswith("1/state") and np.array_equal(restored["params"]["w"], states[1]["params"]["w"])
+  assert len(lines) == 1 and "2/state is unusable: its contents do not match the fingerprint" in lines[0], lines
