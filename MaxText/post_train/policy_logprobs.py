@@ -18,8 +18,11 @@ the caller masks them.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def token_logprobs(model, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, *,
@@ -57,4 +60,24 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, *, temperature: float, kep
   return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)  # [B,T]
 
 
-__all__ = ["token_logprobs", "logprobs_of"]
+def rollout_arrays(requests: Sequence, length: int, vocab_size: int, moe_layers: int, experts_per_tok: int) -> dict:
+  """Finished rollout requests (inference/rollout.py records) as token_logprobs reads them, host numpy:
+  tokens, positions, segment_ids (1 on prompt + generated tokens, 0 padding), kept (vocab_size outside the
+  generated tokens) [N,length] int32, routed_experts [N,length,L,k] int32 (-1 where not recorded),
+  logp_old [N,length] f32 (the engine's, 0 outside the generated tokens) and generated [N,length] bool."""
+  n = len(requests)
+  a = {"tokens": np.zeros((n, length), np.int32), "segment_ids": np.zeros((n, length), np.int32),
+       "kept": np.full((n, length), vocab_size, np.int32), "logp_old": np.zeros((n, length), np.float32),
+       "generated": np.zeros((n, length), bool),
+       "routed_experts": np.full((n, length, moe_layers, experts_per_tok), -1, np.int32),
+       "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (n, length)).copy()}
+  for i, r in enumerate(requests):
+    ro, p = r.rollout, len(r.prompt)
+    end = p + len(ro.tokens)
+    a["tokens"][i, :end], a["segment_ids"][i, :end] = r.prompt + ro.tokens, 1
+    a["kept"][i, p:end], a["logp_old"][i, p:end], a["generated"][i, p:end] = ro.kept, ro.logprobs, True
+    a["routed_experts"][i, :len(ro.experts)] = ro.experts
+  return a
+
+
+__all__ = ["token_logprobs", "logprobs_of", "rollout_arrays"]

@@ -12,7 +12,7 @@ import pytest
 from MaxText.checkpoint import model_state
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
-from MaxText.post_train.policy_logprobs import token_logprobs
+from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
 from MaxText.runtime import sharding
 from tests.conftest import make_config
 
@@ -44,22 +44,6 @@ def rollouts(cfg, mesh):
   return [r for _, r in requests], eng, (graphdef, params, buffers)
 
 
-def batch_of(requests, cfg):
-  """The rollouts as the trainer reads them: tokens, positions, segment_ids, kept [N,T], routed [N,T,L,k]."""
-  n, t = len(requests), cfg.max_target_length
-  tokens, kept = np.zeros((n, t), np.int32), np.full((n, t), cfg.vocab_size, np.int32)
-  routed = np.full((n, t, cfg.num_moe_layers, cfg.num_experts_per_tok), -1, np.int32)
-  seg = np.zeros((n, t), np.int32)
-  for i, r in enumerate(requests):
-    ro, p = r.rollout, len(r.prompt)
-    seq = r.prompt + ro.tokens
-    tokens[i, :len(seq)], seg[i, :len(seq)] = seq, 1
-    kept[i, p:len(seq)] = ro.kept
-    routed[i, :len(ro.experts)] = ro.experts
-  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
-  return tokens, positions, seg, kept, routed
-
-
 def _consistency(num_devices, **mesh_keys):
   cfg = make_config(num_devices=num_devices, **BASE, **mesh_keys)
   mesh = sharding.create_mesh(cfg)
@@ -67,8 +51,14 @@ def _consistency(num_devices, **mesh_keys):
     requests, eng, (graphdef, params, buffers) = rollouts(cfg, mesh)
     score = jax.jit(lambda p, *a: token_logprobs(model_state.merge(graphdef, p, buffers), *a[:3], temperature=1.0,
                                                  kept=a[3], routed_experts=a[4]))
-    logp = np.asarray(score(params, *batch_of(requests, cfg)))  # [N,T]
+    a = rollout_arrays(requests, cfg.max_target_length, cfg.vocab_size, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    args = [a[k] for k in ("tokens", "positions", "segment_ids", "kept", "routed_experts")]
+    logp = np.asarray(score(params, *args))  # [N,T]
+    other = np.where(args[4] >= 0, (args[4] + 1) % cfg.num_experts, -1)  # other experts: the same program
+    moved = np.asarray(score(params, *args[:4], other))  # [N,T]
   assert eng.allocator.hits > 0  # later samples shared their prompt's cached pages
+  assert np.abs(moved - logp)[a["generated"]].max() > 1e-3  # the trainer's model takes the routing it is given
+  np.testing.assert_array_equal(a["logp_old"][a["generated"]], np.concatenate([r.rollout.logprobs for r in requests]))
   for r in requests:
     ro, p = r.rollout, len(r.prompt)
     assert len(ro.tokens) == len(ro.logprobs) == len(ro.kept) == NEW and ro.tokens == r.output

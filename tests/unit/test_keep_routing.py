@@ -3,18 +3,19 @@ from the current router. Forcing the experts the layer chose itself changes noth
 gradients, one device and a data x expert mesh); forcing others changes the output and gives the
 weights of THOSE experts' scores, normalized as route() does; -1 routes a token freely."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import make_config
+import pytest
+from flax import nnx
+from test_moe import ROUTE_CFG, make_model, np_route, params64, rand_x
 
-from MaxText.checkpoint import model_state
 from MaxText.layers import moe
 from MaxText.runtime import sharding
 
 route = jax.jit(moe.route, static_argnames=("routing",))
-TINY = dict(num_decoder_layers=3, first_num_dense_layers=1, mtp_num_layers=0, param_init_std=0.2,
-            matmul_precision="highest", remat_policy="none")
 
 
 def test_forced_route_takes_the_given_experts_with_this_routers_normalized_scores():
@@ -34,46 +35,38 @@ def test_forced_route_takes_the_given_experts_with_this_routers_normalized_score
   np.testing.assert_allclose(w_f, 2.5 * s / s.sum(-1, keepdims=True), rtol=1e-6)
 
 
-def _forced_vs_free(cfg):
-  """One program (one compile): the free forward and gradients, the same forced with the routing it
-  chose, and the forward forced with other experts -> (free logits, routing, its grads, forced logits,
-  routing, grads, logits and routing forced with others)."""
-  mesh = sharding.create_mesh(cfg)
-  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+@pytest.mark.parametrize("mesh", [{}, dict(ici_data_parallelism=2, ici_expert_parallelism=4)],
+                         ids=["one_device", "data2xexpert4"])
+def test_forcing_the_chosen_experts_keeps_outputs_and_gradients_forcing_others_changes_them(mesh):
+  # one program (one compile) per case: free forward + gradients, the same forced with the routing the
+  # layer chose, the forward forced with other experts; on the mesh through the expert-parallel dispatch
+  exchange = dict(moe_exchange="all_to_all") if mesh and jax.default_backend() == "cpu" else {}
+  cfg, model = make_model(**ROUTE_CFG, num_devices=8 if mesh else 1, **mesh, **exchange)
+  x = rand_x(cfg, b=4)  # [4,8,D]
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss(p, tokens, routed):
-      logits, aux = model_state.merge(graphdef, p, buffers)(tokens, routed_experts=routed)
-      return jnp.sum(jnp.sin(logits)), (logits, aux["routed_experts"])  # [b,t,V], [b,t,L,k]
+  def loss(p, forced):
+    y, aux = nnx.merge(graphdef, p, rest)(x, None, forced)  # [b,t,D]
+    return jnp.sum(jnp.sin(y)), (y, aux["routed_experts"])  # aux: [b,t,k]
 
-    grad = jax.value_and_grad(loss, has_aux=True)
+  grad = jax.value_and_grad(loss, has_aux=True)
 
-    @jax.jit
-    def run(p, tokens):
-      (_, (free, ids)), g_free = grad(p, tokens, None)
-      (_, (same, ids_same)), g_same = grad(p, tokens, ids)
-      other = (ids + 1) % cfg.num_experts  # [b,t,L,k]: other experts, still distinct per token
-      _, (moved, ids_moved) = loss(p, tokens, other)
-      return free, ids, g_free, same, ids_same, g_same, moved, ids_moved, other
+  @jax.jit
+  def run(p):
+    (_, (free, ids)), g_free = grad(p, None)
+    (_, (same, ids_same)), g_same = grad(p, ids)
+    other = (ids + 1) % cfg.num_experts  # [b,t,k]: other experts, still distinct per token
+    _, (moved, ids_moved) = loss(p, other)
+    return free, ids, g_free, same, ids_same, g_same, moved, ids_moved, other
 
-    out = run(params, jax.random.randint(jax.random.key(1), (4, 8), 0, cfg.vocab_size))
-  return jax.tree.map(np.asarray, out)
-
-
-def _check(cfg):
-  free, ids, g_free, same, ids_same, g_same, moved, ids_moved, other = _forced_vs_free(cfg)
-  assert ids.shape == (4, 8, cfg.num_moe_layers, cfg.num_experts_per_tok)
+  with sharding.logical_rules(cfg, sharding.create_mesh(cfg)) if mesh else contextlib.nullcontext():
+    free, ids, g_free, same, ids_same, g_same, moved, ids_moved, other = jax.tree.map(np.asarray, run(params))
+  _, want_ids, _ = np_route(np.asarray(x, np.float64).reshape(-1, cfg.emb_dim) @ params64(model)["gate"],
+                            np.zeros(cfg.num_experts), cfg)
+  np.testing.assert_array_equal(np.sort(ids.reshape(want_ids.shape), -1), np.sort(want_ids, -1))  # as route() chose
   np.testing.assert_array_equal(ids_same, ids)
   np.testing.assert_array_equal(ids_moved, other)
   np.testing.assert_allclose(same, free, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_same, g_free)
-  router = g_free["moe_layers"]["layers"]["mlp"]["gate_kernel"]
-  assert np.abs(router).max() > 0  # gradients reach the router through the gate weights
+  assert np.abs(g_free["gate_kernel"]).max() > 0  # gradients reach the router through the gate weights
   assert np.abs(moved - free).max() > 1e-3
-  return ids
-
-
-def test_forcing_the_chosen_experts_keeps_outputs_and_gradients_on_one_device_and_a_mesh():
-  single = _check(make_config(**TINY))
-  meshed = _check(make_config(num_devices=8, ici_data_parallelism=2, ici_expert_parallelism=4, **TINY))
-  np.testing.assert_array_equal(meshed, single)  # the mesh's dispatch returns the same routing
