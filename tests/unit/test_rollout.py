@@ -3,6 +3,8 @@ trainer's scoring of them (MaxText/post_train/policy_logprobs.py logprobs_of), a
 the kept size is the hand-computed top_p / top_k set, the logprob is renormalized over it; the trainer,
 given that size, scores the same distribution."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,7 @@ def test_trainer_scores_the_recorded_kept_set_at_the_recorded_temperature():
   tokens = jnp.asarray(np.argsort(-np.asarray(logits), axis=-1)[:, :, 1], jnp.int32)  # [B,T] second best
   tokens = jnp.concatenate([jnp.zeros((2, 1), jnp.int32), tokens[:, :-1]], axis=1)  # token t from position t-1
   kept = jnp.asarray([[V, 3, 1, 7, V], [V, 2, V, 4, 10]], jnp.int32)  # kept 1: the token is kept anyway
-  logp = np.asarray(logprobs_of(logits, tokens, temperature=0.8, kept=kept))
+  logp = np.asarray(jax.jit(functools.partial(logprobs_of, temperature=0.8))(logits, tokens, kept=kept))
   assert (logp[:, 0] == 0).all()
   for b in range(2):
     for t in range(1, 5):
