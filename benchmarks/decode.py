@@ -24,8 +24,8 @@ variants alternate call by call (so a disturbance hits all alike): --stat (min o
 --iters calls each after a warm-up, and the paged/contiguous ratio as the median of the paired
 calls' ratios (call i of each) with its quartiles: on a shared host the pairs cancel most of the
 load's drift. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the paged
-engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios); asserts
-nothing about time.
+engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios, *_same_tokens
+whether both sampled the same greedy tokens); asserts nothing about time.
 
 --prompt: a prompt of context - 1 tokens (one request, greedy, max_tokens 1) through
 ServingEngine.step as a server would run it: the scheduler's chunks of --chunk tokens, each step's
@@ -154,19 +154,19 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   return run
 
 
-def time_variants(fns: dict, iters: int) -> dict:
-  """{name: [seconds of each call]} for each fn () -> array, called in turn (after a compile +
-  warm-up call each): call i of every fn ran back to back."""
+def time_variants(fns: dict, iters: int) -> tuple[dict, dict]:
+  """({name: [seconds of each call]}, {name: its first output as numpy}) for each fn () -> array,
+  called in turn (after a compile + warm-up call each): call i of every fn ran back to back."""
+  first = {name: np.asarray(fn()) for name, fn in fns.items()}
   for fn in fns.values():
-    for _ in range(2):
-      jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
   times = {name: [] for name in fns}
   for _ in range(iters):
     for name, fn in fns.items():
       t0 = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - t0)
-  return times
+  return times, first
 
 
 def paired_ratio(num: list[float], den: list[float]) -> tuple[float, list[float]]:
@@ -190,7 +190,9 @@ def step_rows(args, params, buffers) -> list[dict]:
       engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
       fill_pools(engine, seed=s)
       feed = step_feed_at_end(engine, args.batch, args.chunk if args.prefill else 1)
-      got = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)}, args.iters)
+      got, out = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
+                               args.iters)
+      row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
       row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(pick(got[k]) * 1e3, 3) for k in ("paged", "contiguous"))
       ratio, quartiles = paired_ratio(got["paged"], got["contiguous"])
       row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
@@ -200,7 +202,9 @@ def step_rows(args, params, buffers) -> list[dict]:
                            for m in modes)
     if len(modes) == 2:
       line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
-    print(line, flush=True)
+    differ = [m for m in modes if not row[f"{m}_same_tokens"]]
+    print(line + (f"  (paged and contiguous sampled different tokens: {', '.join(differ)})" if differ else ""),
+          flush=True)
     rows.append(row)
   return rows
 
