@@ -211,7 +211,7 @@ def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
   return jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1])  # [B,G*page,n]
 
 
-KEY_BLOCK_BYTES = 1 << 20  # fp32 indexer keys (all rows) one PagedKeys block scores: a cache-sized buffer
+KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (all rows) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
 
 
 class PagedKeys(NamedTuple):
