@@ -1,11 +1,13 @@
 """Decode step time vs context length: the paged engine against a contiguous cache of the same data,
 sparse (indexer + top-k + gather over k latents) and dense (absorbed attention over the whole latent
-cache); with --prefill, a prefill chunk over a cached prefix instead of a decode step.
+cache); with --prefill, a prefill chunk over a cached prefix instead of a decode step; with --prompt,
+a whole prompt through the engine's scheduler, each prefill chunk timed as its cached prefix grows.
 
     python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
     python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
     python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
+    python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
 
 The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
 nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
@@ -19,8 +21,19 @@ The contiguous reference is the model's own contiguous cache view (cache_view.Ca
 kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
 the same model call with the same sampling and a write of its entries, in the same process. The
 variants alternate call by call (so a disturbance hits all alike): --stat (min or median) of
---iters calls each after a warm-up. Prints a table, then one JSON line (the rows: sparse_ms and
-dense_ms the paged engine's, *_contiguous_ms the reference's); asserts nothing about time.
+--iters calls each after a warm-up, and the paged/contiguous ratio as the median of the paired
+calls' ratios (call i of each) with its quartiles: on a shared host the pairs cancel most of the
+load's drift. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the paged
+engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios, *_same_tokens
+whether both sampled the same greedy tokens); asserts nothing about time.
+
+--prompt: a prompt of context - 1 tokens (one request, greedy, max_tokens 1) through
+ServingEngine.step as a server would run it: the scheduler's chunks of --chunk tokens, each step's
+page table as wide as its context bucket (serve_context_buckets). Every step is timed (after
+engine.warmup compiled every program); the rows are (prefix, slots read, ms). A chunk's work is
+its queries against k selected latents (flat in the prefix) plus the indexer scoring every slot of
+the step's table (linear in the slots, not the prefix): times stay flat within a context bucket.
+--set key=value (typed as YAML) overrides the model's widths (WIDE) for a smaller or larger model.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ import time
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import yaml
 from flax import nnx
 
 from MaxText.checkpoint import model_state  # noqa: E402
@@ -42,6 +56,7 @@ from MaxText.inference import kv_cache, paged_cache, step_feed  # noqa: E402
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import step_head_chunk
 from MaxText.inference.sampling import greedy_ids
+from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.runtime import sharding
 
@@ -57,11 +72,13 @@ PAGE = 64
 
 
 def config_for(context: int, args, batch: int = 1):
+  model = {**WIDE, "indexer_topk": args.topk, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.set)}}
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
                              max_target_length=context, max_prefill_length=min(context, args.chunk),
+                             serve_max_num_tokens=max(batch, min(context, args.chunk)),
                              kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
                              serve_max_num_seqs=batch, serve_page_size=PAGE,
-                             serve_num_pages=batch * -(-context // PAGE), indexer_topk=args.topk, **WIDE)
+                             serve_num_pages=batch * -(-context // PAGE), **model)
 
 
 def fill_pools(engine: ServingEngine, seed: int) -> None:
@@ -100,10 +117,12 @@ def paged_step(engine: ServingEngine, feed: dict):
 
 def contiguous_step(engine: ServingEngine, feed: dict):
   """The same step over a contiguous copy of the pools' rows: a function () -> sampled [B] that
-  runs the model with kv_cache.LayerCache views (no page table) and writes its entries in place."""
+  runs the model with kv_cache.LayerCache views (no page table) and writes its entries in place.
+  Its tokens and positions travel from the host every call, as the engine's feed does (closed
+  over as constants, XLA would fold the masks and splice offsets that depend on them)."""
   cfg, t = engine.config, feed["t"]
-  table, positions = jnp.asarray(feed["table"]), jnp.asarray(feed["positions"])
-  tokens = jnp.asarray(feed["tokens"])
+  table = jnp.asarray(feed["table"])
+  host = np.concatenate([feed["tokens"], feed["positions"]], axis=1).astype(np.int32)  # [B, 2t]
 
   def as_rows(pool):  # a stacked pool [L,N,n] -> a LayerCache [L,B,S,n] (idx_k [L,B,d,S])
     if isinstance(pool, list):
@@ -114,45 +133,54 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   graphdef, head_chunk = engine.graphdef, step_head_chunk(cfg, engine.chunk, t)
 
   @jax.jit
-  def step(params, buffers, stores, absorbed):
+  def step(params, buffers, stores, absorbed, inputs):  # inputs [B, 2t]: tokens, positions
     model = nnx.merge(graphdef, params, buffers)
     views = stack_views(stores, absorbed, mode=engine.mode, index_head_chunk=head_chunk)
+    tokens, positions = inputs[:, :t], inputs[:, t:]
     logits, aux = model(tokens, positions, cache=views, last_index=jnp.full(tokens.shape[0], t - 1, jnp.int32))
     return aux["cache_entries"], greedy_ids(logits[:, 0])
 
-  @jax.jit
-  def write(stores, entries):  # at the last position: every call writes the same entries
-    return write_stacks(stores, entries, lambda store, **e: kv_cache.write(store, positions[:, 0], **e))
+  def write(stores, entries, inputs):  # at the row's first new position: every call writes the same entries
+    return write_stacks(stores, entries, lambda store, **e: kv_cache.write(store, inputs[:, t], **e))
 
-  write = jax.jit(write.__wrapped__, donate_argnums=(0,))
+  write = jax.jit(write, donate_argnums=(0,))
 
   def run():
-    entries, sampled = step(engine.params, engine.buffers, state["stores"], engine.absorbed)
-    state["stores"] = write(state["stores"], entries)
+    inputs = jnp.asarray(host)
+    entries, sampled = step(engine.params, engine.buffers, state["stores"], engine.absorbed, inputs)
+    state["stores"] = write(state["stores"], entries, inputs)
     return sampled
 
   return run
 
 
-def time_variants(fns: dict, iters: int, stat: str) -> dict:
-  """{name: ms} for each fn () -> array, called in turn (after a compile + warm-up call each)."""
+def time_variants(fns: dict, iters: int) -> tuple[dict, dict]:
+  """({name: [seconds of each call]}, {name: its first output as numpy}) for each fn () -> array,
+  called in turn (after a compile + warm-up call each): call i of every fn ran back to back."""
+  first = {name: np.asarray(fn()) for name, fn in fns.items()}
   for fn in fns.values():
-    for _ in range(2):
-      jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
   times = {name: [] for name in fns}
   for _ in range(iters):
     for name, fn in fns.items():
       t0 = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - t0)
-  pick = min if stat == "min" else statistics.median
-  return {name: pick(ts) * 1e3 for name, ts in times.items()}
+  return times, first
+
+
+def paired_ratio(num: list[float], den: list[float]) -> tuple[float, list[float]]:
+  """(median, [first quartile, third quartile]) of num[i] / den[i]: the ratio of calls made back to back."""
+  r = [a / b for a, b in zip(num, den)]
+  q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
+  return statistics.median(r), [q[0], q[2]]
 
 
 def step_rows(args, params, buffers) -> list[dict]:
   modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
   print(f"{'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
-        + " " + " ".join(f"{m + ' p/c':>10}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
+        + " " + " ".join(f"{m + ' p/c [quartiles]':>26}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
+  pick = min if args.stat == "min" else statistics.median
   rows = []
   for s in args.contexts:
     cfg = config_for(s, args, args.batch)
@@ -162,21 +190,56 @@ def step_rows(args, params, buffers) -> list[dict]:
       engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
       fill_pools(engine, seed=s)
       feed = step_feed_at_end(engine, args.batch, args.chunk if args.prefill else 1)
-      got = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
-                          args.iters, args.stat)
-      row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(got[k], 3) for k in ("paged", "contiguous"))
+      got, out = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
+                               args.iters)
+      row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
+      row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(pick(got[k]) * 1e3, 3) for k in ("paged", "contiguous"))
+      ratio, quartiles = paired_ratio(got["paged"], got["contiguous"])
+      row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
       del engine
-    ratios = [row[f"{m}_ms"] / row[f"{m}_contiguous_ms"] for m in modes]
     line = f"{s:>8} " + " ".join(f"{row[f'{m}{v}_ms']:>16.1f}" for m in modes for v in ("", "_contiguous"))
-    line += " " + " ".join(f"{r:>9.2f}x" for r in ratios)
+    line += " " + " ".join(f"{row[m + '_ratio']:>11.2f}x [{row[m + '_ratio_q'][0]:.2f}-{row[m + '_ratio_q'][1]:.2f}]"
+                           for m in modes)
     if len(modes) == 2:
       line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
-    print(line, flush=True)
+    differ = [m for m in modes if not row[f"{m}_same_tokens"]]
+    print(line + (f"  (paged and contiguous sampled different tokens: {', '.join(differ)})" if differ else ""),
+          flush=True)
     rows.append(row)
   return rows
 
 
-def main() -> None:
+def prompt_rows(args, params, buffers) -> list[dict]:
+  """--prompt: per context, one prompt of context - 1 tokens through ServingEngine.step (the
+  scheduler's chunks), every step timed -> rows {context, prefix, slots, tokens, ms}."""
+  rows = []
+  print(f"{'context':>8} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
+  for s in args.contexts:
+    cfg = config_for(s, args)
+    graphdef, _, _ = model_state.abstract_model(cfg)
+    engine = ServingEngine(cfg, graphdef, params, buffers)
+    programs = engine.warmup()
+    prompt = np.random.default_rng(s).integers(1, cfg.vocab_size, s - 1).tolist()
+    engine.generate([prompt[:2 * args.chunk]], SamplingParams(max_tokens=1))  # the host side's first calls
+    engine.reset()
+    request = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while not engine.idle:
+      prefix = request.computed
+      tokens = min(args.chunk, len(prompt) - prefix)  # this step's chunk (the scheduler's rule, one request)
+      pages = -(-(prefix + tokens) // engine.page_size)
+      slots = next(c for c in engine.contexts if c >= pages) * engine.page_size  # the step's table width
+      t0 = time.perf_counter()
+      engine.step()  # returns once the sampled token is on the host
+      ms = (time.perf_counter() - t0) * 1e3
+      rows.append(dict(context=s, prefix=prefix, tokens=tokens, slots=slots, ms=round(ms, 3)))
+      print(f"{s:>8} {prefix:>8} {tokens:>7} {slots:>10} {ms:>10.1f}", flush=True)
+    assert request.output, "the prompt finished without its token"
+    print(f"  ({programs} step programs compiled first)")
+    del engine
+  return rows
+
+
+def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
   ap.add_argument("--quick", action="store_true", help="contexts 32768 131072, sparse only, 5 iters")
@@ -188,27 +251,37 @@ def main() -> None:
   ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
   ap.add_argument("--prefill", action="store_true",
                   help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
+  ap.add_argument("--prompt", action="store_true",
+                  help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides over WIDE")
   ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
+  if bad := [a for a in args.set if "=" not in a]:
+    ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
 
   cfg0 = config_for(args.contexts[0], args)
   mesh = sharding.create_mesh(cfg0)
   _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context
-  what = f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step"
+  what = (f"a prompt through the engine in {args.chunk}-token chunks" if args.prompt else
+          f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step")
   print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch {args.batch}, "
-        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {args.topk}"
-        f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}; "
-        f"{args.stat} of {args.iters} steps")
-  common = dict(backend=jax.default_backend(), layers=args.layers, topk=args.topk, cache_dtype=args.cache_dtype,
-                approx=args.approx, stat=args.stat, iters=args.iters)
+        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}"
+        f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}"
+        + ("" if args.prompt else f"; {args.stat} of {args.iters} steps"))
+  common = dict(backend=jax.default_backend(), layers=args.layers, topk=cfg0.indexer_topk, cache_dtype=args.cache_dtype,
+                approx=args.approx, overrides=args.set)
+  if args.prompt:
+    print(json.dumps(dict(benchmark="decode_prompt_chunks", chunk=args.chunk, **common,
+                          rows=prompt_rows(args, params, buffers))))
+    return
   rows = step_rows(args, params, buffers)
   name = "decode_prefill_chunk" if args.prefill else "decode"
   print(json.dumps(dict(benchmark=name, batch=args.batch, chunk=args.chunk if args.prefill else 1, **common,
-                        rows=rows)))
+                        stat=args.stat, iters=args.iters, rows=rows)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ questions either way, so the model's math is written once for both:
     length              S, the slots a row can see (positions >= a row's length are masked)
     select_indexer(..)  the indexer's top-k over every slot's key and the new tokens' (each query
                         scores all: O(S)); paged, a block of pages at a time where they lie
-    latents(dtype)      every slot's c_kv [b,S,c], k_pe [b,S,r] (dense attention only)
+    latents(dtype)      every slot's c_kv [b,S,c], k_pe [b,S,r] (a contiguous copy; tests)
+    attend_dense(..)    dense attention over every valid slot (paged: a block of pages at a time)
     gather(idx, dtype)  the selected slots' c_kv [b,n,c], k_pe [b,n,r] (sparse: O(k) per query)
     stored(name, x)     x as a later read will return it (rounded to the storage dtype; fp8 blocks)
 
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, select_spliced
+from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, latent_attention_dense, select_spliced
 
 
 @jax.tree_util.register_dataclass
@@ -70,6 +71,20 @@ class CacheView:
 
   def latents(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     return kv_cache.read_latents(self._contiguous(), dtype)
+
+  def attend_dense(self, q_abs: jax.Array, q_pe: jax.Array, c_new: jax.Array, pe_new: jax.Array,
+                   positions: jax.Array, scale: float, precision=None) -> jax.Array:
+    """Absorbed attention over every cached slot before each row's new tokens and the new tokens
+    themselves (causal): q_abs [b,t,h,c], q_pe [b,t,h,r], c_new [b,t,c], pe_new [b,t,r] (as stored),
+    positions [b,t] -> o_lat [b,t,h,c]. Contiguous: latent_attention_dense over the whole cache;
+    paged: a block of pages at a time where they lie (paged_cache.dense_over_pages)."""
+    start = positions[:, 0]
+    if self.paged:
+      return paged_cache.dense_over_pages(self.store, self.page_table, self.page_size, q_abs, q_pe, c_new, pe_new,
+                                          start, scale, precision)
+    valid = jnp.arange(self.length, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
+    return latent_attention_dense(q_abs, q_pe, *self.latents(q_abs.dtype), c_new, pe_new, valid, start, scale,
+                                  precision)
 
   def gather(self, idx: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     if self.paged:

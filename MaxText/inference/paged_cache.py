@@ -19,8 +19,10 @@ whole pages but the last:
     as over a contiguous cache) a block of pages at a time where the pages lie: each block's
     [page, d] pages gathered whole into a small buffer and scored there, so the [S, d] keys are
     never copied out (a token-by-token gather of them cost more than the scoring itself);
+  - `dense_over_pages`: dense attention over every latent of a row, a block of pages at a time where
+    they lie (online softmax), never the row's [S, c] latents copied out;
   - `sequence_view`: a row's whole sequence in kv_cache's contiguous LayerCache layout, gathered
-    page by page (dense attention reads every latent);
+    page by page (the benchmark's contiguous reference; tests);
   - `gather_selected`: only the selected latents (O(k) per query), through the page table.
 So a paged step computes the same function as a contiguous one over the same tokens, score for
 score (kernels/cached_attention.py: both key sources score with index_scores).
@@ -47,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
+from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.index_scores import index_scores
 from MaxText.runtime import sharding
 
@@ -208,7 +211,7 @@ def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
   return jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1])  # [B,G*page,n]
 
 
-KEY_BLOCK_BYTES = 1 << 20  # fp32 indexer keys (all rows) one PagedKeys block scores: a cache-sized buffer
+KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (all rows) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
 
 
 class PagedKeys(NamedTuple):
@@ -266,6 +269,41 @@ def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: 
                     check_vma=False)
 
 
+def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, q_abs: jax.Array,
+                     q_pe: jax.Array, c_new: jax.Array, pe_new: jax.Array, start: jax.Array, scale: float,
+                     precision=None) -> jax.Array:
+  """Dense attention over every latent a row has cached, read where its pages lie: q_abs [B,t,h,c],
+  q_pe [B,t,h,r], the new tokens' c_new [B,t,c], pe_new [B,t,r] (as stored) at slots start[B]..,
+  page_table [B,P] -> o_lat [B,t,h,c] (cached_attention.latent_attention_blocks: a block of whole
+  pages at a time, online softmax; no [S, c] copy of a row's latents). A block's latents (fp32, all
+  rows) and its [B,h,t,width] logits each stay within KEY_BLOCK_BYTES (at least one page). On a mesh
+  each device attends its own rows over its own page shard, as select_over_pages."""
+  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+  b, t, h, c = q_abs.shape
+
+  def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
+    table, q_abs, q_pe, c_new, pe_new, start = arrays
+    rows, p = table.shape
+    table = jnp.maximum(table, 0) - first // page_size  # [B_l,P] local pages (none: page 0, masked by start)
+    slot_bytes = rows * 4 * max(c + pe_new.shape[-1], h * t)  # one slot's latents or logits, every row
+    per_block = max(1, min(p, KEY_BLOCK_BYTES // (page_size * slot_bytes)))  # pages a block
+    n = -(-p // per_block)
+    table = jnp.pad(table, ((0, 0), (0, n * per_block - p)))  # [B_l, n*per_block]: past P reads page 0, masked
+
+    def read_block(i):  # -> c [B_l,width,c], pe [B_l,width,r]
+      pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [B_l,per_block]
+      cc = _pages(stores["c_kv"], pages, page_size)  # [B_l,width,c] stored
+      if "c_kv_scale" in stores:
+        cc = dequantize_fp8(cc, _pages(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
+      return cc, _pages(stores["k_pe"], pages, page_size)
+
+    return latent_attention_blocks(q_abs, q_pe, read_block, n, per_block * page_size, c_new, pe_new, start, scale,
+                                   precision)
+
+  rows = ((page_table, 0), (q_abs, 0), (q_pe, 0), (c_new, 0), (pe_new, 0), (start, 0))
+  return _on_shards(run, present, rows, pool_out=False, check_vma=False)
+
+
 def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int) -> kv_cache.LayerCache:
   """A layer's pools seen through page_table [B,P] as kv_cache's contiguous LayerCache of
   S = P * page_size positions per row: c_kv/k_pe [B,S,n], idx_k [B,d,S], gathered page by page.
@@ -313,4 +351,4 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
 
 
 __all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "placed", "page_axes", "page_shards", "pool_shardings", "slots",
-           "write", "PagedKeys", "select_over_pages", "sequence_view", "gather_selected", "pool_bytes"]
+           "write", "PagedKeys", "select_over_pages", "dense_over_pages", "sequence_view", "gather_selected", "pool_bytes"]

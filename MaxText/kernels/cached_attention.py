@@ -10,6 +10,8 @@ cache). So every read splices the new tokens' values into their slots start[b] .
     select_spliced                                     the indexer's top-k [b,t,k], its score buffer
                                                        bounded in bytes (score_blocks)
     latent_attention_dense                             softmax over every valid slot   [b,t,h,c]
+    latent_attention_blocks                            the same, the cache read a block of slots at a
+                                                       time (online softmax; the paged pools' dense read)
     merge_selected                                     selected rows from cache or new entries
 
 With the absorbed weights (sparse_attention.absorb_q / unabsorb_out) this is MLA's function of
@@ -99,6 +101,47 @@ def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, 
   p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead
   return (jnp.einsum("bhts,bsc->bthc", p_old.astype(dt), c_old, precision=precision)
           + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]
+
+
+def latent_attention_blocks(q_abs: jax.Array, q_pe: jax.Array, read_block: Callable, n_blocks: int, width: int,
+                            c_new: jax.Array, pe_new: jax.Array, start: jax.Array, scale: float,
+                            precision=None) -> jax.Array:
+  """latent_attention_dense's function, the cache read a block of `width` slots at a time:
+  read_block(i) -> (c [b,width,c], pe [b,width,r]) of slots i*width.. (as stored, any dtype), for
+  i < n_blocks. Each query attends to the cached slots before its row's start[b] (the slots from
+  start on are this step's new tokens') and to the new tokens c_new [b,t,c], pe_new [b,t,r] up to
+  itself (positions consecutive from start). Online softmax in fp32 (a running max, sum and
+  weighted latents [b,t,h,c]), so neither the [b,h,t,S] logits nor the [b,S,c] latents ever exist;
+  equal to latent_attention_dense up to rounding. q_abs [b,t,h,c], q_pe [b,t,h,r] -> [b,t,h,c]."""
+  f32, dt = jnp.float32, q_abs.dtype
+  b, t, h, c = q_abs.shape
+
+  def scores(cc, pe):  # [b,n,c], [b,n,r] -> [b,h,t,n] fp32, scaled
+    return (jnp.einsum("bthc,bsc->bhts", q_abs, cc, precision=precision, preferred_element_type=f32)
+            + jnp.einsum("bthr,bsr->bhts", q_pe, pe, precision=precision, preferred_element_type=f32)) * scale
+
+  def update(carry, logits, cc):  # logits [b,h,t,n] (-inf: not seen), cc [b,n,c]
+    m, l, acc = carry  # [b,h,t], [b,h,t], [b,t,h,c]
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))  # finite: m starts at a finite floor
+    p = jnp.exp(logits - m_new[..., None])  # [b,h,t,n]
+    alpha = jnp.exp(m - m_new)  # [b,h,t]
+    acc = acc * jnp.swapaxes(alpha, 1, 2)[..., None] + jnp.einsum("bhtn,bnc->bthc", p.astype(dt), cc,
+                                                                    precision=precision, preferred_element_type=f32)
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+  def block(i, carry):
+    cc, pe = (a.astype(dt) for a in read_block(i))  # [b,width,c], [b,width,r]
+    slot = i * width + jnp.arange(width, dtype=jnp.int32)  # [width]
+    seen = (slot[None, :] < start[:, None])[:, None, None, :]  # [b,1,1,width]
+    return update(carry, jnp.where(seen, scores(cc, pe), -jnp.inf), cc)
+
+  floor = jnp.finfo(f32).min  # not -inf: exp(m - m_new) stays 0 or 1, never NaN, before any slot is seen
+  carry = (jnp.full((b, h, t), floor, f32), jnp.zeros((b, h, t), f32), jnp.zeros((b, t, h, c), f32))
+  carry = jax.lax.fori_loop(0, n_blocks, block, carry) if n_blocks > 1 else block(0, carry)
+  causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [t(query), t(new key)]
+  c_new, pe_new = c_new.astype(dt), pe_new.astype(dt)
+  _, l, acc = update(carry, jnp.where(causal, scores(c_new, pe_new), -jnp.inf), c_new)
+  return (acc / jnp.swapaxes(l, 1, 2)[..., None]).astype(dt)  # [b,t,h,c]
 
 
 class ContiguousKeys(NamedTuple):
@@ -198,4 +241,5 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
 
 
 __all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
+           "latent_attention_blocks",
            "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected"]

@@ -52,7 +52,6 @@ from MaxText.kernels import backend
 from MaxText.kernels.cached_attention import (
   absorbed_weights,
   key_kernel,
-  latent_attention_dense,
   merge_selected,
   value_kernel,
 )
@@ -231,7 +230,6 @@ class MLA(nnx.Module):
     if self.indexer is not None:
       entries["idx_k"] = self.indexer.keys(x, positions)  # [b,t,d_I]
     stored = {name: cache.stored(name, e) for name, e in entries.items()}  # what a read will return
-    valid = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [b,t,S]
     absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel_value(), h, nope, v)
     q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0,
                      precision=precision)  # [b,t,h,kv_lora]
@@ -251,8 +249,8 @@ class MLA(nnx.Module):
       o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, local, idx_valid, cfg.softmax_scale,
                                precision=precision)  # [b,t,h,kv_lora]
     elif cache.mode == "dense":
-      o_lat = latent_attention_dense(q_abs, q_pe, *cache.latents(dt), stored["c_kv"], stored["k_pe"], valid, start,
-                                     cfg.softmax_scale, precision)  # [b,t,h,kv_lora]
+      o_lat = cache.attend_dense(q_abs, q_pe, stored["c_kv"], stored["k_pe"], positions, cfg.softmax_scale,
+                                 precision)  # [b,t,h,kv_lora]
     else:
       raise ValueError(f"attention mode {cache.mode!r}: expected 'sparse' or 'dense'")
     out = unabsorb_out(o_lat.astype(dt), value_kernel(absorbed).astype(dt), h, 0, v, precision=precision)  # [b,t,h,v]

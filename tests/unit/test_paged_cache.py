@@ -9,7 +9,7 @@ import pytest
 from conftest import make_config
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels.cached_attention import ContiguousKeys
+from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
 
@@ -105,6 +105,31 @@ def test_a_stack_writes_every_layer_at_its_slots():
     np.testing.assert_array_equal(np.asarray(view.c_kv)[1, 2], np.asarray(e["c_kv"])[i, 1, 0])
   assert paged_cache.pool_bytes(cfg, PAGES, PAGE) == \
       kv_cache.bytes_per_token_per_layer(cfg) * cfg.num_decoder_layers * n
+
+
+def test_dense_attention_over_the_pages_equals_it_over_the_contiguous_cache(monkeypatch):
+  """dense_over_pages reads a block of pages at a time (here one page: 4 blocks) with an online
+  softmax: the same attention as latent_attention_dense over the contiguous cache, ragged rows
+  whose new tokens (3, from slot 5 and from slot 9) replace what their slots held. fp8: the blocks
+  are dequantized where they are read."""
+  cfg = make_config(kv_cache_dtype="fp8")
+  b, t, h, s = 2, 3, 4, 4 * PAGE
+  table = jnp.asarray([[3, 7, 1, 6], [2, 0, 9, 4]], jnp.int32)  # [B,P]
+  e = _entries(cfg, b, s, seed=5)
+  pools = paged_cache.write(paged_cache.init_layer_pools(cfg, PAGES * PAGE),
+                            paged_cache.slots(table, jnp.broadcast_to(jnp.arange(s), (b, s)), PAGE, PAGES * PAGE), **e)
+  contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, b, length=s), jnp.zeros((b,), jnp.int32), **e)
+  rng = np.random.default_rng(6)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q_abs, q_pe, c_new, pe_new = f(b, t, h, cfg.kv_lora_rank), f(b, t, h, 8), f(b, t, cfg.kv_lora_rank), f(b, t, 8)
+  positions = jnp.asarray([5, 9], jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B,t]
+  valid = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B,t,S]
+  want = jax.jit(lambda c, *a: latent_attention_dense(*a[:2], *kv_cache.read_latents(c), *a[2:], valid,
+                                                      positions[:, 0], 0.3))(contiguous, q_abs, q_pe, c_new, pe_new)
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 1)  # a page a block
+  got = jax.jit(lambda p, *a: paged_cache.dense_over_pages(p, table, PAGE, *a, positions[:, 0], 0.3))(
+      pools, q_abs, q_pe, c_new, pe_new)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
 def _key_gathers(hlo: str, d: int) -> list[tuple[str, int]]:
