@@ -106,10 +106,11 @@ class Grammars:
   """The server's grammar side: llguidance's tokenizer, the compile worker and its cache, the mask fill."""
 
   def __init__(self, tokenizer_json: str, *, eos_id: int, vocab_size: int, workers: int = 1):
-    """tokenizer_json: a tokenizer.json's text; vocab_size: the model's (the logits' width V >= the tokenizer's)."""
+    """tokenizer_json: a tokenizer.json's text, eos_id its EOS; vocab_size: the model's (the logits' width V,
+    at least the tokenizer's)."""
     import llguidance as llg
     self.tokenizer = llg.LLTokenizer(tokenizer_json, eos_token=eos_id)
-    self.vocab_size, self.eos_id = vocab_size, eos_id
+    self.vocab_size = vocab_size
     self.words = -(-vocab_size // 32)  # the mask's int32 words a row: [B, ceil(V/32)]
     self._llg_words = -(-self.tokenizer.vocab_size // 32)  # llguidance's own row (its tokenizer's vocabulary)
     self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
@@ -143,10 +144,11 @@ class Grammars:
       raise GrammarError(f"{spec.field}: {matcher.get_error()}", spec.field)
     return matcher
 
-  def mask(self, rows: Sequence, where: Sequence[int], b: int) -> np.ndarray | None:
+  def mask(self, rows: Sequence, where: Sequence[int], b: int, eos_id: int | None) -> np.ndarray | None:
     """The step's bitmask [b, ceil(V/32)] int32 for Scheduled rows at batch rows `where`: a sampling row
-    with a grammar gets its matcher's allowed tokens (its stop tokens only while the grammar accepts),
-    every other row all ones. None when no sampling row has a grammar (the plain program runs)."""
+    with a grammar gets its matcher's allowed tokens, its stop tokens (the engine's eos_id unless
+    ignore_eos, stop_token_ids) only while the grammar accepts; every other row all ones. None when no
+    sampling row has a grammar (the plain program runs)."""
     import llguidance.numpy as lln
     held = [(row.request, i) for row, i in zip(rows, where) if row.samples and row.request.constraint is not None]
     if not held:
@@ -159,10 +161,10 @@ class Grammars:
     for r, i in held:
       mask[i] = 0
       mask[i, :n] = allowed[i, :n]
-      _set_bit(bits[i], self.eos_id, False)  # llguidance's EOS stands for the request's own stop tokens:
+      _set_bit(bits[i], self.tokenizer.eos_token, False)  # llguidance's EOS stands for the request's stop tokens:
       if r.constraint.matcher.is_accepting():
         p = r.params
-        for tok in (*p.stop_token_ids, *(() if p.ignore_eos else (self.eos_id,))):
+        for tok in (*p.stop_token_ids, *(() if p.ignore_eos or eos_id is None else (eos_id,))):
           _set_bit(bits[i], tok, tok < self.vocab_size)
     return mask
 

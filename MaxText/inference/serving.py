@@ -241,7 +241,7 @@ class ServingEngine:
 
   def step_mask(self, rows: list[Scheduled], where: list[int], b: int):
     """The step's grammar bitmask [b, ceil(V/32)] int32 on the device, or None (no sampling row has a grammar)."""
-    mask = self.grammars.mask(rows, where, b) if self.grammars is not None else None
+    mask = self.grammars.mask(rows, where, b, self.eos_id) if self.grammars is not None else None
     return None if mask is None else jnp.asarray(mask)
 
   def end_complete(self, rows: list[Scheduled], made: list[int | None]) -> None:
