@@ -205,6 +205,8 @@ class ServingEngine:
       raise RequestError(str(future.exception()), params.grammar.field)
     r = self.scheduler.add(prompt, params, hold=True)
     self.held.add(r, future)
+    if future.done():  # compiled already (the server compiles first): queued now, in its arrival order
+      self.held.release(self.scheduler)
     return r
 
   def abort(self, request: Request) -> None:
