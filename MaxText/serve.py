@@ -47,6 +47,7 @@ def create_server(config: Config, log=_log):
 
   from MaxText.checkpoint import model_state
   from MaxText.data.tokenizer import load_tokenizer
+  from MaxText.inference.grammar import Grammars
   from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
   from MaxText.server.app import Server, build_app
@@ -61,6 +62,7 @@ def create_server(config: Config, log=_log):
                 chat_template_source=where, special_tokens=special, chat_encoding=encoding)
   eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
   vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
+  grammars = Grammars.for_tokenizer(tokenizer, config.vocab_size)  # structured outputs; None without a tokenizer.json
 
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
@@ -72,10 +74,11 @@ def create_server(config: Config, log=_log):
   @contextlib.contextmanager
   def make_engine():
     with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-      yield ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id, log=log)
+      yield ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id, log=log,
+                          grammars=grammars)
 
   engine = EngineThread(make_engine, max_waiting=config.serve_max_waiting, log=log)
-  server = Server(config, texts, engine, config.model_name)
+  server = Server(config, texts, engine, config.model_name, grammars=grammars)
   return server, build_app(server)
 
 

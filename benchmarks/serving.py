@@ -38,6 +38,13 @@ last checkpoint's are spec_acceptance and spec_speedup, spec_min_speedup_at_acce
 smallest speedup among checkpoints accepting >= 0.6. Why 12 layers: the drafter is one more layer
 over the step's k + 1 tokens a row, 1/(L + 1) of the layers (DeepSeek-V3.2: 1 of 62); with the
 4-layer tiny model it is a fifth of the step and does not pay on this CPU (--spec-layers 4 measures it).
+Structured outputs (`structured`, also alone with --structured-only): --seqs (16) free rows at temperature 1
+and beside them 0, 1 and 8 rows constrained by a regex (inference/grammar.py: llguidance's mask filled
+on the host each step, the masked step program), all arriving at once, every row --structured-tokens
+tokens (EOS ignored; the regex never completes, so a constrained row runs as long as a free one);
+the three runs side by side in one engine (compiled before the clock, both variants), --spec-repeats
+times interleaved (median): output tokens/s of all rows and of the free rows, and the host's mask-fill
+time per step.
 A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
 Ratios are measured side by side in one process; never a timed assert.
 """
@@ -57,6 +64,8 @@ from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.config import pyconfig
 from MaxText.data.input_pipeline import SyntheticBatches, create_data_iterator
+from MaxText.data.tokenizer import load_tokenizer
+from MaxText.inference.grammar import Grammars, GrammarSpec
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
@@ -211,6 +220,66 @@ def speculative(args) -> dict:
   return {"train": trained, "ladder": ladder, "acceptance": ladder[-1]["acceptance"], "speedup": ladder[-1]["speedup"]}
 
 
+STRUCTURED_REGEX = "([a-z]+ )+"  # never complete: a constrained row runs to max_tokens like a free one
+
+
+def structured(args) -> dict:
+  """--seqs free rows with 0, 1 and 8 regex-constrained rows beside them, all at once, side by side in one
+  engine (its plain and masked step programs compiled first): tokens/s of all rows and of the free ones,
+  the mask fill's milliseconds a step; the median of --spec-repeats interleaved runs."""
+  tok = load_tokenizer(tokenizer_type="hf", tokenizer_path="tests/data/tokenizer.json")
+  counts = (0, 1, 8)
+  cfg, g, p, b = model_for(argparse.Namespace(**{**vars(args), "max_len": 128, "chunk": 32, "page": 16}), {},
+                           args.seqs + max(counts))
+  grammars = Grammars.for_tokenizer(tok, cfg.vocab_size)
+  eng = ServingEngine(cfg, g, p, b, sample_vocab=tok.vocab_size, eos_id=tok.eos_id, grammars=grammars)
+  eng.warmup()
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, tok.vocab_size, 16).tolist() for _ in range(args.seqs + max(counts))]
+  spec = GrammarSpec("regex", STRUCTURED_REGEX, "structured_outputs")
+  fill = grammars.mask
+  spent = []
+
+  def timed_fill(*a):  # the host's share: llguidance filling the constrained rows' masks
+    t = time.perf_counter()
+    out = fill(*a)
+    spent.append(time.perf_counter() - t)
+    return out
+
+  grammars.mask = timed_fill
+
+  def run(c: int) -> dict:
+    eng.reset()
+    spent.clear()
+    plist = [SamplingParams(max_tokens=args.structured_tokens, temperature=1.0, seed=i, ignore_eos=True,
+                            grammar=spec if i >= args.seqs else None) for i in range(args.seqs + c)]
+    t0 = time.perf_counter()
+    reqs = eng.generate(prompts[:args.seqs + c], plist)
+    dt = time.perf_counter() - t0
+    free = sum(len(r.output) for r in reqs[:args.seqs])
+    return {"tokens_per_s": sum(len(r.output) for r in reqs) / dt, "free_tokens_per_s": free / dt,
+            "steps": eng.steps, "mask_ms_per_step": 1e3 * sum(spent) / max(eng.steps, 1)}
+
+  for c in counts:  # compiles the masked variants (and checks the outputs) before the clock
+    run(c)
+  runs = {c: [] for c in counts}
+  for _ in range(args.spec_repeats):
+    for c in counts:
+      runs[c].append(run(c))
+  return {c: sorted(r, key=lambda m: m["tokens_per_s"])[len(r) // 2] for c, r in runs.items()}
+
+
+def print_structured(args, st: dict) -> dict:
+  print(f"structured outputs: {args.seqs} free rows + N regex-constrained rows, {args.structured_tokens} tokens "
+        f"each, temperature 1, all at once; median of {args.spec_repeats}")
+  print(f"{'constrained':>11} {'tok/s all':>9} {'tok/s free':>10} {'steps':>5} {'mask ms/step':>12}")
+  for c, m in st.items():
+    print(f"{c:>11} {m['tokens_per_s']:9.1f} {m['free_tokens_per_s']:10.1f} {m['steps']:>5} {m['mask_ms_per_step']:12.3f}")
+  base = st[0]["free_tokens_per_s"]
+  return {f"structured_free_ratio_{c}": round(m["free_tokens_per_s"] / base, 3) for c, m in st.items() if c} | {
+      f"structured_mask_ms_{c}": round(m["mask_ms_per_step"], 3) for c, m in st.items() if c}
+
+
 def fresh(result):
   """result, after dropping every compiled program (each section compiles its own engines': XLA:CPU
   maps a few pages per kernel, and a process is allowed 65530 maps)."""
@@ -246,9 +315,14 @@ def main() -> None:
                   help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
   ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
   ap.add_argument("--spec-only", action="store_true", help="only the speculative comparison")
+  ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
+  ap.add_argument("--structured-tokens", type=int, default=64, help="tokens every row makes in the structured rows")
   args = ap.parse_args()
   if args.quick:
     args.requests, args.system = 64, 512
+  if args.structured_only:
+    print(json.dumps(print_structured(args, fresh(structured(args)))))
+    return
   spec = fresh(speculative(args))
   k, tr = args.spec_tokens, spec["train"]
   print(f"speculative: {k} MTP draft(s) a step; tiny widths, {args.spec_layers} layers + 1 MTP module trained "
@@ -271,6 +345,7 @@ def main() -> None:
   if not args.quick:
     rows.append(fresh(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD)))
   pre = fresh(prefix(args, {}))
+  out |= print_structured(args, fresh(structured(args)))
   print(f"{args.requests} requests, Poisson {args.rate}/s, prompts {args.prompt_min}-{args.prompt_max}, "
         f"outputs {args.out_min}-{args.out_max} tokens, {args.seqs} sequences; greedy, EOS ignored"
         + ("" if args.quick else f"; mid: {MID_WORKLOAD}"))

@@ -5,7 +5,8 @@ prompt_logprobs = N (every prompt token's logprob from position 1, and the top N
 model's log-softmax over its logits BEFORE temperature, top_p and top_k (vLLM's default): the
 distribution the model gives, not the one the request draws from: over the whole vocabulary, also
 with sample_vocab (a tokenizer smaller than vocab_size: sampling never draws past it, yet the logprobs
-stay the training model's log-softmax; a trained model gives those ids next to no mass).
+stay the training model's log-softmax; a trained model gives those ids next to no mass), and also with
+a grammar (structured outputs, grammar.py): its bitmask changes what is drawn, never the logprobs reported.
 
 On the device (`step_logprobs`, inside the engine's logprob step): only a step that holds a row asking
 for logprobs runs that program; it computes the logits at every row position [B,t,V] (the plain step

@@ -45,7 +45,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from MaxText.inference.page_allocator import OutOfPages, PageAllocator
 
@@ -71,6 +71,7 @@ class SamplingParams:
   logprobs: int | None = None  # each generated token's logprob and the top N (inference/logprobs.py); None = off
   prompt_logprobs: int | None = None  # every prompt token's logprob and the top N; None = off
   rollout: bool = False  # record per token what RL's loss needs (inference/rollout.py) in Request.rollout
+  grammar: Any = None  # structured outputs: a grammar.GrammarSpec the output must match; None = free
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -102,6 +103,7 @@ class Request:
   draft_row: int = 0  # speculative: its row of the engine's drafts' distributions (kept while it runs)
   logprobs: dict = dataclasses.field(default_factory=dict)  # position -> logprobs.Logprob (when asked)
   rollout: object = None  # rollout.Rollout for a request with params.rollout (the engine fills it)
+  constraint: Any = None  # its grammar's compile and matcher (grammar.Constraint), when params.grammar is set
 
   @property
   def tokens(self) -> list[int]:
@@ -158,8 +160,9 @@ class Scheduler:
     self.rollout_shareable = lambda prompt, pages: pages
 
   # ---- requests
-  def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-    """Queues a request; raises RequestError (naming the field) for one that can never run."""
+  def add(self, prompt: Sequence[int], params: SamplingParams, hold: bool = False) -> Request:
+    """Queues a request; raises RequestError (naming the field) for one that can never run. hold: checked
+    and made, not queued yet (its grammar compiles): `enqueue` queues it."""
     params.check(self.vocab_size)
     if not prompt:
       raise RequestError("prompt has no tokens", "prompt")
@@ -174,18 +177,25 @@ class Scheduler:
                          f"({self.allocator.shard_pages} of {self.allocator.page_size} tokens"
                          f"{' per shard' if self.allocator.shards > 1 else ''})", "max_tokens")
     r = Request([int(t) for t in prompt], params, id=next(self._ids))
-    self.waiting.append(r)
+    if not hold:
+      self.waiting.append(r)
     return r
 
-  def abort(self, request: Request) -> None:
-    """Ends a request now (a client went away): its pages go back at once."""
+  def enqueue(self, r: Request) -> None:
+    """Queues a request made with add(hold=True) (at the back: first come first served from now)."""
+    if r.finish_reason is None:
+      self.waiting.append(r)
+
+  def abort(self, request: Request, reason: str = "abort") -> None:
+    """Ends a request now (a client went away; reason "stop": its grammar is complete): its pages go back
+    at once."""
     if request.finish_reason is not None:
       return
     if request in self.running:
       self.running.remove(request)
     elif request in self.waiting:
       self.waiting.remove(request)
-    self._finish(request, "abort")
+    self._finish(request, reason)
 
   @property
   def idle(self) -> bool:

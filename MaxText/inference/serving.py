@@ -38,6 +38,10 @@ logprob and the top N = serve_max_logprobs); other steps run the plain one. Not 
 Rollouts (rollout.py, RL): a step holding a rollout request's row runs the rollout program (the plain
 or logprob step plus each row's sampled token's logprob under its sampling distribution, its kept-set
 size and the step's routed experts [B,t,L,k]); the host keeps them in Request.rollout. Not when speculating.
+Structured outputs (grammar.py, with `grammars`): a request with a grammar waits out of the queue while
+its grammar compiles on a worker thread (others keep stepping); a step holding a sampling row with a
+grammar runs the step program's masked variant, its [B, ceil(V/32)] int32 bitmask filled on the host
+(rows without a grammar all ones), and after it each such row's token advances its matcher.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 
@@ -63,7 +67,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import logprobs, paged_cache, rollout, step_feed
+from MaxText.inference import grammar, logprobs, paged_cache, rollout, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -82,9 +86,11 @@ from MaxText.runtime.distributed import to_host
 
 class ServingEngine:
   def __init__(self, config: Config, graphdef, params, buffers, *, attention: str | None = None,
-               sample_vocab: int | None = None, eos_id: int | None = None, log=None):
+               sample_vocab: int | None = None, eos_id: int | None = None, log=None,
+               grammars: grammar.Grammars | None = None):
     """attention: "sparse" | "dense" (default: default_attention(config)). sample_vocab: sample only
-    ids below it (a tokenizer smaller than vocab_size). eos_id: default config.eos_id."""
+    ids below it (a tokenizer smaller than vocab_size). eos_id: default config.eos_id. grammars: serves
+    requests with a grammar (structured outputs; grammar.py)."""
     cfg = config
     self.config, self.graphdef, self.params, self.buffers = cfg, graphdef, params, buffers
     self.mode = attention or default_attention(cfg)
@@ -101,7 +107,7 @@ class ServingEngine:
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
     self.num_pages, self.eos_id = num_pages, cfg.eos_id if eos_id is None else eos_id
-    self.sample_vocab = sample_vocab
+    self.sample_vocab, self.grammars = sample_vocab, grammars
     self.spec = SpecStep(self) if cfg.serve_speculative_tokens else None
     self.t_decode = 1 + cfg.serve_speculative_tokens  # a decode step's tokens per row
     self.t_mixed = max(self.chunk, self.t_decode)
@@ -152,6 +158,7 @@ class ServingEngine:
     self.rollouts.pages.clear()  # computed by the old weights, like the pages
     self.scheduler.rollout_shareable = self.rollouts.shareable
     self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
+    self.held = grammar.Held()  # requests whose grammar compiles
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
@@ -198,9 +205,24 @@ class ServingEngine:
                          f"{self.config.serve_speculative_tokens}): use serve_speculative_tokens=0", "rollout")
     if params.seed is None and params.temperature > 0:
       params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
-    r = self.scheduler.add(prompt, params)
+    if params.grammar is None:
+      r = self.scheduler.add(prompt, params)
+      if params.rollout:
+        self.rollouts.start(r)
+      return r
     if params.rollout:
-      self.rollouts.start(r)
+      raise RequestError("rollout is not recorded under a grammar (structured outputs): its logprobs would not be "
+                         "the policy's; drop one of the two", "rollout")
+    if self.grammars is None:
+      raise RequestError("structured outputs need the server's tokenizer as a Hugging Face tokenizer.json "
+                         "(tokenizer_type=hf tokenizer_path=...)", params.grammar.field)
+    future = self.grammars.compile(params.grammar)
+    if future.done() and future.exception() is not None:
+      raise RequestError(str(future.exception()), params.grammar.field)
+    r = self.scheduler.add(prompt, params, hold=True)
+    self.held.add(r, future)
+    if future.done():  # compiled already (the server compiles first): queued now, in its arrival order
+      self.held.release(self.scheduler)
     return r
 
   def abort(self, request: Request) -> None:
@@ -208,13 +230,15 @@ class ServingEngine:
 
   @property
   def idle(self) -> bool:
-    return self.scheduler.idle
+    return self.scheduler.idle and not self.held.requests
 
   # ---- one step
   def step(self) -> list[tuple[Request, int]]:
     """Runs one engine step -> (request, new token) for each token made (a stop token is not one)."""
+    self.held.release(self.scheduler)
     rows = self.scheduler.schedule()
     if not rows:
+      self.held.wait(0.01)  # only grammars compiling: wait a little for one, not a busy loop
       return []
     if self.spec is not None:
       return self.spec.step(rows)
@@ -223,7 +247,7 @@ class ServingEngine:
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
-    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro)
+    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b))
     sampled = to_host(sampled)
     if ro:
       lps, records = lps
@@ -234,9 +258,20 @@ class ServingEngine:
     self.scheduler.update(rows, sampled[where])
     if ro:
       self.rollouts.publish(rows, self.allocator)
+    self.end_complete(rows, made)
     self.steps += 1
     return [(row.request, row.request.output[-1]) for row, n in zip(rows, made)
             if n is not None and len(row.request.output) > n]
+
+  def step_mask(self, rows: list[Scheduled], where: list[int], b: int):
+    """The step's grammar bitmask [b, ceil(V/32)] int32 on the device, or None (no sampling row has a grammar)."""
+    mask = self.grammars.mask(rows, where, b, self.eos_id) if self.grammars is not None else None
+    return None if mask is None else jnp.asarray(mask)
+
+  def end_complete(self, rows: list[Scheduled], made: list[int | None]) -> None:
+    """After update: the new tokens advance their rows' grammars; a request whose grammar is complete ends ("stop")."""
+    for r in grammar.advance(rows, made):
+      self.scheduler.abort(r, "stop")
 
   def _placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
     """(B, the batch row of each scheduled row): D page shards of B/D rows each, B/D a power of two;
@@ -272,21 +307,21 @@ class ServingEngine:
     axes = paged_cache.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
-  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False):
+  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None):
     """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
     with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     else None; with_rollout: that third value paired with the rollout records (logp [B], kept [B],
-    experts [B,t,L,k]))."""
+    experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None."""
     buf = step_feed.to_device(feed)
     lps = None
     with self._rules():
       if with_rollout:
         entries, sampled, lps = self._step_ro_jit(t, with_logprobs, self.params, self.buffers, self.pools,
-                                                  self.absorbed, buf)
+                                                  self.absorbed, buf, mask)
       elif with_logprobs:
-        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
+        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask)
       else:
-        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
+        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask)
       pools = self._write_jit(t, self.pools, entries, buf)
     return pools, sampled, lps
 
@@ -302,32 +337,35 @@ class ServingEngine:
                         last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
     return f, logits, aux
 
-  def _sample(self, f: dict, logits: jax.Array) -> jax.Array:
-    """Each row's token [B] from its logits [B,V] (ids past sample_vocab masked) by its request's options and key."""
-    logits = self.mask_vocab(logits)
+  def _sample(self, f: dict, logits: jax.Array, mask=None) -> jax.Array:
+    """Each row's token [B] from its logits [B,V] (ids past sample_vocab masked; with a grammar bitmask
+    [B, ceil(V/32)], the ids it disallows) by its request's options and key."""
+    logits = self.mask_vocab(logits) if mask is None else grammar.apply_bitmask(self.mask_vocab(logits), mask)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
     return sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
 
-  def _step(self, t, params, buffers, pools, absorbed, buf):
-    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B])."""
+  def _step(self, t, params, buffers, pools, absorbed, buf, mask=None):
+    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B]).
+    mask: a grammar bitmask [B, ceil(V/32)] (a separately compiled variant), or None."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=False)  # [B,1,V]
-    return aux["cache_entries"], self._sample(f, logits[:, 0])
+    return aux["cache_entries"], self._sample(f, logits[:, 0], mask)
 
-  def _step_lp(self, t, params, buffers, pools, absorbed, buf):
+  def _step_lp(self, t, params, buffers, pools, absorbed, buf, mask=None):
     """_step, plus logprobs.step_logprobs at every row position: (entries, sampled [B], (token logprobs
-    [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N])), N = serve_max_logprobs."""
+    [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N])), N = serve_max_logprobs (the model's own
+    logits: a grammar's mask changes only what is drawn)."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=True)  # [B,t,V]
     last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
-    sampled = self._sample(f, last)
+    sampled = self._sample(f, last, mask)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs)
     return aux["cache_entries"], sampled, lps
 
-  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf):
+  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf, mask=None):
     """_step (with_logprobs: _step_lp), plus the rollout records: (entries, sampled [B], (the logprob step's
     values or None, (logp [B], kept [B], experts [B,t,L,k]))), rollout.sampled_logprobs of the drawn tokens."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
     last = jnp.take_along_axis(logits, f["last"][:, None, None] * with_logprobs, axis=1)[:, 0]  # [B,V]
-    sampled = self._sample(f, last)
+    sampled = self._sample(f, last, mask)  # mask: a step with a constrained row (never a rollout's own)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs) \
         if with_logprobs else None
     logp, kept = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"], f["top_k"])  # [B]

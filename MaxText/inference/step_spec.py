@@ -22,6 +22,10 @@ holds `known` tokens of its sequence then its drafts d_1..d_m (m <= k):
      rewritten later). A draft position on a page the row has not got is not written: the next
      chained pass reads a stale slot there, a weaker draft, never a wrong output.
 
+Structured outputs (grammar.py): a row with a grammar drafts nothing (its drafts are dropped after each
+step), so its step verifies no draft and draws one token from the target's logits under the grammar's
+bitmask (the masked variant of this program, given a mask [B, ceil(V/32)]): no token is taken unchecked.
+
 Keys: position P's draws use fold_in(key(seed), P): split for the accept test and the residual
 draw; fold_in(., 1) for the draft of P. So a request's tokens depend on its seed and its drafts,
 whatever else shares the batch (a preempted sampling request redraws from where it resumes).
@@ -37,6 +41,7 @@ from flax import nnx
 
 from MaxText.inference import paged_cache, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
+from MaxText.inference.grammar import apply_bitmask
 from MaxText.inference.model_step import mtp_absorbed_weights, run_or_shape, step_head_chunk
 from MaxText.inference.sampling import draw, greedy_ids, row_probs, verify_drafts
 from MaxText.inference.scheduler import Scheduled
@@ -87,17 +92,18 @@ class SpecStep:
     feed = step_feed.empty(b, t, pages)
     self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
-    got = to_host(self.run(t, feed))[where]  # [rows, 2k+2]
+    got = to_host(self.run(t, feed, e.step_mask(rows, where, b)))[where]  # [rows, 2k+2]
     out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
     e.scheduler.update(rows, [out[i, :accepted[i] + 1].tolist() for i in range(len(rows))])
+    e.end_complete(rows, made)
     for i, row in enumerate(rows):
       r = row.request
       if samples[i]:
         self.drafted += len(row.drafts)
         self.accepted += int(accepted[i])
-        if r.finish_reason is None:  # the request's next step verifies these (their q: draft_q[r.draft_row])
+        if r.finish_reason is None and r.constraint is None:  # its next step verifies these (q: draft_q[r.draft_row])
           r.drafts = drafts[i].tolist()
     e.steps += 1
     return [(row.request, tok) for row, n in zip(rows, made) if n is not None for tok in row.request.output[n:]]
@@ -109,18 +115,18 @@ class SpecStep:
     return self._jit.lower(t, e.params, e.buffers, e.pools, self.mtp_pool, (e.absorbed, self.absorbed),
                            self.draft_q, buf).compile()
 
-  def run(self, t: int, feed: dict) -> jax.Array:
+  def run(self, t: int, feed: dict, mask=None) -> jax.Array:
     e = self.engine
     buf = step_feed.to_device(feed)
     with e._rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
-                                                            (e.absorbed, self.absorbed), self.draft_q, buf)
+                                                            (e.absorbed, self.absorbed), self.draft_q, buf, mask)
       e.pools = e._write_jit(t, e.pools, entries, buf)
     return out
 
-  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf):
+  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf, mask=None):
     """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
-    accepted, the next drafts [k]). See the module docstring."""
+    accepted, the next drafts [k]). mask: a grammar bitmask [B, ceil(V/32)] or None. See the module docstring."""
     e, k = self.engine, self.k
     f = step_feed.unpack(buf, t)
     absorbed, mtp_absorbed = absorbed
@@ -130,6 +136,8 @@ class SpecStep:
                         page_size=e.page_size)
     verify_at = jnp.clip(f["last"][:, None] + jnp.arange(k + 1), 0, t - 1)  # [B,k+1]
     logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=verify_at)  # [B,k+1,V]
+    if mask is not None:  # a constrained row has no drafts: its position 0 is the one drawn from
+      logits = apply_bitmask(logits, mask)  # [B,k+1,V]
     opts = (f["temp"], f["top_p"], f["top_k"])
     all_greedy = jnp.all(f["temp"] <= 0)  # then verification and drafting need no distributions (lax.cond)
     drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (plain and streamed as
 server-sent events; logprobs and echo: server/logprobs.py), /v1/models, /health, /metrics, and vLLM's
-/tokenize, /detokenize and /tokenizer_info, over the engine thread.
+/tokenize, /detokenize and /tokenizer_info, over the engine thread; structured outputs
+(response_format, structured_outputs: server/structured.py) on both completion endpoints.
 
     app = build_app(Server(config, texts, engine_thread, model_id))
     uvicorn.run(app, ...)
@@ -21,7 +22,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from MaxText.server.logprobs import (
 )
 from MaxText.server.metrics import CONTENT_TYPE, ServerMetrics
 from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields, StopText, Texts
+from MaxText.server.structured import compiled, grammar_spec
 
 _DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that its client is still there
 
@@ -54,6 +56,7 @@ class Server:
   engine: EngineThread
   model_id: str
   metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
+  grammars: Any = None  # inference.grammar.Grammars: structured outputs (None: refused with a 400)
 
 
 @dataclasses.dataclass
@@ -79,6 +82,9 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
                    "model", "model_not_found")
   stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids])
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
+  if (spec := grammar_spec(body)) is not None:
+    await compiled(server.grammars, spec)  # a bad schema is a 400 here; the engine then finds it compiled
+    params = [dataclasses.replace(p, grammar=spec) for p in params]
   streams: list[RequestStream] = []
   try:
     for p, sp in zip(prompts, params):

@@ -11,7 +11,9 @@ system prompt and DSML blocks in the reply become `tool_calls` (finish_reason "t
 `tool_choice`: "auto", "none" (no tools in the prompt), "required" or {"type": "function",
 "function": {"name": ...}} (the reply is started with the function_calls block, or that function's
 invoke, so a tool is called; thinking is off for such a turn); `parallel_tool_calls: false` keeps the
-first call; `response_format` goes into the system prompt. The EOS marker is a stop token.
+first call; `response_format` goes into the system prompt. The EOS marker is a stop token. A request with a
+grammar (response_format json_object / json_schema, structured_outputs: server/structured.py) runs with
+thinking off, so the grammar constrains the whole reply, its content; with tool_choice forcing a call it is a 400.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from MaxText.data import chat_dsv32 as fmt
 from MaxText.data.chat_dsv32_stream import CompletionParser, Delta
 from MaxText.server.protocol import ApiError, ChatRequest, Texts
+from MaxText.server.structured import grammar_spec
 
 
 def resolve_chat_encoding(chat_encoding: str, has_template: bool, has_tokenizer: bool) -> str:
@@ -96,10 +99,14 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
   if texts.chat_encoding != "deepseek_v32":
     return ChatTurn(texts.chat_prompt(body.messages), _PlainParser())
   kwargs = body.chat_template_kwargs or {}
-  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+  constrained = grammar_spec(body) is not None  # the grammar is the reply's: no thinking before it
+  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))) and not constrained
   try:
     tools = fmt.check_tools(body.tools)
     forced = _forced_start(body.tool_choice, tools)
+    if forced and constrained:
+      raise fmt.ChatFormatError(f"tool_choice={body.tool_choice!r} forces a tool call, which a response_format "
+                                "or structured_outputs grammar would forbid: send one of them", "tool_choice")
     text = fmt.render([m.as_dict() for m in body.messages], thinking=thinking and forced is None,
                       tools=tools if body.tool_choice != "none" else None, response_format=body.response_format)
   except fmt.ChatFormatError as e:

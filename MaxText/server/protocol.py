@@ -3,7 +3,7 @@ stop strings, chat templates, ids to text).
 
 Requests follow OpenAI's /v1/completions and /v1/chat/completions fields (unknown fields are
 ignored, as OpenAI-compatible servers do), plus vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids` and `prompt_logprobs`. Every bad field is an `ApiError` whose `param` names it.
+`stop_token_ids`, `return_token_ids`, `prompt_logprobs` and `structured_outputs` (server/structured.py). Every bad field is an `ApiError` whose `param` names it.
 
 Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
 is its ids joined by commas, as decode.py prints them.
@@ -55,6 +55,12 @@ class SamplingFields(BaseModel):
   stream_options: StreamOptions | None = None
   n: int = 1
   return_token_ids: bool = False
+  # Structured outputs (server/structured.py): OpenAI's, then vLLM's (and its older guided_*)
+  response_format: dict | None = None
+  structured_outputs: dict | None = None
+  guided_json: dict | str | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
 
   @model_validator(mode="before")
   @classmethod
@@ -132,7 +138,6 @@ class ChatRequest(SamplingFields):
   tools: list[Any] | None = None
   tool_choice: str | dict | None = None
   parallel_tool_calls: bool = True
-  response_format: dict | None = None
   chat_template_kwargs: dict | None = None  # {"thinking": true} (or "enable_thinking")
 
   logprobs: bool = False  # each generated token's logprob (server/logprobs.py)

@@ -160,6 +160,26 @@ def test_speculation_needs_an_mtp_module_and_a_sampled_request_keeps_its_seed(mo
   assert crowd[0].output == model[3][0]  # the greedy neighbour is unaffected
 
 
+def test_a_constrained_row_drafts_nothing_and_keeps_its_grammar_beside_a_drafting_one(model):
+  """Drafting is off for a row with a grammar (step_spec.py): each of its tokens is drawn under the mask."""
+  import os
+
+  from MaxText.data.tokenizer import load_tokenizer
+  from MaxText.inference.grammar import Grammars, GrammarSpec
+  from tests.conftest import REPO_ROOT
+  tok = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=os.path.join(REPO_ROOT, "tests/data/tokenizer.json")))
+  eng = _engine(model, serve_speculative_tokens=1)
+  eng.grammars = Grammars.for_tokenizer(tok, 512)
+  choice = SamplingParams(max_tokens=NEW, temperature=1.0, seed=3, grammar=GrammarSpec("choice", '["yes", "no"]'))
+  free, constrained = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=NEW)), eng.add_request(PROMPTS[1], choice)
+  while not eng.idle:
+    eng.step()
+    assert constrained.drafts == []
+  eng.grammars = None
+  assert free.output == model[3][0] and eng.stats()["spec_drafted"] > 0  # the free row drafted, unchanged
+  assert constrained.finish_reason == "stop" and tok.decode(constrained.output) in ("yes", "no")
+
+
 def test_load_weights_serves_other_weights_without_recompiling(model):
   """ServingEngine.load_weights swaps in another set of the model's weights (the target's and the MTP
   layer's absorbed weights recomputed): the speculative engine then gives what a plain engine built
