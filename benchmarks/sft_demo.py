@@ -2,22 +2,33 @@ r"""The SFT demo, end to end: synthetic conversations -> train.py use_sft=true -
 -> held-out conversations scored through /v1/chat/completions with the openai client, before and
 after SFT.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sft_demo.py --work /tmp/sft_demo [--steps 300 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/sft_demo.py --work /tmp/sft_demo [--quick] [--steps 600 ...] [key=value ...]
 
-1. benchmarks/sft_conversations.py writes <work>/data/{train,eval}.jsonl (additions with a one-line
-   thinking trace; a share where the assistant calls the `add` tool, gets its result and answers).
-2. train.py trains the tiny model (configs/base.yml, model deepseek3.2-tiny, from its random init,
-   seed fixed) with use_sft=true for --steps steps into <work>/sft; extra key=value go to train and serve.
-3. The server starts twice on a free 127.0.0.1 port from the run's config.yml: without
+1. benchmarks/sft_conversations.py writes <work>/data/{train,eval}.jsonl (single-digit additions with a
+   one-line thinking trace; 15% of the training set, 30% of the held-out one, where the assistant calls
+   the `add` tool, gets its result and answers: the arithmetic is what takes steps to learn, the call
+   is a copy of the operands, learned from fewer).
+2. --tokenizer bpe (the default): benchmarks/sft_tokenizer.py trains a byte-level BPE tokenizer on the
+   training conversations as V3.2's format renders them (the 7 markers one token each, digits one
+   token each) into <work>/tokenizer.json; the model's vocab_size is its size rounded up to 128.
+   Why: with the byte-level test tokenizer the format's tools block alone is ~800 tokens, so a tool
+   conversation fills a 1088-token row by itself; with the BPE one it is ~160 tokens and a row of 256
+   holds a few conversations: ~6x fewer tokens to train on.
+3. train.py trains the tiny model (configs/base.yml, model deepseek3.2-tiny, from its random init,
+   seed fixed) with use_sft=true for --steps steps into <work>/sft; extra key=value go to train and serve
+   (default DEFAULT_KEYS: no MTP, no remat, use_indexer=false: dense MLA, about 2x faster a step on
+   the CPU than the lightning indexer's sparse training at these lengths, with the same loss after
+   150 steps; what the demo shows is SFT, not DSA: pass key=value to train with the indexer).
+4. The server starts twice on a free 127.0.0.1 port from the run's config.yml: without
    load_parameters_path (the same random init: "before") and with <work>/sft/checkpoints ("after");
    both share a JAX compilation cache under <work>, so the second start reads the programs back.
-4. Each held-out conversation's first user turn is sent (temperature 0, thinking on, the record's
+5. Each held-out conversation's first user turn is sent (temperature 0, thinking on, the record's
    tools): exact match = the reply's content is the sum; tool accuracy = a tool conversation's reply
    has parsed tool_calls calling add with {"a": a, "b": b}.
 
 Prints a table and one JSON line (exact_match_before, exact_match_after, tool_call_accuracy, ...).
-The V3.2 tools block of the system prompt is ~1000 tokens with tests/data/tokenizer.json, so a tool
-conversation needs max_target_length >= 1048 (the default 1088); each SFT row holds whole conversations.
+Each SFT row holds whole conversations: --max_target_length must hold a tool conversation (~160
+tokens with the BPE tokenizer, ~1050 with tests/data/tokenizer.json: then pass --max_target_length 1088).
 """
 
 from __future__ import annotations
@@ -32,8 +43,11 @@ import time
 
 from benchmarks.serve_load import REPO, _free_port, start, stop
 from benchmarks.sft_conversations import add_arguments, write_sets
+from benchmarks.sft_tokenizer import rendered, train_tokenizer
 
-TOKENIZER = os.path.join(REPO, "tests", "data", "tokenizer.json")
+# The model keys when none are given: the tiny model with dense attention (see the module docstring).
+DEFAULT_KEYS = ("mtp_num_layers=0", "remat_policy=none", "use_indexer=false")
+QUICK = {"steps": 400, "score": 40}  # --quick
 
 
 def run(cmd: list[str], env: dict, log_path: str) -> None:
@@ -44,9 +58,23 @@ def run(cmd: list[str], env: dict, log_path: str) -> None:
     raise SystemExit(f"error: {' '.join(cmd[:3])} exited {rc}; see {log_path}")
 
 
-def train_command(args, data: str, extra: list[str]) -> list[str]:
+def demo_tokenizer(args, data: str) -> tuple[str, int]:
+  """(tokenizer.json path, the model's vocab_size: the tokenizer's rounded up to 128). --tokenizer bpe trains
+  one on the training conversations into <work>/tokenizer.json (sft_tokenizer.py)."""
+  from MaxText.data.tokenizer import load_tokenizer
+  path = args.tokenizer
+  if path == "bpe":
+    with open(os.path.join(data, "train.jsonl")) as f:
+      path = train_tokenizer(rendered(json.loads(line) for line in f), os.path.join(args.work, "tokenizer.json"),
+                             vocab_size=1024)
+  size = load_tokenizer(tokenizer_type="hf", tokenizer_path=path).vocab_size
+  return os.path.abspath(path), max(512, -(-size // 128) * 128)
+
+
+def train_command(args, data: str, tokenizer: str, vocab_size: int, extra: list[str]) -> list[str]:
   return [sys.executable, "-m", "MaxText.train", "configs/base.yml", "use_sft=true", "train_data_columns=[messages]",
-          "dataset_type=file", f"dataset_path={data}/train.jsonl", "tokenizer_type=hf", f"tokenizer_path={TOKENIZER}",
+          "dataset_type=file", f"dataset_path={data}/train.jsonl", "tokenizer_type=hf", f"tokenizer_path={tokenizer}",
+          f"vocab_size={vocab_size}",
           f"max_target_length={args.max_target_length}", f"max_prefill_length={args.max_target_length}",
           f"global_batch_size={args.batch}", f"steps={args.steps}", f"learning_rate={args.learning_rate}",
           f"warmup_steps={max(1, args.steps // 20)}", f"checkpoint_period={args.steps}", "log_period=10",
@@ -107,13 +135,21 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--work", required=True, help="folder for the data, the run, the logs and the compilation cache")
   add_arguments(p)
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch", type=int, default=4, help="global_batch_size (rows of whole conversations)")
+  p.set_defaults(low=0, high=10, tool_share=0.15, eval_tool_share=0.3, train=4000)  # single-digit sums; 15% (eval 30%) call add
+  p.add_argument("--tokenizer", default="bpe",
+                 help="'bpe': train a BPE tokenizer on the training conversations into <work>/tokenizer.json "
+                      "(benchmarks/sft_tokenizer.py; a tool conversation is ~160 tokens), or a tokenizer.json holding "
+                      "V3.2's markers (tests/data/tokenizer.json: byte-level, a tool conversation is ~1050 tokens, "
+                      "so --max_target_length 1088)")
+  p.add_argument("--steps", type=int, default=600)
+  p.add_argument("--batch", type=int, default=8, help="global_batch_size (rows of whole conversations)")
   p.add_argument("--learning_rate", type=float, default=3e-3)
-  p.add_argument("--max_target_length", type=int, default=1088)
-  p.add_argument("--score", type=int, default=40, help="held-out conversations scored (the first of eval.jsonl)")
-  p.add_argument("--max_tokens", type=int, default=160, help="a tool call turn is ~140 tokens")
+  p.add_argument("--max_target_length", type=int, default=256)
+  p.add_argument("--score", type=int, default=100, help="held-out conversations scored (the first of eval.jsonl)")
+  p.add_argument("--max_tokens", type=int, default=96,
+                 help="a tool call turn is ~50 tokens (bpe; prompt + max_tokens must fit max_target_length), ~140 (bytes)")
   p.add_argument("--workers", type=int, default=8, help="concurrent requests (and serve_max_num_seqs)")
+  p.add_argument("--quick", action="store_true", help=f"a loaded machine: {QUICK} instead")
   return p
 
 
@@ -123,14 +159,17 @@ def main(argv=None) -> None:
   bad = [x for x in extra if "=" not in x]
   if bad:
     p.error(f"unknown argument {bad[0]!r}: flags are --name value, model keys key=value")
-  extra = extra or ["mtp_num_layers=0", "remat_policy=none"]
+  extra = extra or list(DEFAULT_KEYS)
+  if args.quick:
+    vars(args).update(QUICK)
   data = os.path.join(args.work, "data")
   counts = write_sets(args, data)
   with open(os.path.join(data, "eval.jsonl")) as f:
     records = [json.loads(line) for line in f][:args.score]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   t0 = time.perf_counter()
-  run(train_command(args, data, extra), env, os.path.join(args.work, "train.log"))
+  tokenizer, vocab_size = demo_tokenizer(args, data)
+  run(train_command(args, data, tokenizer, vocab_size, extra), env, os.path.join(args.work, "train.log"))
   train_s = time.perf_counter() - t0
   print(f"trained {args.steps} steps in {train_s:.0f} s", file=sys.stderr, flush=True)
   config_yml = os.path.join(args.work, "sft", "config.yml")

@@ -97,7 +97,10 @@ def latent_attention_dense(q_abs: jax.Array, q_pe: jax.Array, c_old: jax.Array, 
   probs = jax.nn.softmax(jnp.where(valid[:, None], logits * scale, -jnp.inf), axis=-1)  # every query sees itself
   t = q_abs.shape[1]
   slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b,t] the new tokens' slots
-  p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1)
+  # A padded row runs past S (a wide step's row starting at a cached prefix): those tokens have no slot
+  # and weigh 0 (the default fill is NaN, which the einsum below would spread to every query of the row).
+  p_new = jnp.take_along_axis(probs, jnp.broadcast_to(slots[:, None, None, :], probs.shape[:3] + (t,)), axis=-1,
+                              mode="fill", fill_value=0)  # [b,h,t,t]
   p_old = splice(probs, jnp.zeros_like(p_new), start)  # their mass goes through c_new instead
   return (jnp.einsum("bhts,bsc->bthc", p_old.astype(dt), c_old, precision=precision)
           + jnp.einsum("bhtn,bnc->bthc", p_new.astype(dt), c_new, precision=precision))  # [b,t,h,c]

@@ -1,6 +1,7 @@
 """MaxText/kernels/cached_attention.py: the indexer's selection over a cache plus new tokens, its
 score buffer bounded in bytes (serve_max_index_score_bytes) whatever the chunk x context, selects
-exactly what the unbounded scoring selects; the compiled program never holds a larger array."""
+exactly what the unbounded scoring selects; the compiled program never holds a larger array. Dense
+attention over a cache: a row padded past the cache's last slot answers its real queries as if cut."""
 
 import re
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.kernels.cached_attention import ContiguousKeys, score_blocks, select_spliced
+from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense, score_blocks, select_spliced
 from MaxText.kernels.topk_indices import topk_indices
 
 B, T, H, D, S, K = 2, 64, 4, 16, 512, 16  # rows, new tokens (a prefill chunk), indexer heads, dim, slots, top-k
@@ -67,3 +68,20 @@ def test_score_blocks_use_every_head_that_fits_before_splitting_queries():
   assert score_blocks(1, 1, 64, 131072, 64, 512 * 2 ** 20) == (1, 64)  # a decode step: all heads at once
   assert score_blocks(1, 4096, 64, 131072, 16, 512 * 2 ** 20) == (1024, 1)  # a 4K chunk at 128K context
   assert score_blocks(1, 256, 64, 8192, 16, 512 * 2 ** 20) == (256, 16)  # fits: unchanged
+
+
+def test_dense_attention_of_a_row_padded_past_the_cache_equals_the_row_cut_at_its_real_tokens():
+  """A wide serving step pads each row to its width from the row's start: a row starting at a cached
+  prefix (start 12 of S=16 slots, width 8) runs past S. Its padding must weigh nothing: once the slots
+  past S read NaN (take_along_axis's fill) and every query of the row came out NaN."""
+  h, c, r, s, t, n, start = 2, 8, 4, 16, 8, 3, jnp.asarray([12], jnp.int32)  # n real tokens of t
+  rng = np.random.default_rng(1)
+  q_abs, q_pe, c_old, pe_old, c_new, pe_new = (rng.standard_normal(shape, np.float32) for shape in (
+      (1, t, h, c), (1, t, h, r), (1, s, c), (1, s, r), (1, t, c), (1, t, r)))
+  pos = start[:, None] + jnp.arange(t)[None]  # [1,t]
+  valid = jnp.arange(s)[None, None, :] <= pos[:, :, None]  # [1,t,S]
+  attend = jax.jit(latent_attention_dense, static_argnums=8)
+  padded = attend(q_abs, q_pe, c_old, pe_old, c_new, pe_new, valid, start, 0.5)  # [1,t,h,c]
+  cut = attend(q_abs[:, :n], q_pe[:, :n], c_old, pe_old, c_new[:, :n], pe_new[:, :n],
+               valid[:, :n], start, 0.5)  # [1,n,h,c]
+  np.testing.assert_allclose(np.asarray(padded[:, :n]), np.asarray(cut), rtol=1e-5, atol=1e-6)

@@ -274,19 +274,26 @@ def test_a_jinja_chat_template_weighs_what_the_template_adds_for_each_assistant_
     bad(record, "x.jsonl:1")
 
 
-def test_the_demos_training_config_is_valid_and_holds_its_conversations_whole(tmp_path, tok):
-  """benchmarks/sft_demo.py's plumbing without training or serving: its train.py command is a valid config
-  and every conversation it generates (a tool one is ~1050 tokens) fits a row, neither cut nor dropped."""
+def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in_short_rows(tmp_path):
+  """benchmarks/sft_demo.py's plumbing without training or serving: the BPE tokenizer it trains keeps
+  V3.2's markers and every digit one token each, its train.py command is a valid config whose vocab holds
+  the tokenizer, and every conversation it generates (a tool one is ~1050 bytes-tokens) fits a
+  max_target_length=256 row, neither cut nor dropped."""
   from benchmarks import sft_demo
   from MaxText.config import pyconfig
-  args, extra = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "8", "--eval", "2",
-                                                    "--tool_share", "0.5"])
+  args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "200", "--eval", "20"])
   sft_demo.write_sets(args, str(tmp_path))
-  cmd = sft_demo.train_command(args, str(tmp_path), ["mtp_num_layers=0"])
+  path, vocab_size = sft_demo.demo_tokenizer(args, str(tmp_path))
+  tok = load_tokenizer(tokenizer_type="hf", tokenizer_path=path)
+  assert all(len(tok.encode(m)) == 1 for m in fmt.SPECIAL_TOKENS)
+  cmd = sft_demo.train_command(args, str(tmp_path), path, vocab_size, ["mtp_num_layers=0"])
   cfg = pyconfig.initialize(cmd[2:], num_devices=1, ici_data_parallelism=1)
-  assert cfg.use_sft and cfg.steps == args.steps and cfg.mtp_num_layers == 0
+  assert cfg.use_sft and cfg.steps == args.steps and cfg.max_target_length == 256
+  assert tok.vocab_size <= cfg.vocab_size
   enc = ConversationEncoder.from_config(cfg, tok)
   for split in ("train", "eval"):
     for n, line in enumerate(open(tmp_path / f"{split}.jsonl")):
-      enc(json.loads(line), f"{split}.jsonl:{n + 1}")
+      ids, _ = enc(json.loads(line), f"{split}.jsonl:{n + 1}")
+      texts = [tok.decode([i]) for i in ids.tolist()]
+      assert all(len(t) == 1 for t in texts if any(c.isdigit() for c in t)), texts  # a digit is a token alone
   assert (enc.cut, enc.dropped) == (0, 0)
