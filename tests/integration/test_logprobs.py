@@ -52,11 +52,11 @@ def test_prompt_and_sampled_logprobs_equal_the_teacher_forced_log_softmax_throug
 
 
 def test_logprobs_on_a_data_x_expert_mesh_equal_the_teacher_forced_log_softmax_also_from_cached_pages():
-  """8 page shards, the experts over the all-to-all, default precision: a request sharing a cached page
+  """8 page shards, one MoE layer (its experts over the all-to-all), default precision: a request sharing a cached page
   (logprobs only: it reads the page where it lies) and one recomputing it (prompt_logprobs). Every step
   is a prefill of one width and max_tokens=1: one logprob step program and one write compile."""
   cfg = make_config(**{**BASE, "serve_max_num_seqs": 8}, num_devices=8, ici_data_parallelism=2, ici_expert_parallelism=4,
-                    num_decoder_layers=2, first_num_dense_layers=1, serve_width_buckets=1, serve_context_buckets=1)
+                    num_decoder_layers=1, first_num_dense_layers=0, serve_width_buckets=1, serve_context_buckets=1)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
