@@ -1,7 +1,8 @@
 """The engine's logprobs (MaxText/inference/logprobs.py): a request's prompt logprobs and its sampled
 tokens' logprobs equal the teacher-forced model's log-softmax on the same weights (f32, within 1e-4),
-also when its prompt's prefix pages are cached by an earlier request; the top N are the N largest; a
-step without a row asking runs the plain program (no logprob program is even compiled)."""
+also when its prompt's prefix pages are cached by an earlier request, and on a mesh (data 2 x expert 4,
+at the default matmul precision); the top N are the N largest; a step without a row asking runs the
+plain program (no logprob program is even compiled)."""
 
 import jax
 import numpy as np
@@ -48,6 +49,31 @@ def test_prompt_and_sampled_logprobs_equal_the_teacher_forced_log_softmax_throug
     ids, vals = zip(*top)
     np.testing.assert_allclose(vals, np.sort(want[p - 1])[::-1][:n], atol=1e-4, err_msg=f"top at {p}")
     assert set(ids) == set(np.argsort(-want[p - 1])[:n].tolist()), p
+
+
+def test_logprobs_on_a_data_x_expert_mesh_equal_the_teacher_forced_log_softmax_also_from_cached_pages():
+  """8 page shards, one MoE layer (its experts over the all-to-all), default precision: a request sharing a cached page
+  (logprobs only: it reads the page where it lies) and one recomputing it (prompt_logprobs). Every step
+  is a prefill of one width and max_tokens=1: one logprob step program and one write compile."""
+  cfg = make_config(**{**BASE, "serve_max_num_seqs": 8}, num_devices=8, ici_data_parallelism=2, ici_expert_parallelism=4,
+                    num_decoder_layers=1, first_num_dense_layers=0, serve_width_buckets=1, serve_context_buckets=1)
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+    eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+    one = SamplingParams(max_tokens=1, logprobs=3)
+    eng.generate([SYSTEM + [30, 31]], one)  # caches SYSTEM's first page
+    shared, recomputed = eng.generate([SYSTEM + [40, 41], SYSTEM + [50, 51, 52]],
+                                      [one, SamplingParams(max_tokens=1, logprobs=3, prompt_logprobs=3)])
+    assert eng.allocator.hits > 0
+    fwd = jax.jit(lambda p, b, t: jax.nn.log_softmax(model_state.merge(graphdef, p, b)(t)[0][0], axis=-1))  # [T,V]
+    for r, want_positions in ((shared, [len(shared.prompt)]), (recomputed, range(1, len(recomputed.prompt) + 1))):
+      seq = r.prompt + r.output
+      want = np.asarray(fwd(params, buffers, np.asarray([seq + [0] * (24 - len(seq))], np.int32)))  # causal: pad at the end
+      assert sorted(r.logprobs) == list(want_positions)
+      for p, (lp, _, top) in r.logprobs.items():
+        np.testing.assert_allclose(lp, want[p - 1, seq[p]], atol=1e-4, err_msg=f"position {p}")
+        np.testing.assert_allclose([v for _, v in top], np.sort(want[p - 1])[::-1][:3], atol=1e-4, err_msg=f"top {p}")
 
 
 def test_logprobs_past_serve_max_logprobs_are_refused_naming_the_field(engine):

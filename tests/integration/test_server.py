@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (MaxText/serve.py, MaxText/server/) in this process on a free localhost
 port, one tiny model saved to disk and loaded as a trained run is: the real `openai` client (plain,
-streamed, chat), greedy outputs equal to decode.py's for the same prompts and weights, OpenAI error
+streamed, chat), greedy outputs equal to decode.py's for the same prompts and weights, lm-evaluation-harness
+scoring the served model as our teacher-forced model does (tests/lm_eval_harness.py), OpenAI error
 bodies naming the field for bad input (httpx), a disconnect mid-stream
 freeing its pages, and 64 concurrent streaming clients that all finish with every page free after."""
 
@@ -14,6 +15,7 @@ import shutil
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -22,6 +24,7 @@ from MaxText.checkpoint import model_state
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
+from tests.lm_eval_harness import Teacher, loopback_only, run_lm_eval
 from tests.server_harness import serving, wait_for
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
@@ -42,10 +45,9 @@ _wait_for = functools.partial(wait_for, timeout=20.0, poll=0.05)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-  """(config, base url, Server): a tokenizer folder with a chat template in its tokenizer_config.json,
-  parameters saved as a run's, the server on a pre-bound free port in a thread; stopped at the end."""
-  from MaxText.serve import create_server
+def weights(tmp_path_factory):
+  """(folder, graphdef, params, buffers): a tokenizer folder with a chat template in its
+  tokenizer_config.json, and the tiny model's parameters saved in it as a run's."""
   tmp = tmp_path_factory.mktemp("served")
   shutil.copy(os.path.join(DATA, "tokenizer.json"), tmp / "tokenizer.json")
   (tmp / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
@@ -53,6 +55,15 @@ def served(tmp_path_factory):
   cfg = make_config(**KEYS, tokenizer_path=str(tmp / "tokenizer.json"))
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   model_state.save_parameters(str(tmp / "params"), params, buffers)
+  return tmp, graphdef, params, buffers
+
+
+@pytest.fixture(scope="module")
+def served(weights):
+  """(config, base url, Server): the server over `weights` on a pre-bound free port in a thread; stopped at
+  the end."""
+  from MaxText.serve import create_server
+  tmp = weights[0]
   cfg = make_config(**KEYS, tokenizer_path=str(tmp / "tokenizer.json"), load_parameters_path=str(tmp / "params"))
   server, app = create_server(cfg, log=lambda line: None)
   with serving(app) as (url, thread):
@@ -256,3 +267,21 @@ def test_64_concurrent_streaming_clients_all_finish_and_every_page_is_free_after
       n for _, n in jobs)
   print(f"\n64 streaming clients, {sum(n for _, n in jobs)} tokens in {elapsed:.1f} s")
   assert elapsed < 60
+
+
+def test_lm_eval_scores_the_served_model_as_our_teacher_forced_model_does(served, weights):
+  """lm-eval's local-completions (tokenizing through /tokenize) over the local tasks: per multiple-choice
+  item, its loglikelihoods are the training model's teacher-forced ones (1e-4) and its accuracy ours;
+  its generate_until outputs are the training model's greedy ones; it reaches nothing past 127.0.0.1."""
+  cfg, url, server = served
+  with loopback_only() as tried:
+    samples = run_lm_eval(url, cfg.model_name)
+  assert tried == []
+  teacher = Teacher(*weights[1:], server.texts.tokenizer, cfg.max_target_length)
+  mc, gen = samples["tiny_mc"], samples["tiny_gen"]
+  assert len(mc) == 8 and len(gen) == 4
+  for s in mc:
+    ours = teacher.choices(s["doc"])
+    np.testing.assert_allclose([r[0] for r in s["filtered_resps"]], ours, atol=1e-4, err_msg=f"item {s['doc_id']}")
+    assert s["acc"] == float(int(np.argmax(ours)) == s["doc"]["answer"]), s["doc_id"]
+  assert [s["filtered_resps"][0] for s in gen] == [teacher.greedy(s["doc"]["question"]) for s in gen]
