@@ -199,8 +199,8 @@ def rl(config: Config) -> list[dict]:
   mesh = sharding.create_mesh(config)
   history: list[dict] = []
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-    # The optimizer's schedule counts updates (steps x iterations); the step keeps the routing biases.
-    step_config = config.model_copy(update={"steps": config.steps * config.rl_num_iterations, "routed_bias": False})
+    # The optimizer's schedule counts updates (steps x iterations).
+    step_config = config.model_copy(update={"steps": config.steps * config.rl_num_iterations})
     graphdef, state, state_sharding, tx = trainer._init_state(step_config, mesh)
     ref_params = jax.tree.map(jnp.copy, state["params"]) if config.rl_beta > 0 else None  # the starting policy
     manager = orbax_state.create_manager(config)
@@ -211,7 +211,7 @@ def rl(config: Config) -> list[dict]:
       print(f"resumed from checkpoint step {start} in {config.checkpoint_dir}", flush=True)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
     engine = ServingEngine(config, graphdef, state["params"], state["buffers"], sample_vocab=vocab,
-                           eos_id=tokenizer.eos_id, log=lambda line: print(line, flush=True))
+                           eos_id=source.eos_id, log=lambda line: print(line, flush=True))
     logprobs_jit = jax.jit(lambda p, b, batch: policy_logprobs(config, model_state.merge(graphdef, p, b), batch))
     step_fn = None
     logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
@@ -226,7 +226,7 @@ def rl(config: Config) -> list[dict]:
         requests = engine.generate(prompts, [sampling_params(config, step, i) for i in range(n)])
         texts = [engine_text(tokenizer, r) for r in requests]
         rewards = reward(texts, [rec for _, rec, _ in rows for _ in range(g)], [w for w, _, _ in rows for _ in range(g)])
-        batch = assemble(config, requests, rewards, tokenizer.eos_id)
+        batch = assemble(config, requests, rewards, source.eos_id)
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         arrays = dict(batch.arrays)
@@ -249,11 +249,10 @@ def rl(config: Config) -> list[dict]:
                                       f"({updates[-1]}); this state is not saved: lower learning_rate")
         train_s = time.perf_counter() - t1
         real = float(arrays["segment_ids"].sum())
-        m = dict(updates[0], reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+        m = dict(updates[0], step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                  completion_tokens=batch.generated / n, rollout_s=rollout_s, train_s=train_s,
                  rollout_tokens_per_s=batch.generated / rollout_s,
-                 train_tokens_per_s=real * config.rl_num_iterations / train_s,
-                 routing_agreement=float("nan"))  # from the engine's records once merged (i42a)
+                 train_tokens_per_s=real * config.rl_num_iterations / train_s)
         m["loss"] = updates[-1]["loss"]
         _log(logger, config, step, m)
         if evaluate is not None and (step % config.eval_interval == 0 or step == config.steps):

@@ -82,8 +82,9 @@ def make_optimizer(config: Config, params) -> optax.GradientTransformation:
 
 
 def update_routing_biases(config: Config, buffers, aux) -> dict:
-  """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load."""
-  if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0:
+  """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load (a loss
+  that reports no loads, the RL loss, leaves the biases)."""
+  if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0 or not aux:
     return buffers
 
   def upd(path, bias):

@@ -72,6 +72,8 @@ class PromptSource:
     if not self.records:
       raise DataError(f"no records in the {'eval' if eval else 'training'} data")
     self._ids: dict[int, list[int]] = {}
+    eos = tokenizer.encode(chat_dsv32.EOS)  # the format ends a reply with its EOS marker (the server stops there)
+    self.eos_id = eos[0] if len(eos) == 1 else tokenizer.eos_id
 
   def __len__(self) -> int:
     return len(self.records)
