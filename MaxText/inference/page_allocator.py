@@ -158,6 +158,10 @@ class PageAllocator:
         else:
           self._frees[self.shard_of(p)].append(p)
 
+  def holds(self, key: bytes) -> bool:
+    """Whether a page keyed `key` (a prefix key, `page_hashes`) is cached or in use now."""
+    return key in self._page_of
+
   def hit_rate(self) -> float:
     return self.hits / self.lookups if self.lookups else 0.0
 

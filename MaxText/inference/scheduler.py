@@ -70,6 +70,7 @@ class SamplingParams:
   seed: int | None = None
   logprobs: int | None = None  # each generated token's logprob and the top N (inference/logprobs.py); None = off
   prompt_logprobs: int | None = None  # every prompt token's logprob and the top N; None = off
+  rollout: bool = False  # record per token what RL's loss needs (inference/rollout.py) in Request.rollout
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -100,6 +101,7 @@ class Request:
   drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
   draft_row: int = 0  # speculative: its row of the engine's drafts' distributions (kept while it runs)
   logprobs: dict = dataclasses.field(default_factory=dict)  # position -> logprobs.Logprob (when asked)
+  rollout: object = None  # rollout.Rollout for a request with params.rollout (the engine fills it)
 
   @property
   def tokens(self) -> list[int]:
@@ -152,6 +154,8 @@ class Scheduler:
     self.finished: list[Request] = []  # since the last take_finished()
     self._looked_up: Request | None = None  # the queue head whose prefix lookup is already counted
     self._wide = False  # whether the last step ran prefill chunks (rule 3)
+    # rollouts (inference/rollout.py): (prompt, cached pages) -> how many of them a rollout may share
+    self.rollout_shareable = lambda prompt, pages: pages
 
   # ---- requests
   def add(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -284,10 +288,13 @@ class Scheduler:
     of the queue retried step after step (waiting for pages) counts as one lookup in the hit rate.
     With speculative decoding the last matched page is recomputed too: the MTP entry at a page's last
     position depends on the NEXT token, which the page's key does not hold (vLLM drops it alike).
-    A request asking for prompt_logprobs takes no cached pages."""
+    A request asking for prompt_logprobs takes no cached pages; a rollout, only those whose routing
+    the engine kept (rollout.py)."""
     pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
     if r.params.prompt_logprobs is not None:
       pages = []  # every prompt position's logits are needed: recompute the whole prompt (logprobs.py)
+    if r.params.rollout:
+      pages = pages[:self.rollout_shareable(r.prompt, len(pages))]  # only pages whose routing is kept
     self._looked_up = r
     if self.speculative and pages:
       pages = pages[:-1]

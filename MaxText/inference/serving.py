@@ -35,6 +35,9 @@ shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for 
 Logprobs (logprobs.py): a step holding a row whose request asks for them runs a second program,
 the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
 logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
+Rollouts (rollout.py, RL): a step holding a rollout request's row runs the rollout program (the plain
+or logprob step plus each row's sampled token's logprob under its sampling distribution, its kept-set
+size and the step's routed experts [B,t,L,k]); the host keeps them in Request.rollout. Not when speculating.
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 
@@ -60,7 +63,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import logprobs, paged_cache, step_feed
+from MaxText.inference import logprobs, paged_cache, rollout, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -71,7 +74,7 @@ from MaxText.inference.model_step import (
 )
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
-from MaxText.inference.scheduler import Request, SamplingParams, Scheduled, Scheduler
+from MaxText.inference.scheduler import Request, RequestError, SamplingParams, Scheduled, Scheduler
 from MaxText.inference.step_spec import SpecStep
 from MaxText.runtime import sharding
 from MaxText.runtime.distributed import to_host
@@ -110,6 +113,8 @@ class ServingEngine:
     self.absorbed = run_or_shape(self._absorb, self.abstract, params, buffers)
     self._step_jit = jax.jit(self._step, static_argnums=(0,))
     self._step_lp_jit = jax.jit(self._step_lp, static_argnums=(0,))  # a step with a row asking for logprobs
+    self._step_ro_jit = jax.jit(self._step_ro, static_argnums=(0, 1))  # a step with a rollout row
+    self.rollouts = rollout.RolloutRecorder(self.page_size, cfg.num_moe_layers, cfg.num_experts_per_tok)
     self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
     self.reset()
@@ -144,6 +149,8 @@ class ServingEngine:
     self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=cfg.serve_max_num_tokens,
                                chunk=self.chunk, max_length=cfg.max_target_length, eos_id=self.eos_id,
                                vocab_size=cfg.vocab_size, speculative=cfg.serve_speculative_tokens)
+    self.rollouts.pages.clear()  # computed by the old weights, like the pages
+    self.scheduler.rollout_shareable = self.rollouts.shareable
     self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
     if self.spec is not None:
       self.spec.reset()
@@ -186,9 +193,15 @@ class ServingEngine:
     """Queues a request (RequestError naming the field for a bad one; the others are untouched)."""
     logprobs.check(params.logprobs, params.prompt_logprobs, self.config.serve_max_logprobs,
                    self.config.serve_speculative_tokens)
+    if params.rollout and self.spec is not None:
+      raise RequestError("rollout is not recorded with speculative decoding (serve_speculative_tokens="
+                         f"{self.config.serve_speculative_tokens}): use serve_speculative_tokens=0", "rollout")
     if params.seed is None and params.temperature > 0:
       params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
-    return self.scheduler.add(prompt, params)
+    r = self.scheduler.add(prompt, params)
+    if params.rollout:
+      self.rollouts.start(r)
+    return r
 
   def abort(self, request: Request) -> None:
     self.scheduler.abort(request)
@@ -209,12 +222,18 @@ class ServingEngine:
     b, where = self._placement(rows)
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
-    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows))
+    ro = rollout.wants(rows)
+    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro)
     sampled = to_host(sampled)
+    if ro:
+      lps, records = lps
+      self.rollouts.record(rows, where, sampled, *(to_host(a) for a in records))
     if lps is not None:
       logprobs.record(rows, where, *(to_host(a) for a in lps))
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     self.scheduler.update(rows, sampled[where])
+    if ro:
+      self.rollouts.publish(rows, self.allocator)
     self.steps += 1
     return [(row.request, row.request.output[-1]) for row, n in zip(rows, made)
             if n is not None and len(row.request.output) > n]
@@ -253,14 +272,18 @@ class ServingEngine:
     axes = paged_cache.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
-  def _run(self, t: int, feed: dict, with_logprobs: bool = False):
+  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False):
     """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
     with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
-    else None)."""
+    else None; with_rollout: that third value paired with the rollout records (logp [B], kept [B],
+    experts [B,t,L,k]))."""
     buf = step_feed.to_device(feed)
     lps = None
     with self._rules():
-      if with_logprobs:
+      if with_rollout:
+        entries, sampled, lps = self._step_ro_jit(t, with_logprobs, self.params, self.buffers, self.pools,
+                                                  self.absorbed, buf)
+      elif with_logprobs:
         entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
       else:
         entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf)
@@ -298,6 +321,19 @@ class ServingEngine:
     sampled = self._sample(f, last)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs)
     return aux["cache_entries"], sampled, lps
+
+  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf):
+    """_step (with_logprobs: _step_lp), plus the rollout records: (entries, sampled [B], (the logprob step's
+    values or None, (logp [B], kept [B], experts [B,t,L,k]))), rollout.sampled_logprobs of the drawn tokens."""
+    f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
+    last = jnp.take_along_axis(logits, f["last"][:, None, None] * with_logprobs, axis=1)[:, 0]  # [B,V]
+    sampled = self._sample(f, last)
+    lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs) \
+        if with_logprobs else None
+    logp, kept = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"], f["top_k"])  # [B]
+    b, cfg = f["tokens"].shape[0], self.config
+    experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
+    return aux["cache_entries"], sampled, (lps, (logp, kept, experts))
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""

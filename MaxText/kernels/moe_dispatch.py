@@ -56,6 +56,7 @@ class MeshMoEOutput(NamedTuple):
   dropped: jax.Array  # [] int32: assignments past capacity
   balance_sum: jax.Array  # [] f32: sum over sequences of the balance-loss terms (0 unless balance)
   balance_seqs: jax.Array  # [] f32: sequences with real tokens (0 unless balance)
+  ids: jax.Array  # [b,t,k] int32: the experts each token took
 
 
 class Placement(NamedTuple):
@@ -152,12 +153,13 @@ def _exchange_ragged(rows, ids, dest, pos, kept, *, axis, ep, cap, compute):
 
 def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax.Array, experts: ExpertWeights, *,
                 route_fn, mesh: Mesh, rules: dict, capacity_factor: float, exchange: str, impl: str,
-                balance: bool, precision=None) -> MeshMoEOutput:
+                balance: bool, precision=None, forced: jax.Array | None = None) -> MeshMoEOutput:
   """DeepSeekMoE's routing and routed experts over the mesh, each device on its own tokens.
 
   x [b,t,D], token_valid [b,t] bool (padding: not routed, not counted), gate [D,E], bias [E] (the
   selection-only routing bias), experts: all E experts' weights (sharded as the rules say);
-  route_fn(x [T,D] fp32, gate, bias) -> (weights [T,k], ids [T,k], scores [T,E]) is DeepSeekMoE.route.
+  route_fn(x [T,D] fp32, gate, bias[, forced]) -> (weights [T,k], ids [T,k], scores [T,E]) is DeepSeekMoE.route;
+  forced [b,t,k] int32 or None: recorded experts (keep routing), sharded as the tokens.
   """
   wi_0, wi_1, wo = experts
   if exchange not in EXCHANGES:
@@ -177,14 +179,15 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   exchange_fn = _exchange_ragged if exchange == "ragged_all_to_all" else _exchange_fixed
   tokens_over_experts = pl.expert_axis is not None and pl.expert_axis in pl.token_axes
 
-  def local(x, token_valid, gate, bias, wi_0, wi_1, wo):
-    # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E],
+  def local(x, token_valid, gate, bias, wi_0, wi_1, wo, forced=None):
+    # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E], forced [b_l,t_l,k] | None,
     # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D] (float, or BlockFP8: the spec applies to values and scale)
     b_l, t_l, d = x.shape
     e_l = shape_of(wi_0)[0]
     n = b_l * t_l
     xf = x.reshape(n, d)  # [T_l,D]
-    weights, ids, scores = route_fn(xf.astype(jnp.float32), gate, bias)  # [T_l,k], [T_l,k], [T_l,E]
+    extra = () if forced is None else (forced.reshape(n, -1),)  # [T_l,k]
+    weights, ids, scores = route_fn(xf.astype(jnp.float32), gate, bias, *extra)  # [T_l,k], [T_l,k], [T_l,E]
     k = ids.shape[-1]
     valid = jnp.broadcast_to(token_valid.reshape(n, 1), (n, k))  # [T_l,k]
     ffn = lambda rows, rid, rvalid: experts_lib.expert_outputs(
@@ -228,9 +231,11 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
       terms = experts_lib.balance_loss_terms(*stats, k)
       if batch_axes:
         terms = jax.lax.psum(terms, batch_axes)
-    return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms
+    return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms, ids.reshape(b_l, t_l, k)
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok2, P(), P(), w_in, w_in, w_out),
-                     out_specs=(tok, P(), P(), (P(), P())))
-  y, counts, dropped, (balance_sum, balance_seqs) = fn(x, token_valid, gate, bias, wi_0, wi_1, wo)
-  return MeshMoEOutput(y, counts, dropped, balance_sum, balance_seqs)
+  args, specs = (x, token_valid, gate, bias, wi_0, wi_1, wo), (tok, tok2, P(), P(), w_in, w_in, w_out)
+  if forced is not None:
+    args, specs = args + (forced,), specs + (tok,)  # forced [b,t,k] lies as x [b,t,D]
+  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tok, P(), P(), (P(), P()), tok))
+  y, counts, dropped, (balance_sum, balance_seqs), ids = fn(*args)
+  return MeshMoEOutput(y, counts, dropped, balance_sum, balance_seqs, ids)

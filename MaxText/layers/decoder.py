@@ -35,14 +35,15 @@ class DecoderLayer(nnx.Module):
     self.pre_mlp_norm = RMSNorm(config.emb_dim, config)
     self.mlp = DeepSeekMoE(config, rngs=rngs) if moe else MLP(config, config.mlp_dim, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None,
+               routed_experts: jax.Array | None = None):
     """x [b,t,D] -> (x [b,t,D], aux); with a cache (inference) aux also holds the new tokens'
-    "cache_entries" (MLA.attend_cached)."""
+    "cache_entries" (MLA.attend_cached). routed_experts [b,t,k] (an MoE layer's forced routing)."""
     h, aux = self.attention(self.pre_attention_norm(x), positions, segment_ids, cache=cache)  # [b,t,D]
     x = x + h
     if self.moe:
-      m, moe_aux = self.mlp(self.pre_mlp_norm(x), segment_ids)
-      aux.update(moe_aux)  # expert_load [E], load_balance_loss [], moe_dropped []
+      m, moe_aux = self.mlp(self.pre_mlp_norm(x), segment_ids, routed_experts)
+      aux.update(moe_aux)  # expert_load [E], load_balance_loss [], moe_dropped [], routed_experts [b,t,k]
     else:
       m = self.mlp(self.pre_mlp_norm(x))
     return x + m, aux
@@ -63,22 +64,24 @@ class LayerStack(nnx.Module):
     else:
       self.layers = nnx.List([DecoderLayer(config, moe=moe, rngs=rngs) for _ in range(num_layers)])
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None,
+               routed_experts: jax.Array | None = None):
     """x [b,t,D] -> (x, aux leaves stacked [L,...]). cache (inference): the stack's CacheView with a
-    leading L axis (scanned with the layers), or a list of per-layer views; no remat then."""
-    def fwd(layer, x, c):
-      return layer(x, positions, segment_ids, cache=c)
+    leading L axis (scanned with the layers), or a list of per-layer views; no remat then.
+    routed_experts [L,b,t,k] int32: each MoE layer's forced routing (None: route freely)."""
+    def fwd(layer, x, c, r):
+      return layer(x, positions, segment_ids, cache=c, routed_experts=r)
 
     if self.remat_policy != "none" and cache is None:
       fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=not self.scan)
     if self.scan:
-      @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-      def body(x, layer, c):
-        return fwd(layer, x, c)
-      return body(x, self.layers, cache)  # x [b,t,D], aux leaves [L,...]
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+      def body(x, layer, c, r):
+        return fwd(layer, x, c, r)
+      return body(x, self.layers, cache, routed_experts)  # x [b,t,D], aux leaves [L,...]
     auxes = []
     for i, layer in enumerate(self.layers):
-      x, aux = fwd(layer, x, None if cache is None else cache[i])
+      x, aux = fwd(layer, x, None if cache is None else cache[i], None if routed_experts is None else routed_experts[i])
       auxes.append(aux)
     if cache is not None:  # per-layer entries stay a list, like the per-layer caches
       entries = [a.pop("cache_entries") for a in auxes]

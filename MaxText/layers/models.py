@@ -32,7 +32,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None, *,
-               cache: dict | None = None, last_index: jax.Array | None = None):
+               cache: dict | None = None, last_index: jax.Array | None = None,
+               routed_experts: jax.Array | None = None):
     """tokens [b,t] -> (logits [b,t,V] fp32, aux).
 
     Inference passes `cache`, {stack name: its CacheView} (inference/cache_view.py): each layer
@@ -46,12 +47,19 @@ class Transformer(nnx.Module):
     order, see `mtp_inputs`); None computes it by shifting `tokens`, valid only in original order.
     aux: indexer_loss (mean over layers), expert_load [L_moe,E], load_balance_loss (sum over
     layers), moe_dropped (mean over MoE layers of the fraction of assignments past capacity), mtp_logits [n_mtp,b,t,V] (depth k at position i predicts token i+k+1) or None.
+
+    Keep routing (RL): routed_experts [b,t,L_moe,k] int32 forces each MoE layer of the stack to take
+    those experts (gate weights from the current router; a token whose ids are -1 routes freely:
+    layers/moe.py `route`); None routes as usual. With MoE layers, aux["routed_experts"] [b,t,L_moe,k]
+    is what each took (with a cache too): jit drops it when the caller does not keep it.
     """
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     if cache is not None:
       return self._cached(tokens, positions, cache, last_index)
+    if routed_experts is not None:
+      routed_experts = jnp.moveaxis(routed_experts, 2, 0)  # [b,t,L,k] -> [L,b,t,k]: scanned with the layers
     if mtp_tokens is None and self.mtp:
       mtp_tokens = jnp.stack([jnp.roll(tokens, -k, axis=1) for k in range(1, len(self.mtp) + 1)])
     x = constrain(self.embed(tokens), ACTIVATION)  # [b,t,D]
@@ -60,8 +68,9 @@ class Transformer(nnx.Module):
       x, a = self.dense_layers(x, positions, segment_ids)
       indexer_losses.append(a["indexer_loss"])
     if self.moe_layers is not None:
-      x, a = self.moe_layers(x, positions, segment_ids)
+      x, a = self.moe_layers(x, positions, segment_ids, routed_experts=routed_experts)
       indexer_losses.append(a["indexer_loss"])
+      aux["routed_experts"] = jnp.moveaxis(a["routed_experts"], 0, 2)  # [L,b,t,k] -> [b,t,L,k]
       aux["expert_load"] = a["expert_load"]  # [L_moe, E]
       aux["load_balance_loss"] = jnp.sum(a["load_balance_loss"])
       aux["moe_dropped"] = jnp.mean(a["moe_dropped"])  # fraction of assignments past capacity
@@ -86,13 +95,15 @@ class Transformer(nnx.Module):
 
   def _cached(self, tokens, positions, cache: dict, last_index):
     x = constrain(self.embed(tokens), ACTIVATION)  # [b,t,D]
-    entries = {}
+    entries, out = {}, {}
     for name in ("dense_layers", "moe_layers"):
       stack = getattr(self, name)
       if stack is not None:
         x, a = stack(x, positions, None, cache=cache[name])
         entries[name] = a["cache_entries"]
-    return self.logits(self.final_norm(_rows_at(x, last_index))), {"cache_entries": entries, "hidden": x}
+        if "routed_experts" in a:
+          out["routed_experts"] = jnp.moveaxis(a["routed_experts"], 0, 2)  # [L,b,t,k] -> [b,t,L,k]
+    return self.logits(self.final_norm(_rows_at(x, last_index))), {"cache_entries": entries, "hidden": x, **out}
 
   def mtp_cached(self, h: jax.Array, next_tokens: jax.Array, positions: jax.Array, cache, depth: int = 0,
                  last_index: jax.Array | None = None):

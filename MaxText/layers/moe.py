@@ -10,6 +10,12 @@ E routed experts in G groups, k experts per token, D = emb_dim, I = moe_mlp_dim:
     w      = s[ids] / (sum s[ids] + 1e-20) * scale [T,k]  the UNBIASED scores of the chosen experts
     y      = sum_k w * SwiGLU_ids(x) + SwiGLU_shared(x)
 
+Forced routing (RL's keep routing, DeepSeek-V3.2 sec. 3.1): given recorded expert ids [T,k] the layer
+takes those experts instead of its own top-k, with w from the CURRENT router's scores of them
+(normalized and scaled as above, so gradients reach the router through w); a token whose recorded
+ids are negative (-1: not recorded) routes as usual. The ids each layer chose (or was given) come
+back in aux["routed_experts"] [b,t,k] (jit drops it where no caller keeps it).
+
 The bias b is not trained by gradients: after each step the trainer moves it against the
 measured expert load (`update_routing_bias`, the paper's auxiliary-loss-free balancing).
 
@@ -66,13 +72,16 @@ class Routing(NamedTuple):
                norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor)
 
 
-def route(logits: jax.Array, bias: jax.Array | None, routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits: jax.Array, bias: jax.Array | None, routing: Routing,
+          forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Group-limited top-k routing.
 
   logits [T,E] (the router matmul's output), bias [E] or None. Returns (weights [T,k] fp32,
   expert_ids [T,k] int32, scores [T,E] fp32).
   The bias only changes which experts are chosen; the weights come from the unbiased scores.
   A group is scored by the sum of its top-2 biased scores (as the official code and HF do).
+  forced [T,k] int32 (keep routing): each token with forced[t,0] >= 0 takes those experts (weights
+  from this router's scores of them, normalized and scaled alike); the others route as above.
   """
   num_experts_per_tok, n_routing_groups, topk_routing_group, routed_score_func, norm_topk_prob, \
       routed_scaling_factor = routing
@@ -94,6 +103,8 @@ def route(logits: jax.Array, bias: jax.Array | None, routing: Routing) -> tuple[
     choice = grouped.reshape(num_tokens, num_experts)  # [T,E]
 
   expert_ids = jax.lax.top_k(choice, num_experts_per_tok)[1].astype(jnp.int32)  # [T,k]
+  if forced is not None:
+    expert_ids = jnp.where(forced[:, :1] >= 0, forced.astype(jnp.int32), expert_ids)  # [T,k]
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [T,k]
   if norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)  # [T,k]
@@ -170,9 +181,12 @@ class DeepSeekMoE(nnx.Module):
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """x [b,t,D], segment_ids [b,t] (0 = padding: not routed, not counted; None = all real) ->
-    (y [b,t,D], {"expert_load": [E] fp32, "load_balance_loss": [] fp32, "moe_dropped": [] fp32})."""
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+               forced_experts: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """x [b,t,D], segment_ids [b,t] (0 = padding: not routed, not counted; None = all real),
+    forced_experts [b,t,k] int32 (keep routing, see `route`; None = route freely) -> (y [b,t,D],
+    {"expert_load": [E] fp32, "load_balance_loss": [] fp32, "moe_dropped": [] fp32,
+     "routed_experts": [b,t,k] int32 the experts each token took})."""
     cfg = self.config
     b, t, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
@@ -188,28 +202,33 @@ class DeepSeekMoE(nnx.Module):
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,
-                      balance=weight > 0, precision=self.precision)
-      y, counts, dropped = r.y, r.counts, r.dropped  # [b,t,D], [E], []
+                      balance=weight > 0, precision=self.precision, forced=forced_experts)
+      y, counts, dropped, expert_ids = r.y, r.counts, r.dropped, r.ids  # [b,t,D], [E], [], [b,t,k]
       balance = weight * r.balance_sum / jnp.maximum(r.balance_seqs, 1.0)
     else:
-      weights, expert_ids, scores = self.route(xc.reshape(b * t, d).astype(jnp.float32), gate, bias)  # [T,k] [T,k] [T,E]
+      forced = None if forced_experts is None else forced_experts.reshape(b * t, k)  # [T,k]
+      weights, expert_ids, scores = self.route(xc.reshape(b * t, d).astype(jnp.float32), gate, bias,
+                                               forced)  # [T,k] [T,k] [T,E]
       slot_valid = jnp.broadcast_to(token_valid.reshape(b * t, 1), expert_ids.shape)  # [T,k]
       y = routed_experts(xc.reshape(b * t, d), weights, expert_ids, experts, impl=self.dispatch,
                          precision=self.precision, valid=slot_valid).reshape(b, t, d)  # [b,t,D]
       counts, dropped = expert_counts(expert_ids, e, slot_valid), jnp.int32(0)
       balance = sequence_balance_loss(scores.reshape(b, t, e), expert_ids.reshape(b, t, k), weight, token_valid) \
           if weight > 0 else jnp.zeros((), jnp.float32)
+      expert_ids = expert_ids.reshape(b, t, k)  # [b,t,k]
     if self.shared_experts is not None:
       y = y + self.shared_experts(xc)  # [b,t,D]
     y = checkpoint_name(y, "moe_out")  # [b,t,D]
     total = jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
     aux = {"expert_load": load_of(counts), "load_balance_loss": balance,
-           "moe_dropped": dropped.astype(jnp.float32) / total}
+           "moe_dropped": dropped.astype(jnp.float32) / total, "routed_experts": expert_ids}
     return y, aux
 
-  def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T,D] fp32, gate [D,E], bias [E] -> (weights [T,k], expert_ids [T,k], scores [T,E]).
+  def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array,
+            forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T,D] fp32, gate [D,E], bias [E], forced [T,k] or None (`route`) -> (weights [T,k],
+    expert_ids [T,k], scores [T,E]).
     The router runs in full fp32 (HIGHEST: no bf16 passes on TPU): routing flips on small logit errors."""
     logits = jnp.einsum("td,de->te", x, gate, precision=jax.lax.Precision.HIGHEST)  # [T,E]
     logits = checkpoint_name(logits, "moe_gate_out")
-    return route(logits, bias, self.routing)
+    return route(logits, bias, self.routing, forced)
