@@ -46,13 +46,11 @@ from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.post_train import grpo
-from MaxText.post_train.policy_logprobs_standin import token_logprobs
+from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
 from MaxText.post_train.prompts import PromptSource
 from MaxText.post_train.rewards import load_reward
 from MaxText.runtime import cli, compile_cache, distributed, sharding
 from MaxText.runtime.metrics import MetricsLogger
-
-_ROLLOUT = {"rollout": True} if "rollout" in SamplingParams.__dataclass_fields__ else {}  # STAND-IN: i42a adds it
 
 
 def check_config(config: Config) -> None:
@@ -81,75 +79,57 @@ def sampling_params(config: Config, step: int, row: int) -> SamplingParams:
   seed = int(np.random.default_rng([config.seed, step, row]).integers(2 ** 62))
   return SamplingParams(max_tokens=config.rl_max_completion_tokens, temperature=config.decode_sampling_temperature,
                         top_p=config.decode_sampling_nucleus_p if config.decode_sampling_strategy == "top_p" else 1.0,
-                        seed=seed, **_ROLLOUT)
+                        seed=seed, rollout=True)
 
 
 @dataclasses.dataclass
 class Batch:
   """A step's rollouts as the loss reads them, host numpy [N,T] (N = B x G, T = max_target_length)."""
-  arrays: dict  # tokens, positions, segment_ids, mask, advantages [N], logp_old?, kept?, routed_experts?
+  arrays: dict  # tokens, positions, segment_ids, mask, logp_old, advantages [N]; kept, routed_experts: switches
+  recorded_experts: np.ndarray | None  # [N,T,L,k] the engine's routing (routing agreement), None without MoE
   rewards: np.ndarray  # [N]
   generated: int  # tokens the engine sampled
 
 
-def completion(request, eos_id: int) -> list[int]:
-  """The sampled tokens of a finished request: its output, then the stop token when one ended it."""
-  return request.output + ([eos_id] if request.finish_reason == "stop" else [])
-
-
-def assemble(config: Config, requests: list, rewards: np.ndarray, eos_id: int) -> Batch:
-  """The requests (a prompt's G samples adjacent) as the loss's arrays. logp_old, kept and
-  routed_experts come from each request's engine records (request.rollout) when it has them."""
-  n, t = len(requests), config.max_target_length
-  a = {"tokens": np.zeros((n, t), np.int32), "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
-       "segment_ids": np.zeros((n, t), np.int32), "mask": np.zeros((n, t), np.float32),
-       "advantages": np.asarray(grpo.group_advantages(jnp.asarray(rewards), config.rl_num_generations))}
-  records = [getattr(r, "rollout", None) for r in requests]
-  have = all(rec is not None for rec in records)
-  if have:
-    a["logp_old"] = np.zeros((n, t), np.float32)
-    a["kept"] = np.full((n, t), config.vocab_size, np.int32)  # unfiltered where nothing was sampled
-    routed = config.num_moe_layers > 0
-    if routed:
-      k = config.num_experts_per_tok  # a position without a record (the stop token's) takes experts 0..k-1
-      a["routed_experts"] = np.broadcast_to(np.arange(k, dtype=np.int32),
-                                            (n, t, config.num_moe_layers, k)).copy()
-  generated = 0
-  for i, r in enumerate(requests):
-    done = completion(r, eos_id)
-    seq = r.prompt + done
-    p, m = len(r.prompt), len(seq)
-    a["tokens"][i, :m] = seq
-    a["segment_ids"][i, :m] = 1
-    a["mask"][i, p:m] = 1.0
-    generated += len(done)
-    if have:  # the contract: logprobs / kept per generated token, experts per computed position
-      a["logp_old"][i, p:m] = records[i].logprobs[:len(done)]
-      a["kept"][i, p:m] = records[i].kept[:len(done)]
-      if routed:
-        experts = np.asarray(records[i].experts)[:m]  # [positions, L, k]
-        a["routed_experts"][i, :len(experts)] = experts
+def assemble(config: Config, requests: list, rewards: np.ndarray) -> Batch:
+  """Finished rollout requests (a prompt's G samples adjacent; their records inference/rollout.py's) as
+  the loss's arrays (post_train.policy_logprobs.rollout_arrays), with the completion mask and the group
+  advantages; kept / routed_experts only where rl_keep_sampling_mask / rl_keep_routing."""
+  moe = config.num_moe_layers
+  a = rollout_arrays(requests, config.max_target_length, config.vocab_size, moe, config.num_experts_per_tok)
+  a["mask"] = a.pop("generated").astype(np.float32)  # [N,T]: the sampled tokens (the stop token included)
+  a["advantages"] = np.asarray(grpo.group_advantages(jnp.asarray(rewards), config.rl_num_generations))  # [N]
+  recorded = a.pop("routed_experts") if moe else None
+  if config.rl_keep_routing and moe:
+    a["routed_experts"] = recorded
   if not config.rl_keep_sampling_mask:
-    a.pop("kept", None)
-  if not config.rl_keep_routing:
-    a.pop("routed_experts", None)
-  return Batch(a, rewards, generated)
+    del a["kept"]
+  return Batch(a, recorded, rewards, sum(len(r.rollout.tokens) for r in requests))
 
 
-def policy_logprobs(config: Config, model, batch: dict) -> jax.Array:
+def policy_logprobs(config: Config, model, batch: dict, sample_vocab: int | None) -> jax.Array:
   """log pi [N,T] of each token under `model` at the sampling temperature, with the batch's recorded
   routing and kept sets when it carries them (rl_keep_routing, rl_keep_sampling_mask)."""
   return token_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                         temperature=config.decode_sampling_temperature, kept=batch.get("kept"),
-                        routed_experts=batch.get("routed_experts"))
+                        routed_experts=batch.get("routed_experts"), sample_vocab=sample_vocab)
 
 
-def grpo_loss_fn(options: grpo.GrpoOptions):
+def routing_agreement(model, batch: dict, recorded: jax.Array) -> jax.Array:
+  """The fraction of (computed position, MoE layer) pairs where the model's own routing picks the same
+  experts as the engine recorded (recorded [N,T,L,k], -1 where the engine computed nothing)."""
+  _, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  same = (jnp.sort(aux["routed_experts"], -1) == jnp.sort(recorded, -1)).all(-1)  # [N,T,L]
+  where = (recorded[..., 0] >= 0) & (batch["segment_ids"][..., None] > 0)  # [N,T,L]
+  return (same & where).sum() / jnp.maximum(where.sum(), 1)
+
+
+def grpo_loss_fn(options: grpo.GrpoOptions, sample_vocab: int | None):
   """train.make_train_step's loss_fn: the GRPO loss of a batch (its metrics, no expert loads: the RL
   step leaves the routing biases as the engine routed with them)."""
 
   def loss_fn(config, graphdef, params, buffers, mb):
-    logp = policy_logprobs(config, model_state.merge(graphdef, params, buffers), mb)  # [N,T]
+    logp = policy_logprobs(config, model_state.merge(graphdef, params, buffers), mb, sample_vocab)  # [N,T]
     loss, metrics = grpo.grpo_loss(logp, mb["logp_old"], mb.get("logp_ref"), mb["advantages"], mb["mask"], options)
     return loss, (dict(metrics, loss=loss), {})
 
@@ -212,7 +192,8 @@ def rl(config: Config) -> list[dict]:
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
     engine = ServingEngine(config, graphdef, state["params"], state["buffers"], sample_vocab=vocab,
                            eos_id=source.eos_id, log=lambda line: print(line, flush=True))
-    logprobs_jit = jax.jit(lambda p, b, batch: policy_logprobs(config, model_state.merge(graphdef, p, b), batch))
+    logprobs_jit = jax.jit(lambda p, b, batch: policy_logprobs(config, model_state.merge(graphdef, p, b), batch, vocab))
+    agreement_jit = jax.jit(lambda p, b, batch, rec: routing_agreement(model_state.merge(graphdef, p, b), batch, rec))
     step_fn = None
     logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
     try:
@@ -226,19 +207,19 @@ def rl(config: Config) -> list[dict]:
         requests = engine.generate(prompts, [sampling_params(config, step, i) for i in range(n)])
         texts = [engine_text(tokenizer, r) for r in requests]
         rewards = reward(texts, [rec for _, rec, _ in rows for _ in range(g)], [w for w, _, _ in rows for _ in range(g)])
-        batch = assemble(config, requests, rewards, source.eos_id)
+        batch = assemble(config, requests, rewards)
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         arrays = dict(batch.arrays)
-        shardings = _batch_sharding(mesh, config, {**arrays, "logp_old": arrays["tokens"], "logp_ref": arrays["tokens"]})
+        shardings = _batch_sharding(mesh, config, {**arrays, "logp_ref": arrays["tokens"]})
         dev = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
-        if "logp_old" not in dev:  # STAND-IN until the engine records pi_old: the policy's own forward
-          dev["logp_old"] = logprobs_jit(state["params"], state["buffers"], dev)
+        agreement = None if batch.recorded_experts is None else \
+            agreement_jit(state["params"], state["buffers"], dev, batch.recorded_experts)  # before the update
         if ref_params is not None:
           dev["logp_ref"] = logprobs_jit(ref_params, state["buffers"], dev)
         if step_fn is None:
           step_fn = trainer.jit_train_step(step_config, graphdef, tx, state_sharding,
-                                           {k: shardings[k] for k in dev}, mesh, grpo_loss_fn(options))
+                                           {k: shardings[k] for k in dev}, mesh, grpo_loss_fn(options, vocab))
         updates = []
         for _ in range(config.rl_num_iterations):
           state, metrics = step_fn(state, dev)
@@ -253,6 +234,8 @@ def rl(config: Config) -> list[dict]:
                  completion_tokens=batch.generated / n, rollout_s=rollout_s, train_s=train_s,
                  rollout_tokens_per_s=batch.generated / rollout_s,
                  train_tokens_per_s=real * config.rl_num_iterations / train_s)
+        if agreement is not None:
+          m["routing_agreement"] = float(agreement)
         m["loss"] = updates[-1]["loss"]
         _log(logger, config, step, m)
         if evaluate is not None and (step % config.eval_interval == 0 or step == config.steps):

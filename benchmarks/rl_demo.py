@@ -55,7 +55,7 @@ def rl_argv(args, data: str, extra: list[str]) -> list[str]:
           "rl_reward_column=answer", f"rl_max_completion_tokens={args.max_tokens}",
           f"rl_prompts_per_step={args.prompts}", f"rl_num_generations={args.generations}",
           f"rl_beta={args.beta}", f"steps={args.rl_steps}", f"learning_rate={args.rl_learning_rate}",
-          "warmup_steps=1", "decode_sampling_strategy=temperature", f"decode_sampling_temperature={args.temperature}",
+          "warmup_steps=0", "decode_sampling_strategy=temperature", f"decode_sampling_temperature={args.temperature}",
           f"serve_max_num_seqs={args.prompts * args.generations}", f"checkpoint_period={args.rl_steps}",
           "async_checkpointing=false", f"base_output_directory={args.work}", "run_name=rl",
           f"load_parameters_path={os.path.join(args.work, 'sft', 'checkpoints')}", "log_period=1", *extra]

@@ -14,6 +14,7 @@ from MaxText import rl
 from MaxText.config.types import ConfigError
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
+from MaxText.inference.rollout import Rollout
 from MaxText.inference.scheduler import Request, SamplingParams
 from MaxText.post_train import prompts, rewards
 from MaxText.runtime.cli import RunError
@@ -75,19 +76,30 @@ def test_prompts_render_once_per_record_and_each_step_is_a_function_of_seed_and_
     prompts.prompt_messages({"question": "q"}, "w")
 
 
-def test_assemble_puts_completions_after_prompts_with_group_advantages():
-  config = make_config(**RL_KEYS, rl_num_generations=2, rl_prompts_per_step=1)
-  eos = 7
-  done = Request([1, 2, 3], SamplingParams(), output=[4, 5], finish_reason="stop")
-  cut = Request([1, 2, 3], SamplingParams(), output=[6, 6, 6, 6], finish_reason="length")
-  batch = rl.assemble(config, [done, cut], np.array([1.0, 0.0], np.float32), eos)
+def test_assemble_scores_the_sampled_tokens_with_group_advantages_and_the_switches():
+  keys = dict(RL_KEYS, rl_num_generations=2, rl_prompts_per_step=1)
+  L, k = make_config(**keys).num_moe_layers, make_config(**keys).num_experts_per_tok
+
+  def request(out, stop, lps):  # out: the output; a stop token (7) ends it when `stop`
+    r = Request([1, 2, 3], SamplingParams(rollout=True), output=out, finish_reason="stop" if stop else "length")
+    toks = out + ([7] if stop else [])
+    r.rollout = Rollout(np.arange(3 + len(toks))[:, None, None] * np.ones((1, L, k), np.int32), toks, lps,
+                        [5] * len(toks))
+    return r
+
+  reqs = [request([4, 5], True, [-0.1, -0.2, -0.3]), request([6, 6, 6, 6], False, [-1.0] * 4)]
+  batch = rl.assemble(make_config(**keys), reqs, np.array([1.0, 0.0], np.float32))
   a = batch.arrays
-  np.testing.assert_array_equal(a["tokens"][0, :6], [1, 2, 3, 4, 5, eos])  # the stop token is trained on
+  np.testing.assert_array_equal(a["tokens"][0, :7], [1, 2, 3, 4, 5, 7, 0])  # the stop token is trained on
   np.testing.assert_array_equal(a["mask"][0, :8], [0, 0, 0, 1, 1, 1, 0, 0])
   np.testing.assert_array_equal(a["mask"][1, :8], [0, 0, 0, 1, 1, 1, 1, 0])
-  np.testing.assert_array_equal(a["segment_ids"][1, :8], [1] * 7 + [0])
+  np.testing.assert_allclose(a["logp_old"][0, :7], [0, 0, 0, -0.1, -0.2, -0.3, 0])
   np.testing.assert_allclose(a["advantages"], [0.5, -0.5])
-  assert batch.generated == 7
+  assert batch.generated == 7 and a["kept"][0, 3] == 5 and a["routed_experts"][0, 4, 0, 0] == 4
+  off = rl.assemble(make_config(**keys, rl_keep_routing=False, rl_keep_sampling_mask=False), reqs,
+                    np.array([1.0, 0.0], np.float32))
+  assert "kept" not in off.arrays and "routed_experts" not in off.arrays
+  assert off.recorded_experts[0, 4, 0, 0] == 4  # still there for the routing agreement
 
 
 def test_config_rules_are_one_line_naming_the_key():
@@ -105,7 +117,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
               rl_prompts_per_step=1, rl_num_generations=2, rl_beta=0.1, checkpoint_period=1,
               async_checkpointing=False, base_output_directory=str(tmp_path), run_name="r", serve_max_num_seqs=2,
               serve_width_buckets=1, serve_context_buckets=1, mtp_num_layers=0, enable_tensorboard=False,
-              learning_rate=1e-2, warmup_steps=1)
+              learning_rate=1e-2, warmup_steps=0)
   mod = types.ModuleType("rl_test_length")
   mod.length = lambda text, record: float(len(text) % 3)  # rewards that differ within a group: a gradient
   monkeypatch.setitem(sys.modules, "rl_test_length", mod)
