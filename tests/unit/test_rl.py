@@ -117,7 +117,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
               rl_prompts_per_step=1, rl_num_generations=2, rl_beta=0.1, checkpoint_period=1,
               async_checkpointing=False, base_output_directory=str(tmp_path), run_name="r", serve_max_num_seqs=2,
               serve_width_buckets=1, serve_context_buckets=1, mtp_num_layers=0, enable_tensorboard=False,
-              learning_rate=1e-2, warmup_steps=0)
+              learning_rate=1e-2, warmup_steps=0, num_decoder_layers=2, use_indexer=False)
   mod = types.ModuleType("rl_test_length")
   mod.length = lambda text, record: float(len(text) % 3)  # rewards that differ within a group: a gradient
   monkeypatch.setitem(sys.modules, "rl_test_length", mod)
@@ -139,6 +139,6 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
   logged.clear()
   history = rl.rl(make_config(**keys))
   assert [h["step"] for h in history] == [2] and logged[0]["step"] == 2
-  for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm"):
+  for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
     assert logged[0][k] == pytest.approx(killed[k], rel=1e-5, abs=1e-7), k
   assert killed["kl"] > 0  # step 1 moved the policy away from the reference
