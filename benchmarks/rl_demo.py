@@ -1,6 +1,6 @@
 r"""The RL demo: a tiny model SFT'd briefly on additions answers some right; GRPO raises its held-out accuracy.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 120 --rl_steps 30 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 120 --rl_steps 40 ...] [key=value ...]
 
 1. Data under <work>/data: additions "a+b=?" with operands in [0, --high); the held-out problems
    (eval.jsonl, --eval of them) are pairs (a, b) that no training record asks. sft.jsonl holds
@@ -55,7 +55,7 @@ def rl_argv(args, data: str, extra: list[str]) -> list[str]:
           "rl_reward_column=answer", f"rl_max_completion_tokens={args.max_tokens}",
           f"rl_prompts_per_step={args.prompts}", f"rl_num_generations={args.generations}",
           f"rl_beta={args.beta}", f"steps={args.rl_steps}", f"learning_rate={args.rl_learning_rate}",
-          "warmup_steps=0", "decode_sampling_strategy=temperature", f"decode_sampling_temperature={args.temperature}",
+          f"warmup_steps={args.rl_warmup}", "decode_sampling_strategy=temperature", f"decode_sampling_temperature={args.temperature}",
           f"serve_max_num_seqs={args.prompts * args.generations}", f"checkpoint_period={args.rl_steps}",
           "async_checkpointing=false", f"base_output_directory={args.work}", "run_name=rl",
           f"load_parameters_path={os.path.join(args.work, 'sft', 'checkpoints')}", "log_period=1", *extra]
@@ -84,19 +84,20 @@ def plot(history: list[dict], path: str) -> None:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--work", required=True)
-  p.add_argument("--high", type=int, default=20, help="operands are below this")
-  p.add_argument("--eval", type=int, default=64, help="held-out problems")
+  p.add_argument("--high", type=int, default=10, help="operands are below this")
+  p.add_argument("--eval", type=int, default=30, help="held-out problems")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--sft_steps", type=int, default=120)
   p.add_argument("--batch", type=int, default=8, help="SFT global_batch_size")
   p.add_argument("--learning_rate", type=float, default=3e-3, help="SFT learning rate")
   p.add_argument("--max_target_length", type=int, default=64)
-  p.add_argument("--rl_steps", type=int, default=30)
-  p.add_argument("--prompts", type=int, default=8, help="rl_prompts_per_step")
+  p.add_argument("--rl_steps", type=int, default=40)
+  p.add_argument("--prompts", type=int, default=16, help="rl_prompts_per_step")
   p.add_argument("--generations", type=int, default=8, help="rl_num_generations")
   p.add_argument("--beta", type=float, default=0.02)
   p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--rl_learning_rate", type=float, default=1e-3)
+  p.add_argument("--rl_learning_rate", type=float, default=1e-4)
+  p.add_argument("--rl_warmup", type=int, default=0, help="RL warmup_steps")
   p.add_argument("--max_tokens", type=int, default=8, help="rl_max_completion_tokens")
   p.add_argument("--eval_every", type=int, default=10)
   p.add_argument("--skip_sft", action="store_true", help="reuse <work>/sft")
