@@ -19,7 +19,7 @@ seeds are functions of (data, seed, n), so a resumed run continues the run it wa
 starts from an SFT run's checkpoints. eval_interval > 0: the held-out reward of greedy completions of
 the eval records (eval_dataset_path / grain_eval_files / hf_eval_files) at step 0 and every
 eval_interval steps. Metrics per step (console every log_period steps, tensorboard every step):
-reward mean / std, kl, clip_fraction, masked_fraction, routing_agreement, rollout_s, train_s.
+reward mean / std, kl, clip_fraction, masked_fraction (the mean over the step's updates), routing_agreement, rollout_s, train_s.
 """
 
 from __future__ import annotations
@@ -230,13 +230,13 @@ def rl(config: Config) -> list[dict]:
                                       f"({updates[-1]}); this state is not saved: lower learning_rate")
         train_s = time.perf_counter() - t1
         real = float(arrays["segment_ids"].sum())
-        m = dict(updates[0], step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+        # the updates' metrics averaged (clip_fraction and masked_fraction are 0 in the first, on-policy one)
+        m = dict({k: float(np.mean([u[k] for u in updates])) for k in updates[0]}, step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                  completion_tokens=batch.generated / n, rollout_s=rollout_s, train_s=train_s,
                  rollout_tokens_per_s=batch.generated / rollout_s,
                  train_tokens_per_s=real * config.rl_num_iterations / train_s)
         if agreement is not None:
           m["routing_agreement"] = float(agreement)
-        m["loss"] = updates[-1]["loss"]
         _log(logger, config, step, m)
         if evaluate is not None and (step % config.eval_interval == 0 or step == config.steps):
           engine.load_weights(state["params"], state["buffers"])
