@@ -91,7 +91,7 @@ class RolloutRecorder:
       r, ro = row.request, row.request.rollout
       if ro is None:
         continue
-      if row.start and ro.experts[row.start - 1, :1, :1].min() < 0:  # its first row after shared prefix pages
+      if row.start and ro.experts[row.start - 1].size and ro.experts[row.start - 1, 0, 0] < 0:  # after shared pages
         for j, key in enumerate(page_hashes(r.tokens[:row.start], ps)):
           ro.experts[j * ps:(j + 1) * ps] = self.pages[key]
       ro.experts[row.start:row.start + row.known] = experts[i, :row.known]

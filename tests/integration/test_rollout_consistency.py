@@ -1,7 +1,7 @@
 """RL's soundness property (issue 42 item 4): before any update, the trainer's log-prob of every token
 the engine sampled for a rollout (post_train/policy_logprobs.token_logprobs, with keep routing and the
 sampling mask) equals the engine's recorded one (inference/rollout.py) within 1e-4 in f32, on one
-device and on a data x expert mesh: several prompts x G = 2..4 samples sharing their prompts' pages
+device and on a data x expert mesh: 2 prompts x G = 2 and 4 samples sharing their prompts' pages
 through the prefix cache (the shared positions' routing comes from the engine's host copy), rows
 unfiltered, top_p, top_k and both at temperature 1."""
 
@@ -16,15 +16,16 @@ from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
 from MaxText.runtime import sharding
 from tests.conftest import make_config
 
-# sequences (<= 17 tokens) within indexer_topk: the engine's sparse attention is the trainer's dense one
+# sequences (<= 17 tokens) within indexer_topk: the engine's sparse attention is the trainer's dense one;
+# one row a step (one device) or 1 per page shard (mesh, 8 rows): few step shapes, so few compiles
 BASE = dict(max_target_length=24, max_prefill_length=16, indexer_topk=24, param_init_std=0.2, mtp_num_layers=0,
-            serve_page_size=4, serve_max_num_seqs=8, serve_max_num_tokens=32, prefill_chunk_size=8,
+            serve_page_size=4, serve_max_num_seqs=1, serve_max_num_tokens=16, prefill_chunk_size=8,
             num_decoder_layers=3, first_num_dense_layers=1, moe_capacity_factor=-1.0, matmul_precision="highest",
             serve_width_buckets=1, serve_context_buckets=1, remat_policy="none")
-PROMPTS = [[1, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 40, 41, 42, 43, 44, 45, 46, 47], [1, 7, 8, 9, 10, 60, 61, 62, 63]]
-GROUPS = [2, 3, 4]  # samples per prompt
+PROMPTS = [[1, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 7, 8, 9, 10, 60, 61, 62, 63]]
+GROUPS = [2, 4]  # samples per prompt
 OPTIONS = [dict(), dict(top_p=0.7), dict(top_k=5), dict(top_p=0.9, top_k=8)]  # at temperature 1
-NEW = 6
+NEW = 4
 
 
 def rollouts(cfg, mesh):
@@ -45,7 +46,7 @@ def rollouts(cfg, mesh):
 
 
 def _consistency(num_devices, **mesh_keys):
-  cfg = make_config(num_devices=num_devices, **BASE, **mesh_keys)
+  cfg = make_config(num_devices=num_devices, **{**BASE, **mesh_keys})
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     requests, eng, (graphdef, params, buffers) = rollouts(cfg, mesh)
@@ -75,4 +76,4 @@ def test_trainer_logprobs_equal_the_engines_on_one_device():
 
 @pytest.mark.slow
 def test_trainer_logprobs_equal_the_engines_on_a_data_x_expert_mesh():
-  _consistency(8, ici_data_parallelism=2, ici_expert_parallelism=4)
+  _consistency(8, ici_data_parallelism=2, ici_expert_parallelism=4, serve_max_num_seqs=8)  # 1 row per page shard

@@ -3,6 +3,8 @@ trainer's scoring of them (MaxText/post_train/policy_logprobs.py logprobs_of), a
 the kept size is the hand-computed top_p / top_k set, the logprob is renormalized over it; the trainer,
 given that size, scores the same distribution."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,7 @@ def test_trainer_scores_the_recorded_kept_set_at_the_recorded_temperature():
   tokens = jnp.asarray(np.argsort(-np.asarray(logits), axis=-1)[:, :, 1], jnp.int32)  # [B,T] second best
   tokens = jnp.concatenate([jnp.zeros((2, 1), jnp.int32), tokens[:, :-1]], axis=1)  # token t from position t-1
   kept = jnp.asarray([[V, 3, 1, 7, V], [V, 2, V, 4, 10]], jnp.int32)  # kept 1: the token is kept anyway
-  logp = np.asarray(logprobs_of(logits, tokens, temperature=0.8, kept=kept))
+  logp = np.asarray(jax.jit(functools.partial(logprobs_of, temperature=0.8))(logits, tokens, kept=kept))
   assert (logp[:, 0] == 0).all()
   for b in range(2):
     for t in range(1, 5):
@@ -59,3 +61,49 @@ def test_trainer_scores_the_recorded_kept_set_at_the_recorded_temperature():
       z = lg[sorted(set(keep))] / 0.8
       want = lg[int(tokens[b, t])] / 0.8 - (z.max() + np.log(np.exp(z - z.max()).sum()))
       np.testing.assert_allclose(logp[b, t], want, atol=1e-5, err_msg=f"{b},{t}")
+
+
+def _run_rollouts(prompts, stop_at, *, page_size=2, steps=60):
+  """Host only: a Scheduler over a PageAllocator driven as the engine drives it, the device faked: the
+  experts of position p are (p, p + 1), the drawn token is 100 + its position, its logprob -position,
+  its kept size the position; a request stops (EOS 7) when its position reaches stop_at[i]."""
+  from MaxText.inference.page_allocator import PageAllocator
+  from MaxText.inference.rollout import RolloutRecorder
+  from MaxText.inference.scheduler import SamplingParams, Scheduler
+  alloc = PageAllocator(16, page_size)
+  sched = Scheduler(alloc, max_num_seqs=1, max_num_tokens=8, chunk=4, max_length=32, eos_id=7, vocab_size=512)
+  rec = RolloutRecorder(page_size, moe_layers=1, experts_per_tok=2)
+  sched.rollout_shareable = rec.shareable
+  requests = []
+  for prompt in prompts:
+    requests.append(sched.add(prompt, SamplingParams(max_tokens=4, rollout=True)))
+    rec.start(requests[-1])
+  for _ in range(steps):
+    rows = sched.schedule()
+    if not rows:
+      break
+    where = list(range(len(rows)))
+    t = max(row.count for row in rows)
+    pos = np.array([[row.start + j for j in range(t)] for row in rows])  # [B,t]
+    experts = np.stack([pos, pos + 1], -1)[:, :, None, :].astype(np.int32)  # [B,t,1,2]
+    nxt = np.array([row.start + row.known for row in rows])  # the drawn token's position
+    stop = np.array([stop_at[requests.index(row.request)] for row in rows])
+    sampled = np.where(nxt >= stop, 7, 100 + nxt)
+    rec.record(rows, where, sampled, -nxt.astype(np.float32), nxt, experts)
+    sched.update(rows, sampled)
+    rec.publish(rows, alloc)
+  return requests, alloc
+
+
+def test_records_include_the_stop_token_and_shared_prefix_pages_get_their_routing():
+  prompt = [1, 2, 3, 4, 5]  # two full pages of 2, shared by the second request
+  (a, b), alloc = _run_rollouts([prompt, prompt], stop_at=[7, 99])
+  assert alloc.hits >= 2  # b took a's cached pages: its positions 0..3 were not computed again
+  assert a.output == [105, 106] and a.rollout.tokens == [105, 106, 7]  # the stop token ends the records
+  assert a.rollout.logprobs == [-5.0, -6.0, -7.0] and a.rollout.kept == [5, 6, 7]
+  for r in (a, b):
+    n = len(r.prompt) + len(r.rollout.tokens)
+    want = np.stack([np.arange(n), np.arange(n) + 1], -1)[:, None, :]  # [n,1,2]
+    want[-1] = -1  # the last token is never fed to the model
+    np.testing.assert_array_equal(r.rollout.experts, want)
+  assert len(b.rollout.tokens) == 4 and b.output == b.rollout.tokens
