@@ -82,8 +82,9 @@ def make_optimizer(config: Config, params) -> optax.GradientTransformation:
 
 
 def update_routing_biases(config: Config, buffers, aux) -> dict:
-  """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load."""
-  if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0:
+  """Aux-loss-free balancing: each MoE layer's bias moves against its measured expert load (a loss
+  that reports no loads, the RL loss, leaves the biases)."""
+  if not config.routed_bias or config.num_moe_layers + config.mtp_num_layers == 0 or not aux:
     return buffers
 
   def upd(path, bias):
@@ -146,9 +147,12 @@ def batch_shardings(config: Config, mesh, batch: dict) -> dict:
   return {k: one(v) for k, v in batch.items()}
 
 
-def make_train_step(config: Config, graphdef, tx):
-  """state {params, buffers, opt_state, step} x batch -> (new state, metrics)."""
-  grad_fn = jax.value_and_grad(lambda p, b, mb: _loss_fn(config, graphdef, p, b, mb), has_aux=True)
+def make_train_step(config: Config, graphdef, tx, loss_fn=None):
+  """state {params, buffers, opt_state, step} x batch -> (new state, metrics). loss_fn(config, graphdef,
+  params, buffers, batch) -> (loss, (metrics with "loss", expert loads)): default the LM loss (_loss_fn);
+  the RL loop (MaxText/rl.py) passes its GRPO loss."""
+  loss_fn = loss_fn or _loss_fn
+  grad_fn = jax.value_and_grad(lambda p, b, mb: loss_fn(config, graphdef, p, b, mb), has_aux=True)
   accum = config.gradient_accumulation_steps
   schedule = learning_rate_schedule(config)
 
@@ -185,11 +189,11 @@ def make_train_step(config: Config, graphdef, tx):
   return step
 
 
-def jit_train_step(config: Config, graphdef, tx, state_sharding, batch_sharding, mesh):
+def jit_train_step(config: Config, graphdef, tx, state_sharding, batch_sharding, mesh, loss_fn=None):
   """The jitted train step: state and batch in with their shardings, state out with the same
   (donated), metrics replicated. train() runs it; train_compile compiles it from abstract inputs."""
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(make_train_step(config, graphdef, tx), in_shardings=(state_sharding, batch_sharding),
+  return jax.jit(make_train_step(config, graphdef, tx, loss_fn), in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, replicated), donate_argnums=(0,))
 
 

@@ -243,6 +243,22 @@ class Serve(_Section):
   serve_max_logprobs: PosInt
 
 
+class ReinforcementLearning(_Section):
+  rl_num_generations: Annotated[int, Field(ge=2)]
+  rl_prompts_per_step: PosInt
+  rl_num_iterations: PosInt
+  rl_max_completion_tokens: PosInt
+  rl_epsilon: Annotated[float, Field(gt=0, lt=1)]
+  rl_beta: Annotated[float, Field(ge=0)]
+  rl_offpolicy_delta: float
+  rl_unbiased_kl: bool
+  rl_keep_routing: bool
+  rl_keep_sampling_mask: bool
+  rl_reward: Annotated[str, Field(min_length=1)]
+  rl_reward_column: str
+  rl_thinking: bool
+
+
 class AheadOfTimeCompile(_Section):
   compile_num_devices: NonNegInt
   compile_hbm_gib: Annotated[float, Field(ge=0)]
@@ -250,7 +266,8 @@ class AheadOfTimeCompile(_Section):
 
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, Serve, AheadOfTimeCompile,
+    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, Serve, ReinforcementLearning,
+    AheadOfTimeCompile,
 )
 
 

@@ -1,0 +1,281 @@
+"""Reinforcement learning: python -m MaxText.rl configs/base.yml [key=value ...]
+
+GRPO as DeepSeek-V3.2 trains with it (docs/rl.md), a loop above the serving engine and the trainer:
+each step takes rl_prompts_per_step prompts (post_train/prompts.py: records of the data pipelines,
+rendered in DeepSeek-V3.2's chat format), the in-process ServingEngine samples rl_num_generations
+completions of each (decode_sampling_* keys; a prompt's G samples share its pages through the prefix
+cache), the reward (rl_reward, post_train/rewards.py) scores them, and rl_num_iterations updates of
+the GRPO loss (post_train/grpo.py) run through train.py's jitted train step (the same sharding,
+optimizer, finite-state guard). The new weights reach the engine through load_weights (its compiled
+programs stay). Per sampled token the engine records its logprob (pi_old), the experts each MoE
+layer routed it to, and the size of the top-k/top-p kept set: the trainer's logprobs take the
+recorded routing (rl_keep_routing) and renormalize over the kept set (rl_keep_sampling_mask).
+rl_beta > 0 holds a frozen reference: the starting policy (load_parameters_path's, or the seeded init).
+
+The run folder is train.py's: <base_output_directory>/<run_name>/ holds config.yml, checkpoints/ (the
+train state every checkpoint_period steps and at the last; a checkpoint's step is the RL step) and
+tensorboard/. The same command resumes from the newest checkpoint: step n's prompts and sampling
+seeds are functions of (data, seed, n), so a resumed run continues the run it was. load_parameters_path
+starts from an SFT run's checkpoints. eval_interval > 0: the held-out reward of greedy completions of
+the eval records (eval_dataset_path / grain_eval_files / hf_eval_files) at step 0 and every
+eval_interval steps. Metrics per step (console every log_period steps, tensorboard every step):
+reward mean / std, kl, clip_fraction, masked_fraction (the mean over the step's updates), routing_agreement, rollout_s, train_s.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if not __package__ and __name__ == "__main__":  # run as `python MaxText/rl.py`: import the package
+  import _script_path  # noqa: F401
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from MaxText import train as trainer
+from MaxText.checkpoint import model_state, orbax_state
+from MaxText.checkpoint.run_folder import RunFolder
+from MaxText.config import pyconfig
+from MaxText.config.types import Config, ConfigError
+from MaxText.data.tokenizer import load_tokenizer
+from MaxText.inference.scheduler import SamplingParams
+from MaxText.inference.serving import ServingEngine
+from MaxText.post_train import grpo
+from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
+from MaxText.post_train.prompts import PromptSource
+from MaxText.post_train.rewards import load_reward
+from MaxText.runtime import cli, compile_cache, distributed, sharding
+from MaxText.runtime.metrics import MetricsLogger
+
+
+def check_config(config: Config) -> None:
+  """The cross-key rules of an RL run: one ConfigError line naming the key."""
+  if config.decode_sampling_strategy == "greedy":
+    raise ConfigError("decode_sampling_strategy=greedy: RL samples rl_num_generations different completions per "
+                      "prompt: use decode_sampling_strategy=temperature or top_p")
+  if not config.tokenizer_path:
+    raise ConfigError("tokenizer_path is empty: RL renders prompts and scores completions as text")
+  if config.chat_template_path:
+    raise ConfigError("chat_template_path: RL renders prompts in DeepSeek-V3.2's format only (set it to \"\")")
+  if config.rl_max_completion_tokens >= config.max_target_length:
+    raise ConfigError(f"rl_max_completion_tokens={config.rl_max_completion_tokens} leaves no room for a prompt in "
+                      f"max_target_length={config.max_target_length}")
+  n = config.rl_prompts_per_step * config.rl_num_generations
+  if n % config.gradient_accumulation_steps:
+    raise ConfigError(f"gradient_accumulation_steps={config.gradient_accumulation_steps} does not divide the "
+                      f"{n} sequences of a step (rl_prompts_per_step x rl_num_generations)")
+  if config.weight_quantization != "none":
+    raise ConfigError(f"weight_quantization={config.weight_quantization}: RL trains float weights (none)")
+
+
+def sampling_params(config: Config, step: int, row: int) -> SamplingParams:
+  """Row `row` of step `step`: the decode_sampling_* keys, a seed of (seed, step, row) (a resumed run
+  samples what it would have), and the engine's per-token rollout records."""
+  seed = int(np.random.default_rng([config.seed, step, row]).integers(2 ** 62))
+  return SamplingParams(max_tokens=config.rl_max_completion_tokens, temperature=config.decode_sampling_temperature,
+                        top_p=config.decode_sampling_nucleus_p if config.decode_sampling_strategy == "top_p" else 1.0,
+                        seed=seed, rollout=True)
+
+
+@dataclasses.dataclass
+class Batch:
+  """A step's rollouts as the loss reads them, host numpy [N,T] (N = B x G, T = max_target_length)."""
+  arrays: dict  # tokens, positions, segment_ids, mask, logp_old, advantages [N]; kept, routed_experts: switches
+  recorded_experts: np.ndarray | None  # [N,T,L,k] the engine's routing (routing agreement), None without MoE
+  rewards: np.ndarray  # [N]
+  generated: int  # tokens the engine sampled
+
+
+def assemble(config: Config, requests: list, rewards: np.ndarray) -> Batch:
+  """Finished rollout requests (a prompt's G samples adjacent; their records inference/rollout.py's) as
+  the loss's arrays (post_train.policy_logprobs.rollout_arrays), with the completion mask and the group
+  advantages; kept / routed_experts only where rl_keep_sampling_mask / rl_keep_routing."""
+  moe = config.num_moe_layers
+  a = rollout_arrays(requests, config.max_target_length, config.vocab_size, moe, config.num_experts_per_tok)
+  a["mask"] = a.pop("generated").astype(np.float32)  # [N,T]: the sampled tokens (the stop token included)
+  a["advantages"] = np.asarray(grpo.group_advantages(jnp.asarray(rewards), config.rl_num_generations))  # [N]
+  recorded = a.pop("routed_experts") if moe else None
+  if config.rl_keep_routing and moe:
+    a["routed_experts"] = recorded
+  if not config.rl_keep_sampling_mask:
+    del a["kept"]
+  return Batch(a, recorded, rewards, sum(len(r.rollout.tokens) for r in requests))
+
+
+def policy_logprobs(config: Config, model, batch: dict, sample_vocab: int | None) -> jax.Array:
+  """log pi [N,T] of each token under `model` at the sampling temperature, with the batch's recorded
+  routing and kept sets when it carries them (rl_keep_routing, rl_keep_sampling_mask)."""
+  return token_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
+                        temperature=config.decode_sampling_temperature, kept=batch.get("kept"),
+                        routed_experts=batch.get("routed_experts"), sample_vocab=sample_vocab)
+
+
+def routing_agreement(model, batch: dict, recorded: jax.Array) -> jax.Array:
+  """The fraction of (computed position, MoE layer) pairs where the model's own routing picks the same
+  experts as the engine recorded (recorded [N,T,L,k], -1 where the engine computed nothing)."""
+  _, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  same = (jnp.sort(aux["routed_experts"], -1) == jnp.sort(recorded, -1)).all(-1)  # [N,T,L]
+  where = (recorded[..., 0] >= 0) & (batch["segment_ids"][..., None] > 0)  # [N,T,L]
+  return (same & where).sum() / jnp.maximum(where.sum(), 1)
+
+
+def grpo_loss_fn(options: grpo.GrpoOptions, sample_vocab: int | None):
+  """train.make_train_step's loss_fn: the GRPO loss of a batch (its metrics, no expert loads: the RL
+  step leaves the routing biases as the engine routed with them)."""
+
+  def loss_fn(config, graphdef, params, buffers, mb):
+    logp = policy_logprobs(config, model_state.merge(graphdef, params, buffers), mb, sample_vocab)  # [N,T]
+    loss, metrics = grpo.grpo_loss(logp, mb["logp_old"], mb.get("logp_ref"), mb["advantages"], mb["mask"], options)
+    return loss, (dict(metrics, loss=loss), {})
+
+  return loss_fn
+
+
+def _batch_sharding(mesh, config: Config, arrays: dict) -> dict:
+  """Each array's rows (axis 0) over the batch axes; the rest replicated."""
+  rules = sharding.rules_of(config)
+  return {k: NamedSharding(mesh, sharding.logical_to_spec(("activation_batch",) + (None,) * (v.ndim - 1), rules,
+                                                          mesh, v.shape)) for k, v in arrays.items()}
+
+
+class Evaluator:
+  """The held-out reward: greedy completions of every eval record, scored by the reward."""
+
+  def __init__(self, config: Config, tokenizer, reward):
+    self.source, self.reward, self.config = PromptSource(config, tokenizer, eval=True), reward, config
+
+  def __call__(self, engine: ServingEngine) -> float:
+    ids = [self.source.ids(i) for i in range(len(self.source))]
+    params = SamplingParams(max_tokens=self.config.rl_max_completion_tokens, temperature=0.0)
+    requests = engine.generate(ids, params)
+    texts = [engine_text(self.source.tokenizer, r) for r in requests]
+    wheres, records = zip(*self.source.records)
+    return float(self.reward(texts, list(records), list(wheres)).mean())
+
+
+def engine_text(tokenizer, request) -> str:
+  return tokenizer.decode(request.output)
+
+
+def rl(config: Config) -> list[dict]:
+  """Runs (or resumes) RL; returns each step's metrics (and eval_reward where evaluated) as floats."""
+  check_config(config)
+  tokenizer = load_tokenizer(config)
+  reward = load_reward(config)
+  source = PromptSource(config, tokenizer)  # a bad record or prompt fails before any compile
+  evaluate = Evaluator(config, tokenizer, reward) if config.eval_interval else None
+  options = grpo.GrpoOptions.from_config(config)
+  g, n = config.rl_num_generations, config.rl_prompts_per_step * config.rl_num_generations
+  run = RunFolder(config)
+  latest = orbax_state.latest_step_on_disk(config) if config.enable_checkpointing else None
+  if not run.open(latest):
+    return []
+  print(run.describe(), flush=True)
+  mesh = sharding.create_mesh(config)
+  history: list[dict] = []
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+    # The optimizer's schedule counts updates (steps x iterations).
+    step_config = config.model_copy(update={"steps": config.steps * config.rl_num_iterations})
+    graphdef, state, state_sharding, tx = trainer._init_state(step_config, mesh)
+    ref_params = jax.tree.map(jnp.copy, state["params"]) if config.rl_beta > 0 else None  # the starting policy
+    manager = orbax_state.create_manager(config)
+    start = 0
+    restored = orbax_state.restore_newest_good(manager, orbax_state.abstract_like(state, state_sharding))
+    if restored is not None:
+      start, state, _ = restored
+      print(f"resumed from checkpoint step {start} in {config.checkpoint_dir}", flush=True)
+    vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
+    engine = ServingEngine(config, graphdef, state["params"], state["buffers"], sample_vocab=vocab,
+                           eos_id=source.eos_id, log=lambda line: print(line, flush=True))
+    logprobs_jit = jax.jit(lambda p, b, batch: policy_logprobs(config, model_state.merge(graphdef, p, b), batch, vocab))
+    agreement_jit = jax.jit(lambda p, b, batch, rec: routing_agreement(model_state.merge(graphdef, p, b), batch, rec))
+    step_fn = None
+    logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
+    try:
+      if evaluate is not None and start == 0:
+        history.append(_log_eval(logger, 0, evaluate(engine)))
+      for step in range(start + 1, config.steps + 1):
+        engine.load_weights(state["params"], state["buffers"])  # the policy's weights, no recompile
+        t0 = time.perf_counter()
+        rows = source.step(step)
+        prompts = [ids for _, _, ids in rows for _ in range(g)]
+        requests = engine.generate(prompts, [sampling_params(config, step, i) for i in range(n)])
+        texts = [engine_text(tokenizer, r) for r in requests]
+        rewards = reward(texts, [rec for _, rec, _ in rows for _ in range(g)], [w for w, _, _ in rows for _ in range(g)])
+        batch = assemble(config, requests, rewards)
+        rollout_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        arrays = dict(batch.arrays)
+        shardings = _batch_sharding(mesh, config, {**arrays, "logp_ref": arrays["tokens"]})
+        dev = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
+        agreement = None if batch.recorded_experts is None else \
+            agreement_jit(state["params"], state["buffers"], dev, batch.recorded_experts)  # before the update
+        if ref_params is not None:
+          dev["logp_ref"] = logprobs_jit(ref_params, state["buffers"], dev)
+        if step_fn is None:
+          step_fn = trainer.jit_train_step(step_config, graphdef, tx, state_sharding,
+                                           {k: shardings[k] for k in dev}, mesh, grpo_loss_fn(options, vocab))
+        updates = []
+        for _ in range(config.rl_num_iterations):
+          state, metrics = step_fn(state, dev)
+          updates.append(metrics)
+        updates = [{k: float(v) for k, v in jax.device_get(m).items()} for m in updates]
+        if not all(u.pop("finite") for u in updates):
+          raise trainer.TrainingError(f"step {step}: the GRPO loss or the updated parameters are not finite "
+                                      f"({updates[-1]}); this state is not saved: lower learning_rate")
+        train_s = time.perf_counter() - t1
+        real = float(arrays["segment_ids"].sum())
+        # the updates' metrics averaged (clip_fraction and masked_fraction are 0 in the first, on-policy one)
+        m = dict({k: float(np.mean([u[k] for u in updates])) for k in updates[0]}, step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                 completion_tokens=batch.generated / n, rollout_s=rollout_s, train_s=train_s,
+                 rollout_tokens_per_s=batch.generated / rollout_s,
+                 train_tokens_per_s=real * config.rl_num_iterations / train_s)
+        if agreement is not None:
+          m["routing_agreement"] = float(agreement)
+        _log(logger, config, step, m)
+        if evaluate is not None and (step % config.eval_interval == 0 or step == config.steps):
+          engine.load_weights(state["params"], state["buffers"])
+          m.update(_log_eval(logger, step, evaluate(engine)))
+        history.append(m)
+        if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
+          orbax_state.save(manager, step, state, {"rl_step": step})
+          print(f"checkpoint step {step}: {config.checkpoint_dir}/{step}", flush=True)
+    finally:
+      logger.close()
+      orbax_state.finish(manager)
+  return history
+
+
+CONSOLE = ("reward_mean", "reward_std", "kl", "clip_fraction", "masked_fraction", "completion_tokens",
+           "rollout_s", "train_s")
+
+
+def _log(logger, config: Config, step: int, m: dict) -> None:
+  if getattr(logger, "writer", None) is not None:
+    for k, v in m.items():
+      logger.writer.add_scalar(f"rl/{k}", v, step)
+  if step % config.log_period == 0 or step in (1, config.steps):
+    print(f"step {step}/{config.steps} | " + " | ".join(f"{k} {m[k]:.4g}" for k in CONSOLE), flush=True)
+
+
+def _log_eval(logger, step: int, value: float) -> dict:
+  if getattr(logger, "writer", None) is not None:
+    logger.writer.add_scalar("rl/eval_reward", value, step)
+  print(f"eval step {step} | held-out reward (greedy) {value:.4f}", flush=True)
+  return {"step": step, "eval_reward": value}
+
+
+def main(argv) -> None:
+  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)
+  cli.quiet_libraries()
+  compile_cache.enable(config)
+  cli.run(lambda: rl(config))
+
+
+if __name__ == "__main__":
+  distributed.run_main(main, sys.argv)

@@ -1,0 +1,144 @@
+"""The RL side: rewards (post_train/rewards.py), prompts (post_train/prompts.py), rollouts -> loss arrays
+(MaxText/rl.py assemble), config rules, and a run killed after a checkpoint that resumes the same run."""
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+from conftest import make_config
+
+from MaxText import rl
+from MaxText.config.types import ConfigError
+from MaxText.data.records import DataError
+from MaxText.data.tokenizer import load_tokenizer
+from MaxText.inference.rollout import Rollout
+from MaxText.inference.scheduler import Request, SamplingParams
+from MaxText.post_train import prompts, rewards
+from MaxText.runtime.cli import RunError
+
+HF_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizer.json")
+RL_KEYS = dict(tokenizer_type="hf", tokenizer_path=HF_JSON, decode_sampling_strategy="temperature",
+               max_target_length=32, max_prefill_length=32, rl_max_completion_tokens=4, rl_thinking=False)
+
+
+def _records(path, n=6):
+  with open(path, "w") as f:
+    for i in range(n):
+      f.write(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) + "\n")
+  return str(path)
+
+
+def test_exact_match_reads_the_reply_content_against_the_column():
+  fn = rewards.exact_match("answer", thinking=True)
+  assert fn("1 and 1 make 2</think> 2 <｜end▁of▁sentence｜>", {"answer": 2}) == 1.0
+  assert fn("2", {"answer": 2}) == 0.0  # thinking mode: all of it is reasoning until </think>
+  assert rewards.exact_match("answer", thinking=False)("2", {"answer": "2"}) == 1.0
+
+
+def test_a_reward_that_raises_is_one_line_naming_it_and_the_record(monkeypatch):
+  mod = types.ModuleType("rl_test_rewards")
+  mod.broken = lambda text, record: {}["missing"]
+  mod.nan = lambda text, record: float("nan")
+  mod.length = lambda text, record: float(len(text))
+  monkeypatch.setitem(sys.modules, "rl_test_rewards", mod)
+  reward = rewards.load_reward(make_config(rl_reward="rl_test_rewards:broken"))
+  with pytest.raises(RunError) as e:
+    reward(["hi"], [{"a": 1}], ["data.jsonl:7"])
+  msg = str(e.value)
+  assert "rl_reward=rl_test_rewards:broken raised KeyError" in msg and "data.jsonl:7" in msg and "\n" not in msg
+  with pytest.raises(RunError, match="returned nan for record x.jsonl:1"):
+    rewards.load_reward(make_config(rl_reward="rl_test_rewards:nan"))(["hi"], [{}], ["x.jsonl:1"])
+  np.testing.assert_array_equal(rewards.load_reward(make_config(rl_reward="rl_test_rewards:length"))(
+      ["ab", "abc"], [{}, {}], ["a", "b"]), [2.0, 3.0])
+  for spec, said in (("nope", "a built-in"), ("no_such_module_xyz:f", "cannot import module"),
+                     ("rl_test_rewards:absent", "has no function 'absent'")):
+    with pytest.raises(ConfigError, match=said):
+      rewards.load_reward(make_config(rl_reward=spec))
+
+
+def test_prompts_render_once_per_record_and_each_step_is_a_function_of_seed_and_step(tmp_path):
+  config = make_config(**RL_KEYS, dataset_type="file", dataset_path=_records(tmp_path / "p.jsonl"),
+                       rl_prompts_per_step=4)
+  tok = load_tokenizer(config)
+  source = prompts.PromptSource(config, tok)
+  again = prompts.PromptSource(config, tok)
+  assert [source.indices(s) for s in (1, 2, 3)] == [again.indices(s) for s in (1, 2, 3)]  # a resume's prompts
+  first_epoch = source.indices(1) + source.indices(2)[:2]
+  assert sorted(first_epoch) == list(range(6))  # every record once per epoch
+  where, record, ids = source.step(1)[0]
+  assert tok.decode(ids).endswith("<｜Assistant｜></think>") and record["prompt"] in tok.decode(ids)
+  msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+  assert prompts.prompt_messages({"messages": msgs}, "w") == msgs[:1]  # an SFT record's answer left out
+  with pytest.raises(DataError, match="w: an RL record needs 'prompt'"):
+    prompts.prompt_messages({"question": "q"}, "w")
+
+
+def test_assemble_scores_the_sampled_tokens_with_group_advantages_and_the_switches():
+  keys = dict(RL_KEYS, rl_num_generations=2, rl_prompts_per_step=1)
+  L, k = make_config(**keys).num_moe_layers, make_config(**keys).num_experts_per_tok
+
+  def request(out, stop, lps):  # out: the output; a stop token (7) ends it when `stop`
+    r = Request([1, 2, 3], SamplingParams(rollout=True), output=out, finish_reason="stop" if stop else "length")
+    toks = out + ([7] if stop else [])
+    r.rollout = Rollout(np.arange(3 + len(toks))[:, None, None] * np.ones((1, L, k), np.int32), toks, lps,
+                        [5] * len(toks))
+    return r
+
+  reqs = [request([4, 5], True, [-0.1, -0.2, -0.3]), request([6, 6, 6, 6], False, [-1.0] * 4)]
+  batch = rl.assemble(make_config(**keys), reqs, np.array([1.0, 0.0], np.float32))
+  a = batch.arrays
+  np.testing.assert_array_equal(a["tokens"][0, :7], [1, 2, 3, 4, 5, 7, 0])  # the stop token is trained on
+  np.testing.assert_array_equal(a["mask"][0, :8], [0, 0, 0, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(a["mask"][1, :8], [0, 0, 0, 1, 1, 1, 1, 0])
+  np.testing.assert_allclose(a["logp_old"][0, :7], [0, 0, 0, -0.1, -0.2, -0.3, 0])
+  np.testing.assert_allclose(a["advantages"], [0.5, -0.5])
+  assert batch.generated == 7 and a["kept"][0, 3] == 5 and a["routed_experts"][0, 4, 0, 0] == 4
+  off = rl.assemble(make_config(**keys, rl_keep_routing=False, rl_keep_sampling_mask=False), reqs,
+                    np.array([1.0, 0.0], np.float32))
+  assert "kept" not in off.arrays and "routed_experts" not in off.arrays
+  assert off.recorded_experts[0, 4, 0, 0] == 4  # still there for the routing agreement
+
+
+def test_config_rules_are_one_line_naming_the_key():
+  for keys, said in ((dict(decode_sampling_strategy="greedy"), "decode_sampling_strategy=greedy"),
+                     (dict(rl_max_completion_tokens=32), "rl_max_completion_tokens=32"),
+                     (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3")):
+    with pytest.raises(ConfigError, match=said):
+      rl.check_config(make_config(**{**RL_KEYS, **keys}))
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypatch):
+  """Step 2 dies before its checkpoint; run again: it resumes from step 1 and step 2 samples and trains
+  exactly as the killed run did (same prompts, seeds, weights)."""
+  keys = dict(RL_KEYS, dataset_type="file", dataset_path=_records(tmp_path / "p.jsonl"), steps=2,
+              rl_prompts_per_step=1, rl_num_generations=2, rl_beta=0.1, checkpoint_period=1,
+              async_checkpointing=False, base_output_directory=str(tmp_path), run_name="r", serve_max_num_seqs=2,
+              serve_width_buckets=1, serve_context_buckets=1, mtp_num_layers=0, enable_tensorboard=False,
+              learning_rate=1e-2, warmup_steps=0, num_decoder_layers=2, use_indexer=False)
+  mod = types.ModuleType("rl_test_length")
+  mod.length = lambda text, record: float(len(text) % 3)  # rewards that differ within a group: a gradient
+  monkeypatch.setitem(sys.modules, "rl_test_length", mod)
+  keys["rl_reward"] = "rl_test_length:length"
+  logged = []
+  monkeypatch.setattr(rl, "_log", lambda logger, config, step, m: logged.append(dict(m)))
+  save = rl.orbax_state.save
+
+  def dies_at_2(manager, step, *a):
+    if step == 2:
+      raise KeyboardInterrupt  # the kill, after step 2 ran and before it was saved
+    save(manager, step, *a)
+
+  monkeypatch.setattr(rl.orbax_state, "save", dies_at_2)
+  with pytest.raises(KeyboardInterrupt):
+    rl.rl(make_config(**keys))
+  killed = logged[1]
+  monkeypatch.setattr(rl.orbax_state, "save", save)
+  logged.clear()
+  history = rl.rl(make_config(**keys))
+  assert [h["step"] for h in history] == [2] and logged[0]["step"] == 2
+  for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
+    assert logged[0][k] == pytest.approx(killed[k], rel=1e-5, abs=1e-7), k
+  assert killed["kl"] > 0  # step 1 moved the policy away from the reference
