@@ -14,8 +14,9 @@ from flax import nnx
 from MaxText.config.types import Config
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, quantize, scale_shape
 
-PRECISION = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
-             "highest": jax.lax.Precision.HIGHEST}
+# "default" is None, not lax.Precision.DEFAULT: an explicit DEFAULT pins one bf16 pass on a TPU even under
+# JAX_DEFAULT_MATMUL_PRECISION=highest or jax.default_matmul_precision (what the device tests set), None follows them.
+PRECISION = {"default": None, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 
 
 def dtype_of(name: str):
