@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The wheels that the accelerator image lacks for benchmarks/device_check.sh (and for python -m MaxText.serve),
-# for its Python (3.12, manylinux x86-64), into DIR; fails when DIR holds more than 40 MiB. Dependencies are
+# for its Python (3.12, manylinux x86-64), into DIR; fails when DIR holds more than 56 MiB. Dependencies are
 # resolved here, so the device installs with no index and no resolution:
 #   bash benchmarks/device_check.sh --bundle DIR     (docs/accelerators.md)
 # What is needed: NEEDS below, at requirements.txt's pins, and all they depend on. What the image has (so is left
 # out): benchmarks/device_image.txt.
 # Usage: bash benchmarks/device_bundle.sh DIR
 #        BUNDLE_PYTHON=3.11 bash benchmarks/device_bundle.sh DIR    (another Python's wheels: to try the install here)
+#        BUNDLE_PYTHON=3.11 BUNDLE_IMAGE=benchmarks/device_image_tpu.txt bash benchmarks/device_bundle.sh DIR
+#            (the lent TPU v5e image: Python 3.11, jax 0.10.2 + libtpu, without flax, optax, orbax, ...)
 #        bash benchmarks/device_bundle.sh --install DIR [PYTHON]    (what device_check.sh --bundle runs: installs
 #            DIR's wheels for PYTHON (default python3) into DIR/site-pyXY with no index and no resolution, checks
 #            that everything the device check imports imports, and prints that folder: its one line on stdout)
@@ -14,15 +16,16 @@ set -euo pipefail
 CALLER="$PWD"
 cd "$(dirname "$0")/.."
 abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # a path as the caller meant it
-MAX_MIB=40
+MAX_MIB=56
 # The imports of device_check.sh's sections and of tests/unit's collection (pydantic, omegaconf, grain, ...),
 # and of the server; datasets and tensorboard stay out (nothing the device runs imports them).
-NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi uvicorn prometheus_client Jinja2 httpx)
+# flax ... pytest-xdist are on the GPU image (so left out there) and missing from the TPU image.
+NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi uvicorn prometheus_client Jinja2 httpx llguidance flax optax orbax-checkpoint safetensors sentencepiece tokenizers pytest-xdist)
 # What the device check imports, from the bundle or the image, checked after the install: a failure stops it; what
 # only the server imports is a warning.
 MODULES="jax flax optax orbax.checkpoint numpy yaml pydantic omegaconf grain array_record tensorboardX sentencepiece
 tokenizers safetensors pytest xdist hypothesis MaxText.train"
-SERVER_MODULES="fastapi uvicorn prometheus_client jinja2 MaxText.serve"
+SERVER_MODULES="fastapi uvicorn prometheus_client jinja2 llguidance MaxText.serve"
 
 install() {  # DIR PYTHON: install offline, check the imports, print the target folder
   local dir="$1" py="$2" tag site
@@ -41,7 +44,7 @@ install() {  # DIR PYTHON: install offline, check the imports, print the target 
     fi
     touch "$site/.complete"
   fi
-  PYTHONPATH="$PWD:$site" MODULES="$MODULES" SERVER_MODULES="$SERVER_MODULES" "$py" -c '
+  PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" MODULES="$MODULES" SERVER_MODULES="$SERVER_MODULES" "$py" -c '
 import importlib, os, sys
 def failures(names):
   out = []
@@ -75,6 +78,8 @@ if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
 fi
 DIR="$(abs "$1")"
 PYV="${BUNDLE_PYTHON:-3.12}"
+IMAGE="${BUNDLE_IMAGE:-benchmarks/device_image.txt}"
+[ -f "$IMAGE" ] || { echo "device_bundle.sh: BUNDLE_IMAGE=$IMAGE is not a file (a pip freeze of the image)" >&2; exit 2; }
 pins=()
 for n in "${NEEDS[@]}"; do
   pin="$(grep -iE "^${n}==" requirements.txt || true)"
@@ -95,7 +100,7 @@ python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --pyt
     --implementation cp "${platforms[@]}" -d "$stage" "${pins[@]}" 2> "$stage/pip.err" ||
   { grep -v "is ignored" "$stage/pip.err" >&2; echo "device_bundle.sh: pip download failed (above)" >&2; exit 1; }
 canon() { tr 'A-Z_.' 'a-z--' | sed -E 's/-+/-/g'; }  # a distribution's canonical name (PEP 503)
-has="$({ grep -vE '^[[:space:]]*(#|$)' benchmarks/device_image.txt || true; } | sed -E 's/[=<> ;#].*//' | canon | sort -u)"
+has="$({ grep -vE '^[[:space:]]*(#|$)' "$IMAGE" || true; } | sed -E 's/[=<> ;#].*//' | canon | sort -u)"
 kept=0
 for whl in "$stage"/*.whl; do
   name="$(basename "$whl" | cut -d- -f1 | canon)"
