@@ -60,6 +60,9 @@ def run_lm_eval(url: str, model: str) -> dict[str, list[dict]]:
   """lm-eval's local-completions against the server at `url` on tiny_mc and tiny_gen -> each task's
   samples (lm-eval's per-item records) by doc_id. Nothing downloaded: HF_*_OFFLINE set, the data local."""
   os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+  import datasets.config  # read its environment when first imported (maybe before this): offline now, no
+  datasets.config.HF_HUB_OFFLINE = True  # download-count HEAD to s3.amazonaws.com per load_dataset("json")
+  datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
   import lm_eval
   from lm_eval.tasks import TaskManager
   args = dict(base_url=f"{url}/v1/completions", model=model, tokenizer_backend="remote", tokenized_requests=True,

@@ -185,7 +185,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
   # first token's logits (and so every greedy token) must not depend on the chunk.
   prompts = [list(range(3, 20)), list(range(40, 49)), list(range(100, 123))]  # 17, 9, 23 tokens
   results = {}
-  for chunk in (0, 5, 8):
+  for chunk in (0, 5):  # 5: no divisor of any prompt or page
     cfg, graphdef, params, buffers = _model(prefill_chunk_size=chunk)
     eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
     assert eng.chunk == (chunk or cfg.max_prefill_length)

@@ -131,9 +131,10 @@ def _int_keys(d: dict) -> dict[int, float]:
 def _assert_losses_equal(got: dict, want: dict):
   assert got, "no losses printed"
   for s, loss in got.items():
-    # The console prints 4 decimals: equal losses may still round apart by one unit of the last place
-    # (6.23165 -> 6.2317 / 6.2316 seen with 2 processes vs 1); any other difference is a real one.
-    assert loss == pytest.approx(want[s], abs=1.01e-4), (s, loss, want[s])
+    # The console prints 4 decimals, and 2 processes sum gradients in another order than 1: equal losses
+    # round apart by one unit of the last place (6.23165 -> 6.2317 / 6.2316), and drift to 2e-4 by step 20
+    # on an AVX2 host (5.1066 vs 5.1068); a real difference (a lost or doubled row) is far larger.
+    assert loss == pytest.approx(want[s], abs=3.01e-4), (s, loss, want[s])
 
 
 @pytest.fixture(scope="module")

@@ -130,8 +130,8 @@ def test_non_finite_loss_stops_and_sets_aside_the_checkpoint_that_gave_it(tmp_pa
   cfg = small(tmp_path, steps=6, enable_checkpointing=True, checkpoint_period=1, async_checkpointing=False)
   orig = train.make_train_step
 
-  def poisoned(config, graphdef, tx):
-    step = orig(config, graphdef, tx)
+  def poisoned(config, graphdef, tx, loss_fn=None):
+    step = orig(config, graphdef, tx, loss_fn)
 
     def s(state, batch):  # step 3 (from the parameters of step 2) has a NaN loss
       new, m = step(state, batch)

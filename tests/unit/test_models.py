@@ -59,8 +59,9 @@ def test_scanned_and_unscanned_stacks_compute_the_same_function():
     if k not in ("dense_layers", "moe_layers"):
       pl[k] = ps[k]
   nnx.update(ml, pl)
-  ls, aux_s = ms(tokens)
-  ll, aux_l = ml(tokens)
+  run = nnx.jit(lambda m, t: m(t))  # one compile each (eager, op by op, took 100 s on a slow host)
+  ls, aux_s = run(ms, tokens)
+  ll, aux_l = run(ml, tokens)
   np.testing.assert_allclose(ls, ll, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(aux_s["expert_load"], aux_l["expert_load"], rtol=1e-6)
 
@@ -166,7 +167,7 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=1,
                     remat_policy="none", indexer_use_approx_top_k=approx, indexer_approx_top_k_recall=0.9)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
-  model(jnp.ones((1, 32), jnp.int32))
+  nnx.jit(lambda m, t: m(t))(model, jnp.ones((1, 32), jnp.int32))  # traced once: each layer's selection once
   want = [("approx", 0.9)] if approx else [("threshold", True)]
   assert calls == want * 5  # 4 decoder layers + the MTP layer
 
@@ -181,8 +182,8 @@ def test_bf16_params_and_activations_track_fp32():
   # Same weights (rounded to bf16) in both, so only the arithmetic differs.
   p16 = nnx.state(m16, nnx.Param).to_pure_dict()
   nnx.update(m32, jax.tree.map(lambda a: a.astype(jnp.float32), p16))
-  l32, _ = m32(tokens)
-  l16, _ = m16(tokens)
+  run = nnx.jit(lambda m, t: m(t)[0])  # compiled, not op by op
+  l32, l16 = run(m32, tokens), run(m16, tokens)
   assert l16.dtype == jnp.float32  # logits are upcast for the loss
   rel = float(jnp.linalg.norm(l16 - l32) / jnp.linalg.norm(l32))
   assert rel < 5e-2, rel
