@@ -110,6 +110,9 @@ def _train_step(overrides: dict, steps: int) -> dict:
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     abs_state, abs_batch, step_fn = train.abstract_train_step(cfg, mesh)
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if os.environ.get("DEVICE_CHECK_MEMORY_GIB"):  # pretend a device of this size (to try the ladder)
+      limit = float(os.environ["DEVICE_CHECK_MEMORY_GIB"]) * 2**30
     t0 = time.perf_counter()
     try:
       compiled = step_fn.lower(abs_state, abs_batch).compile()
@@ -117,15 +120,11 @@ def _train_step(overrides: dict, steps: int) -> dict:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       need = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
-      limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
       return dict(fits=False, peak_gib=float(need.group(1)) if need else None,
                   limit_gib=round(limit / 2**30, 2) if limit else None, compile_error="RESOURCE_EXHAUSTED")
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     peak_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    if os.environ.get("DEVICE_CHECK_MEMORY_GIB"):  # pretend a device of this size (to try the ladder)
-      limit = float(os.environ["DEVICE_CHECK_MEMORY_GIB"]) * 2**30
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abs_state["params"]))
     out = dict(params=n_params, tokens=cfg.global_batch_size * cfg.max_target_length, compile_s=round(compile_s, 1),
                peak_gib=round(peak_bytes / 2**30, 2), limit_gib=round(limit / 2**30, 2) if limit else None)

@@ -2,12 +2,13 @@
 
 Every kernel that has more than one way to compute the same thing reads its choice here, when it
 is traced. A backend's row in TABLE says what runs there. The "cpu" row is tuned and measured on
-XLA:CPU (docs/measured_choices.md). The "tpu" row takes the binned selections (measured on a TPU v5e);
-the rest of it, and every other backend ("gpu", any other), runs the portable implementations: plain XLA ops that every backend
-lowers well. A backend's row changes only after a measurement on it (benchmarks/device_check.sh,
+XLA:CPU (docs/measured_choices.md). The "tpu" row takes the binned selections (measured on a TPU
+v5e) and the portable rest; every other backend ("gpu", any other) runs the portable
+implementations: plain XLA ops that every backend lowers well. A backend's row changes only after a measurement on it (benchmarks/device_check.sh,
 docs/accelerators.md).
 
-  choice             cpu (measured)                        portable (gpu, tpu, others)
+  choice             cpu (measured)                        portable (gpu, others; tpu: the
+                                                           selections binned, as on the cpu)
   exact_selection    "binned": each row's k-th value from  "top_k": lax.top_k (its indices
                      strided bins closed by bisection      scattered into a mask, or sorted
                      (selection.py)                        as the gather path's slots)

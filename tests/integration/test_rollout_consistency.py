@@ -1,9 +1,9 @@
 """RL's soundness property (issue 42 item 4): before any update, the trainer's log-prob of every token
 the engine sampled for a rollout (post_train/policy_logprobs.token_logprobs, with keep routing and the
 sampling mask) equals the engine's recorded one (inference/rollout.py) within 1e-4 in f32, on a data x
-expert mesh (`_consistency(1)` is the one-device case; CI runs the mesh, which implies it): 2 prompts x G = 2 and 4 samples sharing their prompts' pages
-through the prefix cache (the shared positions' routing comes from the engine's host copy), rows
-unfiltered, top_p, top_k and both at temperature 1."""
+expert mesh (`_consistency(1)` is the one-device case; CI runs the mesh, which implies it): 2 prompts
+x G = 2 and 4 samples sharing their prompts' pages through the prefix cache (the shared positions'
+routing comes from the engine's host copy), rows unfiltered, top_p, top_k and both at temperature 1."""
 
 import jax
 import numpy as np

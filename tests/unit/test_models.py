@@ -33,9 +33,8 @@ def test_671b_with_mtp_parameter_count():
   assert round((n + OFFICIAL_MTP_COPIES) / 1e9, 1) == 685.4
 
 
-def _forward(cfg, tokens):
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  return model, model(tokens)
+# The forward pass compiled once per model (eager, op by op, took 100 s on a slow host).
+_jit_forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
 def test_scanned_and_unscanned_stacks_compute_the_same_function():
@@ -59,9 +58,8 @@ def test_scanned_and_unscanned_stacks_compute_the_same_function():
     if k not in ("dense_layers", "moe_layers"):
       pl[k] = ps[k]
   nnx.update(ml, pl)
-  run = nnx.jit(lambda m, t: m(t))  # one compile each (eager, op by op, took 100 s on a slow host)
-  ls, aux_s = run(ms, tokens)
-  ll, aux_l = run(ml, tokens)
+  ls, aux_s = _jit_forward(ms, tokens)
+  ll, aux_l = _jit_forward(ml, tokens)
   np.testing.assert_allclose(ls, ll, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(aux_s["expert_load"], aux_l["expert_load"], rtol=1e-6)
 
@@ -167,7 +165,7 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   cfg = make_config(num_decoder_layers=4, first_num_dense_layers=1, scan_layers=False, mtp_num_layers=1,
                     remat_policy="none", indexer_use_approx_top_k=approx, indexer_approx_top_k_recall=0.9)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
-  nnx.jit(lambda m, t: m(t))(model, jnp.ones((1, 32), jnp.int32))  # traced once: each layer's selection once
+  _jit_forward(model, jnp.ones((1, 32), jnp.int32))  # traced once: each layer's selection once
   want = [("approx", 0.9)] if approx else [("threshold", True)]
   assert calls == want * 5  # 4 decoder layers + the MTP layer
 
@@ -182,8 +180,7 @@ def test_bf16_params_and_activations_track_fp32():
   # Same weights (rounded to bf16) in both, so only the arithmetic differs.
   p16 = nnx.state(m16, nnx.Param).to_pure_dict()
   nnx.update(m32, jax.tree.map(lambda a: a.astype(jnp.float32), p16))
-  run = nnx.jit(lambda m, t: m(t)[0])  # compiled, not op by op
-  l32, l16 = run(m32, tokens), run(m16, tokens)
+  l32, l16 = _jit_forward(m32, tokens)[0], _jit_forward(m16, tokens)[0]
   assert l16.dtype == jnp.float32  # logits are upcast for the loss
   rel = float(jnp.linalg.norm(l16 - l32) / jnp.linalg.norm(l32))
   assert rel < 5e-2, rel
