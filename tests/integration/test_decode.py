@@ -223,7 +223,7 @@ def _top_level_ops(hlo: str):
       yield comp, line.strip()
 
 
-def test_a_decode_step_never_copies_the_latent_pools():
+def test_a_decode_step_never_copies_the_latent_pools(production_emitters):
   # A serving step must touch O(k) rows of the latent pools: no top-level op may produce a pool-sized
   # array from them (a copy, a select over them, a dequantization of all of them). XLA:CPU did copy
   # the cache, several times per step, while one program both updated it in place and fed it to a

@@ -1,9 +1,10 @@
 """One program, many processes (jax.distributed on localhost, CPU collectives over gloo): 2 processes
-x 4 CPU devices train exactly like 1 process x 8 devices, on a data=8 mesh (grain data: an ArrayRecord
-text shard, a worker per process reading only its own rows' documents; the checkpoint resumes in 1
-process) and through the expert-parallel MoE on data=2 x context=2 x expert=2; both processes killed with -9 resume; their
-checkpoint resumes in a 1-process run on another mesh; a ragged decode equals 1 process; bad
-distributed keys fail in seconds with one line naming the key; a failing process ends them all.
+x 4 CPU devices train exactly like 1 process x 8 devices on grain data (an ArrayRecord text shard, a
+worker per process reading only its own rows' documents), on a data=8 mesh (its checkpoint resumes in
+1 process) and through the expert-parallel MoE on data=2 x context=2 x expert=2 (both processes killed
+with -9 resume; their checkpoint resumes in a 1-process run on another mesh); a ragged decode equals
+1 process; bad distributed keys fail in seconds with one line naming the key; a failing process ends
+them all.
 
 Every subprocess has a timeout (a hung peer fails the test, not CI) and shares one persistent
 compilation cache, so a program compiled once is not compiled again by a later run; the reference
@@ -86,6 +87,8 @@ def _launch(script, args, *, processes, devices, cache, per_process=None, port=N
   """Starts `processes` copies of `python MaxText/<script> args` (each with `devices` CPU devices,
   joined through jax.distributed when several); per_process[i]: extra args of process i."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT,
+         # not FAST_COMPILE_FLAGS' elemental emitters: with them an 8-device process stalls in a
+         # collective (its 40 s rendezvous timeout)
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
          "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   port = port or _free_port()
@@ -138,36 +141,22 @@ def _assert_losses_equal(got: dict, want: dict):
 
 
 @pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory):
-  """Losses of steps 1..20 of one process with 8 devices (data=8)."""
-  def run(root):
-    (rc, o, e), = _ok(_finish(_launch("train.py", TRAIN + [f"base_output_directory={root}/ref",
-                                                           "enable_checkpointing=false"],
-                                      processes=1, devices=8, cache=cache_dir)))
-    return _losses(o)
-
-  losses = _int_keys(_once(tmp_path_factory, "reference", run))
-  assert sorted(losses) == list(range(1, STEPS + 1))
-  return losses
-
-
-@pytest.fixture(scope="module")
-def killed_and_resumed(cache_dir, tmp_path_factory):
-  """2 processes x 4 devices on data=2 x context=2 x expert=2: both killed with -9 once checkpoint 8
-  is complete, then the same command again. (losses before the kill, the rerun's stdout, the
+def killed_and_resumed(cache_dir, tmp_path_factory, grain_data):
+  """2 processes x 4 devices on data=2 x context=2 x expert=2, grain data (a worker each): both killed
+  with -9 once checkpoint 8 is complete, then the same command again. (losses before the kill, the rerun's stdout, the
   checkpoint the rerun resumed from, its run dir)."""
-  before, rerun, latest, run_dir = _once(tmp_path_factory, "killed_and_resumed", _kill_and_resume(cache_dir))
+  before, rerun, latest, run_dir = _once(tmp_path_factory, "killed_and_resumed", _kill_and_resume(cache_dir, grain_data))
   return _int_keys(before), rerun, latest, run_dir
 
 
-def _kill_and_resume(cache_dir):
+def _kill_and_resume(cache_dir, grain_data):
   def run(root):
-    return _kill_and_resume_in(root / "ep", cache_dir)
+    return _kill_and_resume_in(root / "ep", cache_dir, grain_data)
   return run
 
 
-def _kill_and_resume_in(base, cache_dir):
-  args = TRAIN + EP_MESH + [f"base_output_directory={base}", "run_name=run"]
+def _kill_and_resume_in(base, cache_dir, grain_data):
+  args = TRAIN + EP_MESH + grain_data + [f"base_output_directory={base}", "run_name=run"]
   ckpt = base / "run" / "checkpoints"
   procs = _launch("train.py", args, processes=2, devices=4, cache=cache_dir)
   deadline = time.time() + TIMEOUT
@@ -186,31 +175,33 @@ def _kill_and_resume_in(base, cache_dir):
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_through_expert_parallel_moe_and_resume_after_kill(reference, killed_and_resumed):
+def test_two_processes_train_like_one_through_expert_parallel_moe_and_resume_after_kill(grain_reference,
+                                                                                       killed_and_resumed):
   before, rerun, latest, _ = killed_and_resumed
   assert f"resumed from checkpoint step {latest}" in rerun
   after = _losses(rerun)
   assert sorted(after) == list(range(latest + 1, STEPS + 1))
   assert set(before) | set(after) == set(range(1, STEPS + 1))  # every step seen, on 2 processes
-  _assert_losses_equal(before, reference)
-  _assert_losses_equal(after, reference)
+  _assert_losses_equal(before, grain_reference)
+  _assert_losses_equal(after, grain_reference)
 
 
 @pytest.mark.slow
-def test_a_two_process_checkpoint_resumes_in_one_process_on_another_mesh(reference, killed_and_resumed, cache_dir,
-                                                                          tmp_path):
+def test_a_two_process_checkpoint_resumes_in_one_process_on_another_mesh(grain_reference, grain_data,
+                                                                          killed_and_resumed, cache_dir, tmp_path):
   *_, run_dir = killed_and_resumed
   shutil.copytree(run_dir, tmp_path / "run")
   ckpt = tmp_path / "run" / "checkpoints"
   for d in os.listdir(ckpt):  # keep 12: the 1-process run resumes there (data=8, not the EP mesh)
     if d.isdigit() and int(d) > 12:
       shutil.rmtree(ckpt / d)
-  (_, out, _), = _ok(_finish(_launch("train.py", TRAIN + [f"base_output_directory={tmp_path}", "run_name=run"],
+  (_, out, _), = _ok(_finish(_launch("train.py", TRAIN + grain_data + [f"base_output_directory={tmp_path}",
+                                                                      "run_name=run"],
                                      processes=1, devices=8, cache=cache_dir)))
   assert "resumed from checkpoint step 12" in out
   after = _losses(out)
   assert sorted(after) == list(range(13, STEPS + 1))
-  _assert_losses_equal(after, reference)
+  _assert_losses_equal(after, grain_reference)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.runtime import sharding
 from MaxText.runtime.metrics import fmt_loss
-from tests.conftest import REPO_ROOT, make_config, read_noise
+from tests.conftest import FAST_COMPILE_FLAGS, REPO_ROOT, make_config, read_noise
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 COMMON = ["mtp_num_layers=0", "log_period=1", "steps=4", "checkpoint_period=2"]
@@ -31,7 +31,7 @@ COMMON = ["mtp_num_layers=0", "log_period=1", "steps=4", "checkpoint_period=2"]
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   cache = tmp_path_factory.mktemp("jax_cache")
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0",
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_FLAGS,
           "PYTHONUNBUFFERED": "1", "JAX_COMPILATION_CACHE_DIR": str(cache),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 

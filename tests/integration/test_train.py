@@ -1,13 +1,10 @@
 """End-to-end training: the loss falls, the two indexer stages train what the paper trains,
-kill -9 and resume reproduces the losses, tensorboard events are readable, a file dataset trains,
-a non-finite loss stops the run without checkpointing the bad state."""
+tensorboard events are readable, a file dataset trains, a non-finite loss stops the run without
+checkpointing the bad state. (kill -9 and resume with grain data: tests/integration/test_multiprocess.py,
+whose processes are killed with -9 and whose grain checkpoint resumes exactly.)"""
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -148,61 +145,8 @@ def test_non_finite_loss_stops_and_sets_aside_the_checkpoint_that_gave_it(tmp_pa
   assert os.listdir(os.path.join(cfg.run_dir, "checkpoints_unusable")) == ["2"]
 
 
-def _run_train(args, **popen):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0", "PYTHONUNBUFFERED": "1"}
-  return subprocess.Popen([sys.executable, "MaxText/train.py", "configs/base.yml", *args], cwd=REPO_ROOT,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-
-
 def _losses(out: str) -> dict[int, str]:
   return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", out)}
-
-
-def _text_shard(path):
-  """An ArrayRecord shard of the test corpus's paragraphs (UTF-8 text, tokenized while training)."""
-  from array_record.python.array_record_module import ArrayRecordWriter
-  docs, _ = input_pipeline.read_documents(os.path.join(DATA, "corpus.txt"), "text")
-  w = ArrayRecordWriter(str(path), "group_size:1")
-  for d in docs:
-    w.write(d.encode())
-  w.close()
-  return str(path)
-
-
-def test_kill_9_then_resume_reproduces_the_same_losses(tmp_path):
-  """Data from a grain ArrayRecord shard read by a worker process: the position saved in each
-  checkpoint is exact (the synthetic and file datasets are pure functions of the step)."""
-  shard = _text_shard(tmp_path / "corpus.arrayrecord")
-  common = ["steps=24", "log_period=1", "checkpoint_period=4", "async_checkpointing=false",
-            "enable_tensorboard=false", "mtp_num_layers=0", f"base_output_directory={tmp_path}",
-            "dataset_type=grain", f"grain_train_files={shard}", "grain_worker_count=1",
-            f"tokenizer_path={DATA}/tokenizer.model"]
-  ref = _run_train(common + ["run_name=ref", "enable_checkpointing=false"])
-  ref_out, _ = ref.communicate(timeout=600)
-  assert ref.returncode == 0, ref_out
-  ref_losses = _losses(ref_out)
-  assert sorted(ref_losses) == list(range(1, 25))
-
-  ckpt = tmp_path / "killed" / "checkpoints"
-  p = _run_train(common + ["run_name=killed"])
-  deadline = time.time() + 600
-  while time.time() < deadline:  # kill -9 once the step-8 checkpoint is complete
-    if (ckpt / "8").is_dir() and not any(n.endswith(".orbax-checkpoint-tmp") or "tmp" in n
-                                         for n in os.listdir(ckpt)):
-      break
-    time.sleep(0.05)
-  p.send_signal(signal.SIGKILL)
-  first_out, _ = p.communicate()
-  latest = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
-  assert latest < 24, "the run finished before it could be killed"
-  resumed = _run_train(common + ["run_name=killed"])
-  out, _ = resumed.communicate(timeout=600)
-  assert resumed.returncode == 0, out
-  assert f"resumed from checkpoint step {latest}" in out
-  after = _losses(out)
-  assert sorted(after) == list(range(latest + 1, 25))
-  for s, loss in after.items():
-    assert loss == ref_losses[s], (s, loss, ref_losses[s])
 
 
 def test_tensorboard_events_are_readable(tmp_path):
