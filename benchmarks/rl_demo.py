@@ -3,7 +3,7 @@ r"""The RL demo: a tiny model SFT'd briefly on additions answers some right; GRP
     PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 120 --rl_steps 40 ...] [key=value ...]
 
 1. Data under <work>/data: additions "a+b=?" with operands in [0, --high); the held-out problems
-   (eval.jsonl, --eval of them) are pairs (a, b) that no training record asks. sft.jsonl holds
+   (eval.jsonl, --eval of them) are pairs (a, b) that no training record asks. train.jsonl holds
    conversations (the user's question, the assistant's sum; no thinking), rl.jsonl the training
    problems as {"prompt", "answer"}.
 2. SFT: train.py use_sft=true (benchmarks/sft_demo.py's command) for --sft_steps steps from the
@@ -27,17 +27,17 @@ import sys
 import time
 
 from benchmarks.serve_load import REPO
-from benchmarks.sft_demo import TOKENIZER, run, train_command
+from benchmarks.sft_demo import demo_tokenizer, run, train_command
 
 
 def write_data(args, out: str) -> dict:
-  """sft.jsonl, rl.jsonl and eval.jsonl; the eval pairs are disjoint from the training pairs."""
+  """train.jsonl (SFT), rl.jsonl and eval.jsonl; the eval pairs are disjoint from the training pairs."""
   rng = random.Random(args.seed)
   pairs = [(a, b) for a in range(args.high) for b in range(args.high)]
   rng.shuffle(pairs)
   held, train = pairs[:args.eval], pairs[args.eval:]
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "sft.jsonl"), "w") as f:
+  with open(os.path.join(out, "train.jsonl"), "w") as f:
     for a, b in train:
       f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}=?"},
                                        {"role": "assistant", "content": str(a + b)}]}) + "\n")
@@ -47,10 +47,10 @@ def write_data(args, out: str) -> dict:
   return {"train_problems": len(train), "eval_problems": len(held)}
 
 
-def rl_argv(args, data: str, extra: list[str]) -> list[str]:
+def rl_argv(args, data: str, tokenizer: str, vocab_size: int, extra: list[str]) -> list[str]:
   return ["rl", "configs/base.yml", "dataset_type=file", f"dataset_path={data}/rl.jsonl",
           f"eval_dataset_path={data}/eval.jsonl", f"eval_interval={args.eval_every}", "tokenizer_type=hf",
-          f"tokenizer_path={TOKENIZER}", f"max_target_length={args.max_target_length}",
+          f"tokenizer_path={tokenizer}", f"vocab_size={vocab_size}", f"max_target_length={args.max_target_length}",
           f"max_prefill_length={args.max_target_length}", "rl_thinking=false", "rl_reward=exact_match",
           "rl_reward_column=answer", f"rl_max_completion_tokens={args.max_tokens}",
           f"rl_prompts_per_step={args.prompts}", f"rl_num_generations={args.generations}",
@@ -101,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--max_tokens", type=int, default=8, help="rl_max_completion_tokens")
   p.add_argument("--eval_every", type=int, default=10)
   p.add_argument("--skip_sft", action="store_true", help="reuse <work>/sft")
+  p.add_argument("--tokenizer", default="bpe", help="'bpe' (a BPE tokenizer trained on train.jsonl, sft_demo's) or "
+                                                    "a tokenizer.json holding V3.2's markers")
   return p
 
 
@@ -115,10 +117,10 @@ def main(argv=None) -> None:
   counts = write_data(args, data)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   t0 = time.perf_counter()
+  tokenizer, vocab_size = demo_tokenizer(args, data)  # BPE on train.jsonl (sft_demo's): "12" is 2 tokens
   if not args.skip_sft:
     sft = argparse.Namespace(**{**vars(args), "steps": args.sft_steps})
-    cmd = train_command(sft, data, extra)
-    cmd = [c.replace("train.jsonl", "sft.jsonl") for c in cmd]
+    cmd = train_command(sft, data, tokenizer, vocab_size, extra)
     run(cmd, env, os.path.join(args.work, "sft.log"))
   sft_s = time.perf_counter() - t0
   print(f"SFT: {args.sft_steps} steps in {sft_s:.0f} s", file=sys.stderr, flush=True)
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
   os.chdir(REPO)
   from MaxText import rl
   from MaxText.config import pyconfig
-  config = pyconfig.initialize(rl_argv(args, data, extra))
+  config = pyconfig.initialize(rl_argv(args, data, tokenizer, vocab_size, extra))
   t1 = time.perf_counter()
   history = rl.rl(config)
   rl_s = time.perf_counter() - t1

@@ -33,7 +33,8 @@ DATA = os.path.join(REPO_ROOT, "tests", "data")
 S, K = 48, 8  # cache length; indexer top-k well below it, so the selection matters
 # param_init_std 0.2: attention far from uniform, so sparse and dense attention really differ
 BASE = dict(max_target_length=S, max_prefill_length=24, indexer_topk=K, param_init_std=0.2, mtp_num_layers=0,
-            serve_page_size=8, serve_max_num_seqs=4, serve_max_num_tokens=32)
+            serve_page_size=8, serve_max_num_seqs=4, serve_max_num_tokens=32,
+            serve_width_buckets=1, serve_context_buckets=1)  # few step shapes: few compiles (the server tests run the defaults)
 _MODELS = {}
 
 

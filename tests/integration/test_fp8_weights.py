@@ -21,7 +21,8 @@ from tests.integration.test_expert_parallel import _layer_inputs, _on_mesh, _sin
 
 BASE = dict(max_target_length=32, max_prefill_length=16, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
             serve_page_size=8, serve_max_num_seqs=2, serve_max_num_tokens=16, prefill_chunk_size=8,
-            weight_block_size=(16, 32))
+            weight_block_size=(16, 32),
+            serve_width_buckets=1, serve_context_buckets=1)  # few step shapes: few compiles (the server tests run the defaults)
 PROMPTS = [[1, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 99, 7]]
 NEW = 6
 

@@ -142,3 +142,19 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
   for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
     assert logged[0][k] == pytest.approx(killed[k], rel=1e-5, abs=1e-7), k
   assert killed["kl"] > 0  # step 1 moved the policy away from the reference
+
+
+def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp_path):
+  # benchmarks/rl_demo.py (not run in CI: minutes): its data and its RL command, without compiling anything
+  from benchmarks import rl_demo
+  from MaxText.config import pyconfig
+  args, extra = rl_demo.parser().parse_known_args(["--work", str(tmp_path), "--eval", "20"])
+  data = tmp_path / "data"
+  counts = rl_demo.write_data(args, str(data))
+  read = lambda name: [json.loads(line) for line in open(data / name)]  # noqa: E731
+  train, held = {r["prompt"] for r in read("rl.jsonl")}, {r["prompt"] for r in read("eval.jsonl")}
+  assert len(held) == counts["eval_problems"] == 20 and not train & held
+  assert len(read("train.jsonl")) == counts["train_problems"] == len(train)
+  config = pyconfig.initialize(rl_demo.rl_argv(args, str(data), HF_JSON, 512, extra or ["mtp_num_layers=0"]))
+  rl.check_config(config)
+  assert config.rl_num_generations == args.generations and config.eval_dataset_path.endswith("eval.jsonl")
