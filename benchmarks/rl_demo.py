@@ -1,16 +1,19 @@
-r"""The RL demo: a tiny model SFT'd briefly on additions answers some right; GRPO raises its held-out accuracy.
+r"""The RL demo: SFT teaches a tiny model additions from demonstrations in two styles; GRPO with an
+exact-match reward raises its accuracy on problems it never trained RL on.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 120 --rl_steps 40 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 300 --rl_steps 60 ...] [key=value ...]
 
-1. Data under <work>/data: additions "a+b=?" with operands in [0, --high); the held-out problems
-   (eval.jsonl, --eval of them) are pairs (a, b) that no training record asks. train.jsonl holds
-   conversations (the user's question, the assistant's sum; no thinking), rl.jsonl the training
-   problems as {"prompt", "answer"}.
-2. SFT: train.py use_sft=true (benchmarks/sft_demo.py's command) for --sft_steps steps from the
-   random init into <work>/sft: the model learns the format (a number, then EOS) and some sums.
+1. Data under <work>/data: additions "a+b=?" with operands in [0, --high); the eval problems
+   (eval.jsonl, --eval of them) are pairs (a, b) that no RL record asks (rl.jsonl: the others, as
+   {"prompt", "answer"}). train.jsonl holds the SFT conversations (the user's question, the
+   assistant's reply; no thinking): every pair (--sft_eval_pairs include) or the RL pairs only
+   (exclude); a --long_share of the replies in a second annotator's style, "The sum of a and b is s.",
+   which the verifier (exact match against "s") counts as wrong.
+2. SFT: train.py use_sft=true (benchmarks/sft_demo.py's command, its BPE tokenizer) for --sft_steps
+   steps from the random init into <work>/sft: the model learns the sums and answers in either style.
 3. RL in this process: MaxText.rl on rl.jsonl from <work>/sft/checkpoints (rl_reward=exact_match
    against "answer", sampling at --temperature), --rl_steps steps; eval_interval=--eval_every greedy
-   held-out accuracy (exact match) before the first update and after.
+   accuracy (exact match) on eval.jsonl before the first update and every --eval_every steps.
 4. <work>/rl_demo.png: reward mean and KL per step, held-out accuracy at each eval.
 
 Prints a table and one JSON line: accuracy_before, accuracy_after, steps, rollout_tokens_per_s,
@@ -31,20 +34,27 @@ from benchmarks.sft_demo import demo_tokenizer, run, train_command
 
 
 def write_data(args, out: str) -> dict:
-  """train.jsonl (SFT), rl.jsonl and eval.jsonl; the eval pairs are disjoint from the training pairs."""
+  """train.jsonl (SFT), rl.jsonl and eval.jsonl. The eval pairs are held out from RL (rl.jsonl never asks
+  them); --sft_eval_pairs include (the default) puts them in the SFT conversations too. A --long_share of
+  the SFT replies are in a second annotator's style ("The sum of a and b is s."), which exact match
+  counts as wrong: the SFT'd model knows the sums but often answers in that style."""
   rng = random.Random(args.seed)
   pairs = [(a, b) for a in range(args.high) for b in range(args.high)]
   rng.shuffle(pairs)
   held, train = pairs[:args.eval], pairs[args.eval:]
   os.makedirs(out, exist_ok=True)
+  long_replies = 0
   with open(os.path.join(out, "train.jsonl"), "w") as f:
-    for a, b in train:
+    for a, b in (train + held if args.sft_eval_pairs == "include" else train):
+      long = rng.random() < args.long_share
+      long_replies += long
+      reply = f"The sum of {a} and {b} is {a + b}." if long else str(a + b)
       f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}=?"},
-                                       {"role": "assistant", "content": str(a + b)}]}) + "\n")
+                                       {"role": "assistant", "content": reply}]}) + "\n")
   for name, rows in (("rl.jsonl", train), ("eval.jsonl", held)):
     with open(os.path.join(out, name), "w") as f:
       f.writelines(json.dumps({"prompt": f"{a}+{b}=?", "answer": str(a + b)}) + "\n" for a, b in rows)
-  return {"train_problems": len(train), "eval_problems": len(held)}
+  return {"train_problems": len(train), "eval_problems": len(held), "sft_long_replies": long_replies}
 
 
 def rl_argv(args, data: str, tokenizer: str, vocab_size: int, extra: list[str]) -> list[str]:
@@ -87,18 +97,21 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--high", type=int, default=10, help="operands are below this")
   p.add_argument("--eval", type=int, default=30, help="held-out problems")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--sft_steps", type=int, default=120)
+  p.add_argument("--long_share", type=float, default=0.6, help="SFT replies in the long style (exact match: wrong)")
+  p.add_argument("--sft_eval_pairs", choices=["include", "exclude"], default="include",
+                 help="include: the eval pairs are in the SFT data (held out from RL only); exclude: from both")
+  p.add_argument("--sft_steps", type=int, default=300)
   p.add_argument("--batch", type=int, default=8, help="SFT global_batch_size")
   p.add_argument("--learning_rate", type=float, default=3e-3, help="SFT learning rate")
   p.add_argument("--max_target_length", type=int, default=64)
-  p.add_argument("--rl_steps", type=int, default=40)
+  p.add_argument("--rl_steps", type=int, default=60)
   p.add_argument("--prompts", type=int, default=16, help="rl_prompts_per_step")
   p.add_argument("--generations", type=int, default=8, help="rl_num_generations")
   p.add_argument("--beta", type=float, default=0.02)
   p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--rl_learning_rate", type=float, default=1e-4)
+  p.add_argument("--rl_learning_rate", type=float, default=3e-4)
   p.add_argument("--rl_warmup", type=int, default=0, help="RL warmup_steps")
-  p.add_argument("--max_tokens", type=int, default=8, help="rl_max_completion_tokens")
+  p.add_argument("--max_tokens", type=int, default=16, help="rl_max_completion_tokens (a long-style reply is ~12)")
   p.add_argument("--eval_every", type=int, default=10)
   p.add_argument("--skip_sft", action="store_true", help="reuse <work>/sft")
   p.add_argument("--tokenizer", default="bpe", help="'bpe' (a BPE tokenizer trained on train.jsonl, sft_demo's) or "

@@ -154,7 +154,9 @@ def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp
   read = lambda name: [json.loads(line) for line in open(data / name)]  # noqa: E731
   train, held = {r["prompt"] for r in read("rl.jsonl")}, {r["prompt"] for r in read("eval.jsonl")}
   assert len(held) == counts["eval_problems"] == 20 and not train & held
-  assert len(read("train.jsonl")) == counts["train_problems"] == len(train)
+  sft = read("train.jsonl")  # every pair (sft_eval_pairs=include), a share in the long style
+  assert len(sft) == len(train) + len(held) and 0 < counts["sft_long_replies"] < len(sft)
+  assert sum(r["messages"][1]["content"].startswith("The sum of") for r in sft) == counts["sft_long_replies"]
   config = pyconfig.initialize(rl_demo.rl_argv(args, str(data), HF_JSON, 512, extra or ["mtp_num_layers=0"]))
   rl.check_config(config)
   assert config.rl_num_generations == args.generations and config.eval_dataset_path.endswith("eval.jsonl")
