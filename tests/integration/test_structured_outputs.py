@@ -43,7 +43,7 @@ def _valid(kind: str, text: str) -> bool:
 @pytest.fixture(scope="module")
 def served():
   """(engine, tokenizer, the batch's requests and params): N constrained and N/3 free requests at temperature 1."""
-  cfg = make_config(**{**BASE, "serve_max_num_seqs": 2}, serve_width_buckets=1, serve_context_buckets=1)  # few programs
+  cfg = make_config(**{**BASE, "serve_max_num_seqs": 2})  # few programs (BASE: one width, one context bucket)
   tok = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=TOKENIZER))
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=tok.eos_id, grammars=Grammars.for_tokenizer(tok, 512))
