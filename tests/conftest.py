@@ -8,7 +8,8 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # Tests are compile-bound (tiny shapes): LLVM -O0 compiles ~40% faster, and XLA:CPU's elemental
 # emitters instead of its fusion emitters ~40% faster again (a serving engine's 9 step programs:
-# 18.4 s -> 11.3 s), same results at the tests' tolerances. CLI subprocesses take the same flags.
+# 18.4 s -> 11.3 s), same results at the tests' tolerances. CLI subprocesses take the same flags
+# (but test_multiprocess's: -O0 only, see there).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 for _flag in FAST_COMPILE_FLAGS.split():
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:

@@ -143,8 +143,8 @@ def _assert_losses_equal(got: dict, want: dict):
 @pytest.fixture(scope="module")
 def killed_and_resumed(cache_dir, tmp_path_factory, grain_data):
   """2 processes x 4 devices on data=2 x context=2 x expert=2, grain data (a worker each): both killed
-  with -9 once checkpoint 8 is complete, then the same command again. (losses before the kill, the rerun's stdout, the
-  checkpoint the rerun resumed from, its run dir)."""
+  with -9 once checkpoint 8 is complete, then the same command again. (losses before the kill, the
+  rerun's stdout, the checkpoint the rerun resumed from, its run dir)."""
   before, rerun, latest, run_dir = _once(tmp_path_factory, "killed_and_resumed", _kill_and_resume(cache_dir, grain_data))
   return _int_keys(before), rerun, latest, run_dir
 

@@ -1,7 +1,8 @@
 """End-to-end training: the loss falls (and its tensorboard events are readable), the two indexer
 stages train what the paper trains, a file dataset trains, a non-finite loss stops the run without
 checkpointing the bad state. (kill -9 and resume with grain data: tests/integration/test_multiprocess.py,
-whose processes are killed with -9 and whose grain checkpoint resumes exactly.)"""
+2 processes killed with -9 resume with the losses of 1 process, to the 2-vs-1 summation order; the
+grain position a checkpoint saves, exactly: tests/unit/test_data_streams.py.)"""
 
 import os
 import re
