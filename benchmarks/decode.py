@@ -97,12 +97,13 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
 
 def step_feed_at_end(engine: ServingEngine, batch: int, t: int) -> dict:
   """`batch` rows of t new tokens each, the row's last t positions over its own pages (a decode
-  step for t = 1, a prefill chunk over a cached prefix of S - t otherwise), writes dropped."""
+  step for t = 1, a prefill chunk over a cached prefix of S - t otherwise), writes dropped. The
+  rows' pages are a random permutation of the pool's, as in a pool that has served many requests."""
   s, p = engine.pages_per_seq * engine.page_size, engine.pages_per_seq
   feed = step_feed.empty(batch, t, p)  # temperature 0, write_pos -1
   feed["tokens"][:], feed["positions"][:] = 1, s - t + np.arange(t, dtype=np.int32)
   feed["last"][:], feed["draw_at"][:] = t - 1, s
-  feed["table"][:] = np.arange(batch * p, dtype=np.int32).reshape(batch, p)
+  feed["table"][:] = np.random.default_rng(p).permutation(batch * p).astype(np.int32).reshape(batch, p)  # fragmented
   return feed
 
 

@@ -25,7 +25,7 @@ whole pages but the last:
     page by page (the benchmark's contiguous reference; tests);
   - `gather_selected`: only the selected latents (O(k) per query), through the page table.
 So a paged step computes the same function as a contiguous one over the same tokens, score for
-score (kernels/cached_attention.py: both key sources score with index_scores).
+score (kernels/cached_attention.py: both key sources score with index_scores' arithmetic).
 
 On a mesh (under sharding.logical_rules) the pools shard over pages, on the same mesh axes as the
 step's rows ("activation_batch": data, fsdp, expert; the `page_shards` of `page_sharding`): with
@@ -50,7 +50,7 @@ from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels.cached_attention import latent_attention_blocks
-from MaxText.kernels.index_scores import index_scores
+from MaxText.kernels.index_scores import row_index_scores
 from MaxText.runtime import sharding
 
 
@@ -216,10 +216,12 @@ KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (all rows) of one block of pages PagedKe
 
 class PagedKeys(NamedTuple):
   """A key source (kernels/cached_attention.py) over the indexer-key pool: each row's keys lie in
-  the pages of its table row. `scores` reads them a block of pages at a time (a fori_loop over
-  blocks of KEY_BLOCK_BYTES of fp32 keys for all rows): the block's pages gathered whole, fp8
-  blocks dequantized there, scored by index_scores into the block's slice of the [b,tq,S] result.
-  Each score is index_scores' arithmetic on the same key, so it equals ContiguousKeys' bit for bit."""
+  the pages of its table row. `scores` reads them a block of pages at a time, one row at a time (a
+  fori_loop over (row, block) pairs, KEY_BLOCK_BYTES of fp32 keys a block): the block's pages
+  gathered whole, fp8 blocks dequantized there, scored by index_scores.row_index_scores (2-D dots:
+  XLA:CPU's batched dot ran the blocks 1.8x slower) into the row's slice of the [b,tq,S] result.
+  Each score is index_scores' arithmetic on the same key: equal to ContiguousKeys' to f32 rounding
+  (bit for bit where the dot's accumulation order agrees)."""
   idx_k: jax.Array                # [N, d] stored dtype (on a page shard: this device's slots)
   idx_k_scale: jax.Array | None   # [N, ceil(d/128)] fp32; fp8 only
   table: jax.Array                # [b, P] page ids into idx_k's pages (< 0: none; read as page 0, masked)
@@ -235,23 +237,24 @@ class PagedKeys(NamedTuple):
   def scores(self, q: jax.Array, w: jax.Array, pos: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
     """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos."""
     (b, p), d, page = self.table.shape, self.idx_k.shape[-1], self.page_size
-    per_block = max(1, min(p, KEY_BLOCK_BYTES // (b * page * d * 4)))  # pages a block
+    per_block = max(1, min(p, KEY_BLOCK_BYTES // (page * d * 4)))  # pages a block
     n = -(-p // per_block)
     width = per_block * page  # slots a block
     table = jnp.pad(jnp.maximum(self.table, 0), ((0, 0), (0, n * per_block - p)))  # [b, n*per_block]
 
-    def block(i, out):  # out [b,tq,n*width]
-      pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b,per_block]
-      keys = _pages(self.idx_k, pages, page)  # [b,width,d] stored
+    def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
+      r, j = i // n, i % n
+      pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
+      keys = _pages(self.idx_k, pages, page)[0]  # [width,d] stored
       if self.idx_k_scale is not None:
-        keys = dequantize_fp8(keys, _pages(self.idx_k_scale, pages, page))
-      slot = i * width + jnp.arange(width, dtype=jnp.int32)  # [width]
-      valid = slot[None, None, :] <= pos[:, :, None]  # [b,tq,width]
-      got = index_scores(q, w, keys, valid, head_chunk=head_chunk, precision=precision)  # [b,tq,width]
-      return jax.lax.dynamic_update_slice_in_dim(out, got, i * width, axis=2)
+        keys = dequantize_fp8(keys, _pages(self.idx_k_scale, pages, page)[0])
+      got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
+      slot = j * width + jnp.arange(width, dtype=jnp.int32)  # [width]
+      got = jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
+      return jax.lax.dynamic_update_slice(out, got[None], (r, 0, j * width))
 
     out = jnp.full((b, q.shape[1], n * width), -jnp.inf, jnp.float32)
-    out = jax.lax.fori_loop(0, n, block, out) if n > 1 else block(0, out)
+    out = jax.lax.fori_loop(0, b * n, block, out) if b * n > 1 else block(0, out)
     return out[..., :self.slots]  # [b,tq,S]
 
 

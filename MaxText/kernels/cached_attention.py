@@ -20,8 +20,9 @@ the same tokens: tests/integration/test_decode.py holds it equal to the expanded
 The cached indexer keys come as a key source: an object with `slots` (S), `scores(q, w, pos, *,
 head_chunk, precision)` -> [b,tq,S] fp32 (-inf at slots past each query's position) and `row(i)`
 (the source of row i alone). `ContiguousKeys` scores a [b,S,d] array; the paged pools' source
-(inference/paged_cache.PagedKeys) scores a page block at a time where the pages lie. Both compute
-each score with the same arithmetic (index_scores over a block of keys), so they select alike.
+(inference/paged_cache.PagedKeys) scores a page block of one row at a time where the pages lie. Both
+compute each score with the same arithmetic (index_scores; PagedKeys through row_index_scores, the
+same sum on 2-D operands), so they select alike.
 """
 
 from __future__ import annotations

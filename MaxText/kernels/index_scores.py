@@ -16,6 +16,30 @@ import jax.numpy as jnp
 from MaxText.kernels.topk_indices import gather_rows
 
 
+def _over_head_chunks(qf: jax.Array, wf: jax.Array, chunk_scores, init: jax.Array, head_chunk: int,
+                      remat: bool) -> jax.Array:
+  """sum over head chunks of chunk_scores(q_c [..., c, d], w_c [..., c]) for qf [..., h, d], wf [..., h]
+  (a lax.scan accumulating into init, shaped as one chunk's scores; `head_chunk` heads at a time; one call when they all fit). A
+  head count that head_chunk does not divide is padded with zero-weight heads (relu(0) * 0 = 0 exactly)."""
+  h, d = qf.shape[-2:]
+  if head_chunk >= h:
+    return chunk_scores(qf, wf)
+  n = -(-h // head_chunk)
+  pad = n * head_chunk - h
+  if pad:
+    qf = jnp.pad(qf, [(0, 0)] * (qf.ndim - 2) + [(0, pad), (0, 0)])
+    wf = jnp.pad(wf, [(0, 0)] * (wf.ndim - 1) + [(0, pad)])
+  lead = qf.shape[:-2]
+  q_chunks = jnp.moveaxis(qf.reshape(*lead, n, head_chunk, d), -3, 0)  # [n, ..., c, d]
+  w_chunks = jnp.moveaxis(wf.reshape(*lead, n, head_chunk), -2, 0)  # [n, ..., c]
+  body_scores = jax.checkpoint(chunk_scores, prevent_cse=False) if remat else chunk_scores
+
+  def body(acc, qw):
+    return acc + body_scores(*qw), None
+
+  return jax.lax.scan(body, init, (q_chunks, w_chunks))[0]
+
+
 def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, valid: jax.Array, *, head_chunk: int,
                  precision=None) -> jax.Array:
   """I [b,t,s] fp32 = sum_h w[t,h] * d**-0.5 * relu(q[t,h] . k[s]); -inf where not valid.
@@ -27,31 +51,34 @@ def index_scores(q: jax.Array, w: jax.Array, k: jax.Array, valid: jax.Array, *, 
   backward pass, so the gradient does not store the [b,t,s,h] relu pattern either.
   """
   b, t, h, d = q.shape
-  scale = d ** -0.5
   qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
-  wf = w.astype(jnp.float32) * scale  # [b,t,h]
+  wf = w.astype(jnp.float32) * d ** -0.5  # [b,t,h]
 
   def chunk_scores(q_c, w_c):  # q_c [b,t,c,d], w_c [b,t,c] -> [b,t,s]
     logits = jnp.einsum("btcd,bsd->btcs", q_c, kf, precision=precision)  # [b,t,c,s]
     return jnp.einsum("btcs,btc->bts", jax.nn.relu(logits), w_c, precision=precision)
 
-  if head_chunk >= h:
-    scores = chunk_scores(qf, wf)
-  else:
-    n = -(-h // head_chunk)
-    pad = n * head_chunk - h
-    if pad:  # zero q and zero weight: relu(0) * 0 = 0 exactly
-      qf = jnp.pad(qf, ((0, 0), (0, 0), (0, pad), (0, 0)))
-      wf = jnp.pad(wf, ((0, 0), (0, 0), (0, pad)))
-    q_chunks = jnp.moveaxis(qf.reshape(b, t, n, head_chunk, d), 2, 0)  # [n,b,t,c,d]
-    w_chunks = jnp.moveaxis(wf.reshape(b, t, n, head_chunk), 2, 0)  # [n,b,t,c]
-    body_scores = jax.checkpoint(chunk_scores, prevent_cse=False)
-
-    def body(acc, qw):
-      return acc + body_scores(*qw), None
-
-    scores, _ = jax.lax.scan(body, jnp.zeros((b, t, k.shape[1]), jnp.float32), (q_chunks, w_chunks))
+  scores = _over_head_chunks(qf, wf, chunk_scores, jnp.zeros((b, t, k.shape[1]), jnp.float32), head_chunk, True)
   return jnp.where(valid, scores, -jnp.inf)
+
+
+def row_index_scores(q: jax.Array, w: jax.Array, k: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
+  """index_scores' sum for one row, unmasked: q [t,h,d], w [t,h] (as index_scores'), k [s,d] -> [t,s] fp32.
+
+  The same arithmetic on 2-D operands: the logits are one [t*c, d] x [d, s] matmul with no batch
+  dimension. XLA:CPU runs index_scores' batched dot_general 1.8x slower at t = 1 even for one row
+  (a 64K-key decode scoring in blocks, 2026-12-05): the paged key source (inference/paged_cache.PagedKeys)
+  scores each row's blocks through this. No rematerialization (inference only)."""
+  d = q.shape[-1]
+  kf = k.astype(jnp.float32)
+
+  def chunk_scores(q_c, w_c):  # q_c [t,c,d], w_c [t,c] -> [t,s]
+    logits = jnp.einsum("tcd,sd->tcs", q_c, kf, precision=precision)  # [t,c,s]
+    return jnp.einsum("tcs,tc->ts", jax.nn.relu(logits), w_c, precision=precision)
+
+  init = jnp.zeros((q.shape[0], k.shape[0]), jnp.float32)
+  return _over_head_chunks(q.astype(jnp.float32), w.astype(jnp.float32) * d ** -0.5, chunk_scores, init,
+                           head_chunk, False)
 
 
 def gathered_index_scores(q: jax.Array, w: jax.Array, k: jax.Array, idx: jax.Array, idx_valid: jax.Array, *,
