@@ -278,30 +278,37 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
   """Dense attention over every latent a row has cached, read where its pages lie: q_abs [B,t,h,c],
   q_pe [B,t,h,r], the new tokens' c_new [B,t,c], pe_new [B,t,r] (as stored) at slots start[B]..,
   page_table [B,P] -> o_lat [B,t,h,c] (cached_attention.latent_attention_blocks: a block of whole
-  pages at a time, online softmax; no [S, c] copy of a row's latents). A block's latents (fp32, all
-  rows) and its [B,h,t,width] logits each stay within KEY_BLOCK_BYTES (at least one page). On a mesh
-  each device attends its own rows over its own page shard, as select_over_pages."""
+  pages at a time, online softmax; no [S, c] copy of a row's latents), one row after another (a
+  lax.map: a block over all rows would shrink to one page at 4 rows, 1.27x the contiguous step at
+  128K). A block's latents (fp32) and its [h,t,width] logits each stay within KEY_BLOCK_BYTES (at
+  least one page). On a mesh each device attends its own rows over its own page shard, as
+  select_over_pages."""
   present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
   b, t, h, c = q_abs.shape
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
-    table, q_abs, q_pe, c_new, pe_new, start = arrays
-    rows, p = table.shape
-    table = jnp.maximum(table, 0) - first // page_size  # [B_l,P] local pages (none: page 0, masked by start)
-    slot_bytes = rows * 4 * max(c + pe_new.shape[-1], h * t)  # one slot's latents or logits, every row
+    table = jnp.maximum(arrays[0], 0) - first // page_size  # [B_l,P] local pages (none: page 0, masked by start)
+    p = table.shape[1]
+    slot_bytes = 4 * max(c + pe_new.shape[-1], h * t)  # one slot's latents or logits, one row
     per_block = max(1, min(p, KEY_BLOCK_BYTES // (page_size * slot_bytes)))  # pages a block
     n = -(-p // per_block)
     table = jnp.pad(table, ((0, 0), (0, n * per_block - p)))  # [B_l, n*per_block]: past P reads page 0, masked
 
-    def read_block(i):  # -> c [B_l,width,c], pe [B_l,width,r]
-      pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [B_l,per_block]
-      cc = _pages(stores["c_kv"], pages, page_size)  # [B_l,width,c] stored
-      if "c_kv_scale" in stores:
-        cc = dequantize_fp8(cc, _pages(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
-      return cc, _pages(stores["k_pe"], pages, page_size)
+    def one_row(row):  # table [n*per_block], q_abs [t,h,c], q_pe [t,h,r], c_new [t,c], pe_new [t,r], start []
+      row_table, *rest = row
 
-    return latent_attention_blocks(q_abs, q_pe, read_block, n, per_block * page_size, c_new, pe_new, start, scale,
-                                   precision)
+      def read_block(i):  # -> c [1,width,c], pe [1,width,r]
+        pages = jax.lax.dynamic_slice_in_dim(row_table, i * per_block, per_block)[None]  # [1,per_block]
+        cc = _pages(stores["c_kv"], pages, page_size)  # [1,width,c] stored
+        if "c_kv_scale" in stores:
+          cc = dequantize_fp8(cc, _pages(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
+        return cc, _pages(stores["k_pe"], pages, page_size)
+
+      return latent_attention_blocks(*(a[None] for a in rest[:2]), read_block, n, per_block * page_size,
+                                     *(a[None] for a in rest[2:]), scale, precision)[0]  # [t,h,c]
+
+    rows = (table,) + tuple(arrays[1:])
+    return jax.lax.map(one_row, rows) if table.shape[0] > 1 else one_row([a[0] for a in rows])[None]  # [B_l,t,h,c]
 
   rows = ((page_table, 0), (q_abs, 0), (q_pe, 0), (c_new, 0), (pe_new, 0), (start, 0))
   return _on_shards(run, present, rows, pool_out=False, check_vma=False)
