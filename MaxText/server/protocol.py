@@ -187,8 +187,12 @@ class Texts:
   def encode(self, text: str, *, bos: bool | None = None) -> list[int]:
     if self.tokenizer is None:
       raise ApiError(400, "prompt must be token ids (a list of integers): the server has no tokenizer_path", "prompt")
-    add = self.add_bos if bos is None else bos
-    return ([self.tokenizer.bos_id] if add else []) + self.tokenizer.encode(text)
+    """text -> ids, BOS first when add_bos (or `bos`) asks for it and the text does not already start
+    with the BOS token itself (a prompt rendered with its BOS, as lm-evaluation-harness and chat
+    renderers send, keeps one BOS, not two)."""
+    ids = self.tokenizer.encode(text)
+    add = (self.add_bos if bos is None else bos) and ids[:1] != [self.tokenizer.bos_id]
+    return ([self.tokenizer.bos_id] if add else []) + ids
 
   def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
     """The messages rendered by the chat template (as transformers' apply_chat_template), tokenized."""

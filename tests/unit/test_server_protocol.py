@@ -1,7 +1,7 @@
 """The server's text side (MaxText/server/protocol.py): stop strings found across streamed pieces and
 never half sent, one-token stop strings handed to the engine, chat templates from chat_template_path
 rendered as transformers renders them, a missing template naming its key, token-id text without a
-tokenizer, and null request fields taking their defaults."""
+tokenizer, null request fields taking their defaults, and one BOS before a text prompt."""
 
 import os
 
@@ -37,6 +37,15 @@ def test_stop_text_without_a_hit_sends_everything_by_the_end():
   stop = StopText(["STOP"])
   sent = "".join(stop.push(p)[0] for p in ["ab", "cST", "O"])
   assert sent == "abc" and stop.flush() == "STO"  # the last 3 characters wait: they may start "STOP"
+
+
+def test_add_bos_puts_one_bos_before_a_text_prompt_even_one_that_starts_with_it():
+  texts = _texts()
+  bos, hello = texts.tokenizer.bos_id, texts.tokenizer.encode("hello")
+  assert texts.prompts("hello") == [[bos] + hello]
+  assert texts.prompts("<s>hello") == [[bos] + hello]  # its own BOS, not a second one
+  assert texts.prompts([[bos, bos] + hello]) == [[bos, bos] + hello]  # token ids go as sent
+  assert texts.encode("hello", bos=False) == hello
 
 
 def test_one_token_stop_strings_go_to_the_engine_and_every_stop_is_checked_in_text():
