@@ -324,7 +324,8 @@ def train(config: Config) -> dict:
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))
     peak = peak_flops_per_device()[0] * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
-          f"indexer_training_stage={config.indexer_training_stage}", flush=True)
+          + (f"indexer_training_stage={config.indexer_training_stage}" if config.use_indexer else
+             "no indexer (use_indexer=false): dense attention"), flush=True)
     logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()
     profiler = Profiler(config, start_step)
     tokens_per_step = config.global_batch_size * config.max_target_length
