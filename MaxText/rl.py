@@ -181,7 +181,7 @@ def rl(config: Config) -> list[dict]:
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     # The optimizer's schedule counts updates (steps x iterations).
     step_config = config.model_copy(update={"steps": config.steps * config.rl_num_iterations})
-    graphdef, state, state_sharding, tx = trainer._init_state(step_config, mesh)
+    graphdef, state, state_sharding, tx = trainer.init_state(step_config, mesh)
     ref_params = jax.tree.map(jnp.copy, state["params"]) if config.rl_beta > 0 else None  # the starting policy
     manager = orbax_state.create_manager(config)
     start = 0

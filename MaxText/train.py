@@ -248,7 +248,7 @@ def _non_finite(config: Config, manager, step: int, metrics: dict, pending: int 
                        f"to resume from it, with a lower learning_rate (now {config.learning_rate:g})")
 
 
-def _init_state(config: Config, mesh):
+def init_state(config: Config, mesh):
   """graphdef, the train state (params from load_parameters_path or random, a fresh optimizer at step
   0), its shardings, and the optimizer."""
   if config.load_parameters_path:
@@ -303,7 +303,7 @@ def train(config: Config) -> dict:
   eval_data = input_pipeline.create_eval_iterator(config, tokenizer=data.tokenizer, **rows) \
       if config.eval_interval else None
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-    graphdef, state, state_sharding, tx = _init_state(config, mesh)
+    graphdef, state, state_sharding, tx = init_state(config, mesh)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     manager = orbax_state.create_manager(config)
     start_step = 0

@@ -132,7 +132,7 @@ def _train_step(overrides: dict, steps: int) -> dict:
       return dict(out, fits=False)
     cost = compiled.cost_analysis()
     flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-    _, state, _, _ = train._init_state(cfg, mesh)
+    _, state, _, _ = train.init_state(cfg, mesh)
     rng = np.random.default_rng(0)
     b, t = cfg.global_batch_size, cfg.max_target_length
     tokens = rng.integers(3, cfg.vocab_size, (b, t + 1))

@@ -47,7 +47,7 @@ def test_json_equals_the_analysis_of_the_step_train_py_compiles(printed):
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     # train()'s own construction: real (allocated) state, real batch, the jitted step it runs
-    graphdef, state, state_sharding, tx = train._init_state(cfg, mesh)
+    graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
     batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
     batch_sharding = train.batch_shardings(cfg, mesh, batch)
     step_fn = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
