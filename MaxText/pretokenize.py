@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from MaxText.data.input_pipeline import read_documents
+from MaxText.data.documents import read_documents
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.runtime import cli

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from MaxText.config import pyconfig  # noqa: E402
-from MaxText.data import input_pipeline  # noqa: E402
+from MaxText.data import documents, input_pipeline  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +42,7 @@ def make_data(d: str, n_docs: int) -> dict[str, list[str]]:
   import pyarrow.parquet as pq
   from array_record.python.array_record_module import ArrayRecordWriter
   datasets.disable_progress_bars()
-  paras, _ = input_pipeline.read_documents(os.path.join(REPO, "tests", "data", "corpus.txt"), "text")
+  paras, _ = documents.read_documents(os.path.join(REPO, "tests", "data", "corpus.txt"), "text")
   rng = np.random.default_rng(0)
   texts = [" ".join(rng.choice(paras, rng.integers(1, 4))) for _ in range(n_docs)]
   tok = load_tokenizer(tokenizer_type="sentencepiece", tokenizer_path=TOKENIZER, bos_id=1, eos_id=2, pad_id=0)

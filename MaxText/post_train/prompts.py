@@ -22,7 +22,7 @@ import json
 import numpy as np
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.data import chat_dsv32, input_pipeline, records
+from MaxText.data import chat_dsv32, documents, records
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import Tokenizer
 
@@ -34,7 +34,7 @@ def read_records(config: Config, *, eval: bool = False) -> list[tuple[str, dict]
     if not path:
       raise ConfigError(f"{'eval_dataset_path' if eval else 'dataset_path'} is empty: RL reads its prompts from a "
                         ".jsonl file or folder")
-    return input_pipeline.read_jsonl_records(path)[0]
+    return documents.read_jsonl_records(path)[0]
   if config.dataset_type not in ("grain", "hf"):
     raise ConfigError(f"dataset_type={config.dataset_type}: RL reads prompt records (dataset_type=file, grain or hf)")
   table = records.open_table(config, eval=eval)

@@ -56,7 +56,7 @@ def grain_data(tmp_path_factory):
   def make(root):
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from MaxText.data.input_pipeline import read_documents
+    from MaxText.data.documents import read_documents
     path = str(root / "multiprocess_corpus.arrayrecord")
     docs, _ = read_documents(os.path.join(REPO_ROOT, "tests", "data", "corpus.txt"), "text")
     w = ArrayRecordWriter(path, "group_size:1")
