@@ -93,7 +93,7 @@ fi
 mkdir -p "$DIR"
 stage="$(mktemp -d)"; trap 'rm -rf "$stage"' EXIT
 platforms=(--platform manylinux2014_x86_64)
-for v in 17 24 25 26 27 28; do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+for v in 17 24 25 26 27 28 29 30 31; do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
 
 # Resolve and fetch the whole closure for that Python and platform (wheels only), then keep what the image lacks.
 python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version "$PYV" \
