@@ -6,10 +6,11 @@ blocks of KEY_BLOCK_BYTES / b; kept here as the reference it replaced).
 
     python benchmarks/paged_scoring.py                       # 16K .. 128K, batch 1, 64 heads of 128
     python benchmarks/paged_scoring.py --contexts 32768 --batch 4
+    python benchmarks/paged_scoring.py --block-bytes 1048576 16777216   # the block size (KEY_BLOCK_BYTES)
 
 The pool's pages are a random permutation (a fragmented pool); each row's query sits at its last
 position. The variants alternate call by call; ms are medians of --iters calls, ratios are to the
-contiguous one. Every variant's selection is checked equal to the contiguous one's (as sets).
+contiguous one; each paged variant runs at each --block-bytes. Every variant's selection is checked equal to the contiguous one's (as sets).
 Prints a table, then one JSON line; asserts nothing about time.
 """
 
@@ -55,12 +56,15 @@ def main() -> None:
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--page", type=int, default=64)
   ap.add_argument("--iters", type=int, default=15)
+  ap.add_argument("--block-bytes", type=int, nargs="+", default=[paged_cache.KEY_BLOCK_BYTES],
+                  help="paged_cache.KEY_BLOCK_BYTES values to time (one paged and one before column each)")
   args = ap.parse_args()
   b, h, d, page = args.batch, args.heads, args.dim, args.page
   rows = []
   print(f"indexer scoring + top-{args.topk} of one decode step; backend {jax.default_backend()}, batch {b}, "
-        f"{h} heads of {d}, pages of {page}; median of {args.iters}")
-  print(f"{'context':>8} {'contiguous ms':>14} {'paged ms':>10} {'p/c':>6} {'before ms':>10} {'b/c':>6}")
+        f"{h} heads of {d}, pages of {page}; median of {args.iters}; ratios to the contiguous cache")
+  names = ["contiguous"] + [f"{v}@{kb >> 10}K" for kb in args.block_bytes for v in ("paged", "before")]
+  print(f"{'context':>8} " + " ".join(f"{n + ' ms':>18}" for n in names))
   for s in args.contexts:
     rng = np.random.default_rng(s)
     p = s // page
@@ -71,32 +75,40 @@ def main() -> None:
     w = jnp.asarray(rng.random((b, 1, h), np.float32))
     pos = jnp.full((b, 1), s - 1, jnp.int32)
     top = lambda x: jnp.sort(jax.lax.top_k(x, args.topk)[1], axis=-1)  # noqa: E731
-    fns = {
-        "contiguous": (jax.jit(lambda k, t, q, w, pos: top(ContiguousKeys(jnp.swapaxes(k, 1, 2)).scores(
-            q, w, pos, head_chunk=h))), stored),
-        "paged": (jax.jit(lambda k, t, q, w, pos: top(paged_cache.PagedKeys(k, None, t, page).scores(
-            q, w, pos, head_chunk=h))), pool),
-        "before": (jax.jit(lambda k, t, q, w, pos: top(batched_blocks(paged_cache.PagedKeys(k, None, t, page),
-                                                                      q, w, pos, h))), pool)}
-    call = {name: (lambda f=f, k=k: f(k, table, q, w, pos)) for name, (f, k) in fns.items()}
-    want = np.asarray(call["contiguous"]())
-    same = {name: bool(np.array_equal(np.asarray(c()), want)) for name, c in call.items()}
-    times = {name: [] for name in call}
+
+    def under(block_bytes, fn):  # fn traced with KEY_BLOCK_BYTES = block_bytes
+      def traced(*a):
+        old, paged_cache.KEY_BLOCK_BYTES = paged_cache.KEY_BLOCK_BYTES, block_bytes
+        try:
+          return fn(*a)
+        finally:
+          paged_cache.KEY_BLOCK_BYTES = old
+      return jax.jit(traced)
+
+    call = {"contiguous": jax.jit(lambda k, t, q, w, pos: top(ContiguousKeys(jnp.swapaxes(k, 1, 2)).scores(
+        q, w, pos, head_chunk=h)))}
+    for kb in args.block_bytes:
+      call[f"paged@{kb >> 10}K"] = under(kb, lambda k, t, q, w, pos: top(paged_cache.PagedKeys(k, None, t, page).scores(
+          q, w, pos, head_chunk=h)))
+      call[f"before@{kb >> 10}K"] = under(kb, lambda k, t, q, w, pos: top(batched_blocks(
+          paged_cache.PagedKeys(k, None, t, page), q, w, pos, h)))
+    run = {n: (lambda f=f, k=(stored if n == "contiguous" else pool): f(k, table, q, w, pos)) for n, f in call.items()}
+    want = np.asarray(run["contiguous"]())
+    same = {n: bool(np.array_equal(np.asarray(r()), want)) for n, r in run.items()}
+    times = {n: [] for n in run}
     for _ in range(args.iters):
-      for name, c in call.items():
+      for n, r in run.items():
         t0 = time.perf_counter()
-        c().block_until_ready()
-        times[name].append((time.perf_counter() - t0) * 1e3)
-    ms = {name: statistics.median(v) for name, v in times.items()}
-    row = {"context": s, **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
-           "paged_ratio": round(ms["paged"] / ms["contiguous"], 3),
-           "before_ratio": round(ms["before"] / ms["contiguous"], 3), "same_selection": same}
+        r().block_until_ready()
+        times[n].append((time.perf_counter() - t0) * 1e3)
+    ms = {n: statistics.median(v) for n, v in times.items()}
+    row = {"context": s, "ms": {n: round(v, 3) for n, v in ms.items()},
+           "ratio": {n: round(v / ms["contiguous"], 3) for n, v in ms.items()}, "same_selection": same}
     rows.append(row)
-    print(f"{s:>8} {ms['contiguous']:>14.2f} {ms['paged']:>10.2f} {row['paged_ratio']:>5.2f}x "
-          f"{ms['before']:>10.2f} {row['before_ratio']:>5.2f}x" + ("" if all(same.values()) else f"  selection differs: {same}"),
-          flush=True)
-  print(json.dumps({"benchmark": "paged_scoring", "batch": b, "heads": h, "dim": d, "topk": args.topk,
-                    "page": page, "iters": args.iters, "rows": rows}))
+    print(f"{s:>8} " + " ".join(f"{ms[n]:>10.2f} ({row['ratio'][n]:.2f}x)" for n in names)
+          + ("" if all(same.values()) else f"  selection differs: {same}"), flush=True)
+  print(json.dumps({"benchmark": "paged_scoring", "backend": jax.default_backend(), "batch": b, "heads": h, "dim": d,
+                    "topk": args.topk, "page": page, "iters": args.iters, "block_bytes": args.block_bytes, "rows": rows}))
 
 
 if __name__ == "__main__":
