@@ -89,7 +89,7 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
     if isinstance(pool, list):
       return [fill(p, jax.random.fold_in(key, i)) for i, p in enumerate(pool)]
     return type(pool)(*[None if a is None else jnp.ones_like(a) if name.endswith("_scale") else
-                        jax.random.normal(jax.random.fold_in(key, i), a.shape).astype(a.dtype)
+                        kv_cache.to_storage(jax.random.normal(jax.random.fold_in(key, i), a.shape), a.dtype)
                         for i, (name, a) in enumerate(pool._asdict().items())])
 
   engine.pools = {name: jax.jit(fill)(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
@@ -109,9 +109,10 @@ def step_feed_at_end(engine: ServingEngine, batch: int, t: int) -> dict:
 
 def paged_step(engine: ServingEngine, feed: dict):
   """The engine's step and write programs on the feed: a function () -> sampled [B] (the write is
-  dropped, so the pools keep their data)."""
+  dropped, so the pools keep their data), returning once both programs have run."""
   def run():
     engine.pools, sampled, _ = engine._run(feed["t"], feed)
+    jax.block_until_ready(engine.pools)  # the write too: left running, its time went to the next variant's call
     return sampled
   return run
 
@@ -150,6 +151,7 @@ def contiguous_step(engine: ServingEngine, feed: dict):
     inputs = jnp.asarray(host)
     entries, sampled = step(engine.params, engine.buffers, state["stores"], engine.absorbed, inputs)
     state["stores"] = write(state["stores"], entries, inputs)
+    jax.block_until_ready(state["stores"])  # as the paged step: its write inside its own time
     return sampled
 
   return run

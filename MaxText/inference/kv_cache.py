@@ -125,6 +125,34 @@ def bytes_per_token_per_layer(config: Config) -> int:
 # ---------------------------------------------------------------- write and read
 
 
+_BITS = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
+_VALUES = {bits: value for value, bits in _BITS.items()}
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+  """The dtype a paged pool (paged_cache.py) holds for values of `dtype`: fp8 / bf16 as uint8 / uint16
+  (their bits; XLA:CPU rewrites a whole float8/bfloat16 array to update it, an integer one it updates
+  in place), else itself. The contiguous LayerCache holds the values' dtypes themselves."""
+  return _BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
+def value_dtype(dtype) -> jnp.dtype:
+  """The values' dtype of a field held in `dtype` (storage_dtype's inverse; any dtype but uint8/16: itself)."""
+  return _VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
+def as_values(a: jax.Array) -> jax.Array:
+  """A field's (or a block read from it) values: fp8 / bf16 bits reinterpreted, never converted."""
+  value = value_dtype(a.dtype)
+  return a if value == a.dtype else jax.lax.bitcast_convert_type(a, value)
+
+
+def to_storage(x: jax.Array, dtype) -> jax.Array:
+  """Values x as a field held in `dtype` holds them: cast to its values' dtype, then as bits where it holds bits."""
+  x = x.astype(value_dtype(dtype))
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def as_fields(store, **given) -> dict:
   """The new vectors {c_kv, k_pe, idx_k} (None: not given) as the store's fields hold them: an fp8
   field quantized, its scales as the `<name>_scale` field (k_pe is never quantized). `store` is a
@@ -133,7 +161,7 @@ def as_fields(store, **given) -> dict:
   for name, x in given.items():
     if x is None:
       continue
-    if name != "k_pe" and getattr(store, name).dtype == FP8:
+    if name != "k_pe" and value_dtype(getattr(store, name).dtype) == FP8:
       new[name], new[name + "_scale"] = quantize_fp8(x)
     else:
       new[name] = x
@@ -171,7 +199,7 @@ def write(cache: LayerCache, start: jax.Array, *, c_kv: jax.Array | None = None,
 def as_stored(cache: LayerCache, name: str, x: jax.Array, dtype=jnp.float32) -> jax.Array:
   """x [..., n] as the cache field `name` would give it back after a write and a read (rounded to
   the storage dtype; fp8: quantized and dequantized), in dtype."""
-  stored = getattr(cache, name).dtype
+  stored = value_dtype(getattr(cache, name).dtype)
   if stored == FP8:
     return dequantize_fp8(*quantize_fp8(x), dtype)
   return x.astype(stored).astype(dtype)

@@ -12,6 +12,11 @@ fp8), flattened over the slot axis:
 
     c_kv   [(L,) N, kv_lora]     k_pe [(L,) N, rope]     idx_k [(L,) N, d_I]      N = pages * page
 
+fp8 and bf16 fields are held as their bits, in same-width unsigned ints (kv_cache.storage_dtype:
+uint8 / uint16), read back as values where a block is gathered (kv_cache.as_values): XLA:CPU
+updates a float8 or bfloat16 array through an f16/f32 copy of all of it (float normalization), so
+every write of an fp8 pool rewrote the whole pool (29 ms a step at 8K slots; 0.06 ms as uint8).
+
 Writes go through a slot mapping (`slots`): a padding token's slot is N, dropped by the
 scatter, so fixed-shape steps write only real tokens. Reads come in three kinds, every one of
 whole pages but the last:
@@ -64,9 +69,10 @@ class PagedLayerCache(NamedTuple):
 
 
 def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = None) -> PagedLayerCache:
-  """Zeros [num_layers, N, n] (or [N, n]) in the dtypes of kv_cache_dtype."""
+  """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits)."""
   latent, rotary = kv_cache._dtypes(config.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  dt = {name: kv_cache.storage_dtype(d) for name, d in dt.items()}
   layers = () if num_layers is None else (num_layers,)
   return PagedLayerCache(**{name: jnp.zeros(layers + (num_slots, w), dt[name]) if w else None
                             for name, w in kv_cache._widths(config).items()})
@@ -190,7 +196,7 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
     flat = jnp.where((flat >= 0) & (flat < n_local), flat, n_local)  # padding (and any other shard's): dropped
     out = []
     for dst, upd in zip(dsts, upds):
-      upd = upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]).astype(dst.dtype)  # [(L,) B_l*t, n]
+      upd = kv_cache.to_storage(upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]), dst.dtype)  # [(L,) B_l*t, n]
       out.append(dst.at[:, flat].set(upd, mode="drop") if dst.ndim == 3 else dst.at[flat].set(upd, mode="drop"))
     return tuple(out)
 
@@ -200,15 +206,15 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
 
 
 def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
-  """a [N, n], ids [B, m] slot ids -> [B, m, n]."""
-  return jnp.take(a, ids, axis=0, mode="clip")
+  """a [N, n], ids [B, m] slot ids -> [B, m, n] values."""
+  return kv_cache.as_values(jnp.take(a, ids, axis=0, mode="clip"))
 
 
 def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
-  """a [N, n] (slots), pages [B, G] page ids -> [B, G * page_size, n]: whole pages, one gather
+  """a [N, n] (slots), pages [B, G] page ids -> [B, G * page_size, n] values: whole pages, one gather
   slice of [page_size, n] each (never one per token)."""
   by_page = a.reshape(a.shape[0] // page_size, page_size, a.shape[-1])  # [N/page, page, n]
-  return jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1])  # [B,G*page,n]
+  return kv_cache.as_values(jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1]))  # [B,G*page,n]
 
 
 KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (all rows) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
@@ -222,7 +228,7 @@ class PagedKeys(NamedTuple):
   XLA:CPU's batched dot ran the blocks 1.8x slower) into the row's slice of the [b,tq,S] result.
   Each score is index_scores' arithmetic on the same key: equal to ContiguousKeys' to f32 rounding
   (bit for bit where the dot's accumulation order agrees)."""
-  idx_k: jax.Array                # [N, d] stored dtype (on a page shard: this device's slots)
+  idx_k: jax.Array                # [N, d] as the pool holds it (fp8: uint8 bits; on a page shard: this device's slots)
   idx_k_scale: jax.Array | None   # [N, ceil(d/128)] fp32; fp8 only
   table: jax.Array                # [b, P] page ids into idx_k's pages (< 0: none; read as page 0, masked)
   page_size: int

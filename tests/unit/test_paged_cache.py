@@ -164,3 +164,29 @@ def test_a_compiled_decode_step_reads_the_indexer_keys_by_whole_pages_never_toke
     step, _, _ = serve_compile.build_engine(cfg).compile_step(2, 1)  # abstract: nothing allocated
   gathers = _key_gathers(step.as_text(), d)
   assert gathers and all(tokens == page for _, tokens in gathers), gathers
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_a_write_into_bf16_or_fp8_pools_updates_them_in_place(dtype):
+  """The pools hold fp8 / bf16 fields as their bits (uint8 / uint16): a write into float8 or bfloat16
+  pools compiled to an f16/f32 copy of every slot on XLA:CPU (float normalization), then a convert
+  back, so each decode step rewrote the whole cache. The donated write's program has no pool-sized
+  convert, its temporaries stay under one pool field, and what it wrote reads back."""
+  cfg = make_config(kv_cache_dtype=dtype)
+  n = 4096  # slots: the pool fields (128-256 KiB) outweigh the write's own temporaries
+  pools = paged_cache.init_layer_pools(cfg, n)
+  assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32)}
+  e = _entries(cfg, 2, 1, seed=3)
+  ids = jnp.asarray([[5], [n]], jnp.int32)  # row 1: padding, dropped
+  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  compiled = write.lower(pools, ids, **e).compile()
+  hlo = compiled.as_text()
+  pool_shapes = {f"[{n},{a.shape[-1]}]" for a in pools if a is not None}
+  converts = [line.strip()[:120] for line in hlo.split("\n")
+              if " convert(" in line and any(shape in line.split(" = ", 1)[-1].split(" ", 1)[0] for shape in pool_shapes)]
+  assert not converts, converts
+  assert compiled.memory_analysis().temp_size_in_bytes < pools.c_kv.nbytes  # a widened copy: 2-4x it
+  got = paged_cache.sequence_view(write(pools, ids, **e), jnp.asarray([[1, 0]], jnp.int32), PAGE)  # slot 5: page 1
+  c_kv, _ = kv_cache.read_latents(got)
+  want = kv_cache.as_stored(kv_cache.init_layer_cache(cfg, 1, length=8), "c_kv", e["c_kv"][0, 0])
+  np.testing.assert_array_equal(np.asarray(c_kv)[0, 1], np.asarray(want))
