@@ -217,7 +217,7 @@ def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
   return kv_cache.as_values(jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1]))  # [B,G*page,n]
 
 
-KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (all rows) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
+KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (one row) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
 
 
 class PagedKeys(NamedTuple):
@@ -251,7 +251,7 @@ class PagedKeys(NamedTuple):
     def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
       r, j = i // n, i % n
       pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
-      keys = _pages(self.idx_k, pages, page)[0]  # [width,d] stored
+      keys = _pages(self.idx_k, pages, page)[0]  # [width,d] values (fp8: still quantized)
       if self.idx_k_scale is not None:
         keys = dequantize_fp8(keys, _pages(self.idx_k_scale, pages, page)[0])
       got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
@@ -305,7 +305,7 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
 
       def read_block(i):  # -> c [1,width,c], pe [1,width,r]
         pages = jax.lax.dynamic_slice_in_dim(row_table, i * per_block, per_block)[None]  # [1,per_block]
-        cc = _pages(stores["c_kv"], pages, page_size)  # [1,width,c] stored
+        cc = _pages(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
         if "c_kv_scale" in stores:
           cc = dequantize_fp8(cc, _pages(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
         return cc, _pages(stores["k_pe"], pages, page_size)
