@@ -8,7 +8,7 @@ cache), the reward (rl_reward, post_train/rewards.py) scores them, and rl_num_it
 the GRPO loss (post_train/grpo.py) run through train.py's jitted train step (the same sharding,
 optimizer, finite-state guard). The new weights reach the engine through load_weights (its compiled
 programs stay). Per sampled token the engine records its logprob (pi_old), the experts each MoE
-layer routed it to, and the size of the top-k/top-p kept set: the trainer's logprobs take the
+layer routed it to, and the top-k/top-p kept set: the trainer's logprobs take the
 recorded routing (rl_keep_routing) and renormalize over the kept set (rl_keep_sampling_mask).
 rl_beta > 0 holds a frozen reference: the starting policy (load_parameters_path's, or the seeded init).
 
@@ -103,7 +103,7 @@ def assemble(config: Config, requests: list, rewards: np.ndarray) -> Batch:
   if config.rl_keep_routing and moe:
     a["routed_experts"] = recorded
   if not config.rl_keep_sampling_mask:
-    del a["kept"]
+    del a["kept"], a["kept_ids"]
   return Batch(a, recorded, rewards, sum(len(r.rollout.tokens) for r in requests))
 
 
@@ -112,6 +112,7 @@ def policy_logprobs(config: Config, model, batch: dict, sample_vocab: int | None
   routing and kept sets when it carries them (rl_keep_routing, rl_keep_sampling_mask)."""
   return token_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                         temperature=config.decode_sampling_temperature, kept=batch.get("kept"),
+                        kept_ids=batch.get("kept_ids"),
                         routed_experts=batch.get("routed_experts"), sample_vocab=sample_vocab)
 
 

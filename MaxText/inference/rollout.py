@@ -5,8 +5,12 @@ Per GENERATED token i (Rollout.tokens[i]: request.output, then the stop token wh
   logprobs[i]  log-prob of the token under the distribution it was drawn from: log softmax(logits /
                temperature) renormalized over the kept top_k / top_p set (temperature 0: the raw
                log-softmax over the whole vocabulary); ids past sample_vocab are never in the set;
-  kept[i]      the size of that set in sorted order (ties lowest id first, as sampling.py sorts): the
-               set is the kept[i] largest logits; unfiltered: the vocabulary (sample_vocab when set).
+  kept[i]      the size of that set (sampling.kept_sorted: top-k, then top-p over the top-k
+               renormalized; ties lowest id first); unfiltered: the vocabulary (sample_vocab when set);
+  kept_ids[i]  the set itself, its ids most likely first, when kept[i] <= KEPT_IDS (every top-k set with
+               k <= KEPT_IDS); [] for a larger set (a wide top-p, or no filter), which the trainer rebuilds
+               as the kept[i] largest of its own logits: exact for an unfiltered row, an approximation
+               for a wide top-p set once the policy has moved (DeepSeek-V3.2 keeps the engine's mask).
 Per POSITION p of prompt + tokens: experts[p] [n_moe_layers, num_experts_per_tok] int32, the experts
 each MoE layer routed the token at p to (keep routing); -1 where no step computed p: the last
 generated token (never fed back) and nothing else. A request whose prompt shares cached prefix pages
@@ -16,8 +20,8 @@ to the page), and fills the shared positions from it; a rollout shares only page
 kept (the scheduler asks `RolloutRecorder.shareable`).
 
 On the device (`sampled_logprobs`, inside the engine's rollout step program: a step with a rollout
-row runs it, others the plain one) only [B] values and the step's routing [B,t,L,k] leave the device,
-never [B,V]. The trainer's side is MaxText/post_train/policy_logprobs.py: before any update its
+row runs it, others the plain one) only [B] values, the kept ids [B,KEPT_IDS] and the step's routing
+[B,t,L,k] leave the device, never [B,V]. The trainer's side is MaxText/post_train/policy_logprobs.py: before any update its
 log-probs of these tokens, with these experts forced and this kept set, equal `logprobs`.
 """
 
@@ -31,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.inference.page_allocator import PageAllocator, page_hashes
-from MaxText.inference.sampling import _kept_sorted  # the one definition of the kept set
+from MaxText.inference.sampling import kept_sorted  # the one definition of the kept set
+
+KEPT_IDS = 64  # a kept set of at most this many ids is recorded as its ids; a larger one (a wide top-p) as its size
 
 
 @dataclasses.dataclass
@@ -41,20 +47,24 @@ class Rollout:
   tokens: list[int] = dataclasses.field(default_factory=list)  # generated, the stop token included
   logprobs: list[float] = dataclasses.field(default_factory=list)
   kept: list[int] = dataclasses.field(default_factory=list)
+  kept_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [] where kept > KEPT_IDS
 
 
 def sampled_logprobs(logits: jax.Array, ids: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                     top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     top_k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """logits [B,V] fp32 (ids past sample_vocab at -inf), ids [B] the drawn tokens, options [B] as
   sampling.sample_rows -> (logp [B] fp32 of each id under the distribution it was drawn from, kept [B]
-  int32 the size of its kept set: every finite logit when the row does not filter or is greedy)."""
+  int32 the size of its kept set (every finite logit when the row does not filter or is greedy),
+  kept_ids [B, min(KEPT_IDS, V)] int32 the set's ids most likely first, -1 past its size)."""
   def one(lg, tok, temp, p, k):  # [V], [], ...
-    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)  # [V] each, most likely first
+    order, sorted_lg, keep = kept_sorted(lg, temp, p, k)  # [V] each, most likely first
     filtered = (temp > 0) & ((p < 1) | (k > 0))
     keep = jnp.where(filtered, keep, jnp.isfinite(lg[order]))  # [V]
     scaled = jnp.where(temp > 0, sorted_lg, lg[order])  # [V]: temperature 0 scores the raw log-softmax
     lsm = jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf))  # [V] in sorted order
-    return jnp.sum(jnp.where(order == tok, lsm, 0.0)), jnp.sum(keep, dtype=jnp.int32)
+    c = min(KEPT_IDS, lg.shape[0])
+    return (jnp.sum(jnp.where(order == tok, lsm, 0.0)), jnp.sum(keep, dtype=jnp.int32),
+            jnp.where(keep[:c], order[:c], -1).astype(jnp.int32))  # keep is a prefix of the sorted order
 
   return jax.vmap(one)(logits.astype(jnp.float32), ids, temperature, top_p, top_k)
 
@@ -83,9 +93,9 @@ class RolloutRecorder:
     return next((i for i, key in enumerate(keys) if key not in self.pages), len(keys))
 
   def record(self, rows: Sequence, where: Sequence[int], sampled: np.ndarray, logp: np.ndarray, kept: np.ndarray,
-             experts: np.ndarray) -> None:
+             kept_ids: np.ndarray, experts: np.ndarray) -> None:
     """Stores a step's records in each rollout row's Request (call before scheduler.update). sampled,
-    logp, kept [B], experts [B,t,L,k] on the host; where: each row's batch row."""
+    logp, kept [B], kept_ids [B,C], experts [B,t,L,k] on the host; where: each row's batch row."""
     ps = self.page_size
     for row, i in zip(rows, where):
       r, ro = row.request, row.request.rollout
@@ -99,6 +109,7 @@ class RolloutRecorder:
         ro.tokens.append(int(sampled[i]))
         ro.logprobs.append(float(logp[i]))
         ro.kept.append(int(kept[i]))
+        ro.kept_ids.append(kept_ids[i, :kept[i]].tolist() if kept[i] <= KEPT_IDS else [])
 
   def publish(self, rows: Sequence, allocator: PageAllocator) -> None:
     """After scheduler.update: keeps the routing of the full pages this step's rollout rows completed;
@@ -118,4 +129,4 @@ class RolloutRecorder:
         self.pages = {key: v for key, v in self.pages.items() if allocator.holds(key)}
 
 
-__all__ = ["Rollout", "RolloutRecorder", "sampled_logprobs", "wants"]
+__all__ = ["KEPT_IDS", "Rollout", "RolloutRecorder", "sampled_logprobs", "wants"]

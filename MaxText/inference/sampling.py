@@ -21,15 +21,32 @@ def greedy_ids(logits: jax.Array) -> jax.Array:
   return jnp.minimum(ids, v - 1)
 
 
-def _kept_sorted(lg: jax.Array, temp: jax.Array, p: jax.Array, k: jax.Array):
-  """One row's options on logits [V] -> (order [V] most likely first, sorted logits / temperature [V],
-  keep [V]: the top_p / top_k set in sorted order; the most likely token is always kept)."""
-  order = jnp.argsort(-lg)  # [V], most likely first
-  sorted_lg = lg[order] / jnp.maximum(temp, 1e-6)
-  rank = jnp.arange(lg.shape[0])
-  probs = jax.nn.softmax(sorted_lg)
-  before = jnp.cumsum(probs) - probs  # mass strictly ahead of each token
-  return order, sorted_lg, (before < p) & ((k <= 0) | (rank < k))
+def kept_sorted(lg: jax.Array, temp: jax.Array, p: jax.Array, k: jax.Array):
+  """THE kept top-k / top-p set (the engine draws from it, rollout.py records it, the trainer's keep
+  sampling mask scores over it): logits [..., V], options [...] (temperature, top_p (1 = off), top_k
+  (0 = off)) -> (order [..., V] ids most likely first (ties lowest id first: a stable sort), sorted
+  logits / temperature [..., V], keep [..., V] bool in that sorted order).
+
+  As vLLM and HF apply them: temperature, then top-k (the k most likely), then top-p over the top-k
+  RENORMALIZED (the fewest most likely whose mass reaches p: a token is kept while the mass strictly
+  ahead of it is < p). So probs [.5, .3, .2], k = 2, p = .6 keeps {0} (.5 / .8 >= .6), not {0, 1}. keep
+  is a prefix of the sorted order (its size is the set's size) and always holds the most likely token."""
+  order = jnp.argsort(-lg, axis=-1, stable=True)  # [..., V], most likely first
+  sorted_lg = jnp.take_along_axis(lg, order, axis=-1) / jnp.maximum(temp, 1e-6)[..., None]  # [..., V]
+  rank = jnp.arange(lg.shape[-1])  # [V]
+  in_top_k = (k[..., None] <= 0) | (rank < k[..., None])  # [..., V]
+  probs = jax.nn.softmax(jnp.where(in_top_k, sorted_lg, -jnp.inf), axis=-1)  # [..., V]: the top-k renormalized
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each token
+  in_top_p = (before < p[..., None]) | (p[..., None] >= 1)  # p >= 1 is off: a mass rounded to 1 drops nothing
+  return order, sorted_lg, in_top_k & in_top_p
+
+
+def kept_mask(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+  """kept_sorted's set in id order: logits [..., V], options [...] -> keep [..., V] bool."""
+  order, _, keep = kept_sorted(logits, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                               jnp.asarray(top_k, jnp.int32))
+  rank = jnp.argsort(order, axis=-1)  # [..., V]: each id's place in the sorted order
+  return jnp.take_along_axis(keep, rank, axis=-1)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
@@ -51,7 +68,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
     return jax.random.categorical(key, lg / jnp.maximum(temp, 1e-6))
 
   def kept(lg, key, temp, p, k):  # [V], key, [], [], []
-    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
+    order, sorted_lg, keep = kept_sorted(lg, temp, p, k)
     return order[jax.random.categorical(key, jnp.where(keep, sorted_lg, -jnp.inf))]
 
   def drawn():
@@ -73,7 +90,7 @@ def row_probs(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k
   filtered = (temperature > 0) & ((top_p < 1) | (top_k > 0))  # [B]
 
   def one(lg, temp, p, k):  # [V]
-    order, sorted_lg, keep = _kept_sorted(lg, temp, p, k)
+    order, sorted_lg, keep = kept_sorted(lg, temp, p, k)
     kept = jax.nn.softmax(jnp.where(keep, sorted_lg, -jnp.inf))  # [V] in sorted order
     return jnp.zeros_like(kept).at[order].set(kept)  # [V] in id order
 

@@ -36,8 +36,8 @@ Logprobs (logprobs.py): a step holding a row whose request asks for them runs a 
 the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
 logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
 Rollouts (rollout.py, RL): a step holding a rollout request's row runs the rollout program (the plain
-or logprob step plus each row's sampled token's logprob under its sampling distribution, its kept-set
-size and the step's routed experts [B,t,L,k]); the host keeps them in Request.rollout. Not when speculating.
+or logprob step plus each row's sampled token's logprob under its sampling distribution, its kept set
+(size, and ids up to rollout.KEPT_IDS) and the step's routed experts [B,t,L,k]); the host keeps them in Request.rollout. Not when speculating.
 Structured outputs (grammar.py, with `grammars`): a request with a grammar waits out of the queue while
 its grammar compiles on a worker thread (others keep stepping); a step holding a sampling row with a
 grammar runs the step program's masked variant, its [B, ceil(V/32)] int32 bitmask filled on the host
@@ -311,7 +311,7 @@ class ServingEngine:
     """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
     with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     else None; with_rollout: that third value paired with the rollout records (logp [B], kept [B],
-    experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None."""
+    kept_ids [B,C], experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None."""
     buf = step_feed.to_device(feed)
     lps = None
     with self._rules():
@@ -362,16 +362,18 @@ class ServingEngine:
 
   def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf, mask=None):
     """_step (with_logprobs: _step_lp), plus the rollout records: (entries, sampled [B], (the logprob step's
-    values or None, (logp [B], kept [B], experts [B,t,L,k]))), rollout.sampled_logprobs of the drawn tokens."""
+    values or None, (logp [B], kept [B], kept_ids [B,C], experts [B,t,L,k]))), rollout.sampled_logprobs of the
+    drawn tokens."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
     last = jnp.take_along_axis(logits, f["last"][:, None, None] * with_logprobs, axis=1)[:, 0]  # [B,V]
     sampled = self._sample(f, last, mask)  # mask: a step with a constrained row (never a rollout's own)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs) \
         if with_logprobs else None
-    logp, kept = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"], f["top_k"])  # [B]
+    logp, kept, kept_ids = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"],
+                                                    f["top_k"])  # [B], [B], [B,C]
     b, cfg = f["tokens"].shape[0], self.config
     experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
-    return aux["cache_entries"], sampled, (lps, (logp, kept, experts))
+    return aux["cache_entries"], sampled, (lps, (logp, kept, kept_ids, experts))
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""

@@ -51,12 +51,12 @@ def _consistency(num_devices, **mesh_keys):
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     requests, eng, (graphdef, params, buffers) = rollouts(cfg, mesh)
     score = jax.jit(lambda p, *a: token_logprobs(model_state.merge(graphdef, p, buffers), *a[:3], temperature=1.0,
-                                                 kept=a[3], routed_experts=a[4]))
+                                                 kept=a[3], kept_ids=a[4], routed_experts=a[5]))
     a = rollout_arrays(requests, cfg.max_target_length, cfg.vocab_size, cfg.num_moe_layers, cfg.num_experts_per_tok)
-    args = [a[k] for k in ("tokens", "positions", "segment_ids", "kept", "routed_experts")]
+    args = [a[k] for k in ("tokens", "positions", "segment_ids", "kept", "kept_ids", "routed_experts")]
     logp = np.asarray(score(params, *args))  # [N,T]
-    other = np.where(args[4] >= 0, (args[4] + 1) % cfg.num_experts, -1)  # other experts: the same program
-    moved = np.asarray(score(params, *args[:4], other))  # [N,T]
+    other = np.where(args[5] >= 0, (args[5] + 1) % cfg.num_experts, -1)  # other experts: the same program
+    moved = np.asarray(score(params, *args[:5], other))  # [N,T]
   assert eng.allocator.hits > 0  # later samples shared their prompt's cached pages
   assert np.abs(moved - logp)[a["generated"]].max() > 1e-3  # the trainer's model takes the routing it is given
   np.testing.assert_array_equal(a["logp_old"][a["generated"]], np.concatenate([r.rollout.logprobs for r in requests]))

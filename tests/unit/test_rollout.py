@@ -1,7 +1,7 @@
 """The engine's rollout records on the device (MaxText/inference/rollout.py sampled_logprobs) and the
 trainer's scoring of them (MaxText/post_train/policy_logprobs.py logprobs_of), against float64 numpy:
-the kept size is the hand-computed top_p / top_k set, the logprob is renormalized over it; the trainer,
-given that size, scores the same distribution."""
+the kept set is the hand-computed top-k-then-top-p set (its size and ids), the logprob is renormalized
+over it; the trainer, given the recorded ids, scores the same distribution whatever its own logits."""
 
 import functools
 
@@ -9,58 +9,101 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.inference.rollout import sampled_logprobs
+from MaxText.inference import sampling
+from MaxText.inference.rollout import KEPT_IDS, sampled_logprobs
 from MaxText.post_train.policy_logprobs import logprobs_of
 
 V = 32
 # (temperature, top_p, top_k) per row: unfiltered, top_p, top_k, both, greedy (filters ignored), hot top_p
-OPTIONS = [(1.0, 1.0, 0), (1.0, 0.6, 0), (0.7, 1.0, 5), (1.3, 0.8, 4), (0.0, 0.5, 3), (2.0, 0.3, 0)]
+OPTIONS = [(1.0, 1.0, 0), (1.0, 0.6, 0), (0.7, 1.0, 5), (1.3, 0.6, 4), (0.0, 0.5, 3), (2.0, 0.3, 0)]
 
 
 def np_kept_and_logprob(lg, tok, temp, p, k):
-  """float64: the kept set (sorted by logit, ties lowest id first; mass strictly ahead < top_p, rank <
-  top_k) and tok's log-prob renormalized over it at temperature (greedy: the raw log-softmax)."""
+  """float64: the kept ids (sorted by logit, ties lowest id first; rank < top_k, then the mass strictly
+  ahead < top_p over the top-k renormalized, as vLLM / HF) and tok's log-prob renormalized over them at
+  temperature (greedy or unfiltered: every id; greedy scores the raw log-softmax)."""
   lg = np.asarray(lg, np.float64)
   if temp == 0 or (p >= 1 and k <= 0):
     z = lg / (temp or 1.0)
-    return V, z[tok] - np.log(np.exp(z - z.max()).sum()) - z.max()
+    return np.argsort(-lg, kind="stable").tolist(), z[tok] - np.log(np.exp(z - z.max()).sum()) - z.max()
   order = np.argsort(-lg, kind="stable")
   z = lg[order] / temp
-  probs = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+  top = order[:k] if k > 0 else order
+  zk = z[:len(top)]
+  probs = np.exp(zk - zk.max()) / np.exp(zk - zk.max()).sum()  # the top-k renormalized
   before = np.cumsum(probs) - probs
-  keep = (before < p) & ((k <= 0) | (np.arange(V) < k))
-  kz = z[keep]
+  ids = [int(i) for i, b in zip(top, before) if b < p]
+  kz = z[:len(ids)]
   lse = kz.max() + np.log(np.exp(kz - kz.max()).sum())
-  return int(keep.sum()), z[list(order).index(tok)] - lse
+  return ids, z[list(order).index(tok)] - lse
 
 
-def test_kept_size_and_logprob_are_the_hand_computed_top_p_top_k_set():
+def test_kept_set_and_logprob_are_the_hand_computed_top_k_then_top_p_set():
   logits = jax.random.normal(jax.random.key(0), (len(OPTIONS), V)) * 2.0  # [B,V]
   temp, top_p, top_k = (jnp.asarray(c) for c in zip(*OPTIONS))
   order = np.argsort(-np.asarray(logits), axis=-1, kind="stable")
-  tokens = jnp.asarray(order[np.arange(len(OPTIONS)), [0, 1, 0, 2, 0, 0]], jnp.int32)  # each inside its row's kept set
-  logp, kept = jax.jit(sampled_logprobs)(logits, tokens, temp, top_p, top_k)
+  tokens = jnp.asarray(order[np.arange(len(OPTIONS)), [0, 1, 0, 1, 0, 0]], jnp.int32)  # each inside its row's kept set
+  logp, kept, kept_ids = jax.jit(sampled_logprobs)(logits, tokens, temp, top_p, top_k)
+  assert kept_ids.shape == (len(OPTIONS), min(KEPT_IDS, V))
   for b, opts in enumerate(OPTIONS):
-    want_kept, want_lp = np_kept_and_logprob(logits[b], int(tokens[b]), *opts)
-    assert int(kept[b]) == want_kept, (b, opts)
+    want_ids, want_lp = np_kept_and_logprob(logits[b], int(tokens[b]), *opts)
+    assert int(kept[b]) == len(want_ids), (b, opts)
+    ids = np.asarray(kept_ids[b])
+    assert ids[:len(want_ids)].tolist() == want_ids[:len(ids)] and (ids[len(want_ids):] == -1).all(), (b, opts)
     np.testing.assert_allclose(float(logp[b]), want_lp, atol=1e-5, err_msg=str(opts))
-  assert 1 < int(kept[1]) < V and int(kept[2]) == 5  # the cases that matter are not trivial
+  assert 1 < int(kept[1]) < V and int(kept[2]) == 5 and int(kept[3]) == 3  # not trivial; row 3: 4 if top-p saw the whole distribution
+
+
+def test_top_p_is_measured_over_the_top_k_renormalized():
+  """The issue's case: probs [.5, .3, .2], k = 2, p = .6: vLLM and HF keep {0} (.5 / .8 >= .6); top-p over
+  the whole distribution would keep {0, 1}."""
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.2]]))
+  one = lambda a: jnp.asarray([a])  # noqa: E731
+  _, kept, kept_ids = sampled_logprobs(logits, one(0), one(1.0), one(0.6), one(2))
+  assert int(kept[0]) == 1 and np.asarray(kept_ids[0]).tolist() == [0, -1, -1]
+  keep = np.asarray(sampling.kept_mask(logits, 1.0, 0.6, 2))
+  assert keep.tolist() == [[True, False, False]]
 
 
 def test_trainer_scores_the_recorded_kept_set_at_the_recorded_temperature():
+  """Where the recorded size fits KEPT_IDS the trainer scores over the recorded ids (not this model's top-n),
+  past it over the n largest of its logits, and an unfiltered position (n = V) over everything."""
   logits = jax.random.normal(jax.random.key(1), (2, 5, V)) * 2.0  # [B,T,V]: position t scores token t+1
-  tokens = jnp.asarray(np.argsort(-np.asarray(logits), axis=-1)[:, :, 1], jnp.int32)  # [B,T] second best
+  order = np.argsort(-np.asarray(logits), axis=-1, kind="stable")  # [B,T,V]
+  tokens = jnp.asarray(order[:, :, 1], jnp.int32)  # [B,T] second best
   tokens = jnp.concatenate([jnp.zeros((2, 1), jnp.int32), tokens[:, :-1]], axis=1)  # token t from position t-1
-  kept = jnp.asarray([[V, 3, 1, 7, V], [V, 2, V, 4, 10]], jnp.int32)  # kept 1: the token is kept anyway
-  logp = np.asarray(jax.jit(functools.partial(logprobs_of, temperature=0.8))(logits, tokens, kept=kept))
+  kept = np.asarray([[V, 3, 1, 7, V], [V, 2, V, 4, 10]], np.int32)  # kept 1: the token is kept anyway
+  c = 4  # a record of 4 ids: sizes 7 and 10 are past it (rebuilt from these logits)
+  ids = np.full((2, 5, c), -1, np.int32)
+  rng = np.random.default_rng(0)
+  for b in range(2):
+    for t in range(1, 5):
+      if kept[b, t] <= c:  # the engine's set: NOT this model's top-n (the policy moved)
+        ids[b, t, :kept[b, t]] = rng.choice(V, kept[b, t], replace=False)
+  logp = np.asarray(jax.jit(functools.partial(logprobs_of, temperature=0.8))(
+      logits, tokens, kept=jnp.asarray(kept), kept_ids=jnp.asarray(ids)))
   assert (logp[:, 0] == 0).all()
   for b in range(2):
     for t in range(1, 5):
       lg = np.asarray(logits[b, t - 1], np.float64)
-      keep = np.argsort(-lg, kind="stable")[:int(kept[b, t])].tolist() + [int(tokens[b, t])]
+      n = int(kept[b, t])
+      keep = (ids[b, t, :n].tolist() if n <= c else order[b, t - 1, :n].tolist()) + [int(tokens[b, t])]
       z = lg[sorted(set(keep))] / 0.8
       want = lg[int(tokens[b, t])] / 0.8 - (z.max() + np.log(np.exp(z - z.max()).sum()))
       np.testing.assert_allclose(logp[b, t], want, atol=1e-5, err_msg=f"{b},{t}")
+
+
+def test_the_engines_kept_set_not_the_moved_policys_top_n():
+  """The issue's case: engine logits [3, 2, 1, 0], top-k 2, token 1 drawn; the current policy's logits
+  [3, 1, 2, 0]: over the engine's set {0, 1} -2.127; the rebuilt top-2 of the current logits would give -2.408.
+  The reference policy scores over the same recorded set (its logits are any others)."""
+  _, kept, kept_ids = sampled_logprobs(jnp.asarray([[3.0, 2.0, 1.0, 0.0]]), jnp.asarray([1]), jnp.asarray([1.0]),
+                                       jnp.asarray([1.0]), jnp.asarray([2]))
+  tokens = jnp.asarray([[0, 1]])
+  score = lambda lg: float(logprobs_of(jnp.asarray([[lg, [0.0] * 4]]), tokens, temperature=1.0,  # noqa: E731
+                                       kept=jnp.asarray([[4, int(kept[0])]]), kept_ids=kept_ids[None, None].repeat(2, 1))[0, 1])
+  np.testing.assert_allclose(score([3.0, 1.0, 2.0, 0.0]), 1 - np.log(np.exp(3) + np.exp(1)), atol=1e-5)  # -2.127
+  np.testing.assert_allclose(score([0.0, 0.5, 5.0, 4.0]), 0.5 - np.log(1 + np.exp(0.5)), atol=1e-5)  # the reference
 
 
 def _run_rollouts(prompts, stop_at, *, page_size=2, steps=60):
@@ -89,7 +132,8 @@ def _run_rollouts(prompts, stop_at, *, page_size=2, steps=60):
     nxt = np.array([row.start + row.known for row in rows])  # the drawn token's position
     stop = np.array([stop_at[requests.index(row.request)] for row in rows])
     sampled = np.where(nxt >= stop, 7, 100 + nxt)
-    rec.record(rows, where, sampled, -nxt.astype(np.float32), nxt, experts)
+    kept_ids = np.where(np.arange(8) < nxt[:, None], 200 + np.arange(8), -1)  # [B,8]: sets of size <= 8 recorded
+    rec.record(rows, where, sampled, -nxt.astype(np.float32), nxt, kept_ids, experts)
     sched.update(rows, sampled)
     rec.publish(rows, alloc)
   return requests, alloc
@@ -101,6 +145,7 @@ def test_records_include_the_stop_token_and_shared_prefix_pages_get_their_routin
   assert alloc.hits >= 2  # b took a's cached pages: its positions 0..3 were not computed again
   assert a.output == [105, 106] and a.rollout.tokens == [105, 106, 7]  # the stop token ends the records
   assert a.rollout.logprobs == [-5.0, -6.0, -7.0] and a.rollout.kept == [5, 6, 7]
+  assert a.rollout.kept_ids == [list(range(200, 205)), list(range(200, 206)), list(range(200, 207))]
   for r in (a, b):
     n = len(r.prompt) + len(r.rollout.tokens)
     want = np.stack([np.arange(n), np.arange(n) + 1], -1)[:, None, :]  # [n,1,2]

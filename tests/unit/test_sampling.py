@@ -50,9 +50,9 @@ def test_greedy_ids_are_argmax_with_ties_lowest_first():
   assert (np.asarray(greedy_ids(x)) == np.argmax(np.asarray(x), axis=-1)).all()
 
 
-# Kept sets computed by hand (not through sampling.py's helpers): top_p keeps the fewest most likely
-# tokens whose mass reaches top_p (the most likely always), top_k the k most likely (ties lowest id
-# first). Ids are out of probability order; dyadic probabilities make the boundary ties exact.
+# Kept sets computed by hand (not through sampling.py's helpers): top_k keeps the k most likely (ties
+# lowest id first), then top_p the fewest most likely of those whose renormalized mass reaches top_p
+# (the most likely always). Ids are out of probability order; dyadic probabilities make the boundary ties exact.
 FILTER_CASES = [  # probs by id, temperature, top_p, top_k, kept ids
     ([.1, .4, .2, .3], 1.0, 0.3, 0, {1}),  # below the top token's mass: the top token alone
     ([.1, .4, .2, .3], 1.0, 0.5, 0, {1, 3}),
@@ -66,6 +66,8 @@ FILTER_CASES = [  # probs by id, temperature, top_p, top_k, kept ids
     ([.125, .5, .125, .25], 1.0, 1.0, 1, {1}),
     ([.125, .5, .125, .25], 1.0, 0.6, 3, {1, 3}),  # both: the smaller set
     ([.125, .5, .125, .25], 1.0, 0.9, 2, {1, 3}),
+    ([.25, .5, .125, .125], 1.0, 0.6, 2, {1}),  # top-p over the top-k renormalized (.5 / .75 >= .6), as vLLM / HF
+    ([.25, .5, .125, .125], 1.0, 0.7, 2, {0, 1}),  # (top-p over all: .5 < .6 would keep {0, 1} above too)
     ([.125, .5, .125, .25], 0.5, 0.8, 0, {1, 3}),  # temperature first: probs ∝ p**2 = [1, 16, 1, 4] / 22
     ([.125, .5, .125, .25], 0.5, 0.7, 0, {1}),
 ]
