@@ -11,11 +11,12 @@ the completion's tokens (what was sampled), 0 on the prompt and padding.
                   (rl_unbiased_kl=false: the plain k3 estimate, without the importance ratio, as
                   GRPO's original and Tunix's); the gradient flows through both factors
   off-policy mask M_i = 0 when A_i < 0 and mean_t over sequence i's tokens of log(pi_old / pi_theta)
-                  exceeds delta: that sequence contributes nothing (surrogate and KL); delta = -1: off
-  per token       L_t = -(surrogate_t - beta * KL_t) * M_i
+                  exceeds delta (A_i = 0 or a drift of exactly delta: kept); delta = -1: off. As the paper's
+                  objective, M multiplies the clipped surrogate only: a masked sequence keeps its KL penalty
+  per token       L_t = -(surrogate_t * M_i - beta * KL_t)
   aggregation     the paper's (and Tunix's default "sequence-mean-token-mean"): the mean of L over
-                  each sequence's tokens, then the mean over the N sequences (a masked sequence
-                  counts as 0 in that mean, so masking does not rescale the others)
+                  each sequence's tokens, then the mean over the N sequences (a masked sequence's
+                  surrogate counts as 0 in that mean, so masking does not rescale the others)
 
 Invariants: with logp == logp_old and beta = 0 the loss is -mean_i(A_i) = 0 for every group, and its
 gradient is -mean_i(A_i * mean_t grad logp_t): the REINFORCE gradient with a group baseline. Every
@@ -90,14 +91,14 @@ def grpo_loss(logp: jax.Array, logp_old: jax.Array, logp_ref: jax.Array | None, 
   drops), ratio_mean, advantage_abs_mean. logp_ref may be None when beta = 0."""
   mask = mask.astype(jnp.float32)
   surrogate, clipped = clipped_surrogate(logp, logp_old, advantages, options.epsilon)  # [N,T]
-  per_token = surrogate
   kl = jnp.zeros_like(logp)
   if logp_ref is not None:
     kl = kl_estimate(logp, logp_old, logp_ref, options.unbiased_kl)  # [N,T]
-    if options.beta:
-      per_token = per_token - options.beta * kl
   keep = offpolicy_keep(logp, logp_old, mask, advantages, options.offpolicy_delta)  # [N]
-  per_sequence = masked_mean(-per_token, mask, axis=1) * keep  # [N]
+  per_token = surrogate * keep[:, None]  # [N,T]: the mask drops the surrogate, never the KL penalty
+  if logp_ref is not None and options.beta:
+    per_token = per_token - options.beta * kl
+  per_sequence = masked_mean(-per_token, mask, axis=1)  # [N]
   metrics = {"kl": masked_mean(jax.lax.stop_gradient(kl), mask),
              "clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
              "masked_fraction": 1.0 - keep.mean(),

@@ -32,15 +32,14 @@ def _ref_loss(logp, logp_old, logp_ref, rewards, mask, eps, beta, delta, unbiase
   for i in range(N):
     toks = [t for t in range(T) if mask[i, t]]
     drift = np.mean([logp_old[i, t] - logp[i, t] for t in toks])
-    if delta >= 0 and adv[i] < 0 and drift > delta:
-      continue
+    m = 0.0 if delta >= 0 and adv[i] < 0 and drift > delta else 1.0  # the paper's M_i: on the surrogate only
     seq = 0.0
     for t in toks:
       r = np.exp(logp[i, t] - logp_old[i, t])
       surr = min(r * adv[i], np.clip(r, 1 - eps, 1 + eps) * adv[i])
       q = np.exp(logp_ref[i, t] - logp[i, t])
       kl = (q - np.log(q) - 1) * (r if unbiased else 1.0)
-      seq += -(surr - beta * kl)
+      seq += -(surr * m - beta * kl)
     total += seq / len(toks)
   return total / N, adv
 
@@ -82,11 +81,24 @@ def test_offpolicy_masking_drops_only_negative_advantage_sequences_past_delta():
   keep = grpo.offpolicy_keep(logp, logp_old, mask, adv, delta=0.1)
   np.testing.assert_array_equal(keep, [0.0, 1.0, 1.0, 0.0])  # positive A kept; under delta kept
   np.testing.assert_array_equal(grpo.offpolicy_keep(logp, logp_old, mask, adv, delta=-1.0), [1, 1, 1, 1])
+  # the boundaries: A = 0 is kept however far it drifted; a drift of exactly delta is kept (dyadic: exact in f32)
+  edge = grpo.offpolicy_keep(jnp.zeros((2, 3)), jnp.array([[0.3] * 3, [0.25] * 3]), jnp.ones((2, 3)),
+                             jnp.array([0.0, -1.0]), delta=0.25)
+  np.testing.assert_array_equal(edge, [1.0, 1.0])
   opts = grpo.GrpoOptions(epsilon=10.0, offpolicy_delta=0.1)
   loss, metrics = grpo.grpo_loss(logp, logp_old, None, adv, mask, opts)
   r = np.exp(-np.array([0.3, 0.05]))  # rows 1 and 2 contribute, rows 0 and 3 nothing
   np.testing.assert_allclose(float(loss), -(r[0] * 1.0 + r[1] * -1.0) / 4, rtol=1e-6)
   assert float(metrics["masked_fraction"]) == 0.5
+
+
+def test_a_masked_sequence_keeps_its_kl_penalty():
+  """The paper multiplies only the clipped surrogate by M_i: a masked sequence's loss is beta * its mean KL."""
+  logp, logp_old, logp_ref = jnp.zeros((1, 2)), jnp.full((1, 2), 0.5), jnp.full((1, 2), -0.5)
+  opts = grpo.GrpoOptions(beta=0.1, offpolicy_delta=0.1, unbiased_kl=False)
+  loss, metrics = grpo.grpo_loss(logp, logp_old, logp_ref, jnp.array([-1.0]), jnp.ones((1, 2)), opts)
+  assert float(metrics["masked_fraction"]) == 1.0
+  np.testing.assert_allclose(float(loss), 0.1 * (np.exp(-0.5) + 0.5 - 1), rtol=1e-6)
 
 
 def test_on_policy_gradient_is_reinforce_with_the_group_baseline():
