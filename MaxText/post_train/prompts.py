@@ -49,6 +49,12 @@ def read_records(config: Config, *, eval: bool = False) -> list[tuple[str, dict]
   return out
 
 
+def thinking_of(record: dict, default: bool) -> bool:
+  """Whether the record's prompt is rendered in thinking mode: its own `thinking`, else `default`
+  (rl_thinking). The one decision: the prompt is rendered and its completion parsed (rewards.py) by it."""
+  return bool(record.get("thinking", default))
+
+
 def prompt_messages(record: dict, where: str) -> list[dict]:
   """The record's prompt as messages (DataError naming `where` when it has none)."""
   if isinstance(record.get("prompt"), str):
@@ -83,10 +89,9 @@ class PromptSource:
     if i not in self._ids:
       where, record = self.records[i]
       cfg = self.config
-      thinking = record.get("thinking", cfg.rl_thinking)
       try:
-        text = chat_dsv32.render(prompt_messages(record, where), thinking=bool(thinking), bos=cfg.add_bos,
-                                 tools=chat_dsv32.check_tools(record.get("tools")))
+        text = chat_dsv32.render(prompt_messages(record, where), thinking=thinking_of(record, cfg.rl_thinking),
+                                 bos=cfg.add_bos, tools=chat_dsv32.check_tools(record.get("tools")))
       except chat_dsv32.ChatFormatError as e:
         raise DataError(f"{where}: {e}") from None
       ids = self.tokenizer.encode(text)

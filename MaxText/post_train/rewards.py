@@ -23,6 +23,7 @@ import numpy as np
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.data import chat_dsv32
+from MaxText.post_train import prompts
 from MaxText.runtime.cli import RunError
 
 RewardFn = Callable[[str, dict], float]
@@ -33,12 +34,13 @@ class RewardError(RunError):
 
 
 def exact_match(column: str, thinking: bool) -> RewardFn:
-  """1.0 when the reply's content, stripped, equals str(record[column]), else 0.0."""
+  """1.0 when the reply's content, stripped, equals str(record[column]), else 0.0. The completion is parsed
+  in the mode its prompt was rendered in: the record's own `thinking`, else `thinking` (rl_thinking)."""
 
   def fn(completion: str, record: dict) -> float:
     if column not in record:
       raise KeyError(f"the record has no '{column}' (rl_reward_column); its fields are {sorted(record)}")
-    content = chat_dsv32.parse_completion(completion, thinking=thinking).content
+    content = chat_dsv32.parse_completion(completion, thinking=prompts.thinking_of(record, thinking)).content
     return float(content.strip() == str(record[column]).strip())
 
   return fn

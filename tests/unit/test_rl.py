@@ -38,6 +38,23 @@ def test_exact_match_reads_the_reply_content_against_the_column():
   assert rewards.exact_match("answer", thinking=False)("2", {"answer": "2"}) == 1.0
 
 
+def test_exact_match_parses_in_the_mode_the_record_was_rendered_in(tmp_path):
+  """A record's own `thinking` beats rl_thinking for the prompt and for the parse alike: the right answer
+  scores 1 whichever way the two disagree."""
+  path = tmp_path / "t.jsonl"
+  path.write_text(json.dumps({"prompt": "3+4=?", "answer": "7", "thinking": False}) + "\n"
+                  + json.dumps({"prompt": "3+4=?", "answer": "7", "thinking": True}) + "\n")
+  for default in (True, False):
+    config = make_config(**dict(RL_KEYS, rl_thinking=default), dataset_type="file", dataset_path=str(path))
+    source = prompts.PromptSource(config, load_tokenizer(config))
+    reward = rewards.load_reward(config)
+    (_, off), (_, on) = source.records
+    assert source.tokenizer.decode(source.ids(0)).endswith("</think>")  # rendered with the record's False
+    assert source.tokenizer.decode(source.ids(1)).endswith("<think>")
+    np.testing.assert_array_equal(reward(["7", "so 7</think>7"], [off, on], ["a", "b"]), [1.0, 1.0])
+    np.testing.assert_array_equal(reward(["so 7</think>8", "7"], [off, on], ["a", "b"]), [0.0, 0.0])
+
+
 def test_a_reward_that_raises_is_one_line_naming_it_and_the_record(monkeypatch):
   mod = types.ModuleType("rl_test_rewards")
   mod.broken = lambda text, record: {}["missing"]
@@ -74,6 +91,27 @@ def test_prompts_render_once_per_record_and_each_step_is_a_function_of_seed_and_
   assert prompts.prompt_messages({"messages": msgs}, "w") == msgs[:1]  # an SFT record's answer left out
   with pytest.raises(DataError, match="w: an RL record needs 'prompt'"):
     prompts.prompt_messages({"question": "q"}, "w")
+
+
+def test_a_prompt_ending_with_a_tool_call_and_its_results_keeps_them(tmp_path):
+  """messages ending [assistant tool call, tool result]: the prompt is all of them (the model answers the
+  results), rendered with the function_results block; a trailing assistant answer is left out."""
+  call = {"role": "assistant", "content": "", "tool_calls": [
+      {"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]}
+  msgs = [{"role": "user", "content": "3+4?"}, call, {"role": "tool", "content": "7"}]
+  assert prompts.prompt_messages({"messages": msgs}, "w") == msgs
+  assert prompts.prompt_messages({"messages": msgs + [{"role": "assistant", "content": "7"}]}, "w") == msgs
+  path = tmp_path / "tools.jsonl"
+  path.write_text(json.dumps({"messages": msgs, "answer": "7"}) + "\n")
+  keys = dict(RL_KEYS, dataset_type="file", dataset_path=str(path))
+  fit = lambda n: dict(keys, max_target_length=n, max_prefill_length=n)  # noqa: E731
+  source = prompts.PromptSource(make_config(**fit(512)), load_tokenizer(make_config(**keys)))
+  text = source.tokenizer.decode(source.ids(0))
+  assert "<result>7</result>" in text and text.endswith("</function_results>\n\n</think>")
+  n = len(source.ids(0))  # prompt + rl_max_completion_tokens (4) fits max_target_length exactly, one more does not
+  assert prompts.PromptSource(make_config(**fit(n + 4)), source.tokenizer).ids(0) == source.ids(0)
+  with pytest.raises(DataError, match=f"the prompt is {n} tokens"):
+    prompts.PromptSource(make_config(**fit(n + 3)), source.tokenizer).ids(0)
 
 
 def test_assemble_scores_the_sampled_tokens_with_group_advantages_and_the_switches():
