@@ -71,16 +71,20 @@ class GrammarSpec:
 
 
 def llg_grammar(spec: GrammarSpec) -> str:
-  """The llguidance grammar of a spec (not yet checked: compiling a matcher does that)."""
+  """The llguidance grammar of a spec (not yet checked: compiling a matcher does that). A boolean schema
+  is JSON Schema's: true is any JSON value (the schema {}), false matches nothing (a GrammarError)."""
   import llguidance as llg
   if spec.kind == "json":
     try:
       schema = json.loads(spec.source)
     except ValueError as e:
       raise GrammarError(f"{spec.field}: the JSON schema is not JSON: {e}", spec.field) from None
+    if schema is False:
+      raise GrammarError(f"{spec.field}: the JSON schema false matches no value: give an object schema, or true for "
+                         "any JSON value", spec.field)
     if not isinstance(schema, (dict, bool)):
       raise GrammarError(f"{spec.field}: a JSON schema is an object (or true), not {type(schema).__name__}", spec.field)
-    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps({} if schema is True else schema), defaults=JSON_LAYOUT)
   if spec.kind == "regex":
     return llg.LLMatcher.grammar_from_regex(spec.source)
   if spec.kind == "choice":
@@ -138,8 +142,14 @@ class Grammars:
       return future
 
   def _build(self, spec: GrammarSpec):
+    """The compiled matcher; whatever fails while compiling is a GrammarError naming the field (a 400, never a 500)."""
     import llguidance as llg
-    matcher = llg.LLMatcher(self.tokenizer, llg_grammar(spec), log_level=0)
+    try:
+      matcher = llg.LLMatcher(self.tokenizer, llg_grammar(spec), log_level=0)
+    except GrammarError:
+      raise
+    except Exception as e:  # noqa: BLE001 - llguidance raises ValueError, RuntimeError, ... for what it refuses
+      raise GrammarError(f"{spec.field}: the grammar does not compile: {e}", spec.field) from None
     if matcher.is_error():
       raise GrammarError(f"{spec.field}: {matcher.get_error()}", spec.field)
     return matcher

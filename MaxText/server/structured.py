@@ -58,7 +58,11 @@ def _from_response_format(rf: dict) -> GrammarSpec | None:
 
 
 def _from_structured_outputs(so: dict) -> GrammarSpec | None:
-  given = [k for k in (*_VLLM_KINDS, "json_object") if so.get(k) not in (None, False)]
+  """One of json (a schema: false is one, a 400 when compiled), regex, choice, json_object (true: any object)."""
+  if not isinstance(so.get("json_object", False), bool):
+    raise ApiError(400, f"structured_outputs: json_object is true or false, not {so['json_object']!r}",
+                   "structured_outputs")
+  given = [k for k in _VLLM_KINDS if so.get(k) is not None] + (["json_object"] if so.get("json_object") else [])
   other = [k for k in so if k not in (*_VLLM_KINDS, "json_object") and so[k] is not None]
   if other:
     raise ApiError(400, f"structured_outputs: {other[0]!r} is not supported: give one of json, regex, choice, "

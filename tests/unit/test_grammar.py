@@ -96,6 +96,24 @@ def test_mask_allows_the_grammar_and_stop_tokens_only_while_it_accepts(grammars,
   ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
   ({"structured_outputs": {"choice": []}}, "structured_outputs"),
   ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+  # boolean schemas are schemas (true: any JSON value; false: a 400 when compiled), json_object a boolean
+  ({"structured_outputs": {"json": True}}, ("json", "true", "structured_outputs")),
+  ({"structured_outputs": {"json": False}}, ("json", "false", "structured_outputs")),
+  ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
+   ("json", "true", "response_format")),
+  ({"structured_outputs": {"json_object": False}}, None),
+  ({"structured_outputs": {"json_object": True}}, ("json", '{"type": "object"}', "structured_outputs")),
+  ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+  ({"structured_outputs": {"regex": ""}}, "structured_outputs"),
+  ({"structured_outputs": {"regex": 0}}, "structured_outputs"),
+  ({"structured_outputs": {"json_object": False, "regex": "a"}}, ("regex", "a", "structured_outputs")),
+  # falsy values are values: an empty guided_* is a 400 naming it, never "no grammar"
+  ({"guided_choice": []}, "guided_choice"),
+  ({"guided_regex": ""}, "guided_regex"),
+  ({"guided_json": {}}, ("json", "{}", "guided_json")),
+  ({"response_format": {}}, None),
+  ({"response_format": {"type": "json_object"}, "structured_outputs": {}}, ("json", '{"type": "object"}', "response_format")),
+  ({"structured_outputs": {"json": {}}, "guided_json": {}}, "guided_json"),
 ])
 def test_request_fields_become_one_grammar_or_a_400_naming_the_field(body, want):
   for request in (CompletionRequest(prompt="x", **body), ChatRequest(messages=[{"role": "user", "content": "x"}],
@@ -120,7 +138,10 @@ def test_bad_schema_or_regex_is_a_400_with_openais_body_before_the_engine(gramma
   bad = [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integr"}}}},
           "response_format", "integr"),
          ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
-         ({"guided_json": "{not json"}, "guided_json", "not JSON")]
+         ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+         ({"response_format": {"type": "json_schema", "json_schema": {"schema": False}}}, "response_format",
+          "matches no value"),
+         ({"structured_outputs": {"json": False}}, "structured_outputs", "matches no value")]
   with TestClient(app(True)) as client:
     for body, field, said in bad:
       for url, base in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions",
@@ -134,3 +155,18 @@ def test_bad_schema_or_regex_is_a_400_with_openais_body_before_the_engine(gramma
     assert got.status_code == 400 and "tokenizer.json" in got.json()["error"]["message"]
   assert eng.requests == []  # none reached the engine
   assert json.loads(grammar_spec(CompletionRequest(prompt="x", guided_json={"type": "null"})).source) == {"type": "null"}
+
+
+def test_schema_true_is_any_json_value_and_any_compile_failure_is_a_grammar_error(grammars, tok, monkeypatch):
+  """JSON Schema's `true` accepts any JSON value (llguidance raises ValueError on a bare boolean: that was a 500);
+  whatever the compile raises becomes a GrammarError naming the field, which the server answers with a 400."""
+  from MaxText.inference import grammar
+  spec = GrammarSpec("json", "true", "structured_outputs")
+  for value in ("5", "[1, 2]", '"a"', '{"k": null}'):
+    assert _row(tok.encode(value), spec, grammars).request.constraint.matcher.is_accepting(), value
+  def broken(spec):
+    raise RuntimeError("boom")
+  monkeypatch.setattr(grammar, "llg_grammar", broken)
+  with pytest.raises(grammar.GrammarError, match="guided_regex: the grammar does not compile: boom") as e:
+    grammars.compile(GrammarSpec("regex", "zz-never-cached", "guided_regex")).result()
+  assert e.value.field == "guided_regex"
