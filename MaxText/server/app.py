@@ -376,8 +376,7 @@ def build_app(server: Server) -> FastAPI:
 
   @app.post("/tokenize")
   async def tokenize_route(body: TokenizeRequest):
-    return tokenize(server.texts, body, lambda messages: chat_turn(server.texts, ChatRequest(messages=messages)).prompt,
-                    server.config.max_target_length)
+    return tokenize(server.texts, body, lambda chat: chat_turn(server.texts, chat).prompt, server.config.max_target_length)
 
   @app.post("/detokenize")
   async def detokenize_route(body: DetokenizeRequest):

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from MaxText.server.protocol import ApiError, ChatMessage, Texts
+from MaxText.server.protocol import ApiError, ChatMessage, ChatRequest, Texts
 
 
 def token_text(texts: Texts, tok: int) -> str:
@@ -69,8 +69,10 @@ def chat_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any]) -
 # ---------------------------------------------------------------- /tokenize, /detokenize (vLLM's shapes)
 
 
-class TokenizeRequest(BaseModel):
-  model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(ChatRequest):
+  """vLLM's /tokenize: a `prompt`, or `messages` with every field /v1/chat/completions renders them with
+  (tools, tool_choice, chat_template_kwargs, response_format, structured_outputs, ...): the ids are exactly
+  the prompt ids that endpoint runs (its `return_token_ids`)."""
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
   add_special_tokens: bool = True
@@ -82,11 +84,11 @@ class DetokenizeRequest(BaseModel):
 
 
 def tokenize(texts: Texts, body: TokenizeRequest, chat_prompt, max_model_len: int) -> dict:
-  """{"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}; chat_prompt(messages) -> ids
-  renders messages as /v1/chat/completions does."""
+  """{"prompt"} or {"messages", chat fields} -> {"tokens", "count", "max_model_len"}; chat_prompt(body) ->
+  ids renders the request as /v1/chat/completions does."""
   if (body.prompt is None) == (body.messages is None):
     raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)", "prompt")
-  ids = chat_prompt(body.messages) if body.messages is not None else \
+  ids = chat_prompt(body) if body.messages is not None else \
       texts.encode(body.prompt, bos=None if body.add_special_tokens else False)
   return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
