@@ -52,6 +52,16 @@ def test_a_tool_loop_keeps_its_reasoning_and_results_have_no_user_token():
       "\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>")
 
 
+def test_tool_results_before_a_later_user_turn_close_with_think_end_in_thinking_mode():
+  """Only what follows the last user turn thinks: earlier results close with </think>, the last user's <think>."""
+  msgs = [{"role": "user", "content": "Weather?"},
+          {"role": "assistant", "content": "Looking.", "reasoning_content": "need a tool", "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}, {"role": "user", "content": "Thanks"}]
+  assert render(msgs, thinking=True) == (
+      f"{BOS}{U}Weather?{A}</think>Looking.\n\n{CALL_DSML}{EOS}"
+      f"\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n</think>{U}Thanks{A}<think>")
+
+
 def test_tools_and_response_format_go_into_the_system_prompt_and_developer_is_a_user_turn():
   text = render([{"role": "user", "content": "Hi"}], thinking=False, tools=[TOOL],
                 response_format={"type": "json_object"})
@@ -124,6 +134,7 @@ COMPLETIONS = [  # (text, thinking)
     (f"dup\n\n<{D}function_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"a\" string=\"true\">1</{D}parameter>\n"
      f"<{D}parameter name=\"a\" string=\"true\">2</{D}parameter>\n</{D}invoke>\n</{D}function_calls>", False),
     ("a </think> in chat mode, a <｜DS and \n\n< and <｜end▁of", False),
+    ("reasoning the end cuts" + EOS + "ignored", True),  # EOS in the reasoning state: held back as it comes
 ]
 
 
@@ -145,6 +156,13 @@ def test_the_streaming_parser_equals_the_whole_parse_at_every_split_point(text, 
   # One character at a time (a sent piece is never taken back, so equality means no part of a tag
   # that the whole parse removes was ever sent as content or reasoning).
   assert _streamed(list(text), thinking) == expected
+
+
+def test_a_partial_eos_is_held_back_in_every_state():
+  for thinking, state in ((True, "reasoning_content"), (False, "content")):
+    parser = CompletionParser(thinking=thinking)
+    assert getattr(parser.feed("so <｜end▁of"), state) == "so "  # may still become EOS: not sent
+    assert not parser.feed("▁sentence｜>more") and parser.done  # it was EOS: nothing of it, nothing after
 
 
 @pytest.mark.parametrize("text", [COMPLETIONS[8][0], COMPLETIONS[10][0],

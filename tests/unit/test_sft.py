@@ -112,6 +112,22 @@ def test_a_long_conversation_is_cut_after_its_last_assistant_turn_that_fits(tok)
   assert enc(CASES["developer"][0], "x") is None and (enc.cut, enc.dropped) == (1, 1)  # 29 tokens, none fits
 
 
+def test_a_turn_ending_exactly_at_max_target_length_plus_1_tokens_fits(tok):
+  """max_target_length + 1 tokens fill a row (its inputs and its last target): a conversation or a turn
+  ending exactly there is kept whole; one token more and it is cut (or dropped)."""
+  record = CASES["thinking_multi_turn"][0]
+  full_ids, _ = encoder(tok)(record, "x")
+  first = [i for i in range(len(full_ids)) if full_ids[i] == tok.encode(fmt.EOS)[0]][0] + 1  # the first turn's end
+  cfg = lambda n: make_config(dataset_type="file", use_sft=True, train_data_columns=["messages"],  # noqa: E731
+                              tokenizer_type="hf", tokenizer_path=HF_JSON, max_target_length=n, max_prefill_length=n)
+  whole = ConversationEncoder.from_config(cfg(len(full_ids) - 1), tok)  # max_tokens = len(full_ids) exactly
+  assert whole.max_tokens == len(full_ids) and whole(record, "x")[0].tolist() == full_ids.tolist() and whole.cut == 0
+  at_turn = encoder(tok, max_tokens=first)  # the first turn ends exactly at the limit: cut there, not dropped
+  assert at_turn(record, "x")[0].tolist() == full_ids[:first].tolist() and (at_turn.cut, at_turn.dropped) == (1, 0)
+  short = encoder(tok, max_tokens=first - 1)
+  assert short(record, "x") is None and (short.cut, short.dropped) == (0, 1)
+
+
 def _pack_reference(docs, L):
   """Hand-written packing of (ids, mask) docs into one row: weight = same doc and the target's mask."""
   toks = [t for ids, _ in docs for t in ids]
