@@ -69,15 +69,17 @@ def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys
   # 3 at a time (padded to 6): every score equal to the contiguous keys' (to f32 rounding: bit for bit on an
   # AVX-512 host, 9.5e-7 apart on an AVX2 one, where XLA sums the blocks' dot products in another order), -inf
   # past each query's position
-  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * PAGE * cfg.indexer_head_dim * 4)
   q2 = jnp.asarray(rng.standard_normal((2, 2, 4, cfg.indexer_head_dim)), jnp.float32)
   w2 = jnp.asarray(rng.standard_normal((2, 2, 4)), jnp.float32)
   pos = jnp.asarray(lengths, jnp.int32)[:, None] - jnp.asarray([[2, 1]], jnp.int32)  # [B,2]
-  paged = paged_cache.PagedKeys(pools.idx_k, pools.idx_k_scale, table, PAGE).scores(q2, w2, pos, head_chunk=3)
   want = ContiguousKeys(kv_cache.read_indexer_keys(contiguous)).scores(q2, w2, pos, head_chunk=4)
-  assert paged.shape == (2, 2, s) and np.isfinite(np.asarray(want)).sum() == 2 * lengths.sum() - 2
-  np.testing.assert_array_equal(np.isfinite(np.asarray(paged)), np.isfinite(np.asarray(want)))
-  np.testing.assert_allclose(np.asarray(paged), np.asarray(want), rtol=2e-6, atol=2e-6)
+  assert np.isfinite(np.asarray(want)).sum() == 2 * lengths.sum() - 2
+  for per_block in (2, 3):  # 3: the table's 4 pages are not a multiple of the block (the last one part padding)
+    monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", per_block * PAGE * cfg.indexer_head_dim * 4)
+    paged = paged_cache.PagedKeys(pools.idx_k, pools.idx_k_scale, table, PAGE).scores(q2, w2, pos, head_chunk=3)
+    assert paged.shape == (2, 2, s), per_block
+    np.testing.assert_array_equal(np.isfinite(np.asarray(paged)), np.isfinite(np.asarray(want)))
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(want), rtol=2e-6, atol=2e-6)
 
 
 def test_padding_and_positions_past_the_table_are_dropped_not_written():
