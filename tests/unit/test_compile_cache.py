@@ -29,3 +29,16 @@ def test_the_key_names_the_folder_the_environment_wins_and_empty_is_off(monkeypa
   path, updates = _enabled(monkeypatch, {compile_cache.MIN_TIME_ENV: "2"}, jax_cache_dir="/x")
   assert path == "/x" and updates == {"jax_compilation_cache_dir": "/x"}  # the environment's threshold stays
   assert _enabled(monkeypatch, {}, jax_cache_dir="") == ("", {})
+
+
+def test_the_environment_beside_the_key_at_its_boundaries(monkeypatch, tmp_path):
+  """The environment's folder wins over jax_cache_dir="" (off) too; an empty variable is unset (the key's
+  folder); a threshold of "0" in the environment is a setting, left alone."""
+  path, updates = _enabled(monkeypatch, {compile_cache.DIR_ENV: str(tmp_path)}, jax_cache_dir="")
+  assert path == str(tmp_path) and updates["jax_compilation_cache_dir"] == str(tmp_path)
+  assert compile_cache.folder(make_config(jax_cache_dir="")) == str(tmp_path)
+  path, _ = _enabled(monkeypatch, {compile_cache.DIR_ENV: ""}, jax_cache_dir="/x")
+  assert path == "/x"
+  assert _enabled(monkeypatch, {compile_cache.DIR_ENV: ""}, jax_cache_dir="") == ("", {})
+  path, updates = _enabled(monkeypatch, {compile_cache.MIN_TIME_ENV: "0"}, jax_cache_dir="/x")
+  assert updates == {"jax_compilation_cache_dir": "/x"}
