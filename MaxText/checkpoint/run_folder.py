@@ -37,6 +37,22 @@ RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys
                          "retrieval_pair_tokens")
 
 
+def source_config(load_parameters_path: str) -> tuple[str, dict] | None:
+  """(its path, the config.yml) of the run whose checkpoints load_parameters_path names (<run>/checkpoints
+  or one step, <run>/checkpoints/<step>), or None: a converter output, or no readable config.yml there."""
+  here = os.path.abspath(load_parameters_path.rstrip("/")) if load_parameters_path else ""
+  checkpoints = here if os.path.basename(here) == "checkpoints" else os.path.dirname(here)
+  path = os.path.join(os.path.dirname(checkpoints), "config.yml")
+  if not (here and os.path.basename(checkpoints) == "checkpoints" and os.path.isfile(path)):
+    return None
+  try:
+    with open(path) as f:
+      saved = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError):
+    return None
+  return (path, saved) if isinstance(saved, dict) else None
+
+
 class RunFolderError(RunError):
   """The run folder cannot be written, or holds another run: one line says which key or path."""
 

@@ -33,19 +33,20 @@ class RewardError(RunError):
 
 
 def exact_match(column: str, thinking: bool) -> RewardFn:
-  """1.0 when the reply's content, stripped, equals str(record[column]), else 0.0."""
+  """1.0 when the reply's content, stripped, equals str(record[column]), else 0.0 (the completion read in
+  the record's "thinking" mode, else `thinking`'s, as its prompt was rendered)."""
 
   def fn(completion: str, record: dict) -> float:
     if column not in record:
       raise KeyError(f"the record has no '{column}' (rl_reward_column); its fields are {sorted(record)}")
-    content = chat_dsv32.parse_completion(completion, thinking=thinking).content
+    content = chat_dsv32.parse_completion(completion, thinking=bool(record.get("thinking", thinking))).content
     return float(content.strip() == str(record[column]).strip())
 
   return fn
 
 
 BUILTINS: dict[str, Callable[[Config], RewardFn]] = {
-    "exact_match": lambda config: exact_match(config.rl_reward_column, config.rl_thinking),
+    "exact_match": lambda config: exact_match(config.rl_reward_column, config.chat_thinking),
 }
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

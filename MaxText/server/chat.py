@@ -5,8 +5,8 @@ tokenizer's jinja template or in DeepSeek-V3.2's own format (MaxText/data/chat_d
     delta = turn.delta(piece_text)            # OpenAI's streamed delta fields for a piece of the reply
     message = turn.message(reply_text)        # OpenAI's message: content, reasoning_content, tool_calls
 
-DeepSeek-V3.2 per request: `chat_template_kwargs: {"thinking": true}` (or "enable_thinking") ends the
-prompt with <think> and the reply's text up to </think> is `reasoning_content`; `tools` go into the
+DeepSeek-V3.2 per request: `chat_template_kwargs: {"thinking": true}` (or "enable_thinking"; default
+chat_thinking, the mode SFT and RL default to) ends the prompt with <think> and the reply's text up to </think> is `reasoning_content`; `tools` go into the
 system prompt and DSML blocks in the reply become `tool_calls` (finish_reason "tool_calls");
 `tool_choice`: "auto", "none" (no tools in the prompt), "required" or {"type": "function",
 "function": {"name": ...}} (the reply is started with the function_calls block, or that function's
@@ -100,7 +100,7 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
     return ChatTurn(texts.chat_prompt(body.messages), _PlainParser())
   kwargs = body.chat_template_kwargs or {}
   constrained = grammar_spec(body) is not None  # the grammar is the reply's: no thinking before it
-  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))) and not constrained
+  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", texts.thinking))) and not constrained
   try:
     tools = fmt.check_tools(body.tools)
     forced = _forced_start(body.tool_choice, tools)

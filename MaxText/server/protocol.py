@@ -190,11 +190,13 @@ class ChatRequest(SamplingFields):
 
 class Texts:
   """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text.
-  chat_encoding: "jinja" (chat_prompt renders the template) or "deepseek_v32" (server/chat.py)."""
+  chat_encoding: "jinja" (chat_prompt renders the template) or "deepseek_v32" (server/chat.py); thinking:
+  DeepSeek-V3.2's mode for a request that does not say (chat_thinking, as SFT and RL default)."""
 
   def __init__(self, tokenizer: Tokenizer | None, *, add_bos: bool, vocab_size: int, chat_template: str | None,
-               chat_template_source: str, special_tokens: dict[str, str], chat_encoding: str = "jinja"):
-    self.tokenizer, self.add_bos, self.vocab_size = tokenizer, add_bos, vocab_size
+               chat_template_source: str, special_tokens: dict[str, str], chat_encoding: str = "jinja",
+               thinking: bool = False):
+    self.tokenizer, self.add_bos, self.vocab_size, self.thinking = tokenizer, add_bos, vocab_size, thinking
     self.chat_encoding = chat_encoding
     self.chat_template_source = chat_template_source
     self._special = special_tokens

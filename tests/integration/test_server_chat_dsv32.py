@@ -188,3 +188,17 @@ def test_auto_picks_the_jinja_template_when_there_is_one_and_deepseek_v32_needs_
   assert resolve_chat_encoding("jinja", False, True) == "jinja"
   with pytest.raises(ConfigError, match="chat_encoding=deepseek_v32 needs tokenizer_path"):
     resolve_chat_encoding("deepseek_v32", False, False)
+
+
+def test_chat_thinking_is_the_mode_of_a_request_that_does_not_say():
+  from MaxText.server.chat import chat_turn
+  from MaxText.server.protocol import ChatRequest
+  tok = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=TOKENIZER))
+  hi = [{"role": "user", "content": "hi"}]
+  for default in (False, True):
+    texts = Texts(tok, add_bos=True, vocab_size=512, chat_template=None, chat_template_source="none",
+                  special_tokens={}, chat_encoding="deepseek_v32", thinking=default)
+    turn = chat_turn(texts, ChatRequest(messages=hi))
+    assert turn.thinking == default and tok.decode(turn.prompt).endswith(fmt.THINK_START if default else fmt.THINK_END)
+    said = chat_turn(texts, ChatRequest(messages=hi, chat_template_kwargs={"thinking": not default}))
+    assert said.thinking == (not default)  # the request's word wins
