@@ -74,8 +74,9 @@ class Piece:
 
 
 async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
-                  max_tokens: int | None, stop_ids: Sequence[int] = ()) -> list[RequestStream]:
-  """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own."""
+                  max_tokens: int | None, stop_ids: Sequence[int] = (), grammar=None) -> list[RequestStream]:
+  """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own;
+  grammar: the chat format's own (a forced tool call's), applied when the server has grammars."""
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   if body.model and body.model != server.model_id:
@@ -84,7 +85,8 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
-  if (spec := grammar_spec(body)) is not None:
+  spec = grammar_spec(body) or (grammar if server.grammars is not None else None)
+  if spec is not None:
     await compiled(server.grammars, spec)  # a bad schema is a 400 here; the engine then finds it compiled
     params = [dataclasses.replace(p, grammar=spec) for p in params]
   streams: list[RequestStream] = []
@@ -368,7 +370,7 @@ def build_app(server: Server) -> FastAPI:
     turn = chat_turn(server.texts, body)
     prompt = turn.prompt
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids)
+    streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids, turn.grammar)
     gens = [_pieces(server, 0, streams[0], body, arrival)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
