@@ -6,7 +6,9 @@
 
 `config.yml` (the resolved config, written at every start) is what a later start compares with: a
 run resumes only with the same model-shape and data keys (`RESUME_KEYS`); anything else trains
-another model on other data and needs its own run_name.
+another model on other data and needs its own run_name. Its paths (pyconfig.PATH_KEYS: tokenizer,
+data, chat template, parameters) are written absolute, so `python -m MaxText.serve <run>/config.yml`
+and decode.py read the same files from any directory (docs/serving_a_run.md).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class RunFolder:
     saved = self.saved_config()
     if saved is None:
       return
-    now = yaml.safe_load(pyconfig.to_yaml(self.config))
+    saved = pyconfig.absolute_paths(saved)  # a run written with relative paths: as this directory reads them
+    now = yaml.safe_load(pyconfig.to_yaml(self.config, absolute=True))
     keys = RESUME_KEYS + (RETRIEVAL_RESUME_KEYS if now["dataset_type"] == "synthetic_retrieval" else ())
     changed = [k for k in keys if k in saved and saved[k] != now[k]]
     if changed:
@@ -110,7 +113,7 @@ class RunFolder:
     try:
       os.makedirs(self.path, exist_ok=True)
       with open(self.config_path, "w") as f:
-        f.write(pyconfig.to_yaml(self.config))
+        f.write(pyconfig.to_yaml(self.config, absolute=True))
     except OSError as e:
       raise RunFolderError(f"cannot write the run folder {self.path} ({e.strerror}: {e.filename}); set "
                            "base_output_directory to a writable folder with free space") from None
