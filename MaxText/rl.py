@@ -50,7 +50,7 @@ from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
 from MaxText.post_train.prompts import PromptSource
 from MaxText.post_train.rewards import load_reward
 from MaxText.runtime import cli, compile_cache, distributed, sharding
-from MaxText.runtime.metrics import MetricsLogger
+from MaxText.runtime.metrics import MetricsLogger, fmt_duration
 
 
 def check_config(config: Config) -> None:
@@ -177,6 +177,7 @@ def rl(config: Config) -> list[dict]:
   if not run.open(latest):
     return []
   print(run.describe(), flush=True)
+  t_start = time.perf_counter()
   mesh = sharding.create_mesh(config)
   history: list[dict] = []
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
@@ -249,7 +250,24 @@ def rl(config: Config) -> list[dict]:
     finally:
       logger.close()
       orbax_state.finish(manager)
+  if distributed.is_main_process():
+    print(summary(config, history, start, time.perf_counter() - t_start, manager is not None), flush=True)
   return history
+
+
+def summary(config: Config, history: list[dict], start: int, seconds: float, saved: bool) -> str:
+  """The run's closing line, as train.py's: the steps run, time, the last step's reward and KL, the
+  last held-out reward, where the weights are."""
+  steps = [m for m in history if "reward_mean" in m]
+  evals = [m["eval_reward"] for m in history if "eval_reward" in m]
+  if not steps:
+    return f"done: no RL step run (resumed at step {start} of {config.steps})"
+  last = steps[-1]
+  line = (f"done: RL steps {steps[0]['step']}-{last['step']} of {config.steps} in {fmt_duration(seconds)}; final "
+          f"reward_mean {last['reward_mean']:.4f} | reward_std {last['reward_std']:.4f} | kl {last['kl']:.4g}")
+  line += f"; held-out reward {evals[-1]:.4f}" if evals else ""
+  weights = f"load_parameters_path={config.checkpoint_dir}" if saved else "not saved (enable_checkpointing=false)"
+  return line + f"; weights: {weights}"
 
 
 CONSOLE = ("reward_mean", "reward_std", "kl", "clip_fraction", "masked_fraction", "completion_tokens",

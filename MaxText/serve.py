@@ -59,7 +59,8 @@ def create_server(config: Config, log=_log):
   template, where, special = load_chat_template(config.chat_template_path, config.tokenizer_path)
   encoding = resolve_chat_encoding(config.chat_encoding, template is not None, tokenizer is not None)
   texts = Texts(tokenizer, add_bos=config.add_bos, vocab_size=config.vocab_size, chat_template=template,
-                chat_template_source=where, special_tokens=special, chat_encoding=encoding)
+                chat_template_source=where, special_tokens=special, chat_encoding=encoding,
+                thinking=config.chat_thinking)
   eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
   vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
   grammars = Grammars.for_tokenizer(tokenizer, config.vocab_size)  # structured outputs; None without a tokenizer.json

@@ -61,7 +61,7 @@ def rl_argv(args, data: str, tokenizer: str, vocab_size: int, extra: list[str]) 
   return ["rl", "configs/base.yml", "dataset_type=file", f"dataset_path={data}/rl.jsonl",
           f"eval_dataset_path={data}/eval.jsonl", f"eval_interval={args.eval_every}", "tokenizer_type=hf",
           f"tokenizer_path={tokenizer}", f"vocab_size={vocab_size}", f"max_target_length={args.max_target_length}",
-          f"max_prefill_length={args.max_target_length}", "rl_thinking=false", "rl_reward=exact_match",
+          f"max_prefill_length={args.max_target_length}", "chat_thinking=false", "rl_reward=exact_match",
           "rl_reward_column=answer", f"rl_max_completion_tokens={args.max_tokens}",
           f"rl_prompts_per_step={args.prompts}", f"rl_num_generations={args.generations}",
           f"rl_beta={args.beta}", f"steps={args.rl_steps}", f"learning_rate={args.rl_learning_rate}",

@@ -6,7 +6,9 @@
 
 `config.yml` (the resolved config, written at every start) is what a later start compares with: a
 run resumes only with the same model-shape and data keys (`RESUME_KEYS`); anything else trains
-another model on other data and needs its own run_name.
+another model on other data and needs its own run_name. Its paths (pyconfig.PATH_KEYS: tokenizer,
+data, chat template, parameters) are written absolute, so `python -m MaxText.serve <run>/config.yml`
+and decode.py read the same files from any directory (docs/serving_a_run.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ RESUME_KEYS = (
 # Data keys of dataset_type=synthetic_retrieval alone (other data ignores them).
 RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys", "retrieval_values",
                          "retrieval_pair_tokens")
+
+
+def source_config(load_parameters_path: str) -> tuple[str, dict] | None:
+  """(its path, the config.yml) of the run whose checkpoints load_parameters_path names (<run>/checkpoints
+  or one step, <run>/checkpoints/<step>), or None: a converter output, or no readable config.yml there."""
+  here = os.path.abspath(load_parameters_path.rstrip("/")) if load_parameters_path else ""
+  checkpoints = here if os.path.basename(here) == "checkpoints" else os.path.dirname(here)
+  path = os.path.join(os.path.dirname(checkpoints), "config.yml")
+  if not (here and os.path.basename(checkpoints) == "checkpoints" and os.path.isfile(path)):
+    return None
+  try:
+    with open(path) as f:
+      saved = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError):
+    return None
+  return (path, saved) if isinstance(saved, dict) else None
 
 
 class RunFolderError(RunError):
@@ -67,7 +85,8 @@ class RunFolder:
     saved = self.saved_config()
     if saved is None:
       return
-    now = yaml.safe_load(pyconfig.to_yaml(self.config))
+    saved = pyconfig.absolute_paths(saved)  # a run written with relative paths: as this directory reads them
+    now = yaml.safe_load(pyconfig.to_yaml(self.config, absolute=True))
     keys = RESUME_KEYS + (RETRIEVAL_RESUME_KEYS if now["dataset_type"] == "synthetic_retrieval" else ())
     changed = [k for k in keys if k in saved and saved[k] != now[k]]
     if changed:
@@ -94,7 +113,7 @@ class RunFolder:
     try:
       os.makedirs(self.path, exist_ok=True)
       with open(self.config_path, "w") as f:
-        f.write(pyconfig.to_yaml(self.config))
+        f.write(pyconfig.to_yaml(self.config, absolute=True))
     except OSError as e:
       raise RunFolderError(f"cannot write the run folder {self.path} ({e.strerror}: {e.filename}); set "
                            "base_output_directory to a writable folder with free space") from None

@@ -215,8 +215,26 @@ def initialize_or_exit(argv: Sequence[str], doc: str | None = None,
     sys.exit(2)
 
 
-def to_yaml(cfg: Config) -> str:
+# Keys holding local paths (a glob, or comma-separated globs, for the grain keys). Relative ones are
+# relative to the directory a command runs in; a run folder's config.yml holds them absolute.
+PATH_KEYS = ("base_output_directory", "jax_cache_dir", "dataset_path", "grain_train_files", "grain_eval_files",
+             "hf_path", "hf_eval_files", "eval_dataset_path", "tokenizer_path", "load_parameters_path",
+             "chat_template_path")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+  """values with each PATH_KEYS value made absolute against the current directory (each of a
+  comma-separated list; "", "~/..." and URLs as they are), so the file serves from any directory."""
+  def one(p: str) -> str:
+    p = p.strip()
+    return p if not p or os.path.isabs(p) or p.startswith("~") or "://" in p else os.path.abspath(p)
+  return {k: ",".join(map(one, v.split(","))) if k in PATH_KEYS and isinstance(v, str) else v
+          for k, v in values.items()}
+
+
+def to_yaml(cfg: Config, absolute: bool = False) -> str:
+  """The resolved config as YAML, every key in schema order (absolute: PATH_KEYS absolute_paths')."""
   def plain(v):
     return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
   ordered = {k: plain(getattr(cfg, k)) for section in SECTIONS for k in section.model_fields}
-  return yaml.safe_dump(ordered, sort_keys=False, width=120)
+  return yaml.safe_dump(absolute_paths(ordered) if absolute else ordered, sort_keys=False, width=120)

@@ -238,6 +238,7 @@ class Serve(_Section):
   serve_shutdown_timeout: Annotated[float, Field(ge=0)]
   chat_template_path: str
   chat_encoding: Literal["auto", "deepseek_v32", "jinja"]
+  chat_thinking: bool
   serve_max_index_score_bytes: PosInt
   serve_speculative_tokens: NonNegInt
   serve_max_logprobs: PosInt
@@ -256,7 +257,6 @@ class ReinforcementLearning(_Section):
   rl_keep_sampling_mask: bool
   rl_reward: Annotated[str, Field(min_length=1)]
   rl_reward_column: str
-  rl_thinking: bool
 
 
 class AheadOfTimeCompile(_Section):

@@ -109,6 +109,7 @@ class ConversationEncoder:
   dropped: int = 0  # conversations over max_tokens whose first assistant turn does not fit, so far
   template: str | None = None  # chat_template_path's jinja source: rendered instead of V3.2's format
   special: dict = dataclasses.field(default_factory=dict)  # {bos_token, eos_token} for the template
+  thinking: bool = False  # chat_thinking: the mode of a record with neither "thinking" nor reasoning_content
 
   @classmethod
   def from_config(cls, config: Config, tokenizer: Tokenizer) -> ConversationEncoder:
@@ -125,13 +126,13 @@ class ConversationEncoder:
                       f"tokenizer at tokenizer_path='{tokenizer.path}' splits {marker} into {len(ids)} tokens; use "
                       "DeepSeek-V3.2's tokenizer.json (tokenizer_type=hf)")
     return cls(tokenizer, tuple(config.train_data_columns), config.sft_train_on_completion_only, config.add_bos,
-               config.max_target_length + 1)
+               config.max_target_length + 1, thinking=config.chat_thinking)
 
   def __call__(self, record: Any, where: str) -> tuple[np.ndarray, np.ndarray] | None:
     messages = record_messages(record, self.columns, where)
     thinking = record.get("thinking")
     if thinking is None:
-      thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant")
+      thinking = any(m.get("reasoning_content") for m in messages if m["role"] == "assistant") or self.thinking
     try:
       if self.template is not None:
         pieces = chat_template.render_pieces(self.template, messages, tools=record.get("tools"), special=self.special)

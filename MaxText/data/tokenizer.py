@@ -15,9 +15,11 @@ a sibling tokenizer_config.json when there is one, else looked up by their usual
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import logging
 import os
+import re
 from typing import Any, Sequence
 
 from MaxText.config.types import ConfigError
@@ -57,6 +59,15 @@ class Tokenizer(abc.ABC):
   def decode(self, ids: Sequence[int]) -> str:
     """Text of `ids`; special tokens (BOS, EOS, PAD) produce no text."""
 
+  @abc.abstractmethod
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes one token stands for, even when they are not whole UTF-8 characters (a byte-level
+    token decodes alone to U+FFFD; its bytes are its own). A special token's bytes are its text."""
+
+  @abc.abstractmethod
+  def token_str(self, token_id: int) -> str:
+    """One token's vocabulary entry as the tokenizer spells it (BOS as "<s>", not dropped)."""
+
   def __repr__(self) -> str:
     return (f"{type(self).__name__}(path={self.path!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
             f"eos_id={self.eos_id}, pad_id={self.pad_id})")
@@ -85,6 +96,13 @@ class SentencePieceTokenizer(Tokenizer):
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])
+
+  def token_bytes(self, token_id: int) -> bytes:
+    piece = self._sp.id_to_piece(int(token_id))
+    return _byte_fallback(piece) if self._sp.is_byte(int(token_id)) else piece.replace("\u2581", " ").encode()
+
+  def token_str(self, token_id: int) -> str:
+    return self._sp.id_to_piece(int(token_id))
 
 
 class HFTokenizer(Tokenizer):
@@ -135,6 +153,40 @@ class HFTokenizer(Tokenizer):
     # tool-call markers) are text the chat parser reads (MaxText/data/chat_dsv32.py).
     drop = (self.bos_id, self.eos_id, self.pad_id)
     return self._tok.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
+
+  def token_bytes(self, token_id: int) -> bytes:
+    from tokenizers import decoders
+    piece = self._tok.id_to_token(int(token_id)) or ""
+    if int(token_id) in self._added:
+      return piece.encode()
+    if isinstance(self._tok.decoder, decoders.ByteLevel):  # GPT-2's printable stand-in per byte
+      return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # sentencepiece's byte fallback, as a tokenizer.json
+      return _byte_fallback(piece)
+    return self._tok.decode([int(token_id)], skip_special_tokens=False).encode()
+
+  def token_str(self, token_id: int) -> str:
+    return self._tok.id_to_token(int(token_id)) or ""
+
+  @functools.cached_property
+  def _added(self) -> set[int]:
+    return set(self._tok.get_added_tokens_decoder())
+
+
+def _gpt2_bytes() -> dict[str, int]:
+  """GPT-2's byte-level alphabet inverted: each of the 256 stand-in characters -> its byte."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+               *range(ord("\u00ae"), ord("\u00ff") + 1)]
+  rest = [b for b in range(256) if b not in printable]
+  return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(rest)}
+
+
+_BYTE_OF_CHAR = _gpt2_bytes()
+
+
+def _byte_fallback(piece: str) -> bytes:
+  """"<0xE2>" -> b"\\xe2" (sentencepiece's byte tokens)."""
+  return bytes([int(piece[3:5], 16)])
 
 
 def _resolve_special_ids(own: dict[str, int | None], fallback: dict[str, int | None], path: str) -> dict[str, int]:

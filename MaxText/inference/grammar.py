@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps' layout
-KINDS = ("json", "regex", "choice")
+KINDS = ("json", "regex", "choice", "lark")
 _CACHED = 256  # compiled grammars kept (least recently used dropped)
 
 
@@ -63,8 +63,9 @@ class GrammarError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GrammarSpec:
-  """A request's grammar: kind "json" (source: a JSON schema's text), "regex" (a regex matched whole)
-  or "choice" (a JSON list of strings); field: the request field it came from (errors name it)."""
+  """A request's grammar: kind "json" (source: a JSON schema's text), "regex" (a regex matched whole),
+  "choice" (a JSON list of strings) or "lark" (llguidance's Lark syntax: the server's own grammars, such
+  as server/tool_grammar.py's); field: the request field it came from (errors name it)."""
   kind: str
   source: str
   field: str = "response_format"
@@ -92,6 +93,8 @@ def llg_grammar(spec: GrammarSpec) -> str:
     if not choices or not all(isinstance(c, str) and c for c in choices):
       raise GrammarError(f"{spec.field}: choice is a non-empty list of non-empty strings", spec.field)
     return llg.grammar_from("choice", choices)
+  if spec.kind == "lark":
+    return llg.grammar_from("lark", spec.source)
   raise GrammarError(f"{spec.field}: grammar kind {spec.kind!r} is not one of {KINDS}", spec.field)
 
 

@@ -72,6 +72,13 @@ class SamplingParams:
   prompt_logprobs: int | None = None  # every prompt token's logprob and the top N; None = off
   rollout: bool = False  # record per token what RL's loss needs (inference/rollout.py) in Request.rollout
   grammar: Any = None  # structured outputs: a grammar.GrammarSpec the output must match; None = free
+  # Before the kept set, vLLM's definitions (inference/penalties.py); the defaults change nothing:
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+  min_p: float = 0.0
+  min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -81,7 +88,14 @@ class SamplingParams:
            ("top_k", self.top_k >= 0, "an integer >= 0 (0 = off)"),
            ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
             f"token ids in [0, {vocab_size})"),
-           ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)")]
+           ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)"),
+           ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "a number in [-2, 2]"),
+           ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "a number in [-2, 2]"),
+           ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0, "a number in (0, 100] (1 = off)"),
+           ("logit_bias", all(0 <= t < vocab_size and -100 <= b <= 100 for t, b in self.logit_bias),
+            f"token ids in [0, {vocab_size}) mapped to numbers in [-100, 100]"),
+           ("min_p", 0.0 <= self.min_p <= 1.0, "a number in [0, 1] (0 = off)"),
+           ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")]
     for field, ok, want in bad:
       if not ok:
         raise RequestError(f"{field}={getattr(self, field)!r} is invalid: expected {want}", field)

@@ -16,8 +16,10 @@ serve_context_buckets widths (P, P/2, ...) holding its longest row's pages (atte
 read table width x page size slots a row). Its inputs travel as one int32 array (step_feed.py).
 The program is the model's own call with a cache (Transformer(cache=...): every layer's
 MLA.attend_cached) over the paged pools (paged_cache.py) seen through the step's page table,
-then the per-row sampling (sampling.sample_rows: each request's temperature, top_p, top_k and
-seed; no sort or draw unless a row needs it). A second jitted program writes the new
+then the per-row sampling (penalties.py: each request's logit_bias, min_tokens, repetition,
+frequency and presence penalties and min_p, a variant of the step only when a row sets them; then
+sampling.sample_rows: each request's temperature, top_p, top_k and seed; no sort or draw unless a
+row needs it). A second jitted program writes the new
 tokens' entries into their slots (in place: the pools are donated). So at most (row buckets) x
 (widths) x (contexts) step programs are compiled (and as many writes), said at start.
 
@@ -67,7 +69,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import grammar, logprobs, paged_cache, rollout, step_feed
+from MaxText.inference import grammar, logprobs, paged_cache, penalties, rollout, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -203,6 +205,11 @@ class ServingEngine:
     if params.rollout and self.spec is not None:
       raise RequestError("rollout is not recorded with speculative decoding (serve_speculative_tokens="
                          f"{self.config.serve_speculative_tokens}): use serve_speculative_tokens=0", "rollout")
+    if (penalties.adjusts(params) or params.min_p > 0) and (params.rollout or self.spec is not None):
+      field = "rollout" if params.rollout else "serve_speculative_tokens"
+      raise RequestError("presence/frequency/repetition penalties, logit_bias, min_p and min_tokens are not applied "
+                         f"with {field} (a rollout's logprobs, a draft's verification would not see them): "
+                         "leave them at their defaults", field)
     if params.seed is None and params.temperature > 0:
       params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
     if params.grammar is None:
@@ -247,7 +254,8 @@ class ServingEngine:
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
-    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b))
+    adjust = penalties.step_arrays(rows, where, b, self.config.vocab_size, self.eos_id)
+    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b), adjust)
     sampled = to_host(sampled)
     if ro:
       lps, records = lps
@@ -307,21 +315,24 @@ class ServingEngine:
     axes = paged_cache.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
-  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None):
+  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None,
+           adjust=None):
     """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
     with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     else None; with_rollout: that third value paired with the rollout records (logp [B], kept [B],
-    kept_ids [B,C], experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None."""
+    kept_ids [B,C], experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None;
+    adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
     lps = None
     with self._rules():
       if with_rollout:
         entries, sampled, lps = self._step_ro_jit(t, with_logprobs, self.params, self.buffers, self.pools,
-                                                  self.absorbed, buf, mask)
+                                                  self.absorbed, buf, mask, adjust)
       elif with_logprobs:
-        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask)
+        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask,
+                                                  adjust)
       else:
-        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask)
+        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask, adjust)
       pools = self._write_jit(t, self.pools, entries, buf)
     return pools, sampled, lps
 
@@ -337,36 +348,40 @@ class ServingEngine:
                         last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
     return f, logits, aux
 
-  def _sample(self, f: dict, logits: jax.Array, mask=None) -> jax.Array:
-    """Each row's token [B] from its logits [B,V] (ids past sample_vocab masked; with a grammar bitmask
-    [B, ceil(V/32)], the ids it disallows) by its request's options and key."""
-    logits = self.mask_vocab(logits) if mask is None else grammar.apply_bitmask(self.mask_vocab(logits), mask)
+  def _sample(self, f: dict, logits: jax.Array, mask=None, adjust=None) -> jax.Array:
+    """Each row's token [B] from its logits [B,V] by its request's options and key: ids past sample_vocab
+    masked; with adjust (penalties.step_arrays'), the requests' bias and penalties; with a grammar bitmask
+    [B, ceil(V/32)], the ids it disallows; then min_p (penalties.min_p_filter) and sample_rows' kept set."""
+    logits = self.mask_vocab(logits.astype(jnp.float32))
+    logits = logits if adjust is None else penalties.apply(logits, *adjust)
+    logits = logits if mask is None else grammar.apply_bitmask(logits, mask)
+    logits = penalties.min_p_filter(logits, f["temp"], f["min_p"])
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
     return sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
 
-  def _step(self, t, params, buffers, pools, absorbed, buf, mask=None):
+  def _step(self, t, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
     """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B]).
     mask: a grammar bitmask [B, ceil(V/32)] (a separately compiled variant), or None."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=False)  # [B,1,V]
-    return aux["cache_entries"], self._sample(f, logits[:, 0], mask)
+    return aux["cache_entries"], self._sample(f, logits[:, 0], mask, adjust)
 
-  def _step_lp(self, t, params, buffers, pools, absorbed, buf, mask=None):
+  def _step_lp(self, t, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
     """_step, plus logprobs.step_logprobs at every row position: (entries, sampled [B], (token logprobs
     [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N])), N = serve_max_logprobs (the model's own
     logits: a grammar's mask changes only what is drawn)."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=True)  # [B,t,V]
     last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
-    sampled = self._sample(f, last, mask)
+    sampled = self._sample(f, last, mask, adjust)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs)
     return aux["cache_entries"], sampled, lps
 
-  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf, mask=None):
+  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
     """_step (with_logprobs: _step_lp), plus the rollout records: (entries, sampled [B], (the logprob step's
     values or None, (logp [B], kept [B], kept_ids [B,C], experts [B,t,L,k]))), rollout.sampled_logprobs of the
     drawn tokens."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
     last = jnp.take_along_axis(logits, f["last"][:, None, None] * with_logprobs, axis=1)[:, 0]  # [B,V]
-    sampled = self._sample(f, last, mask)  # mask: a step with a constrained row (never a rollout's own)
+    sampled = self._sample(f, last, mask, adjust)  # mask, adjust: other rows' (never a rollout's own)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs) \
         if with_logprobs else None
     logp, kept, kept_ids = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"],

@@ -1,4 +1,4 @@
-"""A serving step's host inputs in ONE int32 array [b, 4t + 9 + P] (one host-to-device transfer).
+"""A serving step's host inputs in ONE int32 array [b, 4t + 10 + P] (one host-to-device transfer).
 
     feed = step_feed.empty(b, t, pages)     # b padding rows of t tokens, a page table of `pages`
     step_feed.fill(feed, rows, where)       # the scheduled rows at their batch rows
@@ -15,7 +15,7 @@ request, its last len(drafts) the drafts):
   last [b]         the row index of its last known token (the logits the request samples from)
   samples [b]      1 when that token's logits give the request its next token(s)
   num_drafts [b]   len(drafts); q_row [b]: its request's row of draft_q (its drafts' distributions; new ones go there)
-  top_k [b], temp [b] fp32, top_p [b] fp32: the request's options; seeds [b]: its seed's low 32 bits (uint32 bits)
+  top_k [b], temp [b] fp32, top_p [b] fp32, min_p [b] fp32: the request's options; seeds [b]: its seed's low 32 bits (uint32 bits)
   draw_at [b]      the position of the first token this row draws
   table [b,P]      the request's pages; -1 past them
 A padding row (no request) has write_pos -1 everywhere and temperature 0, so it writes and draws nothing.
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SEQ = ("tokens", "positions", "write_pos", "next")  # [b,t] each
-ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds", "temp", "top_p")  # [b] each
-FLOAT = ("temp", "top_p")  # fp32 bits
+ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds", "temp", "top_p", "min_p")  # [b] each
+FLOAT = ("temp", "top_p", "min_p")  # fp32 bits
 
 
 def width(t: int, pages: int) -> int:
@@ -74,7 +74,7 @@ def fill(feed: dict, rows: Sequence, where: Sequence[int]) -> None:
     feed["last"][i], feed["samples"][i], feed["num_drafts"][i] = known - 1, row.samples, len(row.drafts)
     feed["q_row"][i] = r.draft_row
     p = r.params
-    feed["temp"][i], feed["top_p"][i], feed["top_k"][i] = p.temperature, p.top_p, p.top_k
+    feed["temp"][i], feed["top_p"][i], feed["top_k"][i], feed["min_p"][i] = p.temperature, p.top_p, p.top_k, p.min_p
     feed["seeds"][i] = np.uint32((p.seed or 0) % 2 ** 32).view(np.int32)
     feed["draw_at"][i] = row.start + known
 
@@ -85,7 +85,7 @@ def to_device(feed: dict) -> jax.Array:
 
 
 def unpack(buf: jax.Array, t: int) -> dict:
-  """Inside a jitted step: buf [b, W] -> the named fields (samples bool, seeds uint32, temp/top_p fp32)."""
+  """Inside a jitted step: buf [b, W] -> the named fields (samples bool, seeds uint32, temp/top_p/min_p fp32)."""
   f = _fields(buf, t, bits=lambda a: jax.lax.bitcast_convert_type(a, jnp.float32))
   f["samples"] = f["samples"] > 0
   f["seeds"] = jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)

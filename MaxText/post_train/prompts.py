@@ -7,7 +7,8 @@ A record (a jsonl line for dataset_type=file; a row of train_data_columns for gr
 ArrayRecord record of UTF-8 JSON) holds `prompt` (a string: one user turn; or a list of messages) or
 `messages` (OpenAI messages: the turns up to the last user / developer / tool message are the prompt,
 a trailing assistant turn, an SFT set's answer, is left out), plus the columns the reward reads
-(exact_match: rl_reward_column), optional `tools` and `thinking` (default rl_thinking). The prompt is
+(exact_match: rl_reward_column), optional `tools` and `thinking` (default chat_thinking, the mode SFT and chat
+default to). The prompt is
 chat_dsv32.render with the generation prompt (`<｜Assistant｜><think>` in thinking mode).
 
 Order: record order is a permutation per epoch, seeded by (seed, epoch): step n's prompts are samples
@@ -21,10 +22,12 @@ import json
 
 import numpy as np
 
+from MaxText.checkpoint.run_folder import source_config
 from MaxText.config.types import Config, ConfigError
 from MaxText.data import chat_dsv32, documents, records
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import Tokenizer
+from MaxText.runtime.metrics import warn
 
 
 def read_records(config: Config, *, eval: bool = False) -> list[tuple[str, dict]]:
@@ -51,7 +54,7 @@ def read_records(config: Config, *, eval: bool = False) -> list[tuple[str, dict]
 
 def thinking_of(record: dict, default: bool) -> bool:
   """Whether the record's prompt is rendered in thinking mode: its own `thinking`, else `default`
-  (rl_thinking). The one decision: the prompt is rendered and its completion parsed (rewards.py) by it."""
+  (chat_thinking). The one decision: the prompt is rendered and its completion parsed (rewards.py) by it."""
   return bool(record.get("thinking", default))
 
 
@@ -69,6 +72,15 @@ def prompt_messages(record: dict, where: str) -> list[dict]:
   return list(messages[:last + 1])
 
 
+def trained_thinking(config: Config) -> tuple[str, bool] | None:
+  """(config.yml, chat_thinking) of the run whose checkpoints load_parameters_path names, when that run
+  says (an SFT or RL run of this code; a converter output or an older run says nothing: None)."""
+  found = source_config(config.load_parameters_path)
+  if found is None or not isinstance(found[1].get("chat_thinking"), bool):
+    return None
+  return found[0], found[1]["chat_thinking"]
+
+
 class PromptSource:
   """The records and their rendered prompts; `step(n)` gives step n's rl_prompts_per_step of them."""
 
@@ -80,6 +92,18 @@ class PromptSource:
     self._ids: dict[int, list[int]] = {}
     eos = tokenizer.encode(chat_dsv32.EOS)  # the format ends a reply with its EOS marker (the server stops there)
     self.eos_id = eos[0] if len(eos) == 1 else tokenizer.eos_id
+    self._trained = None if eval else trained_thinking(config)  # (config.yml, its chat_thinking) or None
+
+  def _check_mode(self, thinking: bool, where: str) -> None:
+    """Warns once when a prompt's thinking mode is not the one the starting checkpoint's run trained."""
+    if self._trained is None or thinking == self._trained[1]:
+      return
+    path, trained = self._trained
+    self._trained = None
+    warn(f"{where}: RL renders this prompt with thinking {'on' if thinking else 'off'} (chat_thinking="
+         f"{str(self.config.chat_thinking).lower()}, or the record's \"thinking\"), but the starting checkpoint's run "
+         f"trained chat_thinking={str(trained).lower()} ({path}): its completions may be near-empty or unparsed; set "
+         f"chat_thinking={str(trained).lower()} to match")
 
   def __len__(self) -> int:
     return len(self.records)
@@ -89,8 +113,10 @@ class PromptSource:
     if i not in self._ids:
       where, record = self.records[i]
       cfg = self.config
+      thinking = thinking_of(record, cfg.chat_thinking)
+      self._check_mode(thinking, where)
       try:
-        text = chat_dsv32.render(prompt_messages(record, where), thinking=thinking_of(record, cfg.rl_thinking),
+        text = chat_dsv32.render(prompt_messages(record, where), thinking=thinking,
                                  bos=cfg.add_bos, tools=chat_dsv32.check_tools(record.get("tools")))
       except chat_dsv32.ChatFormatError as e:
         raise DataError(f"{where}: {e}") from None

@@ -35,7 +35,7 @@ class RewardError(RunError):
 
 def exact_match(column: str, thinking: bool) -> RewardFn:
   """1.0 when the reply's content, stripped, equals str(record[column]), else 0.0. The completion is parsed
-  in the mode its prompt was rendered in: the record's own `thinking`, else `thinking` (rl_thinking)."""
+  in the mode its prompt was rendered in: the record's own `thinking`, else `thinking` (chat_thinking)."""
 
   def fn(completion: str, record: dict) -> float:
     if column not in record:
@@ -47,7 +47,7 @@ def exact_match(column: str, thinking: bool) -> RewardFn:
 
 
 BUILTINS: dict[str, Callable[[Config], RewardFn]] = {
-    "exact_match": lambda config: exact_match(config.rl_reward_column, config.rl_thinking),
+    "exact_match": lambda config: exact_match(config.rl_reward_column, config.chat_thinking),
 }
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

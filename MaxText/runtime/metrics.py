@@ -9,7 +9,7 @@ import time
 from MaxText.config.types import Config
 
 
-def _fmt_duration(s: float) -> str:
+def fmt_duration(s: float) -> str:
   s = int(max(s, 0))
   return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
@@ -44,7 +44,7 @@ class MetricsLogger:
     if step % self.config.log_period == 0 or force_console or step == self.config.steps:
       done = step - self.t0_step
       rate = (time.time() - self.t0) / done if done > 0 else 0.0
-      eta = _fmt_duration(rate * (self.config.steps - step)) if done > 0 else "?"
+      eta = fmt_duration(rate * (self.config.steps - step)) if done > 0 else "?"
       parts = [f"step {step}/{self.config.steps}"] + self._losses(scalars)
       parts += [f"{scalars['tokens_per_s']:,.0f} tok/s", f"lr {scalars['learning_rate']:.2e}", f"ETA {eta}"]
       print(" | ".join(parts), flush=True)
@@ -72,7 +72,7 @@ class MetricsLogger:
     n = last - first + 1
     tokens = n * self.config.global_batch_size * self.config.max_target_length
     line = (f"done: steps {first}-{last} of {self.config.steps} ({tokens:,} tokens) in "
-            f"{_fmt_duration(time.time() - self.wall0)}; final " + " | ".join(self._losses(scalars)))
+            f"{fmt_duration(time.time() - self.wall0)}; final " + " | ".join(self._losses(scalars)))
     if self.last_eval:
       line += f"; eval loss {fmt_loss(self.last_eval['loss'])}"
     return line + f"; weights: {weights}"

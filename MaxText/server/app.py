@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from MaxText.config.types import Config
 from MaxText.server.chat import chat_turn
@@ -73,16 +74,19 @@ class Piece:
 
 
 async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
-                  max_tokens: int | None, stop_ids: Sequence[int] = ()) -> list[RequestStream]:
-  """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own."""
+                  max_tokens: int | None, stop_ids: Sequence[int] = (), grammar=None) -> list[RequestStream]:
+  """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own;
+  grammar: the chat format's own (a forced tool call's), applied when the server has grammars."""
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   if body.model and body.model != server.model_id:
     raise ApiError(404, f"model={body.model!r} is not served here: this server serves {server.model_id!r}",
                    "model", "model_not_found")
-  stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids])
+  stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
+                                       keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
-  if (spec := grammar_spec(body)) is not None:
+  spec = grammar_spec(body) or (grammar if server.grammars is not None else None)
+  if spec is not None:
     await compiled(server.grammars, spec)  # a bad schema is a 400 here; the engine then finds it compiled
     params = [dataclasses.replace(p, grammar=spec) for p in params]
   streams: list[RequestStream] = []
@@ -96,11 +100,13 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   return streams
 
 
-async def _pieces(server: Server, index: int, stream: RequestStream, stops: list[str],
+async def _pieces(server: Server, index: int, stream: RequestStream, body: SamplingFields,
                   arrival: float) -> AsyncIterator[Piece]:
-  """One request's text as it comes; aborts the request if the caller stops listening."""
+  """One request's text as it comes; aborts the request if the caller stops listening. Stop strings
+  count from the body's min_tokens-th token on (vLLM's)."""
   detok = server.texts.detokenizer(stream.prompt)
-  stop = StopText(stops) if stops else None
+  stops = body.stop_strings
+  stop = StopText(stops, keep=body.include_stop_str_in_output) if stops else None
   n, first, last, reason = 0, None, None, None
   try:
     async for tok in stream:
@@ -108,7 +114,7 @@ async def _pieces(server: Server, index: int, stream: RequestStream, stops: list
       first = first or last
       n += 1
       text, lp = detok.push(tok), stream.logprobs[-1:]
-      if stop is not None:
+      if stop is not None and n > body.min_tokens:
         text, hit = stop.push(text)
         if hit:
           reason = "stop"
@@ -241,6 +247,26 @@ async def _event_stream(streams, gens, chunk, usage_chunk) -> AsyncIterator[str]
 
 # ---------------------------------------------------------------- the app
 
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, "
+          "POST /tokenize, POST /detokenize, GET /tokenizer_info")
+
+
+def body_error(errors: Sequence[dict]) -> ApiError:
+  """FastAPI's validation errors of a body -> one 400 a person reads: a body that is not JSON says where
+  it breaks; a field we do not implement says so (docs/sampling.md); else the field and pydantic's word."""
+  err = (list(errors) or [{}])[0]
+  loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+  if err.get("type") == "json_invalid":
+    why = (err.get("ctx") or {}).get("error", "not JSON")
+    return ApiError(400, f"the request body is not valid JSON ({why} at character {loc[0] if loc else 0}): "
+                    "send one JSON object with Content-Type: application/json")
+  field, where = (loc[0] if loc else None), ".".join(loc) or "the body"
+  if err.get("type") == "extra_forbidden":
+    return ApiError(400, f"{where} is not supported by this server (docs/sampling.md lists the fields it "
+                    "implements and those it ignores): remove it", field)
+  return ApiError(400, f"{where}: {err.get('msg', 'invalid')}", field)
+
+
 
 def build_app(server: Server) -> FastAPI:
   @contextlib.asynccontextmanager
@@ -259,11 +285,16 @@ def build_app(server: Server) -> FastAPI:
 
   @app.exception_handler(RequestValidationError)
   async def bad_body(request: Request, e: RequestValidationError):
-    err = (e.errors() or [{}])[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    field = loc[0] if loc else None
-    where = ".".join(loc) or "the body"
-    return JSONResponse(ApiError(400, f"{where}: {err.get('msg', 'invalid')}", field).body(), status_code=400)
+    return JSONResponse(body_error(e.errors()).body(), status_code=400)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def no_route(request: Request, e: StarletteHTTPException):
+    if e.status_code in (404, 405):
+      what = "is not a route of this server" if e.status_code == 404 else "does not take this method"
+      e = ApiError(e.status_code, f"{request.method} {request.url.path} {what}: it serves {ROUTES}", None,
+                   "not_found" if e.status_code == 404 else "method_not_allowed")
+      return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
   @app.exception_handler(Exception)
   async def bug(request: Request, e: Exception):
@@ -290,7 +321,7 @@ def build_app(server: Server) -> FastAPI:
     prompts = server.texts.prompts(body.prompt)
     score_only = body.max_tokens == 0  # echo: the prompt scored, the one token made is dropped
     streams = await _submit(server, body, prompts, 1 if score_only else body.max_tokens)
-    gens = [_pieces(server, i, s, body.stop_strings, arrival) for i, s in enumerate(streams)]
+    gens = [_pieces(server, i, s, body, arrival) for i, s in enumerate(streams)]
     if score_only:
       gens = [_dropped(g) for g in gens]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -339,8 +370,8 @@ def build_app(server: Server) -> FastAPI:
     turn = chat_turn(server.texts, body)
     prompt = turn.prompt
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids)
-    gens = [_pieces(server, 0, streams[0], body.stop_strings, arrival)]
+    streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids, turn.grammar)
+    gens = [_pieces(server, 0, streams[0], body, arrival)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_id}
     if body.stream:

@@ -5,12 +5,13 @@ tokenizer's jinja template or in DeepSeek-V3.2's own format (MaxText/data/chat_d
     delta = turn.delta(piece_text)            # OpenAI's streamed delta fields for a piece of the reply
     message = turn.message(reply_text)        # OpenAI's message: content, reasoning_content, tool_calls
 
-DeepSeek-V3.2 per request: `chat_template_kwargs: {"thinking": true}` (or "enable_thinking") ends the
-prompt with <think> and the reply's text up to </think> is `reasoning_content`; `tools` go into the
+DeepSeek-V3.2 per request: `chat_template_kwargs: {"thinking": true}` (or "enable_thinking"; default
+chat_thinking, the mode SFT and RL default to) ends the prompt with <think> and the reply's text up to </think> is `reasoning_content`; `tools` go into the
 system prompt and DSML blocks in the reply become `tool_calls` (finish_reason "tool_calls");
 `tool_choice`: "auto", "none" (no tools in the prompt), "required" or {"type": "function",
 "function": {"name": ...}} (the reply is started with the function_calls block, or that function's
-invoke, so a tool is called; thinking is off for such a turn); `parallel_tool_calls: false` keeps the
+invoke, and the rest of the block is held by a grammar to DSML calls of the offered tools whose
+parameters match their schemas (server/tool_grammar.py), so a tool is called; thinking is off for such a turn); `parallel_tool_calls: false` keeps the
 first call; `response_format` goes into the system prompt. The EOS marker is a stop token. A request with a
 grammar (response_format json_object / json_schema, structured_outputs: server/structured.py) runs with
 thinking off, so the grammar constrains the whole reply, its content; with tool_choice forcing a call it is a 400.
@@ -25,6 +26,7 @@ from MaxText.data import chat_dsv32 as fmt
 from MaxText.data.chat_dsv32_stream import CompletionParser, Delta
 from MaxText.server.protocol import ApiError, ChatRequest, Texts
 from MaxText.server.structured import grammar_spec
+from MaxText.server.tool_grammar import tool_call_grammar
 
 
 def resolve_chat_encoding(chat_encoding: str, has_template: bool, has_tokenizer: bool) -> str:
@@ -58,6 +60,7 @@ class ChatTurn:
   thinking: bool = False
   parallel_tool_calls: bool = True
   calls: int = 0
+  grammar: Any = None  # a forced tool call's grammar (server/tool_grammar.py), or None
 
   def _calls(self, delta: Delta) -> list[dict]:
     calls = delta.tool_calls if self.parallel_tool_calls else delta.tool_calls[:max(0, 1 - self.calls)]
@@ -100,7 +103,7 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
     return ChatTurn(texts.chat_prompt(body.messages), _PlainParser())
   kwargs = body.chat_template_kwargs or {}
   constrained = grammar_spec(body) is not None  # the grammar is the reply's: no thinking before it
-  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))) and not constrained
+  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", texts.thinking))) and not constrained
   try:
     tools = fmt.check_tools(body.tools)
     forced = _forced_start(body.tool_choice, tools)
@@ -115,8 +118,14 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
   if forced:
     parser.feed(forced)  # the start of a block: held, sent with the rest of it
   eos = texts.tokenizer.encode(fmt.EOS) if texts.tokenizer is not None else []
+  grammar = None
+  if forced and texts.tokenizer is not None:
+    dsml = texts.tokenizer.encode(fmt.DSML)
+    name = None if body.tool_choice == "required" else body.tool_choice["function"]["name"]
+    grammar = tool_call_grammar(tools, name, body.parallel_tool_calls, dsml[0] if len(dsml) == 1 else None)
   return ChatTurn(texts.encode(text + (forced or ""), bos=False), parser, tuple(eos) if len(eos) == 1 else (),
-                  thinking=text.endswith(fmt.THINK_START), parallel_tool_calls=body.parallel_tool_calls)
+                  thinking=text.endswith(fmt.THINK_START), parallel_tool_calls=body.parallel_tool_calls,
+                  grammar=grammar)
 
 
 def _forced_start(tool_choice: Any, tools: list[dict]) -> str | None:

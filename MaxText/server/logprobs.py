@@ -9,7 +9,9 @@ logprobs.py: the model's log-softmax before temperature, top_p and top_k). Here 
   vLLM's `prompt_logprobs`: [null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...] per prompt token.
   /v1/chat/completions `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
     "logprob", "bytes"}]}]}.
-A token's text is its own decode (its ids joined by commas without a tokenizer: the ids as text).
+A token's text is its own decode (its ids joined by commas without a tokenizer: the ids as text); a
+token that is not whole UTF-8 characters (a byte-level piece of one) is "bytes:\\xe2\\x80" (OpenAI's
+spelling), so distinct tokens keep distinct top_logprobs keys, and its chat `bytes` are its own bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,23 @@ from MaxText.server.protocol import ApiError, ChatMessage, ChatRequest, Texts
 
 
 def token_text(texts: Texts, tok: int) -> str:
-  """One token's own text (its id without a tokenizer)."""
-  return str(tok) if texts.tokenizer is None else texts.tokenizer.decode([tok])
+  """One token's own text (its id without a tokenizer; "bytes:\\x.." when it is part of a character)."""
+  if texts.tokenizer is None:
+    return str(tok)
+  text = texts.tokenizer.decode([tok])
+  if "\ufffd" not in text:
+    return text
+  own = texts.tokenizer.token_bytes(tok)
+  try:
+    return own.decode("utf-8")  # a token that is U+FFFD itself
+  except UnicodeDecodeError:
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in own)
+
+
+def token_bytes(texts: Texts, tok: int) -> list[int]:
+  """One token's own bytes (OpenAI's chat `bytes`): its text's, or for a piece of a character its raw bytes."""
+  text = token_text(texts, tok) if texts.tokenizer is None else texts.tokenizer.decode([tok])
+  return list(texts.tokenizer.token_bytes(tok) if "\ufffd" in text else text.encode("utf-8"))
 
 
 def completion_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any], offset: int = 0) -> dict:
@@ -61,7 +78,7 @@ def chat_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any]) -
   """OpenAI's chat `logprobs.content` entries for tokens and their Logprob entries."""
   def one(tok: int, lp: float) -> dict:
     text = token_text(texts, tok)
-    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": lp, "bytes": token_bytes(texts, tok)}
   return [{**one(tok, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]}
           for tok, e in zip(tokens, entries) if e is not None]
 
@@ -95,9 +112,11 @@ def tokenize(texts: Texts, body: TokenizeRequest, chat_prompt, max_model_len: in
 
 def tokenizer_info(texts: Texts, max_model_len: int) -> dict:
   """vLLM's GET /tokenizer_info: what lm-evaluation-harness's local-completions reads to use the server's
-  tokenizer through /tokenize and /detokenize (then it loads no tokenizer of its own)."""
-  special = texts.special_tokens
-  return {"eos_token": special.get("eos_token") or None, "bos_token": special.get("bos_token") or None,
+  tokenizer through /tokenize and /detokenize (then it loads no tokenizer of its own). bos_token: the
+  tokenizer_config.json's, else the BOS the server prepends (add_bos), else null."""
+  special, tok = texts.special_tokens, texts.tokenizer
+  bos = special.get("bos_token") or (tok.token_str(tok.bos_id) if tok is not None and texts.add_bos else None)
+  return {"eos_token": special.get("eos_token") or None, "bos_token": bos,
           "pad_token": None, "model_max_length": max_model_len,
           "tokenizer_class": type(texts.tokenizer).__name__ if texts.tokenizer is not None else None}
 
@@ -110,5 +129,5 @@ def detokenize(texts: Texts, body: DetokenizeRequest) -> dict:
   return {"prompt": texts.text_of(body.tokens)}
 
 
-__all__ = ["token_text", "completion_logprobs", "prompt_logprobs", "chat_logprobs", "TokenizeRequest",
+__all__ = ["token_text", "token_bytes", "completion_logprobs", "prompt_logprobs", "chat_logprobs", "TokenizeRequest",
            "DetokenizeRequest", "tokenize", "detokenize", "tokenizer_info"]

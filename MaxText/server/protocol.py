@@ -1,9 +1,12 @@
 """OpenAI's wire format: request bodies, error bodies, and the text side of a request (prompts to ids,
 stop strings, chat templates, ids to text).
 
-Requests follow OpenAI's /v1/completions and /v1/chat/completions fields (unknown fields are
-ignored, as OpenAI-compatible servers do), plus vLLM's extensions `top_k`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`, `prompt_logprobs` and `structured_outputs` (server/structured.py). Every bad field is an `ApiError` whose `param` names it.
+Requests follow OpenAI's /v1/completions and /v1/chat/completions fields, plus vLLM's extensions
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `include_stop_str_in_output`, `ignore_eos`,
+`stop_token_ids`, `return_token_ids`, `prompt_logprobs` and `structured_outputs` (server/structured.py).
+A field we do not implement is a 400 naming it (extra="forbid"), except IGNORED: fields OpenAI clients
+send that change nothing a server computes (docs/sampling.md lists all three kinds). Every bad field is
+an `ApiError` whose `param` names it.
 
 Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
 is its ids joined by commas, as decode.py prints them.
@@ -39,9 +42,12 @@ class StreamOptions(BaseModel):
   include_usage: bool = False
 
 
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
 class SamplingFields(BaseModel):
-  """The fields both endpoints share."""
-  model_config = ConfigDict(extra="ignore")
+  """The fields both endpoints share (penalties, logit_bias, min_p, min_tokens: inference/penalties.py)."""
+  model_config = ConfigDict(extra="forbid")
   model: str | None = None
   max_tokens: int | None = None
   temperature: float = 1.0
@@ -55,6 +61,20 @@ class SamplingFields(BaseModel):
   stream_options: StreamOptions | None = None
   n: int = 1
   return_token_ids: bool = False
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0  # vLLM's
+  logit_bias: dict[str, float] | None = None  # {"<token id>": bias in [-100, 100]}
+  min_p: float = 0.0  # vLLM's
+  min_tokens: int = 0  # vLLM's: no stop (EOS, stop_token_ids, stop strings) before this many tokens
+  include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
+  # OpenAI's fields that change nothing here (IGNORED): accepted, documented in docs/sampling.md
+  user: str | None = None
+  metadata: dict | None = None
+  store: bool | None = None
+  service_tier: str | None = None
+  prompt_cache_key: str | None = None
+  safety_identifier: str | None = None
   # Structured outputs (server/structured.py): OpenAI's, then vLLM's (and its older guided_*)
   response_format: dict | None = None
   structured_outputs: dict | None = None
@@ -78,6 +98,17 @@ class SamplingFields(BaseModel):
   def logprob_counts(self) -> tuple[int | None, int | None]:
     """(N for the generated tokens, N for the prompt's); None = not asked."""
     return None, None
+
+  def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs; a key that is not an integer is a 400 naming logit_bias."""
+    pairs = []
+    for k, v in (self.logit_bias or {}).items():
+      try:
+        pairs.append((int(k), float(v)))
+      except ValueError:
+        raise ApiError(400, f"logit_bias has key {k!r}: keys are token ids (integers as strings)",
+                       "logit_bias") from None
+    return tuple(pairs)
 
   def check(self) -> None:
     if self.n != 1:
@@ -159,11 +190,13 @@ class ChatRequest(SamplingFields):
 
 class Texts:
   """The server's tokenizer (or none) and chat template: prompts to ids, stop strings, ids to text.
-  chat_encoding: "jinja" (chat_prompt renders the template) or "deepseek_v32" (server/chat.py)."""
+  chat_encoding: "jinja" (chat_prompt renders the template) or "deepseek_v32" (server/chat.py); thinking:
+  DeepSeek-V3.2's mode for a request that does not say (chat_thinking, as SFT and RL default)."""
 
   def __init__(self, tokenizer: Tokenizer | None, *, add_bos: bool, vocab_size: int, chat_template: str | None,
-               chat_template_source: str, special_tokens: dict[str, str], chat_encoding: str = "jinja"):
-    self.tokenizer, self.add_bos, self.vocab_size = tokenizer, add_bos, vocab_size
+               chat_template_source: str, special_tokens: dict[str, str], chat_encoding: str = "jinja",
+               thinking: bool = False):
+    self.tokenizer, self.add_bos, self.vocab_size, self.thinking = tokenizer, add_bos, vocab_size, thinking
     self.chat_encoding = chat_encoding
     self.chat_template_source = chat_template_source
     self._special = special_tokens
@@ -208,9 +241,11 @@ class Texts:
       raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
     return self.encode(text, bos=False)  # the template writes BOS itself when the model wants one
 
-  def stop_plan(self, stops: Sequence[str], stop_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], list[str]]:
+  def stop_plan(self, stops: Sequence[str], stop_token_ids: Sequence[int] | None,
+                keep_stop: bool = False) -> tuple[tuple[int, ...], list[str]]:
     """-> (token ids the engine stops on, strings to find in the decoded text). A stop string that
-    is one token is both: the engine stops at once, the text check catches other spellings."""
+    is one token is both: the engine stops at once, the text check catches other spellings; not with
+    keep_stop (include_stop_str_in_output: the engine would drop the token whose text must stay)."""
     ids = list(stop_token_ids or [])
     if stops and self.tokenizer is None:
       raise ApiError(400, "stop strings need a tokenizer (the server has no tokenizer_path): use stop_token_ids",
@@ -219,7 +254,7 @@ class Texts:
       if not s:
         raise ApiError(400, "stop has an empty string", "stop")
       one = self.tokenizer.encode(s)
-      if len(one) == 1 and self.tokenizer.decode(one) == s:
+      if len(one) == 1 and self.tokenizer.decode(one) == s and not keep_stop:
         ids.append(one[0])
     return tuple(dict.fromkeys(ids)), list(stops)
 
@@ -233,7 +268,10 @@ class Texts:
     return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
                           temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                           stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
+                          min_p=body.min_p, min_tokens=body.min_tokens)
 
   def text_of(self, ids: Sequence[int]) -> str:
     """Token ids as text (joined by commas without a tokenizer)."""
@@ -266,18 +304,19 @@ class _IdsText:
 class StopText:
   """Finds stop strings in streamed text: push(piece) -> (text safe to send, stopped). Holds back
   the last len(longest stop) - 1 characters, so a stop split over pieces is never half sent; the
-  text sent ends before the first stop string."""
+  text sent ends before the first stop string (with keep: after it, vLLM's include_stop_str_in_output)."""
 
-  def __init__(self, stops: Sequence[str]):
-    self.stops = list(stops)
+  def __init__(self, stops: Sequence[str], keep: bool = False):
+    self.stops, self.keep = list(stops), keep
     self._hold = max((len(s) for s in self.stops), default=1) - 1
     self._pending = ""
 
   def push(self, piece: str) -> tuple[str, bool]:
     self._pending += piece
-    hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+    hits = [(i, i + len(s)) for s, i in ((s, self._pending.find(s)) for s in self.stops) if i >= 0]
     if hits:
-      out, self._pending = self._pending[:min(hits)], ""
+      start, end = min(hits)
+      out, self._pending = self._pending[:end if self.keep else start], ""
       return out, True
     cut = max(len(self._pending) - self._hold, 0)
     out, self._pending = self._pending[:cut], self._pending[cut:]

@@ -188,3 +188,39 @@ def test_auto_picks_the_jinja_template_when_there_is_one_and_deepseek_v32_needs_
   assert resolve_chat_encoding("jinja", False, True) == "jinja"
   with pytest.raises(ConfigError, match="chat_encoding=deepseek_v32 needs tokenizer_path"):
     resolve_chat_encoding("deepseek_v32", False, False)
+
+
+def test_chat_thinking_is_the_mode_of_a_request_that_does_not_say():
+  from MaxText.server.chat import chat_turn
+  from MaxText.server.protocol import ChatRequest
+  tok = load_tokenizer(make_config(tokenizer_type="hf", tokenizer_path=TOKENIZER))
+  hi = [{"role": "user", "content": "hi"}]
+  for default in (False, True):
+    texts = Texts(tok, add_bos=True, vocab_size=512, chat_template=None, chat_template_source="none",
+                  special_tokens={}, chat_encoding="deepseek_v32", thinking=default)
+    turn = chat_turn(texts, ChatRequest(messages=hi))
+    assert turn.thinking == default and tok.decode(turn.prompt).endswith(fmt.THINK_START if default else fmt.THINK_END)
+    said = chat_turn(texts, ChatRequest(messages=hi, chat_template_kwargs={"thinking": not default}))
+    assert said.thinking == (not default)  # the request's word wins
+
+
+def test_a_forced_tool_call_is_submitted_under_the_tools_grammar_and_auto_under_none():
+  from MaxText.inference.grammar import Grammars
+  cfg = make_config(tokenizer_type="hf", tokenizer_path=TOKENIZER, max_target_length=4096, serve_page_size=16)
+  tok = load_tokenizer(cfg)
+  texts = Texts(tok, add_bos=True, vocab_size=512, chat_template=None, chat_template_source="none",
+                special_tokens={}, chat_encoding="deepseek_v32")
+  stand_in = StandInEngine(tok)
+  engine = EngineThread(lambda: contextlib.nullcontext(stand_in), max_waiting=8, log=lambda line: None)
+  server = Server(cfg, texts, engine, "dsv32-stand-in", grammars=Grammars.for_tokenizer(tok, 512))
+  with serving(build_app(server)) as (url, _):
+    deadline = time.monotonic() + 30
+    while not engine.ready and time.monotonic() < deadline:
+      time.sleep(0.02)
+    msgs = [{"role": "user", "content": "Hi"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "auto"):
+      httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": msgs, "tools": TOOLS,
+                                                                  "tool_choice": choice, "max_tokens": 4})
+  kinds = [r.params.grammar.kind if r.params.grammar else None for r in stand_in.requests]
+  assert kinds == ["lark", "lark", None]
+  assert 'name=\\"get_weather\\"' in stand_in.requests[0].params.grammar.source

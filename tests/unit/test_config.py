@@ -203,3 +203,25 @@ def test_a_resumed_retrieval_run_keeps_its_retrieval_keys_and_other_data_ignores
         resumed.check_same_run(latest_step=3)
     else:
       resumed.check_same_run(latest_step=3)
+
+
+def test_a_run_folders_config_yml_reads_the_same_files_from_any_directory(tmp_path, monkeypatch):
+  from MaxText.checkpoint.run_folder import RunFolder
+  from MaxText.data.tokenizer import load_tokenizer
+  monkeypatch.chdir(REPO)
+  config = init("base.yml", tokenizer_type="hf", tokenizer_path="tests/data/tokenizer.json",
+                base_output_directory=str(tmp_path), run_name="r", dataset_path="tests/data/corpus.jsonl",
+                grain_train_files="tests/data/a*.parquet,tests/data/b")
+  RunFolder(config).write_config()
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  served = init(str(tmp_path / "r" / "config.yml"))
+  assert served.tokenizer_path == os.path.join(REPO, "tests/data/tokenizer.json")
+  assert served.grain_train_files == f"{REPO}/tests/data/a*.parquet,{REPO}/tests/data/b"
+  assert served.jax_cache_dir == config.jax_cache_dir  # "~/..." as it was
+  assert load_tokenizer(served).vocab_size == 391
+  monkeypatch.chdir(REPO)
+  RunFolder(config).check_same_run(1)  # the relative keys still name the run's files: a resume is allowed
+  (tmp_path / "r" / "config.yml").write_text(pyconfig.to_yaml(config))  # a run written before: relative
+  RunFolder(config).check_same_run(1)

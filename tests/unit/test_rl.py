@@ -21,7 +21,7 @@ from MaxText.runtime.cli import RunError
 
 HF_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizer.json")
 RL_KEYS = dict(tokenizer_type="hf", tokenizer_path=HF_JSON, decode_sampling_strategy="temperature",
-               max_target_length=32, max_prefill_length=32, rl_max_completion_tokens=4, rl_thinking=False)
+               max_target_length=32, max_prefill_length=32, rl_max_completion_tokens=4, chat_thinking=False)
 
 
 def _records(path, n=6):
@@ -39,13 +39,13 @@ def test_exact_match_reads_the_reply_content_against_the_column():
 
 
 def test_exact_match_parses_in_the_mode_the_record_was_rendered_in(tmp_path):
-  """A record's own `thinking` beats rl_thinking for the prompt and for the parse alike: the right answer
+  """A record's own `thinking` beats chat_thinking for the prompt and for the parse alike: the right answer
   scores 1 whichever way the two disagree."""
   path = tmp_path / "t.jsonl"
   path.write_text(json.dumps({"prompt": "3+4=?", "answer": "7", "thinking": False}) + "\n"
                   + json.dumps({"prompt": "3+4=?", "answer": "7", "thinking": True}) + "\n")
   for default in (True, False):
-    config = make_config(**dict(RL_KEYS, rl_thinking=default), dataset_type="file", dataset_path=str(path))
+    config = make_config(**dict(RL_KEYS, chat_thinking=default), dataset_type="file", dataset_path=str(path))
     source = prompts.PromptSource(config, load_tokenizer(config))
     reward = rewards.load_reward(config)
     (_, off), (_, on) = source.records
@@ -148,7 +148,7 @@ def test_config_rules_are_one_line_naming_the_key():
       rl.check_config(make_config(**{**RL_KEYS, **keys}))
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypatch):
+def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypatch, capsys):
   """Step 2 dies before its checkpoint; run again: it resumes from step 1 and step 2 samples and trains
   exactly as the killed run did (same prompts, seeds, weights)."""
   keys = dict(RL_KEYS, dataset_type="file", dataset_path=_records(tmp_path / "p.jsonl"), steps=2,
@@ -175,8 +175,12 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
   killed = logged[1]
   monkeypatch.setattr(rl.orbax_state, "save", save)
   logged.clear()
+  capsys.readouterr()
   history = rl.rl(make_config(**keys))
   assert [h["step"] for h in history] == [2] and logged[0]["step"] == 2
+  last = capsys.readouterr().out.strip().splitlines()[-1]  # the closing line, as train.py's
+  assert last.startswith("done: RL steps 2-2 of 2 in ") and f"reward_mean {history[0]['reward_mean']:.4f}" in last
+  assert last.endswith(f"weights: load_parameters_path={tmp_path}/r/checkpoints")
   for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
     assert logged[0][k] == pytest.approx(killed[k], rel=1e-5, abs=1e-7), k
   assert killed["kl"] > 0  # step 1 moved the policy away from the reference
@@ -198,3 +202,23 @@ def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp
   config = pyconfig.initialize(rl_demo.rl_argv(args, str(data), HF_JSON, 512, extra or ["mtp_num_layers=0"]))
   rl.check_config(config)
   assert config.rl_num_generations == args.generations and config.eval_dataset_path.endswith("eval.jsonl")
+
+
+def test_prompts_warn_once_when_their_mode_is_not_the_one_the_starting_run_trained(tmp_path, capsys):
+  run = tmp_path / "sft"
+  (run / "checkpoints" / "10").mkdir(parents=True)
+  (run / "config.yml").write_text("use_sft: true\nchat_thinking: false\n")
+  data = _records(tmp_path / "p.jsonl")
+  for start in (str(run / "checkpoints"), str(run / "checkpoints" / "10")):
+    config = make_config(**{**RL_KEYS, "chat_thinking": True}, dataset_type="file", dataset_path=data,
+                         rl_prompts_per_step=4, load_parameters_path=start)
+    source = prompts.PromptSource(config, load_tokenizer(config))
+    source.step(1), source.step(2)
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "trained chat_thinking=false" in err and str(run / "config.yml") in err
+  same = make_config(**RL_KEYS, dataset_type="file", dataset_path=data, load_parameters_path=str(run / "checkpoints"))
+  prompts.PromptSource(same, load_tokenizer(same)).step(1)  # chat_thinking false, as trained
+  untold = make_config(**{**RL_KEYS, "chat_thinking": True}, dataset_type="file", dataset_path=data,
+                       load_parameters_path=str(tmp_path / "converted"))  # a converter output says nothing
+  prompts.PromptSource(untold, load_tokenizer(untold)).step(1)
+  assert "warning:" not in capsys.readouterr().err

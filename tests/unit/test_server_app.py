@@ -163,3 +163,41 @@ def test_the_event_stream_aborts_its_requests_when_the_client_goes_away_before_t
 
   gen = asyncio.run(run())
   assert aborted == [stream] and gen is not None
+
+
+def test_fields_we_do_not_implement_are_a_400_naming_them_and_openais_client_fields_are_ignored(served):
+  url, _ = served
+  for field, value in (("best_of", 2), ("suffix", "x"), ("reasoning_effort", "high"), ("frequency_penaltyy", 1)):
+    r = httpx.post(f"{url}/v1/completions", timeout=10, json={"prompt": [1, 2], "max_tokens": 1, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not supported" in r.json()["error"]["message"] and "docs/sampling.md" in r.json()["error"]["message"]
+  for field, value, param in (("logit_bias", {"x": 1}, "logit_bias"), ("presence_penalty", 2.5, "presence_penalty"),
+                              ("min_p", 1.5, "min_p")):
+    r = httpx.post(f"{url}/v1/completions", timeout=10, json={"prompt": [1, 2], "max_tokens": 1, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+  r = httpx.post(f"{url}/v1/completions", timeout=10, json={"prompt": [1, 2], "max_tokens": 1, "user": "u1",
+                                                              "metadata": {"k": "v"}, "store": False})
+  assert r.status_code == 200, r.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_and_min_tokens_holds_stop_strings_back(served):
+  url, _ = served
+  body = {"prompt": [1, 2], "max_tokens": 6, "stop": ["ayit"]}
+  kept = httpx.post(f"{url}/v1/completions", timeout=10, json={**body, "include_stop_str_in_output": True}).json()
+  assert kept["choices"][0]["text"] == "ver eayit" and kept["choices"][0]["finish_reason"] == "stop"
+  late = httpx.post(f"{url}/v1/completions", timeout=10, json={**body, "min_tokens": 4}).json()
+  assert late["choices"][0]["text"].startswith("ver eayit") and late["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_body_that_is_not_json_and_an_unknown_route_answer_openais_error_body(served):
+  url, _ = served
+  r = httpx.post(f"{url}/v1/completions", timeout=10, content=b'{"prompt": [1, 2],', headers={
+      "Content-Type": "application/json"})
+  err = r.json()["error"]
+  assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] is None
+  assert "not valid JSON" in err["message"], err
+  r = httpx.post(f"{url}/v1/tokenize", timeout=10, json={"prompt": "hi"})
+  err = r.json()["error"]
+  assert r.status_code == 404 and err["code"] == "not_found" and "/v1/tokenize" in err["message"]
+  assert "POST /tokenize" in err["message"]  # the routes it does serve
+  assert httpx.get(f"{url}/v1/completions", timeout=10).json()["error"]["code"] == "method_not_allowed"

@@ -120,3 +120,30 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(url):
   assert info["eos_token"] == "</s>" and info["bos_token"] is None and info["model_max_length"] == 64
   bad = _post(url, "/detokenize", {"tokens": [1, 9999]})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_byte_level_tokens_report_their_own_bytes_and_keep_distinct_top_logprobs(url):
+  from MaxText.server.logprobs import chat_logprobs, completion_logprobs
+  tok = url[1]
+  texts = Texts(tok, add_bos=False, vocab_size=tok.vocab_size, chat_template=None, chat_template_source="test",
+                special_tokens={})
+  ids = tok.encode("naïve — 日本")
+  pieces = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])]
+  assert len(pieces) >= 2 and b"".join(tok.token_bytes(i) for i in ids).decode() == "naïve — 日本"
+  entries = [Logprob(-0.5, 1, [(pieces[0], -0.5), (pieces[1], -1.0)]) for _ in ids]
+  content = chat_logprobs(texts, ids, entries)
+  assert b"".join(bytes(e["bytes"]) for e in content) == "naïve — 日本".encode()  # each token's own bytes
+  top = content[0]["top_logprobs"]
+  assert [t["bytes"] for t in top] == [list(tok.token_bytes(pieces[0])), list(tok.token_bytes(pieces[1]))]
+  assert top[0]["token"] != top[1]["token"] and all(t["token"].startswith("bytes:\\x") for t in top)
+  legacy = completion_logprobs(texts, ids[:1], entries[:1])["top_logprobs"][0]
+  assert len(legacy) == 3  # the two pieces and the token itself: distinct keys, not one "\ufffd"
+
+
+def test_tokenizer_info_names_the_bos_the_server_prepends(url):
+  from MaxText.server.logprobs import tokenizer_info
+  tok = url[1]
+  texts = lambda add_bos: Texts(tok, add_bos=add_bos, vocab_size=512, chat_template=None,  # noqa: E731
+                                chat_template_source="test", special_tokens={"bos_token": "", "eos_token": "</s>"})
+  assert tokenizer_info(texts(True), 64)["bos_token"] == "<s>" == tok.token_str(tok.bos_id)
+  assert tokenizer_info(texts(False), 64)["bos_token"] is None  # nothing prepended: none to name

@@ -313,3 +313,15 @@ def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in
       texts = [tok.decode([i]) for i in ids.tolist()]
       assert all(len(t) == 1 for t in texts if any(c.isdigit() for c in t)), texts  # a digit is a token alone
   assert (enc.cut, enc.dropped) == (0, 0)
+
+
+def test_chat_thinking_is_the_mode_of_records_without_reasoning_or_thinking(tok):
+  msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+  for default in (False, True):
+    config = make_config(tokenizer_type="hf", tokenizer_path=HF_JSON, chat_thinking=default,
+                         train_data_columns=["messages"])
+    enc = ConversationEncoder.from_config(config, tok)
+    ids, _ = enc({"messages": msgs}, "x.jsonl:1")
+    assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=default))
+    ids, _ = enc({"messages": msgs, "thinking": not default}, "x.jsonl:1")  # the record's own word wins
+    assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=not default))
