@@ -111,7 +111,7 @@ def paged_step(engine: ServingEngine, feed: dict):
   """The engine's step and write programs on the feed: a function () -> sampled [B] (the write is
   dropped, so the pools keep their data), returning once both programs have run."""
   def run():
-    engine.pools, sampled, _ = engine._run(feed["t"], feed)
+    engine.pools, sampled, _ = engine.run(feed["t"], feed)
     jax.block_until_ready(engine.pools)  # the write too: left running, its time went to the next variant's call
     return sampled
   return run

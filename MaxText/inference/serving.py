@@ -34,7 +34,7 @@ so each device runs its own sequences over its own pages; the experts run over `
 shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for serve_compile
 (the speculative step when speculating). `load_weights` serves other weights of the same model
 (a later checkpoint) with the compiled programs kept.
-Logprobs (logprobs.py): a step holding a row whose request asks for them runs a second program,
+Logprobs (logprobs.py): a step holding a row whose request asks for them runs the step's with_logprobs variant,
 the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
 logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
 Rollouts (rollout.py, RL): a step holding a rollout request's row runs the rollout program (the plain
@@ -119,9 +119,8 @@ class ServingEngine:
     self.contexts = sorted({-(-self.pages_per_seq // 2 ** i) for i in range(cfg.serve_context_buckets)})  # table widths
     self._absorb = jax.jit(lambda p, b: model_absorbed_weights(nnx.merge(graphdef, p, b)))
     self.absorbed = run_or_shape(self._absorb, self.abstract, params, buffers)
-    self._step_jit = jax.jit(self._step, static_argnums=(0,))
-    self._step_lp_jit = jax.jit(self._step_lp, static_argnums=(0,))  # a step with a row asking for logprobs
-    self._step_ro_jit = jax.jit(self._step_ro, static_argnums=(0, 1))  # a step with a rollout row
+    # one program per (width, with_logprobs, with_rollout, grammar mask or not, adjust or not) and input shapes
+    self._step_jit = jax.jit(self._step, static_argnums=(0, 1, 2))
     self.rollouts = rollout.RolloutRecorder(self.page_size, cfg.num_moe_layers, cfg.num_experts_per_tok)
     self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
@@ -182,6 +181,11 @@ class ServingEngine:
           self._noop(b, t, pages)
     return len(self.buckets()) * len(self.widths) * len(self.contexts)
 
+  def step_programs(self) -> int:
+    """How many step programs are compiled so far: one per (rows, tokens, pages) shape and variant
+    (with_logprobs, with_rollout, grammar mask), each compiled on first use."""
+    return self._step_jit._cache_size()
+
   def shape(self, rows: list[Scheduled]) -> tuple[int, int]:
     """A step's (tokens per row, page-table width): the smallest width holding its widest row (1 + k
     for decode rows) and the smallest context holding its longest row's pages. The attention and the
@@ -195,7 +199,7 @@ class ServingEngine:
     if self.spec is not None:
       self.spec.run(t, feed)
       return
-    self.pools, _, _ = self._run(t, feed)
+    self.pools, _, _ = self.run(t, feed)
 
   # ---- requests
   def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
@@ -255,10 +259,10 @@ class ServingEngine:
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
     adjust = penalties.step_arrays(rows, where, b, self.config.vocab_size, self.eos_id)
-    self.pools, sampled, lps = self._run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b), adjust)
+    self.pools, sampled, (lps, records) = self.run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b),
+                                                   adjust)
     sampled = to_host(sampled)
-    if ro:
-      lps, records = lps
+    if records is not None:
       self.rollouts.record(rows, where, sampled, *(to_host(a) for a in records))
     if lps is not None:
       logprobs.record(rows, where, *(to_host(a) for a in lps))
@@ -300,7 +304,8 @@ class ServingEngine:
     buf = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding(2))
     with self._rules():
       step = self.spec.compile(t, buf) if self.spec is not None else \
-          self._step_jit.lower(t, self.params, self.buffers, self.pools, self.absorbed, buf).compile()
+          self._step_jit.lower(t, False, False, self.params, self.buffers, self.pools, self.absorbed,
+                              buf).compile()
       entries = compiled_outputs(step)[0]  # both steps' first output: the stacks' new entries
       return step, self._write_jit.lower(t, self.pools, entries, buf).compile(), buf
 
@@ -315,26 +320,20 @@ class ServingEngine:
     axes = paged_cache.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
-  def _run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None,
-           adjust=None):
-    """The step and write programs on a step_feed -> (the pools after the write, sampled [B], and with
-    with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
-    else None; with_rollout: that third value paired with the rollout records (logp [B], kept [B],
-    kept_ids [B,C], experts [B,t,L,k])). mask: the grammar bitmask [B, ceil(V/32)] (the masked variant of the step), or None;
+  def run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None,
+          adjust=None):
+    """The step and write programs on a step_feed (step_feed.fill's, or step_feed.empty's: padding only)
+    -> (the pools after the write (also kept as self.pools by the caller), sampled [B], (lps, records)):
+    lps with with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N],
+    top ids [B,t,N]), else None; records with with_rollout the rollout's (logp [B], kept [B], kept_ids [B,C],
+    experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
     adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
-    lps = None
     with self._rules():
-      if with_rollout:
-        entries, sampled, lps = self._step_ro_jit(t, with_logprobs, self.params, self.buffers, self.pools,
-                                                  self.absorbed, buf, mask, adjust)
-      elif with_logprobs:
-        entries, sampled, lps = self._step_lp_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask,
-                                                  adjust)
-      else:
-        entries, sampled = self._step_jit(t, self.params, self.buffers, self.pools, self.absorbed, buf, mask, adjust)
+      entries, sampled, lps, records = self._step_jit(t, with_logprobs, with_rollout, self.params, self.buffers,
+                                                      self.pools, self.absorbed, buf, mask, adjust)
       pools = self._write_jit(t, self.pools, entries, buf)
-    return pools, sampled, lps
+    return pools, sampled, (lps, records)
 
   def _forward(self, t, params, buffers, pools, absorbed, buf, every_position: bool):
     """The model over the pools for a step_feed's tokens [B,t] -> (the feed's fields, logits [B,1,V] at
@@ -359,36 +358,32 @@ class ServingEngine:
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
     return sample_rows(logits, keys, f["temp"], f["top_p"], f["top_k"])
 
-  def _step(self, t, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
-    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row [B]).
-    mask: a grammar bitmask [B, ceil(V/32)] (a separately compiled variant), or None."""
-    f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=False)  # [B,1,V]
-    return aux["cache_entries"], self._sample(f, logits[:, 0], mask, adjust)
-
-  def _step_lp(self, t, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
-    """_step, plus logprobs.step_logprobs at every row position: (entries, sampled [B], (token logprobs
-    [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N])), N = serve_max_logprobs (the model's own
-    logits: a grammar's mask changes only what is drawn)."""
-    f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=True)  # [B,t,V]
-    last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
-    sampled = self._sample(f, last, mask, adjust)
-    lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs)
-    return aux["cache_entries"], sampled, lps
-
-  def _step_ro(self, t, with_logprobs, params, buffers, pools, absorbed, buf, mask=None, adjust=None):
-    """_step (with_logprobs: _step_lp), plus the rollout records: (entries, sampled [B], (the logprob step's
-    values or None, (logp [B], kept [B], kept_ids [B,C], experts [B,t,L,k]))), rollout.sampled_logprobs of the
-    drawn tokens."""
+  def _step(self, t, with_logprobs: bool, with_rollout: bool, params, buffers, pools, absorbed, buf, mask=None,
+            adjust=None):
+    """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row
+    [B], lps, records). mask: a grammar bitmask [B, ceil(V/32)] (a separately compiled variant), or None; adjust:
+    penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None.
+    with_logprobs (a row asks for logprobs): the model keeps every row position's logits and lps is
+    logprobs.step_logprobs there (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
+    N = serve_max_logprobs (the model's own logits: a grammar's mask changes only what is drawn); else None.
+    with_rollout (a rollout row): records = (logp [B], kept [B], kept_ids [B,C], experts [B,t,L,k]),
+    rollout.sampled_logprobs of the drawn tokens and the step's routing; else None. Each flag is static: its own program."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
-    last = jnp.take_along_axis(logits, f["last"][:, None, None] * with_logprobs, axis=1)[:, 0]  # [B,V]
+    if with_logprobs:  # logits [B,t,V]: the row's last known token's
+      last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
+    else:  # logits [B,1,V], already at each row's last known token
+      last = logits[:, 0]  # [B,V]
     sampled = self._sample(f, last, mask, adjust)  # mask, adjust: other rows' (never a rollout's own)
     lps = logprobs.step_logprobs(logits, logprobs.next_tokens(f, sampled), self.config.serve_max_logprobs) \
         if with_logprobs else None
-    logp, kept, kept_ids = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"],
-                                                    f["top_k"])  # [B], [B], [B,C]
-    b, cfg = f["tokens"].shape[0], self.config
-    experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
-    return aux["cache_entries"], sampled, (lps, (logp, kept, kept_ids, experts))
+    records = None
+    if with_rollout:
+      logp, kept, kept_ids = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"],
+                                                      f["top_k"])  # [B], [B], [B,C]
+      b, cfg = f["tokens"].shape[0], self.config
+      experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
+      records = (logp, kept, kept_ids, experts)
+    return aux["cache_entries"], sampled, lps, records
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
     """logits [..., V] with the ids at or past sample_vocab at -inf (unchanged without sample_vocab)."""

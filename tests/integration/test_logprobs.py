@@ -2,13 +2,15 @@
 tokens' logprobs equal the teacher-forced model's log-softmax on the same weights (f32, within 1e-4),
 also when its prompt's prefix pages are cached by an earlier request, and on a mesh (data 2 x expert 4,
 at the default matmul precision); the top N are the N largest; a step without a row asking runs the
-plain program (no logprob program is even compiled)."""
+plain program (no logprob program is even compiled); each of the step's variants (plain, logprobs, rollout,
+both) is one compiled program of a shape, sampling the same tokens."""
 
 import jax
 import numpy as np
 import pytest
 
 from MaxText.checkpoint import model_state
+from MaxText.inference import step_feed
 from MaxText.inference.scheduler import RequestError, SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
@@ -33,7 +35,7 @@ def test_prompt_and_sampled_logprobs_equal_the_teacher_forced_log_softmax_throug
   """Sampled at temperature 2 and top_k 3: the logprobs are still the model's own (before temperature)."""
   eng, teacher = engine
   (first,) = eng.generate([SYSTEM + [30, 31]], SamplingParams(max_tokens=2))  # caches SYSTEM's first page
-  assert first.logprobs == {} and eng._step_lp_jit._cache_size() == 0  # no row asked: no logprob program ran
+  assert first.logprobs == {} and eng.step_programs() == 3  # no row asked: plain programs only (start, prefill, decode)
   prompt, n = SYSTEM + [40, 41, 42], 5
   asks = SamplingParams(max_tokens=4, logprobs=n, prompt_logprobs=n, temperature=2.0, top_k=3, seed=3)
   r, other = eng.generate([prompt, SYSTEM + [50]], [asks, SamplingParams(max_tokens=4)])
@@ -49,6 +51,25 @@ def test_prompt_and_sampled_logprobs_equal_the_teacher_forced_log_softmax_throug
     ids, vals = zip(*top)
     np.testing.assert_allclose(vals, np.sort(want[p - 1])[::-1][:n], atol=1e-4, err_msg=f"top at {p}")
     assert set(ids) == set(np.argsort(-want[p - 1])[:n].tolist()), p
+
+
+def test_each_step_variant_is_one_compiled_program_and_samples_the_same_tokens(engine):
+  """The one step with its two static flags: at one shape, the plain program and three more (logprobs, rollout,
+  both), none compiled again; each returns only what it was asked for; greedy padding rows draw the same."""
+  eng, _ = engine
+  t = eng.widths[-1]  # a prefill width: the row's last known token is not position 0
+  feed = step_feed.empty(4, t, eng.pages_per_seq)  # 4 padding rows (no other test's shape): writes dropped
+  feed["tokens"][:] = np.arange(4 * t).reshape(4, t) % 50 + 3
+  feed["positions"][:] = np.arange(t)
+  feed["last"][:] = [t - 1, 2, 5, 0]
+  variants = [(False, False), (True, False), (False, True), (True, True)]
+  eng.pools, plain, _ = eng.run(t, feed)
+  before = eng.step_programs()
+  for with_logprobs, with_rollout in variants * 2:
+    eng.pools, sampled, (lps, records) = eng.run(t, feed, with_logprobs, with_rollout)
+    assert (lps is not None) == with_logprobs and (records is not None) == with_rollout
+    np.testing.assert_array_equal(sampled, plain)
+  assert eng.step_programs() == before + 3
 
 
 def test_logprobs_on_a_data_x_expert_mesh_equal_the_teacher_forced_log_softmax_also_from_cached_pages():
