@@ -5,7 +5,7 @@ is traced. A backend's row in TABLE says what runs there. The "cpu" row is tuned
 XLA:CPU (docs/measured_choices.md). The "tpu" row takes the binned selections (measured on a TPU
 v5e) and the portable rest; every other backend ("gpu", any other) runs the portable
 implementations: plain XLA ops that every backend lowers well. A backend's row changes only after a
-measurement on it (benchmarks/device_check.sh, docs/accelerators.md).
+measurement on it (tools/device/device_check.sh, docs/accelerators.md).
 
   choice             cpu (measured)                        portable (gpu, others; tpu: the
                                                            selections binned, as on the cpu)

@@ -19,7 +19,7 @@ from MaxText.layers.models import Transformer
 from MaxText.layers.moe import DeepSeekMoE
 from tests.conftest import make_config
 
-pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (tools/device/device_check.sh)
 
 
 def test_table_cpu_row_is_the_measured_one_and_other_backends_are_portable():

@@ -1,4 +1,4 @@
-"""benchmarks/device_check.py without running it: every config it would train is a valid config,
+"""tools/device/device_check.py without running it: every config it would train is a valid config,
 and its table reads a canned result (the whole script runs on the CPU: docs/accelerators.md)."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import pytest
 
 from MaxText.config import pyconfig
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "device_check.py")
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "device", "device_check.py")
 _spec = importlib.util.spec_from_file_location("device_check", _PATH)
 dc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dc)

@@ -18,7 +18,7 @@ from MaxText.kernels import moe_experts
 from MaxText.layers import moe
 from MaxText.runtime import sharding
 
-pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (tools/device/device_check.sh)
 
 ROUTE_CFG = dict(num_experts=16, n_routing_groups=4, topk_routing_group=2, num_experts_per_tok=4)
 

@@ -187,8 +187,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypa
 
 
 def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp_path):
-  # benchmarks/rl_demo.py (not run in CI: minutes): its data and its RL command, without compiling anything
-  from benchmarks import rl_demo
+  # demos/rl_demo.py (not run in CI: minutes): its data and its RL command, without compiling anything
+  from demos import rl_demo
   from MaxText.config import pyconfig
   args, extra = rl_demo.parser().parse_known_args(["--work", str(tmp_path), "--eval", "20"])
   data = tmp_path / "data"

@@ -16,7 +16,7 @@ from MaxText.kernels import backend
 from MaxText.kernels import selection as sel
 from MaxText.kernels import selection_keys as sk
 
-pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (tools/device/device_check.sh)
 
 NEG_INF = -np.inf
 

@@ -9,7 +9,7 @@ import pytest
 from MaxText.kernels import backend
 from MaxText.kernels import selection_keys as sk
 
-pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (benchmarks/device_check.sh)
+pytestmark = pytest.mark.device  # runs unchanged on one GPU or TPU (tools/device/device_check.sh)
 
 
 def test_kth_key_at_a_width_padded_off_the_l1_set_stride():

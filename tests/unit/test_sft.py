@@ -291,11 +291,11 @@ def test_a_jinja_chat_template_weighs_what_the_template_adds_for_each_assistant_
 
 
 def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in_short_rows(tmp_path):
-  """benchmarks/sft_demo.py's plumbing without training or serving: the BPE tokenizer it trains keeps
+  """demos/sft_demo.py's plumbing without training or serving: the BPE tokenizer it trains keeps
   V3.2's markers and every digit one token each, its train.py command is a valid config whose vocab holds
   the tokenizer, and every conversation it generates (a tool one is ~1050 bytes-tokens) fits a
   max_target_length=256 row, neither cut nor dropped."""
-  from benchmarks import sft_demo
+  from demos import sft_demo
   from MaxText.config import pyconfig
   args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "200", "--eval", "20"])
   sft_demo.write_sets(args, str(tmp_path))

@@ -22,7 +22,7 @@ from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA, capture_selection
 from MaxText.runtime import sharding
 
-pytestmark = pytest.mark.device  # on one GPU or TPU too (benchmarks/device_check.sh); not the meshes
+pytestmark = pytest.mark.device  # on one GPU or TPU too (tools/device/device_check.sh); not the meshes
 
 T, K, BLOCK = 13, 4, 5  # t is no multiple of the query block: the last block is padded
 

@@ -2,18 +2,18 @@
 # A second environment with the accelerator image's jax (0.11.2, here its CPU build) and the newest flax,
 # optax and orbax-checkpoint that pip resolves with it, plus the rest of requirements.txt's pins less the
 # torch oracle and the linters; then the unit tests in it. jax 0.11 needs Python >= 3.12 (the image's).
-# Usage: bash benchmarks/jax_next_env.sh VENV [pytest args]    (VENV: a folder outside the repository)
-#        PYTHON=/path/to/python3.12 bash benchmarks/jax_next_env.sh VENV ...
+# Usage: bash tools/device/jax_next_env.sh VENV [pytest args]    (VENV: a folder outside the repository)
+#        PYTHON=/path/to/python3.12 bash tools/device/jax_next_env.sh VENV ...
 #        JAX_NEXT=0.11.2 (the default) picks the jax/jaxlib pair.
 # Default pytest args: tests/unit -n 2 -q. The versions it tested are printed first and recorded in
 # docs/accelerators.md. Re-running reuses VENV (pip installs only what is missing).
 set -euo pipefail
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash benchmarks/jax_next_env.sh VENV [pytest args]  (VENV: a new folder outside the repository)" >&2
+  echo "usage: bash tools/device/jax_next_env.sh VENV [pytest args]  (VENV: a new folder outside the repository)" >&2
   exit 2
 fi
 VENV="$(realpath -m "$1")"; shift  # relative to where it was called from
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 case "$VENV/" in "$PWD"/*) echo "jax_next_env.sh: VENV=$VENV is inside the repository; choose a folder outside it" >&2; exit 2 ;; esac
 JAX_NEXT="${JAX_NEXT:-0.11.2}"
 

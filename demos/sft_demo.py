@@ -2,13 +2,13 @@ r"""The SFT demo, end to end: synthetic conversations -> train.py use_sft=true -
 -> held-out conversations scored through /v1/chat/completions with the openai client, before and
 after SFT.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sft_demo.py --work /tmp/sft_demo [--quick] [--steps 600 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python demos/sft_demo.py --work /tmp/sft_demo [--quick] [--steps 600 ...] [key=value ...]
 
-1. benchmarks/sft_conversations.py writes <work>/data/{train,eval}.jsonl (single-digit additions with a
+1. demos/sft_conversations.py writes <work>/data/{train,eval}.jsonl (single-digit additions with a
    one-line thinking trace; 15% of the training set, 30% of the held-out one, where the assistant calls
    the `add` tool, gets its result and answers: the arithmetic is what takes steps to learn, the call
    is a copy of the operands, learned from fewer).
-2. --tokenizer bpe (the default): benchmarks/sft_tokenizer.py trains a byte-level BPE tokenizer on the
+2. --tokenizer bpe (the default): demos/sft_tokenizer.py trains a byte-level BPE tokenizer on the
    training conversations as V3.2's format renders them (the 7 markers one token each, digits one
    token each) into <work>/tokenizer.json; the model's vocab_size is its size rounded up to 128.
    Why: with the byte-level test tokenizer the format's tools block alone is ~800 tokens, so a tool
@@ -42,8 +42,8 @@ import sys
 import time
 
 from benchmarks.serve_load import REPO, _free_port, start, stop
-from benchmarks.sft_conversations import add_arguments, write_sets
-from benchmarks.sft_tokenizer import rendered, train_tokenizer
+from demos.sft_conversations import add_arguments, write_sets
+from demos.sft_tokenizer import rendered, train_tokenizer
 
 # The model keys when none are given: the tiny model with dense attention (see the module docstring).
 DEFAULT_KEYS = ("mtp_num_layers=0", "remat_policy=none", "use_indexer=false")
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
   p.set_defaults(low=0, high=10, tool_share=0.15, eval_tool_share=0.3, train=4000)  # single-digit sums; 15% (eval 30%) call add
   p.add_argument("--tokenizer", default="bpe",
                  help="'bpe': train a BPE tokenizer on the training conversations into <work>/tokenizer.json "
-                      "(benchmarks/sft_tokenizer.py; a tool conversation is ~160 tokens), or a tokenizer.json holding "
+                      "(demos/sft_tokenizer.py; a tool conversation is ~160 tokens), or a tokenizer.json holding "
                       "V3.2's markers (tests/data/tokenizer.json: byte-level, a tool conversation is ~1050 tokens, "
                       "so --max_target_length 1088)")
   p.add_argument("--steps", type=int, default=600)

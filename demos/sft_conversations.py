@@ -1,6 +1,6 @@
 """A synthetic conversation set for the SFT demo: two-digit additions a tiny model learns on the CPU.
 
-    python benchmarks/sft_conversations.py --out /tmp/sft --train 2000 --eval 100 --tool_share 0.25
+    python demos/sft_conversations.py --out /tmp/sft --train 2000 --eval 100 --tool_share 0.25
 
 Writes <out>/train.jsonl and <out>/eval.jsonl (use_sft=true, train_data_columns=[messages]). Each
 conversation asks "a+b=?"; the assistant thinks in one short line ("a+b: units u, carry c") and

@@ -1,7 +1,7 @@
 r"""The RL demo: SFT teaches a tiny model additions from demonstrations in two styles; GRPO with an
 exact-match reward raises its accuracy on problems it never trained RL on.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/rl_demo.py --work /tmp/rl_demo [--sft_steps 300 --rl_steps 60 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python demos/rl_demo.py --work /tmp/rl_demo [--sft_steps 300 --rl_steps 60 ...] [key=value ...]
 
 1. Data under <work>/data: additions "a+b=?" with operands in [0, --high); the eval problems
    (eval.jsonl, --eval of them) are pairs (a, b) that no RL record asks (rl.jsonl: the others, as
@@ -9,7 +9,7 @@ exact-match reward raises its accuracy on problems it never trained RL on.
    assistant's reply; no thinking): every pair (--sft_eval_pairs include) or the RL pairs only
    (exclude); a --long_share of the replies in a second annotator's style, "The sum of a and b is s.",
    which the verifier (exact match against "s") counts as wrong.
-2. SFT: train.py use_sft=true (benchmarks/sft_demo.py's command, its BPE tokenizer) for --sft_steps
+2. SFT: train.py use_sft=true (demos/sft_demo.py's command, its BPE tokenizer) for --sft_steps
    steps from the random init into <work>/sft: the model learns the sums and answers in either style.
 3. RL in this process: MaxText.rl on rl.jsonl from <work>/sft/checkpoints (rl_reward=exact_match
    against "answer", sampling at --temperature), --rl_steps steps; eval_interval=--eval_every greedy
@@ -30,7 +30,7 @@ import sys
 import time
 
 from benchmarks.serve_load import REPO
-from benchmarks.sft_demo import demo_tokenizer, run, train_command
+from demos.sft_demo import demo_tokenizer, run, train_command
 
 
 def write_data(args, out: str) -> dict:

@@ -1,5 +1,5 @@
 """The prepared check for one accelerator (an H200 in about 8 minutes), which also runs on the CPU
-at small sizes. Run it as `bash benchmarks/device_check.sh` (docs/accelerators.md).
+at small sizes. Run it as `bash tools/device/device_check.sh` (docs/accelerators.md).
 
 Each section runs in its own process (an accelerator's memory is held per process) under its own
 time limit; one that fails or runs out of time is reported and the others still run. A section
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = "DEVICE_CHECK_RESULT "  # a section's one result line on its stdout
 
 

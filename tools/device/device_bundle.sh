@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The wheels that the accelerator image lacks for benchmarks/device_check.sh (and for python -m MaxText.serve),
+# The wheels that the accelerator image lacks for tools/device/device_check.sh (and for python -m MaxText.serve),
 # for its Python (3.12, manylinux x86-64), into DIR; fails when DIR holds more than 56 MiB. Dependencies are
 # resolved here, so the device installs with no index and no resolution:
-#   bash benchmarks/device_check.sh --bundle DIR     (docs/accelerators.md)
+#   bash tools/device/device_check.sh --bundle DIR     (docs/accelerators.md)
 # What is needed: NEEDS below, at requirements.txt's pins, and all they depend on. What the image has (so is left
-# out): benchmarks/device_image.txt.
-# Usage: bash benchmarks/device_bundle.sh DIR
-#        BUNDLE_PYTHON=3.11 bash benchmarks/device_bundle.sh DIR    (another Python's wheels: to try the install here)
-#        BUNDLE_PYTHON=3.11 BUNDLE_IMAGE=benchmarks/device_image_tpu.txt bash benchmarks/device_bundle.sh DIR
+# out): tools/device/device_image.txt.
+# Usage: bash tools/device/device_bundle.sh DIR
+#        BUNDLE_PYTHON=3.11 bash tools/device/device_bundle.sh DIR    (another Python's wheels: to try the install here)
+#        BUNDLE_PYTHON=3.11 BUNDLE_IMAGE=tools/device/device_image_tpu.txt bash tools/device/device_bundle.sh DIR
 #            (the lent TPU v5e image: Python 3.11, jax 0.10.2 + libtpu, without flax, optax, orbax, ...)
-#        bash benchmarks/device_bundle.sh --install DIR [PYTHON]    (what device_check.sh --bundle runs: installs
+#        bash tools/device/device_bundle.sh --install DIR [PYTHON]    (what device_check.sh --bundle runs: installs
 #            DIR's wheels for PYTHON (default python3) into DIR/site-pyXY with no index and no resolution, checks
 #            that everything the device check imports imports, and prints that folder: its one line on stdout)
 set -euo pipefail
 CALLER="$PWD"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # a path as the caller meant it
 MAX_MIB=56
 # The imports of device_check.sh's sections and of tests/unit's collection (pydantic, omegaconf, grain, ...),
@@ -30,7 +30,7 @@ SERVER_MODULES="fastapi uvicorn prometheus_client jinja2 llguidance MaxText.serv
 install() {  # DIR PYTHON: install offline, check the imports, print the target folder
   local dir="$1" py="$2" tag site
   ls "$dir"/*.whl > /dev/null 2>&1 ||
-    { echo "device_bundle.sh: no wheels in $dir; make them with: bash benchmarks/device_bundle.sh $dir" >&2; exit 2; }
+    { echo "device_bundle.sh: no wheels in $dir; make them with: bash tools/device/device_bundle.sh $dir" >&2; exit 2; }
   dir="$(realpath "$dir")"
   tag="$("$py" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
   site="$dir/site-$tag"
@@ -54,7 +54,7 @@ def failures(names):
     except Exception as e:  # any failure to import is reported the same way
       out.append(f"{name} ({type(e).__name__}: {e})")
   return out
-fix = ("add what is missing to NEEDS in benchmarks/device_bundle.sh (or take it out of benchmarks/device_image.txt) "
+fix = ("add what is missing to NEEDS in tools/device/device_bundle.sh (or take it out of tools/device/device_image.txt) "
        "and rebuild the bundle")
 server = failures(os.environ["SERVER_MODULES"])
 if server:
@@ -68,17 +68,17 @@ if check:
 }
 
 if [ "${1:-}" = --install ]; then
-  [ $# -ge 2 ] || { echo "usage: bash benchmarks/device_bundle.sh --install DIR [PYTHON]" >&2; exit 2; }
+  [ $# -ge 2 ] || { echo "usage: bash tools/device/device_bundle.sh --install DIR [PYTHON]" >&2; exit 2; }
   install "$(abs "$2")" "${3:-python3}"
   exit 0
 fi
 if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: bash benchmarks/device_bundle.sh DIR   (DIR: a new or empty folder for the wheels)" >&2
+  echo "usage: bash tools/device/device_bundle.sh DIR   (DIR: a new or empty folder for the wheels)" >&2
   exit 2
 fi
 DIR="$(abs "$1")"
 PYV="${BUNDLE_PYTHON:-3.12}"
-IMAGE="${BUNDLE_IMAGE:-benchmarks/device_image.txt}"
+IMAGE="${BUNDLE_IMAGE:-tools/device/device_image.txt}"
 [ -f "$IMAGE" ] || { echo "device_bundle.sh: BUNDLE_IMAGE=$IMAGE is not a file (a pip freeze of the image)" >&2; exit 2; }
 pins=()
 for n in "${NEEDS[@]}"; do

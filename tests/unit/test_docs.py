@@ -1,0 +1,225 @@
+"""The README and docs/ as a new user reads them: every relative link resolves, the documented commands'
+config keys are valid, the cheap commands run as written, and the figures a command depends on (the chat
+server's context, lm-eval's max_length, RL's console metrics) agree with the code. Fails when a doc rots."""
+
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
+# Shell variables the docs' commands use, as a reader would have set them.
+SHELL_VARS = {"CKPT": "outputs/mine/checkpoints", "i": "0"}
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_ENTRY = re.compile(r"(?:\.venv/bin/python|python)\s+(?:-m MaxText\.(\w+)|MaxText/(\w+)\.py)\s+(.*)")
+_NOT_CONFIG = {"convert_hf_checkpoint", "export_hf_checkpoint", "pretokenize"}  # flags, not a config
+
+
+def _read(doc: str) -> str:
+  with open(os.path.join(REPO_ROOT, doc), encoding="utf-8") as f:
+    return f.read()
+
+
+def _prose(text: str) -> str:
+  """The text outside fenced blocks and inline code (where a link is only an example)."""
+  text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor of a heading: lower case, punctuation dropped (not - or _), spaces to hyphens."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def _anchors(doc: str) -> set[str]:
+  return {_slug(m) for m in re.findall(r"^#+\s+(.*)$", re.sub(r"^```.*?^```", "", _read(doc), flags=re.S | re.M),
+                                       flags=re.M)}
+
+
+def _fenced(text: str, lang: str) -> list[list[str]]:
+  """The fenced blocks of one language, each as its lines."""
+  blocks, cur = [], None
+  for line in text.split("\n"):
+    if line.startswith("```"):
+      if cur is None and line[3:].strip() == lang:
+        cur = []
+      elif cur is not None:
+        blocks.append(cur)
+        cur = None
+      continue
+    if cur is not None:
+      cur.append(line)
+  return blocks
+
+
+def _commands(block: list[str]) -> list[str]:
+  """A bash block's commands: comments dropped, backslash continuations joined."""
+  out, buf = [], ""
+  for line in block:
+    s = "" if line.lstrip().startswith("#") else re.split(r"\s+#\s", line)[0].rstrip()
+    if not s:
+      continue
+    buf += s[:-1] + " " if s.endswith("\\") else s
+    if not s.endswith("\\"):
+      out.append(" ".join(buf.split()))
+      buf = ""
+  return out
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+  return [(doc, c) for doc in DOCS for block in _fenced(_read(doc), "bash") for c in _commands(block)]
+
+
+def _expand(command: str) -> str:
+  def var(m):
+    assert m.group(1) in SHELL_VARS, f"the docs use ${m.group(1)}: add what a reader sets it to in SHELL_VARS"
+    return SHELL_VARS[m.group(1)]
+  return re.sub(r"\$\{?(\w+)\}?", var, command)
+
+
+def test_every_relative_link_in_readme_and_docs_resolves_to_a_file_and_heading():
+  broken = []
+  for doc in DOCS:
+    for target in _LINK.findall(_prose(_read(doc))):
+      if re.match(r"[a-z]+:", target):
+        continue  # http(s), mailto
+      path, _, anchor = target.partition("#")
+      dest = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+      if not os.path.exists(os.path.join(REPO_ROOT, dest)):
+        broken.append(f"{doc}: ({target}): no file {dest}")
+      elif anchor and (not dest.endswith(".md") or anchor not in _anchors(dest)):
+        broken.append(f"{doc}: ({target}): no heading #{anchor} in {dest}")
+  assert not broken, "\n".join(broken)
+
+
+def test_link_check_catches_a_missing_file_and_a_missing_heading():
+  assert _slug("A run's life") == "a-runs-life" and _slug("Train -> export -> serve") == "train---export---serve"
+  assert "a-runs-life" in _anchors("docs/training.md")
+  assert _LINK.findall(_prose("[x](docs/a.md#b) `[y](c.md)` ![img](d.png)")) == ["docs/a.md#b"]
+
+
+def test_readme_test_command_is_what_ci_runs():
+  ci = [ln.strip() for ln in _read(".ci/run").split("\n") if "pytest tests" in ln]
+  assert len(ci) == 1
+  command = ci[0].split(" || ")[0]
+  readme = [c for block in _fenced(_read("README.md"), "bash") for c in _commands(block)]
+  assert command in readme, f"README.md's test command is not .ci/run's: {command}"
+
+
+def test_every_documented_entry_point_command_is_a_valid_config():
+  """Each fenced `python -m MaxText.<x> <yml> key=value ...` of the docs: its keys exist and its values
+  validate (the run's own config.yml, which the docs' commands take, stands in as base.yml)."""
+  from MaxText.config import pyconfig
+
+  checked, bad = 0, []
+  for doc, command in _doc_commands():
+    m = _ENTRY.search(command)
+    if not m or (m.group(1) or m.group(2)) in _NOT_CONFIG:
+      continue
+    args = shlex.split(_expand(m.group(3)).rstrip("&").strip())
+    if not args or args[0].startswith("-"):
+      continue  # --help: run by the next test
+    yml = args[0] if args[0].startswith("configs/") else "configs/base.yml"
+    overrides = [a for a in args[1:] if "=" in a]
+    values = dict(a.split("=", 1) for a in overrides)
+    devices = re.search(r"device_count=(\d+)", command)
+    num_devices = int(values.get("compile_num_devices") or (devices.group(1) if devices else 1))
+    try:
+      pyconfig.initialize(["doc", yml, *overrides], num_devices=num_devices)
+      checked += 1
+    except Exception as e:  # noqa: BLE001 - reported with the doc and command
+      bad.append(f"{doc}: {command}\n    -> {e}")
+  assert not bad, "\n".join(bad)
+  assert checked >= 30, checked  # the extraction still finds the docs' commands
+
+
+def _cheap(command: str) -> bool:
+  """The documented commands cheap enough to run here: config printing, --help, the SFT data script."""
+  return bool(re.search(r"-m MaxText\.config |--help$|demos/sft_conversations\.py ", command))
+
+
+def test_cheap_documented_commands_run_as_written(tmp_path):
+  commands = sorted({c for _, c in _doc_commands() if _cheap(c)})
+  assert len(commands) >= 3, commands
+  for command in commands:
+    argv = shlex.split(command.replace("/tmp/", f"{tmp_path}/"))
+    assert argv[0] == ".venv/bin/python", command
+    p = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert p.returncode == 0, f"{command}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    if "-m MaxText.config" in command:
+      assert "num_decoder_layers: 61" in p.stdout  # the 671B model's, merged over base.yml
+  assert os.path.getsize(tmp_path / "sft" / "train.jsonl") > 0
+
+
+def _serve_context(doc: str, marker: str) -> int:
+  """max_target_length of the documented serve command in the bash block that holds `marker`."""
+  for block in _fenced(_read(doc), "bash"):
+    if any(marker in ln for ln in block):
+      serve = [c for c in _commands(block) if "-m MaxText.serve" in c]
+      assert len(serve) == 1, serve
+      return int(re.search(r"max_target_length=(\d+)", serve[0]).group(1))
+  raise AssertionError(f"{doc}: no bash block with {marker!r}")
+
+
+def test_chat_docs_server_context_holds_one_tool_round_trip():
+  """docs/chat.md's server, with the test tokenizer, takes both requests of its tool round trip: the first
+  (the tools block in the system prompt) and the second (plus the tool call and its result), each with the
+  max_tokens the example asks, and that max_tokens holds the call block."""
+  from tokenizers import Tokenizer
+
+  from MaxText.data import chat_dsv32
+
+  doc = _read("docs/chat.md")
+  context = _serve_context("docs/chat.md", "MaxText.serve")
+  assert "tests/data/tokenizer.json" in doc
+  (python,) = [b for b in _fenced(doc, "python") if any("tools=tools" in ln for ln in b)]
+  code = "\n".join(python)
+  scope: dict = {}
+  exec(re.search(r"^tools = .*?\]$", code, re.S | re.M).group(0), scope)  # the example's tools
+  exec(re.search(r"^messages = .*$", code, re.M).group(0), scope)
+  max_tokens = {int(n) for n in re.findall(r"tools=tools, max_tokens=(\d+)", code)}
+  assert len(max_tokens) == 1, max_tokens
+  (max_tokens,) = max_tokens
+  tok = Tokenizer.from_file(os.path.join(REPO_ROOT, "tests/data/tokenizer.json"))
+  count = lambda text: len(tok.encode(text, add_special_tokens=False).ids)  # noqa: E731
+  tools, messages = scope["tools"], scope["messages"]
+  call = {"id": "call_0", "type": "function",
+          "function": {"name": tools[0]["function"]["name"], "arguments": json.dumps({"city": "Paris"})}}
+  second = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_0", "content": json.dumps({"sky": "sunny", "city": "Paris"})}]
+  for thinking in (False, True):
+    first_prompt = count(chat_dsv32.render(messages, thinking=thinking, tools=tools))
+    second_prompt = count(chat_dsv32.render(second, thinking=thinking, tools=tools))
+    assert first_prompt + max_tokens <= context and second_prompt + max_tokens <= context, (
+        f"docs/chat.md: max_target_length={context} cannot hold {first_prompt} / {second_prompt} prompt tokens "
+        f"+ max_tokens={max_tokens}")
+  assert count(chat_dsv32.render_tool_calls([call])) + 1 <= max_tokens  # the call block and its EOS
+
+
+def test_lm_eval_doc_waits_for_health_and_passes_the_servers_context_minus_one():
+  for block in _fenced(_read("docs/scoring.md"), "bash"):
+    commands = _commands(block)
+    lm_eval = [i for i, c in enumerate(commands) if "lm_eval --model" in c]
+    if not lm_eval or not any("-m MaxText.serve" in c for c in commands):
+      continue
+    context = _serve_context("docs/scoring.md", "lm_eval --model")
+    text = "\n".join(commands)
+    assert 0 <= text.find("/health") < text.find("lm_eval --model"), "lm_eval starts before the server answers /health"
+    for i in lm_eval:
+      assert f"max_length={context - 1}," in commands[i] + ",", commands[i]
+    return
+  raise AssertionError("docs/scoring.md: no bash block that serves and runs lm_eval")
+
+
+def test_rl_doc_lists_exactly_the_console_metrics_rl_prints():
+  from MaxText import rl
+
+  (line,) = re.findall(r"`step n/steps \|(.*?)`", _read("docs/rl.md"), re.S)
+  documented = tuple(part.split()[0] for part in line.split("|") if part.strip())
+  assert documented == rl.CONSOLE
