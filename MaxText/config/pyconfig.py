@@ -216,7 +216,10 @@ def initialize_or_exit(argv: Sequence[str], doc: str | None = None,
 
 
 def to_yaml(cfg: Config) -> str:
+  """The resolved config as YAML; a secret (serve_api_key) is written as "": never echoed or saved."""
   def plain(v):
+    if isinstance(v, pydantic.SecretStr):
+      return ""
     return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
   ordered = {k: plain(getattr(cfg, k)) for section in SECTIONS for k in section.model_fields}
   return yaml.safe_dump(ordered, sort_keys=False, width=120)

@@ -25,7 +25,8 @@ token; only entries of accepted positions count as computed, a rejected draft's 
 later and never published; a stop token or max_tokens inside the run ends it there): a page a
 step fills is published to the prefix cache at once (running requests share it too); a request whose every known token is now computed
 gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
-stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
+stop_token_ids), at max_tokens, or when its sequence fills max_length; one that has run past its
+params.timeout since its arrival ends ("timeout") when the next step is scheduled. A finished request
 publishes its full pages to the prefix cache and releases them at once.
 
 With a sharded allocator (decode on a mesh: D page shards, one per group of devices holding rows)
@@ -72,6 +73,7 @@ class SamplingParams:
   prompt_logprobs: int | None = None  # every prompt token's logprob and the top N; None = off
   rollout: bool = False  # record per token what RL's loss needs (inference/rollout.py) in Request.rollout
   grammar: Any = None  # structured outputs: a grammar.GrammarSpec the output must match; None = free
+  timeout: float = 0.0  # seconds the request may take from its arrival (serve_request_timeout); 0 = no limit
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -81,7 +83,8 @@ class SamplingParams:
            ("top_k", self.top_k >= 0, "an integer >= 0 (0 = off)"),
            ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
             f"token ids in [0, {vocab_size})"),
-           ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)")]
+           ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)"),
+           ("timeout", self.timeout >= 0, "a number of seconds >= 0 (0 = no limit)")]
     for field, ok, want in bad:
       if not ok:
         raise RequestError(f"{field}={getattr(self, field)!r} is invalid: expected {want}", field)
@@ -96,7 +99,7 @@ class Request:
   output: list[int] = dataclasses.field(default_factory=list)
   computed: int = 0  # leading tokens of prompt + output whose cache entries are written
   pages: list[int] = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None  # "stop" | "length" | "abort"
+  finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
   preemptions: int = 0
   first_token_time: float | None = None
   drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
@@ -209,7 +212,9 @@ class Scheduler:
 
   # ---- one step
   def schedule(self) -> list[Scheduled]:
-    """The next step's rows, running requests first (oldest first), then admitted waiting ones."""
+    """The next step's rows, running requests first (oldest first), then admitted waiting ones. Requests
+    past their params.timeout end first ("timeout", pages back at once), running or waiting."""
+    self._expire(time.monotonic())
     rows, budget = [], self.max_num_tokens
     for r in list(self.running):  # oldest first: a preemption only ever takes a newer, unscheduled one
       if r not in self.running:
@@ -275,6 +280,12 @@ class Scheduler:
         self._finish(r, reason)
         done.append(r)
     return done
+
+  def _expire(self, now: float) -> None:
+    """Ends every request that has run longer than its params.timeout since its arrival ("timeout")."""
+    for r in [*self.running, *self.waiting]:
+      if r.params.timeout and now - r.arrival > r.params.timeout:
+        self.abort(r, "timeout")
 
   def _drafts(self, r: Request) -> tuple[int, ...]:
     """A decoding request's drafts to verify: at most `speculative`, none past max_tokens or the context."""
