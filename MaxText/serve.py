@@ -16,6 +16,8 @@ are token ids and the text of a choice is its ids joined by commas. Chat renders
 one (DeepSeek-V3.2 ships none) or with chat_encoding=deepseek_v32, DeepSeek-V3.2's own format with
 thinking and tool calls (MaxText/server/chat.py).
 serve_host / serve_port: where it listens; serve_max_waiting: waiting requests before a 429;
+serve_api_key (or $MAXTEXT_API_KEY): the bearer key every route but /health and /metrics needs;
+serve_max_request_bytes: the largest body (413); serve_request_timeout: seconds a request may run (408);
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to serve_shutdown_timeout
 seconds, exit 0. Bad config (an unknown key, a missing tokenizer) is one `error:` line, exit 2; a
 missing checkpoint exit 1.
@@ -94,7 +96,9 @@ def serve(config: Config) -> None:
   server = uvicorn_server(config, app)
   # uvicorn drains on SIGTERM, then raises the signal again: this handler makes that a clean exit 0.
   signal.signal(signal.SIGTERM, lambda *_: _log("serve: drained; exiting"))
-  _log(f"serve: listening on http://{config.serve_host}:{config.serve_port} (GET /health is 200 once compiled)")
+  from MaxText.server.gate import describe
+  _log(f"serve: listening on http://{config.serve_host}:{config.serve_port} (GET /health is 200 once compiled); "
+       f"{describe(config)}")
   server.run()
 
 

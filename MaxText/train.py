@@ -284,7 +284,7 @@ class _Eval:
     return bool(self.config.eval_interval) and (step % self.config.eval_interval == 0 or step == self.config.steps)
 
   def __call__(self, state) -> dict[str, float]:
-    runs = [jax.device_get(self.fn(state["params"], state["buffers"], b)) for b in self.batches]
+    runs = [jax.device_get(distributed.settled(self.fn(state["params"], state["buffers"], b))) for b in self.batches]
     return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
 
@@ -361,6 +361,9 @@ def train(config: Config) -> dict:
         if eval_due or save_due:
           for done in deferred.flush():  # this step's own metrics first: only a good state is saved
             report(*done)
+          # step n done on EVERY local device (its metrics were read from one) before the eval, the data
+          # state's gather and the checkpoint's checks launch their collectives (distributed.settled)
+          distributed.settled(state)
         if eval_due:
           last_eval = evaluate(state)
           logger.log_eval(step, last_eval)

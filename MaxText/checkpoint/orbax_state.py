@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from MaxText.checkpoint import read_scope
 from MaxText.config.types import Config, ConfigError
 from MaxText.runtime.cli import RunError
+from MaxText.runtime.distributed import settled
 
 UNUSABLE_DIR = "checkpoints_unusable"
 
@@ -82,10 +83,10 @@ def parameters_of(state: dict) -> dict:
 def save(manager: ocp.CheckpointManager, step: int, state: dict, data_state: dict) -> None:
   """Writes `state` (the data iterator's JSON beside it) as `step`, with meta = {"fingerprint": the whole state's,
   "parameters_fingerprint": parameters_of(state)'s}: a resume checks the first, load_parameters_path the second."""
-  fingerprint, _ = state_check(state)
+  fingerprint, _ = settled(state_check(state))  # settled: one collective program at a time (distributed.settled)
   meta = {"fingerprint": int(fingerprint)}
   if "params" in state:
-    meta["parameters_fingerprint"] = int(state_check(parameters_of(state))[0])
+    meta["parameters_fingerprint"] = int(settled(state_check(parameters_of(state)))[0])
   try:
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                data=ocp.args.JsonSave(data_state),
@@ -166,7 +167,7 @@ def _mismatch(stored: dict, target: dict) -> str | None:
 def _check_restored(tree, meta: dict | None, key: str = "fingerprint") -> str | None:
   """Why a restored tree must not be used, or None: its state_check against meta[key] (no check when meta
   lacks it: checkpoints written before fingerprints, converter outputs) and every value finite."""
-  fingerprint, finite = jax.device_get(state_check(tree))
+  fingerprint, finite = jax.device_get(settled(state_check(tree)))
   if meta is not None and key in meta and int(fingerprint) != meta[key]:
     return "its contents do not match the fingerprint saved with it (corrupt files)"
   if not finite:

@@ -233,8 +233,11 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Config, absolute: bool = False) -> str:
-  """The resolved config as YAML, every key in schema order (absolute: PATH_KEYS absolute_paths')."""
+  """The resolved config as YAML, every key in schema order (absolute: PATH_KEYS absolute_paths'); a secret
+  (serve_api_key) is written as "": never echoed or saved."""
   def plain(v):
+    if isinstance(v, pydantic.SecretStr):
+      return ""
     return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
   ordered = {k: plain(getattr(cfg, k)) for section in SECTIONS for k in section.model_fields}
   return yaml.safe_dump(absolute_paths(ordered) if absolute else ordered, sort_keys=False, width=120)

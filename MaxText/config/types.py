@@ -12,7 +12,7 @@ import math
 import os
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -242,6 +242,9 @@ class Serve(_Section):
   serve_max_index_score_bytes: PosInt
   serve_speculative_tokens: NonNegInt
   serve_max_logprobs: PosInt
+  serve_api_key: SecretStr  # masked in repr, logs and to_yaml (server/gate.py reads it)
+  serve_max_request_bytes: PosInt
+  serve_request_timeout: Annotated[float, Field(ge=0)]
 
 
 class ReinforcementLearning(_Section):

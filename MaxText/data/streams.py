@@ -184,12 +184,12 @@ def _die_with_parent(worker_index: int, worker_count: int) -> None:
 
 def _gather_cursors(first: int, cursors: list, num_lanes: int) -> list:
   """Every process's lane cursors -> the cursors of all num_lanes lanes (a collective: all call it)."""
-  from jax.experimental import multihost_utils
+  from MaxText.runtime.distributed import process_allgather
   blob = np.frombuffer(json.dumps([first, cursors]).encode(), np.uint8)
-  size = int(np.max(multihost_utils.process_allgather(np.array([len(blob)]))))
+  size = int(np.max(process_allgather(np.array([len(blob)]))))
   padded = np.zeros(size, np.uint8)
   padded[:len(blob)] = blob
-  every = multihost_utils.process_allgather(padded)  # [processes, size]
+  every = process_allgather(padded)  # [processes, size]
   out: list = [None] * num_lanes
   for row in np.asarray(every):
     f, cs = json.loads(bytes(row).rstrip(b"\0").decode())

@@ -25,7 +25,8 @@ token; only entries of accepted positions count as computed, a rejected draft's 
 later and never published; a stop token or max_tokens inside the run ends it there): a page a
 step fills is published to the prefix cache at once (running requests share it too); a request whose every known token is now computed
 gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
-stop_token_ids), at max_tokens, or when its sequence fills max_length. A finished request
+stop_token_ids), at max_tokens, or when its sequence fills max_length; one that has run past its
+params.timeout since its arrival ends ("timeout") when the next step is scheduled. A finished request
 publishes its full pages to the prefix cache and releases them at once.
 
 With a sharded allocator (decode on a mesh: D page shards, one per group of devices holding rows)
@@ -79,6 +80,7 @@ class SamplingParams:
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
   min_p: float = 0.0
   min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+  timeout: float = 0.0  # seconds the request may take from its arrival (serve_request_timeout); 0 = no limit
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -95,7 +97,8 @@ class SamplingParams:
            ("logit_bias", all(0 <= t < vocab_size and -100 <= b <= 100 for t, b in self.logit_bias),
             f"token ids in [0, {vocab_size}) mapped to numbers in [-100, 100]"),
            ("min_p", 0.0 <= self.min_p <= 1.0, "a number in [0, 1] (0 = off)"),
-           ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")]
+           ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"an integer in [0, max_tokens={self.max_tokens}]"),
+           ("timeout", self.timeout >= 0, "a number of seconds >= 0 (0 = no limit)")]
     for field, ok, want in bad:
       if not ok:
         raise RequestError(f"{field}={getattr(self, field)!r} is invalid: expected {want}", field)
@@ -110,7 +113,7 @@ class Request:
   output: list[int] = dataclasses.field(default_factory=list)
   computed: int = 0  # leading tokens of prompt + output whose cache entries are written
   pages: list[int] = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None  # "stop" | "length" | "abort"
+  finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
   preemptions: int = 0
   first_token_time: float | None = None
   drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: tokens to verify next step
@@ -223,7 +226,9 @@ class Scheduler:
 
   # ---- one step
   def schedule(self) -> list[Scheduled]:
-    """The next step's rows, running requests first (oldest first), then admitted waiting ones."""
+    """The next step's rows, running requests first (oldest first), then admitted waiting ones. Requests
+    past their params.timeout end first ("timeout", pages back at once), running or waiting."""
+    self._expire(time.monotonic())
     rows, budget = [], self.max_num_tokens
     for r in list(self.running):  # oldest first: a preemption only ever takes a newer, unscheduled one
       if r not in self.running:
@@ -289,6 +294,12 @@ class Scheduler:
         self._finish(r, reason)
         done.append(r)
     return done
+
+  def _expire(self, now: float) -> None:
+    """Ends every request that has run longer than its params.timeout since its arrival ("timeout")."""
+    for r in [*self.running, *self.waiting]:
+      if r.params.timeout and now - r.arrival > r.params.timeout:
+        self.abort(r, "timeout")
 
   def _drafts(self, r: Request) -> tuple[int, ...]:
     """A decoding request's drafts to verify: at most `speculative`, none past max_tokens or the context."""

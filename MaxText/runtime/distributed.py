@@ -12,6 +12,9 @@ detected means one process.
 Each process then builds only its rows of each batch (`batch_slice` tells the input pipeline
 which) and `global_batch` assembles the global arrays from them without any host seeing the
 whole batch. A failure in one process ends every process quickly and non-zero (`run_main`).
+Host-side gathers and reads of collective programs' results go through `process_allgather` and
+`settled`: the host never launches a collective program while another is still running on one of
+its devices (on the CPU that aborts gloo: `settled`).
 """
 
 from __future__ import annotations
@@ -220,13 +223,52 @@ def global_batch(local: dict, shardings: dict, global_batch_size: int) -> dict:
           for k, v in local.items()}
 
 
+def settled(tree):
+  """`tree` once every array in it is computed on every local device (jax.block_until_ready), returned.
+
+  The host waits here after a program with cross-process collectives and before it launches another
+  program that does not consume that one's outputs. Reading a replicated result (float(loss), a
+  fingerprint, process_allgather's answer) waits for ONE local device's copy only; XLA:CPU launches
+  the next collective program as soon as the previous one is launched, and the other local devices
+  may still be exchanging the first one's gloo messages on the same communicators: the two programs'
+  messages then meet in another order in each process, and gloo aborts ("Received data size doesn't
+  match expected size ... distributed collective mismatch"). On one process, and on TPU/GPU (whose
+  collectives are ordered on each device's stream), this costs one wait and changes nothing."""
+  import jax
+  return jax.block_until_ready(tree)
+
+
+def _identity(x):
+  return x
+
+
+def process_allgather(x, tiled: bool = False):
+  """jax.experimental.multihost_utils.process_allgather, settled: -> numpy once every local device is done
+  with the gather (that one returns after ONE device's copy is read). x: a global jax.Array (tiled: its
+  whole value) or this process's numpy rows ([processes, ...] stacked; tiled: concatenated)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a global array: replicate it on every device
+    out = jax.jit(_identity, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+  else:
+    local = np.asarray(x)
+    local = local[None] if local.ndim == 0 or not tiled else local  # [1 or rows, ...] from this process
+    if jax.process_count() == 1:
+      return local
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
+                             ("processes", "local_devices"))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("processes")), local)
+    out = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)  # [P * rows, ...]
+  return np.asarray(settled(out).addressable_data(0))
+
+
 def to_host(x):
   """A jax.Array as numpy on every process, also when its shards live on other processes."""
   import numpy as np
   if x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return process_allgather(x, tiled=True)
 
 
 def is_main_process() -> bool:

@@ -12,6 +12,8 @@ serve_max_waiting, 503 while compiling); tokens then come back as the engine mak
 detokenized incrementally, checked for stop strings, and sent (streamed: one event per piece,
 ending with `data: [DONE]`). A client that goes away mid-request has its request aborted (its
 pages freed at the engine's next loop). Every failure is OpenAI's error body; none ends the server.
+Before any route: the API key (401) and the body's size (413), server/gate.py. A request the engine
+ends at serve_request_timeout is a 408 (streamed: the error as its last event, then [DONE]).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from MaxText.config.types import Config
 from MaxText.server.chat import chat_turn
 from MaxText.server.engine_thread import EngineThread, RequestStream
+from MaxText.server.gate import RequestGate, api_key
 from MaxText.server.logprobs import (
   DetokenizeRequest,
   TokenizeRequest,
@@ -89,6 +92,8 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   if spec is not None:
     await compiled(server.grammars, spec)  # a bad schema is a 400 here; the engine then finds it compiled
     params = [dataclasses.replace(p, grammar=spec) for p in params]
+  if server.config.serve_request_timeout:
+    params = [dataclasses.replace(p, timeout=server.config.serve_request_timeout) for p in params]
   streams: list[RequestStream] = []
   try:
     for p, sp in zip(prompts, params):
@@ -123,6 +128,8 @@ async def _pieces(server: Server, index: int, stream: RequestStream, body: Sampl
           return
       yield Piece(index, text, [tok], logprobs=lp)
     reason = stream.finish_reason
+    if reason == "timeout":
+      raise _timed_out(server, n)
     tail = detok.flush()
     if stop is not None:
       tail, hit = stop.push(tail)
@@ -134,6 +141,14 @@ async def _pieces(server: Server, index: int, stream: RequestStream, body: Sampl
       server.engine.abort(stream)  # the client went away (or the caller failed): free its pages now
     server.metrics.observe(prompt_tokens=len(stream.prompt), generated=n, finish_reason=reason or "abort",
                            arrival=arrival, first_token=first, last_token=last)
+
+
+def _timed_out(server: Server, made: int) -> ApiError:
+  """A request the engine ended at serve_request_timeout (its pages are already free): a 408 in OpenAI's
+  body; streamed, the same body as the last event (the status line is already out)."""
+  limit = server.config.serve_request_timeout
+  return ApiError(408, f"the request ran past serve_request_timeout={limit:g} s and was ended after {made} "
+                  "tokens: ask for fewer max_tokens, or a larger serve_request_timeout", None, "request_timeout")
 
 
 async def _dropped(gen: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
@@ -278,6 +293,7 @@ def build_app(server: Server) -> FastAPI:
       await asyncio.to_thread(server.engine.stop)
 
   app = FastAPI(title="MaxText DeepSeek-V3.2", lifespan=lifespan)
+  app.add_middleware(RequestGate, api_key=api_key(server.config), max_bytes=server.config.serve_max_request_bytes)
 
   @app.exception_handler(ApiError)
   async def api_error(request: Request, e: ApiError):

@@ -60,6 +60,7 @@ class SamplingFields(BaseModel):
   stream: bool = False
   stream_options: StreamOptions | None = None
   n: int = 1
+  best_of: int | None = None  # OpenAI's (completions): candidates to pick the n best from; only best_of = n = 1
   return_token_ids: bool = False
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
@@ -111,8 +112,14 @@ class SamplingFields(BaseModel):
     return tuple(pairs)
 
   def check(self) -> None:
+    if self.n < 1:
+      raise ApiError(400, f"n={self.n} is invalid: expected an integer >= 1", "n")
     if self.n != 1:
       raise ApiError(400, f"n={self.n} is not supported: only n=1 (send the request again for more choices)", "n")
+    if self.best_of is not None and self.best_of < self.n:
+      raise ApiError(400, f"best_of={self.best_of} is invalid: expected an integer >= n={self.n}", "best_of")
+    if self.best_of not in (None, 1):
+      raise ApiError(400, f"best_of={self.best_of} is not supported: only best_of=1 (the one choice made)", "best_of")
     if self.stream_options is not None and not self.stream:
       raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 

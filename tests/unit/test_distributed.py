@@ -110,3 +110,15 @@ def test_rendezvous_starts_only_when_every_process_came():
   assert said[1].startswith("error: distributed_num_processes=3"), said  # process 0's line, or its own timeout
   assert _rendezvous(2, [0, 1], timeout_s=10) == ["ok", "ok"]
 
+
+
+def test_process_allgather_on_one_process_stacks_or_keeps_the_rows_and_settled_returns_its_tree():
+  import jax.numpy as jnp
+  import numpy as np
+
+  from MaxText.runtime.distributed import process_allgather, settled
+  assert process_allgather(np.array([3, 4])).tolist() == [[3, 4]]  # stacked: [processes, ...]
+  assert process_allgather(np.array([3, 4]), tiled=True).tolist() == [3, 4]
+  assert process_allgather(np.int32(5)).tolist() == [5]
+  tree = {"a": jnp.ones(3)}
+  assert settled(tree) is tree

@@ -93,3 +93,31 @@ def test_a_parameter_load_checks_the_parameters_fingerprint_of_a_step(tmp_path):
   used, restored = orbax_state.restore_parameters(str(tmp_path), target, report=lines.append)
   assert used.endswith("1/state") and np.array_equal(restored["params"]["w"], states[1]["params"]["w"])
   assert len(lines) == 1 and "2/state is unusable: its contents do not match the fingerprint" in lines[0], lines
+
+
+def test_a_step_whose_parameter_files_are_garbled_but_finite_is_refused_by_a_parameter_load(tmp_path):
+  """The arrays of step 2 replaced by other finite values (step 1's files, as a copy from the wrong run
+  or a torn rsync would leave them; its meta untouched): every value is finite, only the fingerprint
+  tells. A load of the run falls back to step 1 with one line; a load of step 2 alone is refused."""
+  import shutil
+
+  import orbax.checkpoint as ocp
+  import pytest
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False, create=True))
+  states = {s: {"params": {"w": np.arange(8, dtype=np.float32) * s + 1}, "buffers": {"b": np.full(2, s, np.float32)},
+                "opt": {"mu": np.zeros(3, np.float32)}} for s in (1, 2)}
+  for s, state in states.items():
+    orbax_state.save(manager, s, state, {"cursor": s})
+  manager.wait_until_finished()
+  step1, step2 = tmp_path / "checkpoints" / "1" / "state", tmp_path / "checkpoints" / "2" / "state"
+  shutil.rmtree(step2)
+  shutil.copytree(step1, step2)  # finite values, the wrong ones
+  target = _abstract(orbax_state.parameters_of(states[1]))
+  lines = []
+  used, restored = orbax_state.restore_parameters(str(tmp_path), target, report=lines.append)
+  assert used == str(step1) and np.array_equal(restored["params"]["w"], states[1]["params"]["w"])
+  assert len(lines) == 1 and f"{step2} is unusable: its contents do not match the fingerprint" in lines[0], lines
+  with pytest.raises(orbax_state.CheckpointError) as e:
+    orbax_state.restore_parameters(str(step2.parent), target, report=lines.append)
+  assert "no usable parameters" in str(e.value) and "fingerprint" in str(e.value) and "\n" not in str(e.value)

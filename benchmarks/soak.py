@@ -1,0 +1,243 @@
+"""A soak of our OpenAI server on loopback: mixed traffic for --minutes, then the checks a deployment needs.
+
+    python -m benchmarks.soak --minutes 30          # the figures in docs/deployment.md
+    python -m benchmarks.soak --minutes 2 --clients 4
+
+The server: python -m MaxText.serve with the tiny model at random init (base.yml; key=value after the
+flags override), tests/data/tokenizer.json, on 127.0.0.1 at a free port, an API key from
+$MAXTEXT_API_KEY (every request carries it), a small serve_max_waiting so that bursts pass it. It is
+started (the clock starts once /health is 200), driven, then stopped: the run ends by itself.
+
+Traffic (--clients closed-loop clients, seeded): plain and streamed completions, chat with tools
+(DeepSeek-V3.2's format), logprobs (with echo now and then), chat with a JSON schema
+(response_format), 10% streamed requests whose client disconnects after the first event, 5%
+malformed bodies (a 400 expected), and every --burst-every seconds a burst of 3 x
+(serve_max_waiting + serve_max_num_seqs) requests at once (429s expected).
+
+Checks, once the load ends and the engine is idle:
+  status_5xx    no response was a 5xx (and none hung: every request has a 120 s timeout, counted as a 5xx)
+  pages_leaked  maxtext_pages_used once idle: every page back in the free pool (the cached prefix pages
+                within the pool: pages_cached <= pages_total)
+  rss_growth    the server's resident memory at the end / after warm-up (the first max(60 s, 10%)) - 1:
+                within 0.10
+  counted       /metrics' finished requests (every finish reason) == the requests the server accepted
+                (a 200 status line, streamed ones whose client left included, or a 408: taken, then
+                ended at serve_request_timeout)
+A table, then one JSON line: requests, status_5xx, pages_leaked, rss_growth, p99_ttft_s (streamed
+requests: send -> first event), and the rest. Exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # python benchmarks/soak.py: import the repo's packages
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.serve_load import DATA, REPO, _free_port, start, stop  # noqa: E402
+
+KEY = "soak-" + os.urandom(8).hex()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+class Tally:
+  def __init__(self):
+    self.status = collections.Counter()  # HTTP status (0: no response: a transport error or timeout)
+    self.kinds = collections.Counter()
+    self.accepted = 0  # responses with a 200 status line: requests the engine took
+    self.ttft: list[float] = []
+
+  def add(self, kind: str, status: int):
+    self.kinds[kind] += 1
+    self.status[status] += 1
+    self.accepted += status in (200, 408)  # 408: taken, then ended at serve_request_timeout
+
+
+def _metrics(text: str) -> dict:
+  out: dict = {"finished": 0.0}
+  for m in re.finditer(r'^maxtext_requests_total\{finish_reason="(\w+)"\} (\S+)$', text, re.M):
+    out["finished"] += float(m.group(2))
+    out[f"finished_{m.group(1)}"] = float(m.group(2))
+  for name in ("pages_used", "pages_total", "pages_cached", "requests_running", "requests_waiting"):
+    m = re.search(rf"^maxtext_{name} (\S+)$", text, re.M)
+    out[name] = float(m.group(1)) if m else None
+  return out
+
+
+def _rss_mib(pid: int) -> float:
+  with open(f"/proc/{pid}/status") as f:
+    return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def _request(rng: random.Random, words: list[str]) -> tuple[str, str, dict | bytes]:
+  """(kind, path, body) of one request of the mix."""
+  at = rng.randrange(len(words) - 12)
+  text = " ".join(words[at:at + rng.randint(2, 10)])
+  x = rng.random()
+  if x < 0.05:
+    return "malformed", "/v1/completions", b'{"prompt": "' + text.encode() + b'", "max_tokens": '  # cut short
+  if x < 0.15:
+    return "disconnect", "/v1/completions", {"prompt": text, "max_tokens": 40, "stream": True, "ignore_eos": True}
+  msgs = [{"role": "user", "content": text}]
+  kind = rng.choice(["plain", "stream", "chat_tools", "logprobs", "json"])
+  body: dict = {"max_tokens": rng.randint(2, 16), "temperature": rng.choice([0.0, 1.0]), "seed": rng.randrange(1000)}
+  if kind == "plain":
+    return kind, "/v1/completions", {**body, "prompt": text}
+  if kind == "stream":
+    return kind, "/v1/completions", {**body, "prompt": text, "stream": True, "stream_options": {"include_usage": True}}
+  if kind == "chat_tools":
+    return kind, "/v1/chat/completions", {**body, "messages": msgs, "tools": TOOLS, "stream": rng.random() < 0.5}
+  if kind == "logprobs":
+    return kind, "/v1/completions", {**body, "prompt": text, "logprobs": 3, "echo": rng.random() < 0.3}
+  return kind, "/v1/chat/completions", {**body, "messages": msgs, "max_tokens": 24,
+                                        "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "p", "schema": SCHEMA}}}
+
+
+async def _send(client, url: str, kind: str, path: str, body, tally: Tally) -> None:
+  t0 = time.perf_counter()
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  try:
+    if isinstance(body, dict) and body.get("stream"):
+      async with client.stream("POST", url + path, content=content) as r:
+        first = True
+        async for line in r.aiter_lines():
+          if line.startswith("data: ") and first:
+            first = False
+            if r.status_code == 200:
+              tally.ttft.append(time.perf_counter() - t0)
+            if kind == "disconnect":
+              break  # the client goes away mid-stream: the server must abort it and free its pages
+      tally.add(kind, r.status_code)
+    else:
+      r = await client.post(url + path, content=content)
+      tally.add(kind, r.status_code)
+  except Exception:  # noqa: BLE001 - a hung or broken connection counts against the server
+    tally.add(kind, 0)
+
+
+async def drive(url: str, seconds: float, clients: int, burst_every: float, burst: int, seed: int,
+                tally: Tally, on_tick) -> None:
+  import httpx
+  words = open(os.path.join(DATA, "corpus.txt"), encoding="utf-8").read().split()
+  deadline = time.monotonic() + seconds
+  headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+  limits = httpx.Limits(max_connections=clients + burst + 4)
+  async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
+    async def loop(i):
+      rng = random.Random(seed * 1000 + i)
+      while time.monotonic() < deadline:
+        await _send(client, url, *_request(rng, words), tally)
+
+    async def bursts():
+      rng = random.Random(seed)
+      while time.monotonic() + burst_every < deadline:
+        await asyncio.sleep(burst_every)
+        await asyncio.gather(*[_send(client, url, "burst", "/v1/completions",
+                                     {"prompt": " ".join(rng.sample(words, 4)), "max_tokens": 8}, tally)
+                               for _ in range(burst)])
+
+    async def ticks():
+      while time.monotonic() < deadline:
+        await asyncio.sleep(10)
+        on_tick()
+
+    await asyncio.gather(*[loop(i) for i in range(clients)], bursts(), ticks())
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--minutes", type=float, required=True, help="how long the load runs (the run ends by itself)")
+  ap.add_argument("--clients", type=int, default=6, help="closed-loop clients")
+  ap.add_argument("--burst-every", type=float, default=30.0, help="seconds between bursts past serve_max_waiting")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("overrides", nargs="*", help="key=value for the server's config")
+  args = ap.parse_args(argv)
+  import httpx
+  port = _free_port()
+  url = f"http://127.0.0.1:{port}"
+  max_waiting, max_seqs = 4, 4
+  cmd = [sys.executable, "-m", "MaxText.serve", "configs/base.yml", "tokenizer_type=hf",
+         f"tokenizer_path={os.path.join(DATA, 'tokenizer.json')}", "add_bos=false", "serve_host=127.0.0.1",
+         f"serve_port={port}", f"serve_max_waiting={max_waiting}", f"serve_max_num_seqs={max_seqs}",
+         "max_target_length=128", "serve_request_timeout=60", *args.overrides]
+  env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MAXTEXT_API_KEY": KEY,
+         "PYTHONPATH": REPO}
+  log_path = os.path.join(tempfile.mkdtemp(prefix="soak_"), "server.log")
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed soak still stops its server (finally)
+  t_start = time.monotonic()
+  proc = start(cmd, env, url, log_path)
+  print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
+  tally, rss = Tally(), []
+  seconds = args.minutes * 60
+  warm_at = time.monotonic() + max(60.0, 0.1 * seconds)
+  warm = [None]
+
+  def tick():
+    rss.append(_rss_mib(proc.pid))
+    if warm[0] is None and time.monotonic() >= warm_at:
+      warm[0] = rss[-1]
+
+  try:
+    t0 = time.monotonic()
+    asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), args.seed,
+                      tally, tick))
+    wall = time.monotonic() - t0
+    auth = {"Authorization": f"Bearer {KEY}"}
+    deadline, m = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:  # the engine idle and every accepted request counted
+      m = _metrics(httpx.get(f"{url}/metrics", headers=auth).text)
+      if m["requests_running"] == 0 and m["requests_waiting"] == 0 and m["finished"] >= tally.accepted:
+        break
+      time.sleep(0.5)
+    end_rss = _rss_mib(proc.pid)
+  finally:
+    stop(proc)
+  warm_rss = warm[0] if warm[0] is not None else (rss[0] if rss else end_rss)
+  ttft = sorted(tally.ttft)
+  p = (lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)) if ttft else (lambda q: None)
+  result = {
+      "requests": sum(tally.status.values()), "status_5xx": sum(v for s, v in tally.status.items() if s >= 500 or s == 0),
+      "pages_leaked": int(m.get("pages_used") or 0), "rss_growth": round(end_rss / warm_rss - 1, 4),
+      "p99_ttft_s": p(0.99), "p50_ttft_s": p(0.5), "minutes": round(wall / 60, 2),
+      "accepted": tally.accepted, "metrics_finished": int(m.get("finished", 0)),
+      "status": {str(k): v for k, v in sorted(tally.status.items())}, "kinds": dict(tally.kinds),
+      "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1), "max": round(max(rss + [end_rss]), 1)},
+      "pages_cached": int(m.get("pages_cached") or 0), "pages_total": int(m.get("pages_total") or 0),
+      "finish_reasons": {k[len("finished_"):]: int(v) for k, v in m.items() if k.startswith("finished_")},
+  }
+  checks = {"no 5xx or hung request": result["status_5xx"] == 0,
+            "every page back in the pool": result["pages_leaked"] == 0 and result["pages_cached"] <= result["pages_total"],
+            "resident memory within 10% of warm-up": result["rss_growth"] <= 0.10,
+            "/metrics counts every accepted request": result["metrics_finished"] == tally.accepted,
+            "429s seen (bursts past serve_max_waiting)": tally.status[429] > 0,
+            "400s for the malformed bodies": tally.status[400] >= tally.kinds["malformed"]}
+  print(f"\n{'requests':>10} {'5xx':>5} {'accepted':>9} {'counted':>8} {'leaked':>7} {'rss warm':>9} {'rss end':>8} "
+        f"{'p50 ttft':>9} {'p99 ttft':>9}")
+  print(f"{result['requests']:>10} {result['status_5xx']:>5} {tally.accepted:>9} {result['metrics_finished']:>8} "
+        f"{result['pages_leaked']:>7} {warm_rss:>9.1f} {end_rss:>8.1f} {str(result['p50_ttft_s']):>9} "
+        f"{str(result['p99_ttft_s']):>9}")
+  print(f"status {result['status']}; kinds {result['kinds']}; finish reasons {result['finish_reasons']}")
+  for what, ok in checks.items():
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+  result["checks_passed"] = all(checks.values())
+  print(json.dumps(result), flush=True)
+  return 0 if result["checks_passed"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
