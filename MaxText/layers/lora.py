@@ -1,0 +1,109 @@
+"""LoRA (Hu et al. 2021, arXiv 2106.09685): low-rank adapters beside frozen linears; QLoRA when the frozen
+base is DeepSeek's fp8 block-quantized release (weight_quantization=fp8_block).
+
+A Linear y = x W, W [in, out], whose path fully matches lora_module_path gets
+
+    A [in, r]   uniform(-1/sqrt(in), 1/sqrt(in))   (peft's and MaxText's kaiming-uniform init)
+    B [r, out]  zeros
+    y = x W + (lora_alpha / r) (x A) B              r = lora_rank
+
+B = 0 makes the adapted model's output equal the base's at step 0. Stacked (scanned) layers carry
+stacked adapters [L, in, r], [L, r, out]. A's input axis and B's output axis are the kernel's logical
+axes, the rank axis is `lora_rank` (replicated): each adapter is sharded as its kernel is
+(ZeRO-3 over fsdp/context/expert, tensor on heads/mlp), and so are its optimizer moments.
+
+The paths are the linears' module paths, e.g. `dense_layers/layers/attention/wq_a`,
+`moe_layers/layers/mlp/shared_experts/down`, `moe_layers/layers/attention/indexer/wk`,
+`mtp/0/layer/attention/wo`, `output_head`. The routed experts are not Linears: no adapters there yet.
+
+In the trainer the params pure dict is split by name: `adapters` (every `lora_a` / `lora_b` leaf: what
+the optimizer trains and a checkpoint holds) and `base` (everything else, frozen); `join` is the inverse.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.config.types import Config, ConfigError
+from MaxText.layers.linears import Linear
+
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
+  """(module path 'a/b/c', Linear) of every Linear in the model, in graph order."""
+  return [("/".join(str(p) for p in path), node) for path, node in nnx.iter_graph(model)
+          if isinstance(node, Linear)]
+
+
+def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
+  """The linears lora_module_path fully matches; a ConfigError (one line) when none does, or when
+  lora_rank exceeds a matched kernel's smaller side."""
+  pattern = re.compile(config.lora_module_path)
+  every = linears(model)
+  hits = [(p, m) for p, m in every if pattern.fullmatch(p)]
+  if not hits:
+    names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every})
+    raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches no linear of this model; its linears "
+                      f"are: {', '.join(names)}")
+  for path, m in hits:
+    n_in, n_out = m.kernel.shape[-2:]
+    if config.lora_rank > min(n_in, n_out):
+      raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
+                        f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
+                        f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
+  return hits
+
+
+def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
+  """Gives every linear lora_module_path matches its A and B (a no-op at lora_rank=0). Called once the
+  base is built, so the base's random draws (and values) are the same with and without adapters."""
+  if not config.lora_rank:
+    return
+  r = config.lora_rank
+  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.weight_dtype]
+  for _, m in matched(model, config):
+    *stack, n_in, n_out = m.kernel.shape  # stack: [L] for a scanned layer's kernel
+    in_axis, out_axis = m.kernel.get_metadata()["logical_axes"][-2:]
+    bound = 1.0 / math.sqrt(n_in)
+    a = jax.random.uniform(rngs.params(), (*stack, n_in, r), jnp.float32, -bound, bound)  # [..., in, r]
+    m.lora_a = nnx.Param(a.astype(dtype), logical_axes=(in_axis, "lora_rank"))
+    m.lora_b = nnx.Param(jnp.zeros((*stack, r, n_out), dtype), logical_axes=("lora_rank", out_axis))  # [..., r, out]
+    m.lora_scale = config.lora_alpha / r
+
+
+def is_adapter(path) -> bool:
+  """Whether a pytree path (of a params pure dict) ends in an adapter's A or B."""
+  last = path[-1]
+  return str(getattr(last, "key", last)) in ADAPTER_NAMES
+
+
+def _partition(tree: dict, keep_adapters: bool) -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      sub = _partition(v, keep_adapters)
+      if sub:
+        out[k] = sub
+    elif (k in ADAPTER_NAMES) == keep_adapters:
+      out[k] = v
+  return out
+
+
+def split(params: dict) -> tuple[dict, dict]:
+  """A params pure dict -> (adapters: only the lora_a / lora_b leaves, base: all the others), both nested
+  as params (an empty branch is left out)."""
+  return _partition(params, True), _partition(params, False)
+
+
+def join(a: dict, b: dict) -> dict:
+  """The union of two nested dicts without common leaves (the inverse of `split`)."""
+  out = dict(b)
+  for k, v in a.items():
+    out[k] = join(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
