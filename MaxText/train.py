@@ -403,8 +403,10 @@ def train(config: Config) -> dict:
       data.close()  # grain worker processes, if any
       orbax_state.finish(manager)
   if last and distributed.is_main_process():
-    weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
-               else "not saved (enable_checkpointing=false)")
+    weights = ("not saved (enable_checkpointing=false)" if manager is None
+               else f"LoRA adapters (rank {config.lora_rank}) in {config.checkpoint_dir}, over the base "
+                    f"load_parameters_path={config.load_parameters_path or '(random init)'}" if config.lora_rank
+               else f"load_parameters_path={config.checkpoint_dir}")
     print(logger.summary(start_step + 1, config.steps, last, weights), flush=True)
   return dict(last, **{f"eval_{k}": v for k, v in last_eval.items()}) if last else last
 

@@ -14,7 +14,8 @@ axes, the rank axis is `lora_rank` (replicated): each adapter is sharded as its 
 
 The paths are the linears' module paths, e.g. `dense_layers/layers/attention/wq_a`,
 `moe_layers/layers/mlp/shared_experts/down`, `moe_layers/layers/attention/indexer/wk`,
-`mtp/0/layer/attention/wo`, `output_head`. The routed experts are not Linears: no adapters there yet.
+`mtp/0/layer/attention/wo`, `output_head`. The routed experts (`moe_layers/layers/mlp/wi_0`, `wi_1`, `wo`)
+are not Linears: per-expert adapters are not built yet (a regex matching them is a config error).
 
 In the trainer the params pure dict is split by name: `adapters` (every `lora_a` / `lora_b` leaf: what
 the optimizer trains and a checkpoint holds) and `base` (everything else, frozen); `join` is the inverse.
@@ -31,6 +32,7 @@ from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
 from MaxText.layers.linears import Linear
+from MaxText.layers.moe import DeepSeekMoE
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 
@@ -47,6 +49,12 @@ def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
   pattern = re.compile(config.lora_module_path)
   every = linears(model)
   hits = [(p, m) for p, m in every if pattern.fullmatch(p)]
+  experts = [f"{'/'.join(str(p) for p in path)}/{w}" for path, node in nnx.iter_graph(model)
+             if isinstance(node, DeepSeekMoE) for w in ("wi_0", "wi_1", "wo")]
+  if any(pattern.fullmatch(p) for p in experts):
+    raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches the routed experts "
+                      f"({next(p for p in experts if pattern.fullmatch(p))}): per-expert adapters are not built yet; "
+                      "adapt the shared experts (.*/mlp/shared_experts/(gate|up|down)) and attention instead")
   if not hits:
     names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every})
     raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches no linear of this model; its linears "

@@ -57,6 +57,8 @@ def test_indexer_is_selectable():
     (dict(lora_rank=40, lora_module_path=".*/attention/wkv_b"),
      r"lora_rank=40 exceeds the smaller side of dense_layers/layers/attention/wkv_b's kernel \[32, 128\] \(matched by "
      r"lora_module_path='.\*/attention/wkv_b'\): use lora_rank <= 32"),
+    (dict(lora_rank=4, lora_module_path=".*/mlp/(wi_0|wi_1|wo)"),
+     "matches the routed experts \\(moe_layers/layers/mlp/wi_0\\): per-expert adapters are not built yet"),
 ])
 def test_a_bad_lora_key_is_one_line_naming_the_key_and_what_it_matched(keys, said):
   cfg = make_config(**keys)
@@ -112,7 +114,8 @@ def test_merged_kernel_equals_the_unmerged_linear():
   assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
 
 
-def _train(cfg, steps: int):
+def train_steps(cfg, steps: int):
+  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh."""
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
@@ -135,7 +138,7 @@ def small_lora_config(**kw):
 @pytest.mark.parametrize("quant", ["fp8_block"])  # the QLoRA base; its norms, router and head are float leaves
 def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   cfg = small_lora_config(weight_quantization=quant)
-  first, last, metrics = _train(cfg, 2)
+  first, last, metrics = train_steps(cfg, 2)
   adapters = jax.tree_util.tree_leaves_with_path(last["params"])
   assert adapters and all(lora.is_adapter(p) for p, _ in adapters)
   assert last["buffers"] == {}
