@@ -7,7 +7,9 @@ A Linear y = x W, W [in, out], whose path fully matches lora_module_path gets
     B [r, out]  zeros
     y = x W + (lora_alpha / r) (x A) B              r = lora_rank
 
-B = 0 makes the adapted model's output equal the base's at step 0. Stacked (scanned) layers carry
+B = 0 makes the adapted model's output equal the base's at step 0. A and B are float32 whatever
+weight_dtype is (they are what trains: QLoRA's fp32 adapters over a bf16/fp8 base), cast to the compute
+dtype in the matmul. Stacked (scanned) layers carry
 stacked adapters [L, in, r], [L, r, out]. A's input axis and B's output axis are the kernel's logical
 axes, the rank axis is `lora_rank` (replicated): each adapter is sharded as its kernel is
 (ZeRO-3 over fsdp/context/expert, tensor on heads/mlp), and so are its optimizer moments.
@@ -28,10 +30,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.layers.linears import Linear
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, quantize
+from MaxText.layers.linears import SCALE_SUFFIX, Linear
 from MaxText.layers.moe import DeepSeekMoE
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -74,7 +78,7 @@ def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
   if not config.lora_rank:
     return
   r = config.lora_rank
-  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.weight_dtype]
+  dtype = jnp.float32  # whatever weight_dtype says: adapters are the trained master copy (cast to dtype in the matmul)
   for _, m in matched(model, config):
     *stack, n_in, n_out = m.kernel.shape  # stack: [L] for a scanned layer's kernel
     in_axis, out_axis = m.kernel.get_metadata()["logical_axes"][-2:]
@@ -114,4 +118,34 @@ def join(a: dict, b: dict) -> dict:
   out = dict(b)
   for k, v in a.items():
     out[k] = join(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def merged(base: dict, adapters: dict, scale: float, block: tuple[int, int]) -> dict:
+  """The base params pure dict (stacked or per layer, float or fp8 with `kernel_scale` beside the kernel) with
+  each adapter merged into its kernel: W + scale * A B, in fp32 (A [..., in, r], B [..., r, out]). An fp8
+  kernel is dequantized, merged and quantized again per (in, out) `block`: the merged weight rounds to e4m3.
+  A float kernel keeps its dtype. `adapters` is nested as `base` (what `split` gives)."""
+  out = dict(base)
+  for k, sub in adapters.items():
+    if not isinstance(sub, dict):
+      continue
+    if "lora_a" not in sub:
+      out[k] = merged(base[k], sub, scale, block)
+      continue
+    node = dict(base[k])
+    scales = node.get("kernel" + SCALE_SUFFIX)
+    w = np.asarray(node["kernel"] if scales is None else dequantize(BlockFP8(jnp.asarray(node["kernel"]),
+                                                                             jnp.asarray(scales))), np.float32)
+    ab = np.einsum("...ir,...ro->...io", np.asarray(sub["lora_a"], np.float32), np.asarray(sub["lora_b"], np.float32))
+    if ab.shape != w.shape:
+      raise ValueError(f"the adapter of {k} gives a [{', '.join(map(str, ab.shape))}] update to a kernel of "
+                       f"[{', '.join(map(str, w.shape))}]: are lora_rank and the model keys the run's?")
+    w = w + np.float32(scale) * ab  # [..., in, out]
+    if scales is None:
+      node["kernel"] = w.astype(np.asarray(node["kernel"]).dtype)
+    else:
+      q = quantize(jnp.asarray(w), block)
+      node["kernel"], node["kernel" + SCALE_SUFFIX] = np.asarray(q.values), np.asarray(q.scale)
+    out[k] = node
   return out

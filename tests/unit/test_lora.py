@@ -153,3 +153,21 @@ def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   b = last["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]
   assert np.abs(first["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]).max() == 0 < np.abs(b).max()
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_adapters_merged_into_the_base_give_the_adapted_models_logits():
+  cfg = make_config(lora_rank=4, matmul_precision="highest", mtp_num_layers=0)
+  adapted = Transformer(cfg, rngs=nnx.Rngs(0))
+  for _, m in lora.linears(adapted):
+    if m.lora_b is not None:
+      m.lora_b[...] = jax.random.normal(jax.random.key(5), m.lora_b.shape) * 0.05
+  graphdef, params, buffers = nnx.split(adapted, nnx.Param, ...)
+  adapters, base = lora.split(jax.tree.map(np.asarray, params.to_pure_dict()))
+  merged = lora.merged(base, adapters, cfg.lora_alpha / cfg.lora_rank, (16, 16))
+  plain_cfg = make_config(matmul_precision="highest", mtp_num_layers=0)
+  plain = Transformer(plain_cfg, rngs=nnx.Rngs(0))
+  g, p, b = nnx.split(plain, nnx.Param, ...)
+  plain = nnx.merge(g, merged, b.to_pure_dict())
+  want, got = np.asarray(adapted(TOKENS)[0]), np.asarray(plain(TOKENS)[0])
+  assert not np.allclose(want, np.asarray(Transformer(plain_cfg, rngs=nnx.Rngs(0))(TOKENS)[0]), atol=1e-3)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
