@@ -10,7 +10,8 @@ state); the MoE routing bias becomes `e_score_correction_bias`. Scanned layer st
 layer. --config and key=value describe the model as for training; the layer layout (scanned or not)
 is read from the checkpoint itself. fp8 block-quantized weights (weight_quantization=fp8_block) are
 written as they are, with their weight_scale_inv and config.json's quantization_config; --dtype applies
-to the float weights.
+to the float weights. A LoRA run (lora_rank > 0, e.g. --config outputs/<run>/config.yml) is exported merged:
+the base from its load_parameters_path with the adapters of --checkpoint merged into their kernels (docs/lora.md).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
 from MaxText.data import input_pipeline
+from MaxText.layers import lora
 from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from MaxText.layers.moe import update_routing_bias
@@ -72,13 +73,32 @@ def trainable_labels(config: Config, params) -> dict:
 
 def make_optimizer(config: Config, params) -> optax.GradientTransformation:
   """AdamW on the parameters the indexer training stage trains; the others frozen (trainable_labels).
-  fp8 block-quantized weights are a serving and loading format: no gradient step can update them."""
-  if config.weight_quantization != "none":
+  Under LoRA `params` are the adapters alone (model_parts). fp8 block-quantized weights are a serving and
+  loading format, and the frozen base of LoRA: no gradient step can update them."""
+  if config.weight_quantization != "none" and not config.lora_rank:
     raise ConfigError(f"weight_quantization={config.weight_quantization}: fp8 weights are for serving and loading "
                       "(decode, serve, convert/export); train on float weights: weight_quantization=none (for "
                       "DeepSeek-V3.2's fp8 release: python -m MaxText.convert_hf_checkpoint --hf-path DIR --output "
-                      "OUT weight_quantization=none dequantizes it, then load_parameters_path=OUT)")
+                      "OUT weight_quantization=none dequantizes it, then load_parameters_path=OUT; or train adapters over the frozen "
+                      "fp8 base: lora_rank=N)")
   return create_optimizer(config, trainable_labels(config, params))
+
+
+def model_parts(config: Config, params: dict, buffers: dict) -> dict:
+  """The train state's model entries from the model's (params, buffers) pure dicts (arrays or abstract):
+  {"params": what the optimizer trains, "buffers": what the step updates}; under LoRA the params are the
+  adapters, the buffers none, and orbax_state.FROZEN holds the base (its params and routing biases), which
+  the step passes through untouched and a checkpoint leaves out."""
+  if not config.lora_rank:
+    return {"params": params, "buffers": buffers}
+  adapters, base = lora.split(params)
+  return {"params": adapters, "buffers": {}, orbax_state.FROZEN: lora.join(base, buffers)}
+
+
+def model_buffers(state: dict) -> dict:
+  """What the loss merges beside state["params"]: the buffers, and under LoRA the frozen base with them."""
+  frozen = state.get(orbax_state.FROZEN)
+  return state["buffers"] if frozen is None else lora.join(state["buffers"], frozen)
 
 
 def update_routing_biases(config: Config, buffers, aux) -> dict:
@@ -157,7 +177,7 @@ def make_train_step(config: Config, graphdef, tx, loss_fn=None):
   schedule = learning_rate_schedule(config)
 
   def step(state, batch):
-    params, buffers = state["params"], state["buffers"]
+    params, buffers = state["params"], model_buffers(state)
     if accum == 1:
       (_, (metrics, loads)), grads = grad_fn(params, buffers, batch)
     else:
@@ -176,14 +196,14 @@ def make_train_step(config: Config, graphdef, tx, loss_fn=None):
       grads, metrics, loads = jax.tree.map(lambda x: x / accum, (grads, metrics, loads))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
-    new_buffers = update_routing_biases(config, buffers, loads)
+    new_buffers = update_routing_biases(config, state["buffers"], loads)  # under LoRA none: the base is frozen
     # The state may be checkpointed only if finite: one global norm of the new parameters (a NaN or
     # inf anywhere makes it non-finite) and the loss. The host reads it with the other metrics.
     param_norm = optax.tree.norm(new_params)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(param_norm)
     metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]),
                    param_norm=param_norm, finite=finite)
-    new_state = {"params": new_params, "buffers": new_buffers, "opt_state": opt_state, "step": state["step"] + 1}
+    new_state = dict(state, params=new_params, buffers=new_buffers, opt_state=opt_state, step=state["step"] + 1)
     return new_state, metrics
 
   return step
@@ -201,12 +221,13 @@ def abstract_train_step(config: Config, mesh):
   """(abstract state, abstract batch, jitted step) exactly as train() builds them, with nothing
   allocated: ShapeDtypeStruct leaves carrying train()'s shardings. Call under the mesh and rules."""
   graphdef, params, buffers = model_state.abstract_on_mesh(config, mesh)
-  tx = make_optimizer(config, params)
-  opt_abstract = jax.eval_shape(tx.init, params)
-  opt_state = orbax_state.abstract_like(opt_abstract, model_state.optimizer_shardings(opt_abstract, params, mesh))
+  parts = model_parts(config, params, buffers)
+  tx = make_optimizer(config, parts["params"])
+  opt_abstract = jax.eval_shape(tx.init, parts["params"])
+  opt_state = orbax_state.abstract_like(opt_abstract,
+                                        model_state.optimizer_shardings(opt_abstract, parts["params"], mesh))
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state = {"params": params, "buffers": buffers, "opt_state": opt_state,
-           "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+  state = dict(parts, opt_state=opt_state, step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
   b, t = config.global_batch_size, config.max_target_length
   host = {k: np.zeros((b, t), np.float32 if k == "weights" else np.int32) for k in input_pipeline.BATCH_KEYS}
   host = prepare_batch(config, host)
@@ -257,11 +278,11 @@ def init_state(config: Config, mesh):
           "optimizer)", flush=True)
   else:
     graphdef, params, buffers, _ = model_state.create(config, mesh)
-  tx = make_optimizer(config, params)
-  opt_state = model_state.init_optimizer(tx, params, mesh)
+  parts = model_parts(config, params, buffers)
+  tx = make_optimizer(config, parts["params"])
+  opt_state = model_state.init_optimizer(tx, parts["params"], mesh)
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state = {"params": params, "buffers": buffers, "opt_state": opt_state,
-           "step": jax.device_put(jnp.int32(0), replicated)}
+  state = dict(parts, opt_state=opt_state, step=jax.device_put(jnp.int32(0), replicated))
   # Scalars the optimizer creates (its step count) land on one device: replicate them on the mesh.
   state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
                        else jax.device_put(x, replicated), state)
@@ -284,7 +305,7 @@ class _Eval:
     return bool(self.config.eval_interval) and (step % self.config.eval_interval == 0 or step == self.config.steps)
 
   def __call__(self, state) -> dict[str, float]:
-    runs = [jax.device_get(distributed.settled(self.fn(state["params"], state["buffers"], b))) for b in self.batches]
+    runs = [jax.device_get(distributed.settled(self.fn(state["params"], model_buffers(state), b))) for b in self.batches]
     return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
 
@@ -309,7 +330,8 @@ def train(config: Config) -> dict:
     start_step = 0
     restored = orbax_state.restore_newest_good(manager, orbax_state.abstract_like(state, state_sharding))
     if restored is not None:
-      start_step, state, data_state = restored
+      start_step, saved, data_state = restored
+      state = dict(state, **saved)  # under LoRA the frozen base is not in a checkpoint: it stays as loaded
       data.set_state(data_state)
       print(f"resumed from checkpoint step {start_step} in {config.checkpoint_dir}", flush=True)
     # A checkpoint whose own loss is not known yet: the next step computes it from its parameters.
@@ -321,6 +343,11 @@ def train(config: Config) -> dict:
     evaluate = _Eval(config, graphdef, eval_data, batch_sharding, replicated) if eval_data is not None else None
 
     n_params = model_state.count_params(state["params"])
+    if config.lora_rank:
+      n_base = model_state.count_params(model_buffers(state))
+      print(f"LoRA rank {config.lora_rank}: {n_params:,} trained adapter parameters over a frozen base of "
+            f"{n_base:,} (weight_quantization={config.weight_quantization})", flush=True)
+      n_params += n_base
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))
     peak = peak_flops_per_device()[0] * mesh.size
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
@@ -379,8 +406,10 @@ def train(config: Config) -> dict:
       data.close()  # grain worker processes, if any
       orbax_state.finish(manager)
   if last and distributed.is_main_process():
-    weights = (f"load_parameters_path={config.checkpoint_dir}" if manager is not None
-               else "not saved (enable_checkpointing=false)")
+    weights = ("not saved (enable_checkpointing=false)" if manager is None
+               else f"LoRA adapters (rank {config.lora_rank}) in {config.checkpoint_dir}, over the base "
+                    f"load_parameters_path={config.load_parameters_path or '(random init)'}" if config.lora_rank
+               else f"load_parameters_path={config.checkpoint_dir}")
     print(logger.summary(start_step + 1, config.steps, last, weights), flush=True)
   return dict(last, **{f"eval_{k}": v for k, v in last_eval.items()}) if last else last
 

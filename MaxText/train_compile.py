@@ -9,6 +9,8 @@ keys, compiled on `compile_num_devices` virtual CPU devices (this sets
 batch are abstract (jax.ShapeDtypeStruct): nothing is allocated, so a 671B step compiles on a laptop.
 Prints a short table, then, as the LAST line of stdout, one JSON object (bytes are per device):
 peak_bytes_per_device, parameter_bytes_per_device, optimizer_bytes_per_device, temp_bytes_per_device,
+trainable_parameters; under LoRA (lora_rank > 0) also adapter_bytes_per_device and base_bytes_per_device (the
+frozen base: its params, fp8 + scales under weight_quantization=fp8_block, and routing biases),
 argument/output/alias bytes, flops_per_step (XLA cost analysis of the per-device program x devices),
 collectives (op -> count), compile_seconds, mesh, tokens_per_step.
 With compile_hbm_gib=N > 0 it exits 1 with one line when the peak exceeds N GiB per device.
@@ -38,14 +40,19 @@ def compile_train_step(config):
 
 def report(config, compiled, state, batch, seconds: float) -> dict:
   """The JSON object train_compile prints (bytes per device)."""
+  from MaxText.checkpoint import model_state, orbax_state
   from MaxText.runtime import aot
   mem = aot.memory(compiled)
+  frozen = state.get(orbax_state.FROZEN, {})
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   n = math.prod(config.mesh_shape.values())
   return {
       "peak_bytes_per_device": mem["peak"],
-      "parameter_bytes_per_device": aot.bytes_per_device((state["params"], state["buffers"])),
+      "parameter_bytes_per_device": aot.bytes_per_device((state["params"], state["buffers"], frozen)),
+      **({"adapter_bytes_per_device": aot.bytes_per_device(state["params"]),
+          "base_bytes_per_device": aot.bytes_per_device(frozen)} if config.lora_rank else {}),
+      "trainable_parameters": model_state.count_params(state["params"]),
       "optimizer_bytes_per_device": aot.bytes_per_device(state["opt_state"]),
       "batch_bytes_per_device": aot.bytes_per_device(batch),
       "temp_bytes_per_device": mem["temp"],
@@ -69,8 +76,12 @@ def _table(config, r: dict) -> str:
       f"model {config.model_name}: train step of {r['tokens_per_step']:,} tokens on {r['num_devices']} devices ({mesh}); "
       f"weights {config.weight_dtype}, compute {config.dtype}",
       f"  parameters + buffers {gib(r['parameter_bytes_per_device'])} per device",
+      *([f"    frozen base        {gib(r['base_bytes_per_device'])} (weight_quantization={config.weight_quantization})",
+         f"    LoRA adapters      {gib(r['adapter_bytes_per_device'])} (rank {config.lora_rank})"]
+        if config.lora_rank else []),
+      f"  trained parameters   {r['trainable_parameters']:,}",
       f"  optimizer state      {gib(r['optimizer_bytes_per_device'])}",
-      f"  temporaries          {gib(r['temp_bytes_per_device'])}",
+      f"  temporaries          {gib(r['temp_bytes_per_device'])} (activations and the step's temporaries)",
       f"  peak                 {gib(r['peak_bytes_per_device'])}",
       f"  flops per step       {r['flops_per_step']:.3e}",
       f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",

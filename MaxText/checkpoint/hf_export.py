@@ -104,6 +104,24 @@ def unstacked_parameters(item: str, cfg: Config) -> dict:
           for part, abstract in (("params", abs_p), ("buffers", abs_b))}
 
 
+def merged_parameters(item: str, cfg: Config) -> dict:
+  """{"params", "buffers"} per layer of a LoRA run: the base from cfg.load_parameters_path (the run's config.yml
+  names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B; an fp8 base is
+  quantized again per block after the merge)."""
+  from MaxText.layers import lora
+  from MaxText.layers.linears import kernel_block
+  if not cfg.load_parameters_path:
+    raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
+                     "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
+  base = unstacked_parameters(find_checkpoint(cfg.load_parameters_path), cfg.model_copy(update={"lora_rank": 0}))
+  adapters = hf_format.unstack_layers(restore_raw(item))["params"]
+  if not adapters or not all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)):
+    raise ValueError(f"--checkpoint {item}: not a LoRA run's checkpoint (its params are not only lora_a/lora_b); "
+                     "export it without lora_rank")
+  scale = cfg.lora_alpha / cfg.lora_rank
+  return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
+
+
 # ---------------------------------------------------------------- the config
 def export_config(checkpoint: str, config_path: str | None, overrides=()) -> Config:
   """The model's Config: --config (default: the converter's model.yml in --checkpoint) + key=value, on one
@@ -157,7 +175,7 @@ def export(checkpoint: str, output: str, config_path: str | None = None, overrid
   cfg = export_config(checkpoint, config_path, overrides)
   hf_config = hf_format.config_to_hf(cfg, dtype)  # refuses a model HF cannot hold, before the restore
   prepare_output(output)
-  tree = unstacked_parameters(item, cfg)
+  tree = merged_parameters(item, cfg) if cfg.lora_rank else unstacked_parameters(item, cfg)
   remove_earlier_export(output)
   files = hf_format.write_sharded(output, hf_format.to_hf(tree, cfg, DTYPES[dtype]), max_bytes)
   with open(os.path.join(output, "config.json"), "w") as f:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from MaxText.checkpoint import orbax_state
 from MaxText.config.types import Config
+from MaxText.layers import lora
 from MaxText.layers.models import Transformer
 from MaxText.runtime import sharding
 
@@ -80,15 +81,20 @@ def abstract_on_mesh(config: Config, mesh):
           orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard))
 
 
-def create(config: Config, mesh):
+def create(config: Config, mesh, *, adapters_only: bool = False):
   """Random init, each parameter created directly with its sharding on the mesh.
-  Returns graphdef, params, buffers (pure dicts) and their shardings."""
+  Returns graphdef, params, buffers (pure dicts) and their shardings. adapters_only: params hold only
+  the LoRA adapters (as a random init draws them) and buffers nothing: XLA drops the rest of the init,
+  so the base costs no memory (load_parameters then reads it)."""
   graphdef, abs_params, abs_buffers = abstract_model(config)
   p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
+  if adapters_only:
+    p_shard, b_shard = lora.split(p_shard)[0], {}
 
-  @jax.jit
   def init():
     _, params, buffers = nnx.split(Transformer(config, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+    if adapters_only:
+      return lora.split(params.to_pure_dict())[0], {}
     return params.to_pure_dict(), buffers.to_pure_dict()
 
   lowered = jax.jit(init, out_shardings=(p_shard, b_shard)).lower()
@@ -114,17 +120,22 @@ def load_parameters(path: str, config: Config, mesh, report=print):
   """Restores params + buffers onto the mesh from a converter output, a run's checkpoints folder (its
   newest usable step), one step folder or its state subfolder; shapes must match the config.
   Returns graphdef, params, buffers and their shardings; `report` gets a line naming the folder read
-  when `path` was not that folder itself."""
+  when `path` was not that folder itself. Under LoRA the checkpoint holds the base: the adapters are a
+  fresh init (B = 0: the loaded model's output is the base's)."""
   graphdef, abs_params, abs_buffers = abstract_model(config)
   p_shard, b_shard = shardings_of(config, mesh, abs_params, abs_buffers)
+  abs_base = lora.split(abs_params.to_pure_dict())[1]
   target = {
-      "params": orbax_state.abstract_like(abs_params.to_pure_dict(), p_shard),
+      "params": orbax_state.abstract_like(abs_base, lora.split(p_shard)[1]),
       "buffers": orbax_state.abstract_like(abs_buffers.to_pure_dict(), b_shard),
   }
   used, restored = orbax_state.restore_parameters(path, target, report=report)
   if os.path.normpath(used) != os.path.normpath(path):
     report(f"load_parameters_path={path}: params and buffers from {used}")
-  return graphdef, restored["params"], restored["buffers"], (p_shard, b_shard)
+  params = restored["params"]
+  if config.lora_rank:
+    params = lora.join(create(config, mesh, adapters_only=True)[1], params)
+  return graphdef, params, restored["buffers"], (p_shard, b_shard)
 
 
 def load_or_create(config: Config, mesh, report=print):

@@ -80,9 +80,19 @@ def parameters_of(state: dict) -> dict:
   return {"params": state["params"], "buffers": state.get("buffers", {})}
 
 
+FROZEN = "frozen"  # a train state's frozen part (LoRA's base, from load_parameters_path): never checkpointed
+
+
+def checkpointed(state: dict) -> dict:
+  """The part of a train state a checkpoint holds: all of it but FROZEN."""
+  return {k: v for k, v in state.items() if k != FROZEN}
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: dict, data_state: dict) -> None:
   """Writes `state` (the data iterator's JSON beside it) as `step`, with meta = {"fingerprint": the whole state's,
-  "parameters_fingerprint": parameters_of(state)'s}: a resume checks the first, load_parameters_path the second."""
+  "parameters_fingerprint": parameters_of(state)'s}: a resume checks the first, load_parameters_path the second.
+  A FROZEN entry is left out (`checkpointed`)."""
+  state = checkpointed(state)
   fingerprint, _ = settled(state_check(state))  # settled: one collective program at a time (distributed.settled)
   meta = {"fingerprint": int(fingerprint)}
   if "params" in state:
@@ -179,7 +189,9 @@ def _check_restored(tree, meta: dict | None, key: str = "fingerprint") -> str | 
 def restore_newest_good(manager: ocp.CheckpointManager | None, abstract_state: dict, report=print):
   """(step, state, data_state) of the newest checkpoint that reads back intact, or None when there is
   none at all. A bad one is reported (one line), set aside, and the one before it tried; when every
-  checkpoint is bad: CheckpointError. abstract_state carries the shardings (ShapeDtypeStruct leaves)."""
+  checkpoint is bad: CheckpointError. abstract_state carries the shardings (ShapeDtypeStruct leaves); its FROZEN
+  entry is not read (the state comes back without it)."""
+  abstract_state = checkpointed(abstract_state)
   if manager is None or manager.latest_step() is None:
     return None
   problems = []

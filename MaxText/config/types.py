@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -124,6 +125,21 @@ class Training(_Section):
   gradient_clipping_threshold: Annotated[float, Field(ge=0)]
   z_loss_weight: Annotated[float, Field(ge=0)]
   log_period: PosInt
+
+
+class Lora(_Section):
+  lora_rank: NonNegInt
+  lora_alpha: Annotated[float, Field(gt=0)]
+  lora_module_path: Annotated[str, Field(min_length=1)]
+
+  @field_validator("lora_module_path")
+  @classmethod
+  def _regex(cls, v: str) -> str:
+    try:
+      re.compile(v)
+    except re.error as e:
+      raise ValueError(f"not a regular expression ({e})") from None
+    return v
 
 
 class Data(_Section):
@@ -269,7 +285,7 @@ class AheadOfTimeCompile(_Section):
 
 SECTIONS = (
     RunInfo, ModelShape, MlaAttention, Rope, AttentionIndexer, DeepSeekMoE, MultiTokenPrediction,
-    Training, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, Serve, ReinforcementLearning,
+    Training, Lora, Data, Checkpointing, Metrics, EvalAndProfiler, Mesh, Distributed, Decode, Serve, ReinforcementLearning,
     AheadOfTimeCompile,
 )
 

@@ -48,10 +48,11 @@ def block_of(values_shape: tuple, scale_shape_: tuple) -> tuple[int, int]:
   return tuple(1 << (math.ceil(d / nb) - 1).bit_length() for d, nb in zip(values_shape[-2:], scale_shape_[-2:]))
 
 
-def dequantize(w: BlockFP8, dtype=jnp.float32) -> jax.Array:
-  """values [..., K, N] * their blocks' scales, in fp32, then cast to dtype -> [..., K, N]."""
+def dequantize(w: BlockFP8, dtype=jnp.float32, block: tuple[int, int] | None = None) -> jax.Array:
+  """values [..., K, N] * their blocks' scales, in fp32, then cast to dtype -> [..., K, N]. block (bk, bn):
+  given when a slice of rows makes the shapes ambiguous (`matmul`'s chunks), else read from the shapes."""
   k, n = w.values.shape[-2:]
-  bk, bn = block_of(w.values.shape, w.scale.shape)
+  bk, bn = block or block_of(w.values.shape, w.scale.shape)
   s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), bk, axis=-2), bn, axis=-1)[..., :k, :n]  # [...,K,N]
   return (w.values.astype(jnp.float32) * s).astype(dtype)
 
@@ -85,3 +86,29 @@ def take(w, idx):
 def shape_of(w) -> tuple:
   """The weight's logical shape [..., K, N], quantized or not."""
   return tuple((w.values if isinstance(w, BlockFP8) else w).shape)
+
+
+MATMUL_CHUNKS = 8  # a block-quantized matmul dequantizes at most ~K/8 rows of its weight at a time
+
+
+def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
+  """x [..., K] @ w [K, N] in dtype -> [..., N]. A float w: one einsum. A BlockFP8 w: dequantized one chunk
+  of whole K-blocks at a time (about K / MATMUL_CHUNKS rows, cut at block boundaries), each chunk's
+  product accumulated in fp32, so no float copy of the whole weight exists at once (the QLoRA base:
+  DeepSeek's e4m3 + scales stay as they are in memory). Equals x @ dequantize(w) up to the order of
+  the K-sum."""
+  if not isinstance(w, BlockFP8):
+    return jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype), precision=precision)  # [..., N]
+  k = w.values.shape[-2]
+  block = block_of(w.values.shape, w.scale.shape)
+  nk = w.scale.shape[-2]  # K-blocks
+  per = next(m for m in range(math.ceil(nk / MATMUL_CHUNKS), nk + 1) if nk % m == 0)  # K-blocks per chunk
+  x = x.astype(dtype)
+  y = None
+  for j in range(0, nk, per):
+    rows = slice(j * block[0], min(k, (j + per) * block[0]))
+    wc = dequantize(BlockFP8(w.values[rows], w.scale[j:j + per]), dtype, block)  # [rows, N]
+    part = jnp.einsum("...i,io->...o", x[..., rows], wc, precision=precision,
+                      preferred_element_type=jnp.float32)  # [..., N] fp32
+    y = part if y is None else y + part
+  return y.astype(dtype)

@@ -2,7 +2,11 @@
 
 With weight_quantization=fp8_block a block-quantized weight (the linears DeepSeek's fp8 checkpoints
 quantize) is two parameters: `<name>` in float8_e4m3fn and `<name>_scale` fp32, one scale per block of
-weight_block_size (kernels/fp8_blocks.py); it is dequantized right before its matmul.
+weight_block_size (kernels/fp8_blocks.py); its matmul dequantizes it a chunk of blocks at a time
+(fp8_blocks.matmul), never whole.
+
+LoRA (layers/lora.py) is a property of a Linear: where lora_module_path matches, `lora_a` [in, r] and
+`lora_b` [r, out] sit beside the (frozen) kernel and y = x W + (lora_alpha / r) (x A) B.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config.types import Config
-from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, quantize, scale_shape
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, matmul, quantize, scale_shape
 
 # "default" is None, not lax.Precision.DEFAULT: an explicit DEFAULT pins one bf16 pass on a TPU even under
 # JAX_DEFAULT_MATMUL_PRECISION=highest or jax.default_matmul_precision (what the device tests set), None follows them.
@@ -108,6 +112,10 @@ class Linear(nnx.Module):
                                                   block_quantized=block_quantized)
     self.dtype = dtype or dtype_of(config.dtype)
     self.precision = PRECISION[config.matmul_precision]
+    # The adapter, set by lora.add_adapters where lora_module_path matches: A [in, r], B [r, out], alpha / r.
+    self.lora_a: nnx.Param | None = nnx.data(None)
+    self.lora_b: nnx.Param | None = nnx.data(None)
+    self.lora_scale = 0.0
 
   def weight(self, dtype=None) -> jax.Array:
     """The kernel [in, out] in dtype (default: the compute dtype), dequantized per block when fp8."""
@@ -115,11 +123,22 @@ class Linear(nnx.Module):
 
   def kernel_value(self) -> jax.Array:
     """The kernel [in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
-    stored, or dequantized to the compute dtype when fp8."""
-    return self.kernel[...] if self.kernel_scale is None else self.weight()
+    stored, or dequantized to the compute dtype when fp8; with an adapter, merged: W + (alpha / r) A B."""
+    w = self.kernel[...] if self.kernel_scale is None else self.weight()
+    if self.lora_a is None:
+      return w
+    ab = jnp.einsum("ir,ro->io", self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)  # [in, out]
+    return (w.astype(jnp.float32) + self.lora_scale * ab).astype(w.dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight(), precision=self.precision)  # [..., out]
+    y = matmul(x, stored(self.kernel, self.kernel_scale), self.dtype, self.precision)  # [..., out]
+    if self.lora_a is None:
+      return y
+    h = jnp.einsum("...i,ir->...r", x.astype(self.dtype), self.lora_a[...].astype(self.dtype),
+                   precision=self.precision)  # [..., r]
+    d = jnp.einsum("...r,ro->...o", h, self.lora_b[...].astype(self.dtype), precision=self.precision)  # [..., out]
+    return y + (self.lora_scale * d).astype(self.dtype)
 
 
 class MLP(nnx.Module):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config.types import Config
+from MaxText.layers import lora
 from MaxText.layers.decoder import LayerStack, MTPModule
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import Linear
@@ -29,6 +30,7 @@ class Transformer(nnx.Module):
     self.output_head = Linear(config.emb_dim, config.vocab_size, config, axes=("embed", "vocab"), rngs=rngs,
                               block_quantized=False)
     self.mtp = nnx.List([MTPModule(config, rngs=rngs) for _ in range(config.mtp_num_layers)])
+    lora.add_adapters(self, config, rngs)  # last: the base draws the same keys with and without adapters
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None, *,

@@ -88,3 +88,18 @@ def test_bad_key_exits_2_in_one_line():
   out = _tool("num_experts=6", "n_routing_groups=2", "topk_routing_group=1")  # 6 experts over 4 devices
   assert out.returncode == 2 and "num_experts=6 is not divisible by ici_expert_parallelism=4" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+def test_qlora_reports_the_frozen_fp8_base_the_adapters_and_optimizer_state_for_the_adapters_only():
+  out = _tool("lora_rank=4", "weight_quantization=fp8_block", "weight_block_size=[16,16]")
+  assert out.returncode == 0, out.stderr[-2000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert "frozen base" in out.stdout and "LoRA adapters" in out.stdout
+  adapters, base = got["adapter_bytes_per_device"], got["base_bytes_per_device"]
+  assert got["parameter_bytes_per_device"] == adapters + base and 0 < adapters < base / 10
+  # AdamW's mu and nu mirror the fp32 adapters; the base has none (the rest: the replicated step counts)
+  assert 2 * adapters <= got["optimizer_bytes_per_device"] <= 2 * adapters + 64
+  cfg = make_config(num_devices=8, lora_rank=4, **KEYS)
+  mesh = sharding.create_mesh(cfg)
+  state, _, _ = train.abstract_train_step(cfg, mesh)
+  assert got["trainable_parameters"] == sum(x.size for x in jax.tree.leaves(state["params"])) > 0

@@ -1,0 +1,151 @@
+"""LoRA (Hu et al. 2021, arXiv 2106.09685): low-rank adapters beside frozen linears; QLoRA when the frozen
+base is DeepSeek's fp8 block-quantized release (weight_quantization=fp8_block).
+
+A Linear y = x W, W [in, out], whose path fully matches lora_module_path gets
+
+    A [in, r]   uniform(-1/sqrt(in), 1/sqrt(in))   (peft's and MaxText's kaiming-uniform init)
+    B [r, out]  zeros
+    y = x W + (lora_alpha / r) (x A) B              r = lora_rank
+
+B = 0 makes the adapted model's output equal the base's at step 0. A and B are float32 whatever
+weight_dtype is (they are what trains: QLoRA's fp32 adapters over a bf16/fp8 base), cast to the compute
+dtype in the matmul. Stacked (scanned) layers carry
+stacked adapters [L, in, r], [L, r, out]. A's input axis and B's output axis are the kernel's logical
+axes, the rank axis is `lora_rank` (replicated): each adapter is sharded as its kernel is
+(ZeRO-3 over fsdp/context/expert, tensor on heads/mlp), and so are its optimizer moments.
+
+The paths are the linears' module paths, e.g. `dense_layers/layers/attention/wq_a`,
+`moe_layers/layers/mlp/shared_experts/down`, `moe_layers/layers/attention/indexer/wk`,
+`mtp/0/layer/attention/wo`, `output_head`. The routed experts (`moe_layers/layers/mlp/wi_0`, `wi_1`, `wo`)
+are not Linears: per-expert adapters are not built yet (a regex matching them is a config error).
+
+In the trainer the params pure dict is split by name: `adapters` (every `lora_a` / `lora_b` leaf: what
+the optimizer trains and a checkpoint holds) and `base` (everything else, frozen); `join` is the inverse.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from MaxText.config.types import Config, ConfigError
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, quantize
+from MaxText.layers.linears import SCALE_SUFFIX, Linear
+from MaxText.layers.moe import DeepSeekMoE
+
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
+  """(module path 'a/b/c', Linear) of every Linear in the model, in graph order."""
+  return [("/".join(str(p) for p in path), node) for path, node in nnx.iter_graph(model)
+          if isinstance(node, Linear)]
+
+
+def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
+  """The linears lora_module_path fully matches; a ConfigError (one line) when none does, or when
+  lora_rank exceeds a matched kernel's smaller side."""
+  pattern = re.compile(config.lora_module_path)
+  every = linears(model)
+  hits = [(p, m) for p, m in every if pattern.fullmatch(p)]
+  experts = [f"{'/'.join(str(p) for p in path)}/{w}" for path, node in nnx.iter_graph(model)
+             if isinstance(node, DeepSeekMoE) for w in ("wi_0", "wi_1", "wo")]
+  if any(pattern.fullmatch(p) for p in experts):
+    raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches the routed experts "
+                      f"({next(p for p in experts if pattern.fullmatch(p))}): per-expert adapters are not built yet; "
+                      "adapt the shared experts (.*/mlp/shared_experts/(gate|up|down)) and attention instead")
+  if not hits:
+    names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every})
+    raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches no linear of this model; its linears "
+                      f"are: {', '.join(names)}")
+  for path, m in hits:
+    n_in, n_out = m.kernel.shape[-2:]
+    if config.lora_rank > min(n_in, n_out):
+      raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
+                        f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
+                        f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
+  return hits
+
+
+def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
+  """Gives every linear lora_module_path matches its A and B (a no-op at lora_rank=0). Called once the
+  base is built, so the base's random draws (and values) are the same with and without adapters."""
+  if not config.lora_rank:
+    return
+  r = config.lora_rank
+  dtype = jnp.float32  # whatever weight_dtype says: adapters are the trained master copy (cast to dtype in the matmul)
+  for _, m in matched(model, config):
+    *stack, n_in, n_out = m.kernel.shape  # stack: [L] for a scanned layer's kernel
+    in_axis, out_axis = m.kernel.get_metadata()["logical_axes"][-2:]
+    bound = 1.0 / math.sqrt(n_in)
+    a = jax.random.uniform(rngs.params(), (*stack, n_in, r), jnp.float32, -bound, bound)  # [..., in, r]
+    m.lora_a = nnx.Param(a.astype(dtype), logical_axes=(in_axis, "lora_rank"))
+    m.lora_b = nnx.Param(jnp.zeros((*stack, r, n_out), dtype), logical_axes=("lora_rank", out_axis))  # [..., r, out]
+    m.lora_scale = config.lora_alpha / r
+
+
+def is_adapter(path) -> bool:
+  """Whether a pytree path (of a params pure dict) ends in an adapter's A or B."""
+  last = path[-1]
+  return str(getattr(last, "key", last)) in ADAPTER_NAMES
+
+
+def _partition(tree: dict, keep_adapters: bool) -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      sub = _partition(v, keep_adapters)
+      if sub:
+        out[k] = sub
+    elif (k in ADAPTER_NAMES) == keep_adapters:
+      out[k] = v
+  return out
+
+
+def split(params: dict) -> tuple[dict, dict]:
+  """A params pure dict -> (adapters: only the lora_a / lora_b leaves, base: all the others), both nested
+  as params (an empty branch is left out)."""
+  return _partition(params, True), _partition(params, False)
+
+
+def join(a: dict, b: dict) -> dict:
+  """The union of two nested dicts without common leaves (the inverse of `split`)."""
+  out = dict(b)
+  for k, v in a.items():
+    out[k] = join(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def merged(base: dict, adapters: dict, scale: float, block: tuple[int, int]) -> dict:
+  """The base params pure dict (stacked or per layer, float or fp8 with `kernel_scale` beside the kernel) with
+  each adapter merged into its kernel: W + scale * A B, in fp32 (A [..., in, r], B [..., r, out]). An fp8
+  kernel is dequantized, merged and quantized again per (in, out) `block`: the merged weight rounds to e4m3.
+  A float kernel keeps its dtype. `adapters` is nested as `base` (what `split` gives)."""
+  out = dict(base)
+  for k, sub in adapters.items():
+    if not isinstance(sub, dict):
+      continue
+    if "lora_a" not in sub:
+      out[k] = merged(base[k], sub, scale, block)
+      continue
+    node = dict(base[k])
+    scales = node.get("kernel" + SCALE_SUFFIX)
+    w = np.asarray(node["kernel"] if scales is None else dequantize(BlockFP8(jnp.asarray(node["kernel"]),
+                                                                             jnp.asarray(scales))), np.float32)
+    ab = np.einsum("...ir,...ro->...io", np.asarray(sub["lora_a"], np.float32), np.asarray(sub["lora_b"], np.float32))
+    if ab.shape != w.shape:
+      raise ValueError(f"the adapter of {k} gives a [{', '.join(map(str, ab.shape))}] update to a kernel of "
+                       f"[{', '.join(map(str, w.shape))}]: are lora_rank and the model keys the run's?")
+    w = w + np.float32(scale) * ab  # [..., in, out]
+    if scales is None:
+      node["kernel"] = w.astype(np.asarray(node["kernel"]).dtype)
+    else:
+      q = quantize(jnp.asarray(w), block)
+      node["kernel"], node["kernel" + SCALE_SUFFIX] = np.asarray(q.values), np.asarray(q.scale)
+    out[k] = node
+  return out

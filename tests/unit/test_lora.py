@@ -1,0 +1,173 @@
+"""LoRA (layers/lora.py, Linear's adapter, train.py's adapter-only state): which linears the default regex
+adapts, each bad key one line, the output at step 0 equal to the base's (float and fp8 base), the fp8 base's
+chunked matmul equal to the dense one on its dequantized weight, the merged kernel equal to the unmerged
+linear, and training that moves the adapters only: no gradient or optimizer state for the base, whose bits
+stay as they were."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText import train
+from MaxText.checkpoint import orbax_state
+from MaxText.config.types import ConfigError
+from MaxText.data import input_pipeline
+from MaxText.kernels import fp8_blocks
+from MaxText.kernels.fp8_blocks import dequantize, quantize
+from MaxText.layers import lora
+from MaxText.layers.models import Transformer
+from MaxText.runtime import sharding
+from tests.conftest import make_config
+
+TOKENS = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 500
+
+
+def _adapted(model) -> list[str]:
+  return [re_path for re_path, m in lora.linears(model) if m.lora_a is not None]
+
+
+def test_default_regex_adapts_mla_q_kv_o_and_the_dense_and_shared_mlps_only():
+  cfg = make_config(lora_rank=4)
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  got = set(_adapted(model))
+  for stack in ("dense_layers/layers", "moe_layers/layers", "mtp/0/layer"):
+    for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"):
+      assert f"{stack}/attention/{name}" in got
+  for name in ("gate", "up", "down"):
+    assert f"dense_layers/layers/mlp/{name}" in got and f"moe_layers/layers/mlp/shared_experts/{name}" in got
+  assert not any("indexer" in p or p in ("output_head", "mtp/0/projection") for p in got)
+  a = model.moe_layers.layers.attention.wq_b
+  assert a.lora_a.shape == (3, 32, 4) and a.lora_b.shape == (3, 4, 96)  # stacked [L, in, r], [L, r, out]
+  assert a.lora_a.get_metadata()["logical_axes"] == ("q_lora", "lora_rank")
+  assert a.lora_b.get_metadata()["logical_axes"] == ("lora_rank", "q_heads")
+  assert a.lora_scale == 16.0 / 4
+
+
+def test_indexer_is_selectable():
+  cfg = make_config(lora_rank=4, lora_module_path=".*/indexer/(wq_b|wk)")
+  got = _adapted(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  assert got and all(p.endswith(("indexer/wq_b", "indexer/wk")) for p in got)
+
+
+@pytest.mark.parametrize("keys,said", [
+    (dict(lora_rank=4, lora_module_path=".*/attention/nope"),
+     "lora_module_path='.*/attention/nope' matches no linear of this model; its linears are: dense_layers"),
+    (dict(lora_rank=40, lora_module_path=".*/attention/wkv_b"),
+     r"lora_rank=40 exceeds the smaller side of dense_layers/layers/attention/wkv_b's kernel \[32, 128\] \(matched by "
+     r"lora_module_path='.\*/attention/wkv_b'\): use lora_rank <= 32"),
+    (dict(lora_rank=4, lora_module_path=".*/mlp/(wi_0|wi_1|wo)"),
+     "matches the routed experts \\(moe_layers/layers/mlp/wi_0\\): per-expert adapters are not built yet"),
+])
+def test_a_bad_lora_key_is_one_line_naming_the_key_and_what_it_matched(keys, said):
+  cfg = make_config(**keys)
+  with pytest.raises(ConfigError, match=said) as e:
+    nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  assert "\n" not in str(e.value)
+
+
+def test_a_regex_that_does_not_compile_is_a_config_error():
+  with pytest.raises(ConfigError, match="lora_module_path.*not a regular expression"):
+    make_config(lora_rank=4, lora_module_path="(wq_a")
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_block"])
+def test_output_at_step_0_equals_the_base_exactly(quant):
+  kw = dict(weight_quantization=quant, weight_block_size=(16, 16))
+  base = Transformer(make_config(**kw), rngs=nnx.Rngs(0))
+  adapted = Transformer(make_config(lora_rank=4, **kw), rngs=nnx.Rngs(0))
+  assert _adapted(adapted) and not _adapted(base)
+  np.testing.assert_array_equal(np.asarray(adapted(TOKENS)[0]), np.asarray(base(TOKENS)[0]))
+  # and the adapter is live: a nonzero B changes the output
+  b = adapted.moe_layers.layers.attention.wo.lora_b
+  b[...] = jnp.full(b.shape, 0.05, b.dtype)
+  assert not np.allclose(np.asarray(adapted(TOKENS)[0]), np.asarray(base(TOKENS)[0]), atol=1e-3)
+
+
+@pytest.mark.parametrize("k,n,block", [(512, 48, (32, 16)), (200, 70, (16, 32)), (64, 40, (64, 8))])
+def test_fp8_matmul_by_chunks_of_blocks_equals_the_dense_matmul_on_the_dequantized_weight(k, n, block):
+  w = quantize(jax.random.normal(jax.random.key(0), (k, n)), block)
+  x = jax.random.normal(jax.random.key(1), (3, 5, k))
+  hi = jax.lax.Precision.HIGHEST
+  got = fp8_blocks.matmul(x, w, jnp.float32, hi)
+  want = np.einsum("btk,kn->btn", np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert got.shape == (3, 5, n) and got.dtype == jnp.float32
+
+
+def test_fp8_matmul_never_dequantizes_the_whole_weight():
+  w = quantize(jax.random.normal(jax.random.key(0), (1024, 256)), (128, 128))  # 8 K-blocks: 8 chunks of 1
+  hlo = jax.jit(lambda x, v, s: fp8_blocks.matmul(x, fp8_blocks.BlockFP8(v, s), jnp.float32)).lower(
+      jnp.ones((4, 1024)), w.values, w.scale).as_text()
+  assert "1024x256xf32" not in hlo and "128x256xf32" in hlo
+
+
+def test_merged_kernel_equals_the_unmerged_linear():
+  cfg = make_config(lora_rank=4, matmul_precision="highest")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  lin = model.mtp[0].layer.attention.wkv_b
+  lin.lora_b[...] = jax.random.normal(jax.random.key(2), lin.lora_b.shape) * 0.1
+  x = jax.random.normal(jax.random.key(3), (2, 7, 32))
+  merged = jnp.einsum("bti,io->bto", x, lin.kernel_value(), precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(merged), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
+
+
+def train_steps(cfg, steps: int):
+  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh."""
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
+    first = jax.tree.map(np.asarray, state)
+    batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
+    batch_sharding = train.batch_shardings(cfg, mesh, batch)
+    step = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
+    for _ in range(steps):
+      state, metrics = step(state, jax.device_put(batch, batch_sharding))
+    return first, jax.tree.map(np.asarray, state), metrics
+
+
+def small_lora_config(**kw):
+  """2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time."""
+  return make_config(**{**dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
+                               global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
+                               first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none"), **kw})
+
+
+@pytest.mark.parametrize("quant", ["fp8_block"])  # the QLoRA base; its norms, router and head are float leaves
+def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
+  cfg = small_lora_config(weight_quantization=quant)
+  first, last, metrics = train_steps(cfg, 2)
+  adapters = jax.tree_util.tree_leaves_with_path(last["params"])
+  assert adapters and all(lora.is_adapter(p) for p, _ in adapters)
+  assert last["buffers"] == {}
+  # AdamW's two moments per adapter (+ counts): nothing for the base
+  moments = [x for x in jax.tree.leaves(last["opt_state"]) if x.ndim]
+  assert len(moments) == 2 * len(adapters)
+  base = jax.tree_util.tree_leaves_with_path(last[orbax_state.FROZEN])
+  assert not any(lora.is_adapter(p) for p, _ in base)
+  assert any(x.dtype == fp8_blocks.FP8 for _, x in base) == (quant == "fp8_block")
+  for (path, x), y in zip(base, jax.tree.leaves(first[orbax_state.FROZEN])):
+    assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+  b = last["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]
+  assert np.abs(first["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]).max() == 0 < np.abs(b).max()
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_adapters_merged_into_the_base_give_the_adapted_models_logits():
+  cfg = make_config(lora_rank=4, matmul_precision="highest", mtp_num_layers=0)
+  adapted = Transformer(cfg, rngs=nnx.Rngs(0))
+  for _, m in lora.linears(adapted):
+    if m.lora_b is not None:
+      m.lora_b[...] = jax.random.normal(jax.random.key(5), m.lora_b.shape) * 0.05
+  graphdef, params, buffers = nnx.split(adapted, nnx.Param, ...)
+  adapters, base = lora.split(jax.tree.map(np.asarray, params.to_pure_dict()))
+  merged = lora.merged(base, adapters, cfg.lora_alpha / cfg.lora_rank, (16, 16))
+  plain_cfg = make_config(matmul_precision="highest", mtp_num_layers=0)
+  plain = Transformer(plain_cfg, rngs=nnx.Rngs(0))
+  g, p, b = nnx.split(plain, nnx.Param, ...)
+  plain = nnx.merge(g, merged, b.to_pure_dict())
+  want, got = np.asarray(adapted(TOKENS)[0]), np.asarray(plain(TOKENS)[0])
+  assert not np.allclose(want, np.asarray(Transformer(plain_cfg, rngs=nnx.Rngs(0))(TOKENS)[0]), atol=1e-3)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
