@@ -4,6 +4,7 @@ the kept set is the hand-computed top-k-then-top-p set (its size and ids), the l
 over it; the trainer, given the recorded ids, scores the same distribution whatever its own logits."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -139,16 +140,47 @@ def _run_rollouts(prompts, stop_at, *, page_size=2, steps=60):
   return requests, alloc
 
 
-def test_records_include_the_stop_token_and_shared_prefix_pages_get_their_routing():
+def test_records_include_the_stop_token_and_shared_prefix_pages_get_their_routing(monkeypatch):
+  from MaxText.inference import rollout
+  monkeypatch.setattr(rollout, "KEPT_IDS", 6)  # sets of up to 6 ids recorded as ids, 7 as its size only
   prompt = [1, 2, 3, 4, 5]  # two full pages of 2, shared by the second request
   (a, b), alloc = _run_rollouts([prompt, prompt], stop_at=[7, 99])
   assert alloc.hits >= 2  # b took a's cached pages: its positions 0..3 were not computed again
   assert a.output == [105, 106] and a.rollout.tokens == [105, 106, 7]  # the stop token ends the records
   assert a.rollout.logprobs == [-5.0, -6.0, -7.0] and a.rollout.kept == [5, 6, 7]
-  assert a.rollout.kept_ids == [list(range(200, 205)), list(range(200, 206)), list(range(200, 207))]
+  assert a.rollout.kept_ids == [list(range(200, 205)), list(range(200, 206)), []]
   for r in (a, b):
     n = len(r.prompt) + len(r.rollout.tokens)
     want = np.stack([np.arange(n), np.arange(n) + 1], -1)[:, None, :]  # [n,1,2]
     want[-1] = -1  # the last token is never fed to the model
     np.testing.assert_array_equal(r.rollout.experts, want)
   assert len(b.rollout.tokens) == 4 and b.output == b.rollout.tokens
+
+
+def test_rollout_arrays_put_each_record_at_its_token_and_nothing_elsewhere():
+  """Generated token i sits at t = len(prompt) + i: its logprob, kept size and ids there, the vocabulary
+  (every id) and -1 (no ids) on the prompt and the padding; segment 1 up to the last token only."""
+  from MaxText.inference.rollout import Rollout
+  from MaxText.post_train.policy_logprobs import rollout_arrays
+  experts = np.arange(5)[:, None, None] * np.ones((1, 1, 2), np.int32)  # [5,1,2]: position p routed to p
+  ro = Rollout(experts, [8, 9], [-0.5, -1.5], [2, KEPT_IDS + 1], [[9, 8], []])  # the second set past the cap
+  r = types.SimpleNamespace(prompt=[1, 2, 3], rollout=ro)
+  a = rollout_arrays([r], 7, 50, 1, 2)
+  np.testing.assert_array_equal(a["tokens"][0], [1, 2, 3, 8, 9, 0, 0])
+  np.testing.assert_array_equal(a["segment_ids"][0], [1, 1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(a["generated"][0], [0, 0, 0, 1, 1, 0, 0])
+  np.testing.assert_array_equal(a["logp_old"][0], [0, 0, 0, -0.5, -1.5, 0, 0])
+  np.testing.assert_array_equal(a["kept"][0], [50, 50, 50, 2, KEPT_IDS + 1, 50, 50])
+  assert a["kept_ids"].shape == (1, 7, KEPT_IDS) and a["kept_ids"][0, 3, :3].tolist() == [9, 8, -1]
+  assert (np.delete(a["kept_ids"][0], 3, axis=0) == -1).all()
+  np.testing.assert_array_equal(a["routed_experts"][0, :, 0, 0], [0, 1, 2, 3, 4, -1, -1])
+
+
+def test_sample_vocab_bounds_every_distribution_and_the_last_id_below_it_is_in():
+  """ids >= sample_vocab are never drawn: outside the softmax; the id sample_vocab - 1 is inside."""
+  logits = jnp.asarray([[[0.0, 1.0, 2.0, 3.0, 9.0, 9.0], [0.0] * 6]])  # [1,2,6]
+  tokens = jnp.asarray([[0, 3]])
+  for sv in (4, 5):
+    got = float(logprobs_of(logits, tokens, temperature=1.0, sample_vocab=sv)[0, 1])
+    lg = np.asarray(logits[0, 0, :sv], np.float64)
+    np.testing.assert_allclose(got, lg[3] - np.log(np.exp(lg).sum()), rtol=1e-6)
