@@ -315,8 +315,8 @@ class ServingEngine:
     """The step and write programs on a step_feed (step_feed.fill's, or step_feed.empty's: padding only)
     -> (the pools after the write (also kept as self.pools by the caller), sampled [B], (lps, records)):
     lps with with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N],
-    top ids [B,t,N]), else None; records with with_rollout the rollout's (logp [B], kept [B], experts
-    [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None."""
+    top ids [B,t,N]), else None; records with with_rollout the rollout's (logp [B], kept [B],
+    routed_experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None."""
     buf = step_feed.to_device(feed)
     with self._rules():
       entries, sampled, lps, records = self._step_jit(t, with_logprobs, with_rollout, self.params, self.buffers,
@@ -349,7 +349,7 @@ class ServingEngine:
     with_logprobs (a row asks for logprobs): the model keeps every row position's logits and lps is
     logprobs.step_logprobs there (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     N = serve_max_logprobs (the model's own logits: a grammar's mask changes only what is drawn); else None.
-    with_rollout (a rollout row): records = (logp [B], kept [B], experts [B,t,L,k]), rollout.sampled_logprobs
+    with_rollout (a rollout row): records = (logp [B], kept [B], routed_experts [B,t,L,k]), rollout.sampled_logprobs
     of the drawn tokens and the step's routing; else None. Each flag is static: its own program."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
     if with_logprobs:  # logits [B,t,V]: the row's last known token's
@@ -363,8 +363,8 @@ class ServingEngine:
     if with_rollout:
       logp, kept = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"], f["top_k"])  # [B]
       b, cfg = f["tokens"].shape[0], self.config
-      experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
-      records = (logp, kept, experts)
+      routed_experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
+      records = (logp, kept, routed_experts)
     return aux["cache_entries"], sampled, lps, records
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:
