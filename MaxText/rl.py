@@ -44,6 +44,7 @@ from MaxText.checkpoint import model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
+from MaxText.data.chat_template import chat_format
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
@@ -63,8 +64,10 @@ def check_config(config: Config) -> None:
                       "prompt: use decode_sampling_strategy=temperature or top_p")
   if not config.tokenizer_path:
     raise ConfigError("tokenizer_path is empty: RL renders prompts and scores completions as text")
-  if config.chat_template_path:
-    raise ConfigError("chat_template_path: RL renders prompts in DeepSeek-V3.2's format only (set it to \"\")")
+  fmt = chat_format(config)  # the server's and SFT's decision
+  if fmt.encoding != "deepseek_v32":
+    raise ConfigError(f"chat_encoding={config.chat_encoding} renders with the jinja template ({fmt.source}): RL renders "
+                      "prompts and reads replies in DeepSeek-V3.2's format: set chat_encoding=deepseek_v32")
   if config.rl_max_completion_tokens >= config.max_target_length:
     raise ConfigError(f"rl_max_completion_tokens={config.rl_max_completion_tokens} leaves no room for a prompt in "
                       f"max_target_length={config.max_target_length}")
