@@ -11,6 +11,9 @@ programs stay). Per sampled token the engine records its logprob (pi_old), the e
 layer routed it to, and the top-k/top-p kept set: the trainer's logprobs take the
 recorded routing (rl_keep_routing) and renormalize over the kept set (rl_keep_sampling_mask).
 rl_beta > 0 holds a frozen reference: the starting policy (load_parameters_path's, or the seeded init).
+This file is the loop; its pieces are tested alone under post_train/: rollout_batch.py (rollouts -> the
+loss's arrays, the trainer's logprobs, the routing agreement, the loss_fn), evaluator.py (the held-out
+reward), grpo.py (the loss), prompts.py, rewards.py.
 
 The run folder is train.py's: <base_output_directory>/<run_name>/ holds config.yml, checkpoints/ (the
 train state every checkpoint_period steps and at the last; a checkpoint's step is the RL step) and
@@ -29,7 +32,6 @@ import sys
 if not __package__ and __name__ == "__main__":  # run as `python MaxText/rl.py`: import the package
   import _script_path  # noqa: F401
 
-import dataclasses
 import time
 
 import jax
@@ -42,13 +44,15 @@ from MaxText.checkpoint import model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
+from MaxText.data.chat_template import chat_format
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.post_train import grpo
-from MaxText.post_train.policy_logprobs import rollout_arrays, token_logprobs
+from MaxText.post_train.evaluator import Evaluator, completion_text
 from MaxText.post_train.prompts import PromptSource
 from MaxText.post_train.rewards import load_reward
+from MaxText.post_train.rollout_batch import assemble, grpo_loss_fn, routing_agreement, scored_logprobs
 from MaxText.runtime import cli, compile_cache, distributed, sharding
 from MaxText.runtime.metrics import MetricsLogger, fmt_duration
 
@@ -60,8 +64,10 @@ def check_config(config: Config) -> None:
                       "prompt: use decode_sampling_strategy=temperature or top_p")
   if not config.tokenizer_path:
     raise ConfigError("tokenizer_path is empty: RL renders prompts and scores completions as text")
-  if config.chat_template_path:
-    raise ConfigError("chat_template_path: RL renders prompts in DeepSeek-V3.2's format only (set it to \"\")")
+  fmt = chat_format(config)  # the server's and SFT's decision
+  if fmt.encoding != "deepseek_v32":
+    raise ConfigError(f"chat_encoding={config.chat_encoding} renders with the jinja template ({fmt.source}): RL renders "
+                      "prompts and reads replies in DeepSeek-V3.2's format: set chat_encoding=deepseek_v32")
   if config.rl_max_completion_tokens >= config.max_target_length:
     raise ConfigError(f"rl_max_completion_tokens={config.rl_max_completion_tokens} leaves no room for a prompt in "
                       f"max_target_length={config.max_target_length}")
@@ -82,85 +88,11 @@ def sampling_params(config: Config, step: int, row: int) -> SamplingParams:
                         seed=seed, rollout=True)
 
 
-@dataclasses.dataclass
-class Batch:
-  """A step's rollouts as the loss reads them, host numpy [N,T] (N = B x G, T = max_target_length)."""
-  arrays: dict  # tokens, positions, segment_ids, mask, logp_old, advantages [N]; kept, routed_experts: switches
-  recorded_experts: np.ndarray | None  # [N,T,L,k] the engine's routing (routing agreement), None without MoE
-  rewards: np.ndarray  # [N]
-  generated: int  # tokens the engine sampled
-
-
-def assemble(config: Config, requests: list, rewards: np.ndarray) -> Batch:
-  """Finished rollout requests (a prompt's G samples adjacent; their records inference/rollout.py's) as
-  the loss's arrays (post_train.policy_logprobs.rollout_arrays), with the completion mask and the group
-  advantages; kept / routed_experts only where rl_keep_sampling_mask / rl_keep_routing."""
-  moe = config.num_moe_layers
-  a = rollout_arrays(requests, config.max_target_length, config.vocab_size, moe, config.num_experts_per_tok)
-  a["mask"] = a.pop("generated").astype(np.float32)  # [N,T]: the sampled tokens (the stop token included)
-  a["advantages"] = np.asarray(grpo.group_advantages(jnp.asarray(rewards), config.rl_num_generations))  # [N]
-  recorded = a.pop("routed_experts") if moe else None
-  if config.rl_keep_routing and moe:
-    a["routed_experts"] = recorded
-  if not config.rl_keep_sampling_mask:
-    del a["kept"], a["kept_ids"]
-  return Batch(a, recorded, rewards, sum(len(r.rollout.tokens) for r in requests))
-
-
-def policy_logprobs(config: Config, model, batch: dict, sample_vocab: int | None) -> jax.Array:
-  """log pi [N,T] of each token under `model` at the sampling temperature, with the batch's recorded
-  routing and kept sets when it carries them (rl_keep_routing, rl_keep_sampling_mask)."""
-  return token_logprobs(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                        temperature=config.decode_sampling_temperature, kept=batch.get("kept"),
-                        kept_ids=batch.get("kept_ids"),
-                        routed_experts=batch.get("routed_experts"), sample_vocab=sample_vocab)
-
-
-def routing_agreement(model, batch: dict, recorded: jax.Array) -> jax.Array:
-  """The fraction of (computed position, MoE layer) pairs where the model's own routing picks the same
-  experts as the engine recorded (recorded [N,T,L,k], -1 where the engine computed nothing)."""
-  _, aux = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-  same = (jnp.sort(aux["routed_experts"], -1) == jnp.sort(recorded, -1)).all(-1)  # [N,T,L]
-  where = (recorded[..., 0] >= 0) & (batch["segment_ids"][..., None] > 0)  # [N,T,L]
-  return (same & where).sum() / jnp.maximum(where.sum(), 1)
-
-
-def grpo_loss_fn(options: grpo.GrpoOptions, sample_vocab: int | None):
-  """train.make_train_step's loss_fn: the GRPO loss of a batch (its metrics, no expert loads: the RL
-  step leaves the routing biases as the engine routed with them)."""
-
-  def loss_fn(config, graphdef, params, buffers, mb):
-    logp = policy_logprobs(config, model_state.merge(graphdef, params, buffers), mb, sample_vocab)  # [N,T]
-    loss, metrics = grpo.grpo_loss(logp, mb["logp_old"], mb.get("logp_ref"), mb["advantages"], mb["mask"], options)
-    return loss, (dict(metrics, loss=loss), {})
-
-  return loss_fn
-
-
 def _batch_sharding(mesh, config: Config, arrays: dict) -> dict:
   """Each array's rows (axis 0) over the batch axes; the rest replicated."""
   rules = sharding.rules_of(config)
   return {k: NamedSharding(mesh, sharding.logical_to_spec(("activation_batch",) + (None,) * (v.ndim - 1), rules,
                                                           mesh, v.shape)) for k, v in arrays.items()}
-
-
-class Evaluator:
-  """The held-out reward: greedy completions of every eval record, scored by the reward."""
-
-  def __init__(self, config: Config, tokenizer, reward):
-    self.source, self.reward, self.config = PromptSource(config, tokenizer, eval=True), reward, config
-
-  def __call__(self, engine: ServingEngine) -> float:
-    ids = [self.source.ids(i) for i in range(len(self.source))]
-    params = SamplingParams(max_tokens=self.config.rl_max_completion_tokens, temperature=0.0)
-    requests = engine.generate(ids, params)
-    texts = [engine_text(self.source.tokenizer, r) for r in requests]
-    wheres, records = zip(*self.source.records)
-    return float(self.reward(texts, list(records), list(wheres)).mean())
-
-
-def engine_text(tokenizer, request) -> str:
-  return tokenizer.decode(request.output)
 
 
 def rl(config: Config) -> list[dict]:
@@ -194,7 +126,7 @@ def rl(config: Config) -> list[dict]:
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
     engine = ServingEngine(config, graphdef, state["params"], state["buffers"], sample_vocab=vocab,
                            eos_id=source.eos_id, log=lambda line: print(line, flush=True))
-    logprobs_jit = jax.jit(lambda p, b, batch: policy_logprobs(config, model_state.merge(graphdef, p, b), batch, vocab))
+    logprobs_jit = jax.jit(lambda p, b, batch: scored_logprobs(config, model_state.merge(graphdef, p, b), batch, vocab))
     agreement_jit = jax.jit(lambda p, b, batch, rec: routing_agreement(model_state.merge(graphdef, p, b), batch, rec))
     step_fn = None
     logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
@@ -207,7 +139,7 @@ def rl(config: Config) -> list[dict]:
         rows = source.step(step)
         prompts = [ids for _, _, ids in rows for _ in range(g)]
         requests = engine.generate(prompts, [sampling_params(config, step, i) for i in range(n)])
-        texts = [engine_text(tokenizer, r) for r in requests]
+        texts = [completion_text(tokenizer, r) for r in requests]
         rewards = reward(texts, [rec for _, rec, _ in rows for _ in range(g)], [w for w, _, _ in rows for _ in range(g)])
         batch = assemble(config, requests, rewards)
         rollout_s = time.perf_counter() - t0
@@ -215,8 +147,8 @@ def rl(config: Config) -> list[dict]:
         arrays = dict(batch.arrays)
         shardings = _batch_sharding(mesh, config, {**arrays, "logp_ref": arrays["tokens"]})
         dev = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
-        agreement = None if batch.recorded_experts is None else \
-            agreement_jit(state["params"], state["buffers"], dev, batch.recorded_experts)  # before the update
+        agreement = None if batch.routed_experts is None else \
+            agreement_jit(state["params"], state["buffers"], dev, batch.routed_experts)  # before the update
         if ref_params is not None:
           dev["logp_ref"] = logprobs_jit(ref_params, state["buffers"], dev)
         if step_fn is None:

@@ -48,20 +48,19 @@ def create_server(config: Config, log=_log):
   import jax
 
   from MaxText.checkpoint import model_state
+  from MaxText.data.chat_template import chat_format
   from MaxText.data.tokenizer import load_tokenizer
   from MaxText.inference.grammar import Grammars
   from MaxText.inference.serving import ServingEngine
   from MaxText.runtime import sharding
   from MaxText.server.app import Server, build_app
-  from MaxText.server.chat import resolve_chat_encoding
   from MaxText.server.engine_thread import EngineThread
-  from MaxText.server.protocol import Texts, load_chat_template
+  from MaxText.server.protocol import Texts
 
   tokenizer = load_tokenizer(config) if config.tokenizer_path else None
-  template, where, special = load_chat_template(config.chat_template_path, config.tokenizer_path)
-  encoding = resolve_chat_encoding(config.chat_encoding, template is not None, tokenizer is not None)
-  texts = Texts(tokenizer, add_bos=config.add_bos, vocab_size=config.vocab_size, chat_template=template,
-                chat_template_source=where, special_tokens=special, chat_encoding=encoding,
+  fmt = chat_format(config, has_tokenizer=tokenizer is not None)  # the format SFT and RL render in too
+  texts = Texts(tokenizer, add_bos=config.add_bos, vocab_size=config.vocab_size, chat_template=fmt.template,
+                chat_template_source=fmt.source, special_tokens=fmt.special, chat_encoding=fmt.encoding,
                 thinking=config.chat_thinking)
   eos_id = tokenizer.eos_id if tokenizer is not None else config.eos_id
   vocab = tokenizer.vocab_size if tokenizer is not None and tokenizer.vocab_size < config.vocab_size else None
@@ -72,7 +71,7 @@ def create_server(config: Config, log=_log):
     graphdef, params, buffers, source = model_state.load_or_create(config, mesh, report=log)
   log(f"serve: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}; "
       f"tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
-      f"{'yes' if template else 'none'}; chat format {encoding}")
+      f"{'yes' if fmt.template else 'none'}; chat format {fmt.encoding}")
 
   @contextlib.contextmanager
   def make_engine():

@@ -143,8 +143,8 @@ def matmul_table(args) -> None:
     wi_0, wi_1 = (jax.random.normal(kk, (e, d, i)) * d ** -0.5 for kk in jax.random.split(keys[3]))
     wo = jax.random.normal(keys[4], (e, i, d)) * i ** -0.5
     impls = {
-        "ragged_dot": lambda x, w, ids, *e: moe_experts.routed_experts(x, w, ids, ExpertWeights(*e), impl="ragged_dot"),
-        "blocked": lambda x, w, ids, *e: moe_experts.routed_experts(x, w, ids, ExpertWeights(*e), impl="blocked"),
+        "ragged_dot": lambda x, w, ids, *e: moe_experts.weighted_experts(x, w, ids, ExpertWeights(*e), impl="ragged_dot"),
+        "blocked": lambda x, w, ids, *e: moe_experts.weighted_experts(x, w, ids, ExpertWeights(*e), impl="blocked"),
         "dense": _dense,
         "1 matmul": _one_matmul,
     }

@@ -1,6 +1,8 @@
-"""Jinja chat templates (a tokenizer's `chat_template`, or chat_template_path): loaded and compiled as
+"""Which chat format renders conversations (`chat_format`: one decision for the server, SFT and RL), and
+jinja chat templates (a tokenizer's `chat_template`, or chat_template_path): loaded and compiled as
 transformers does, for the server's /v1/chat/completions (server/protocol.py) and for SFT (data/sft.py).
 
+    fmt = chat_format(config)   # fmt.encoding "jinja" | "deepseek_v32", fmt.template, fmt.source, fmt.special
     template, where, special = load_chat_template(chat_template_path, tokenizer_path)
     pieces = render_pieces(template, messages, tools=None, special=special)   # [(role, text)], for SFT
 
@@ -12,6 +14,7 @@ what the model writes when served with that template. Everything else is "prompt
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -51,6 +54,37 @@ def load_chat_template(chat_template_path: str, tokenizer_path: str) -> tuple[st
     template = next((t.get("template") for t in template if t.get("name") == "default"), None)
   where = f"looked in {cfg_path}" if cfg_path else "no tokenizer_path"
   return template or None, where, special
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+  """The format a run renders conversations in: the server's prompts, SFT's rows and RL's prompts alike."""
+  encoding: str  # "deepseek_v32" (data/chat_dsv32.py) or "jinja" (the template)
+  template: str | None  # the jinja source (None: none found)
+  source: str  # where the template came from, or where it was looked for
+  special: dict  # {bos_token, eos_token} for the template
+
+
+def resolve_encoding(chat_encoding: str, has_template: bool, has_tokenizer: bool) -> str:
+  """chat_encoding=auto: the jinja template when there is one, else DeepSeek-V3.2's format (the
+  release ships no template) when there is a tokenizer; deepseek_v32 needs a tokenizer."""
+  from MaxText.config.types import ConfigError
+  if chat_encoding == "deepseek_v32" and not has_tokenizer:
+    raise ConfigError("chat_encoding=deepseek_v32 needs tokenizer_path (the format is text: a tokenizer.json "
+                      "holding its markers, e.g. DeepSeek-V3.2's or tests/data/tokenizer.json)")
+  if chat_encoding == "auto":
+    return "jinja" if has_template or not has_tokenizer else "deepseek_v32"
+  return chat_encoding
+
+
+def chat_format(config, has_tokenizer: bool | None = None) -> ChatFormat:
+  """The one decision, from chat_encoding, chat_template_path and tokenizer_path (the chat_template of the
+  tokenizer_config.json next to it): so SFT data is rendered in the format it is later served in.
+  has_tokenizer: whether the caller holds a tokenizer (default: tokenizer_path is set)."""
+  template, where, special = load_chat_template(config.chat_template_path, config.tokenizer_path)
+  has_tokenizer = bool(config.tokenizer_path) if has_tokenizer is None else has_tokenizer
+  return ChatFormat(resolve_encoding(config.chat_encoding, template is not None, has_tokenizer), template, where,
+                    special)
 
 
 @functools.lru_cache(maxsize=8)

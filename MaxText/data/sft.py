@@ -21,7 +21,8 @@ sft_train_on_completion_only=false every token weighs 1. Every piece boundary si
 the format's markers, each a single added token of V3.2's tokenizer, so tokenizing piece by piece
 gives the ids of the whole text (the encoder checks the markers are single tokens).
 
-chat_template_path (a jinja template, as the server's /v1/chat/completions renders it): the pieces
+The format is chat_template.chat_format's, the server's: with a jinja template (chat_template_path, or the
+chat_template of the tokenizer_config.json next to tokenizer_path, under chat_encoding=auto|jinja) the pieces
 are chat_template.render_pieces's instead, the assistant's span of each assistant message being what
 the template adds for it after the prompt of the messages before it (with the generation prompt),
 tokenized piece by piece (a token spanning a piece boundary in the whole text is split there); no BOS
@@ -43,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from MaxText.config.types import Config
+from MaxText.config.types import Config, ConfigError
 from MaxText.data import chat_dsv32, chat_template
 from MaxText.data.packing import Document
 from MaxText.data.records import DataError, Table
@@ -113,8 +114,12 @@ class ConversationEncoder:
 
   @classmethod
   def from_config(cls, config: Config, tokenizer: Tokenizer) -> ConversationEncoder:
-    if config.chat_template_path:  # the template writes BOS itself (as the server renders it)
-      template, _, special = chat_template.load_chat_template(config.chat_template_path, config.tokenizer_path)
+    fmt = chat_template.chat_format(config, has_tokenizer=True)  # the format the server renders in
+    if fmt.encoding == "jinja":  # the template writes BOS itself (as the server renders it)
+      if fmt.template is None:
+        raise ConfigError(f"chat_encoding={config.chat_encoding}: SFT renders with a jinja template and there is none "
+                          f"({fmt.source}): set chat_template_path, or chat_encoding=deepseek_v32")
+      template, special = fmt.template, fmt.special
       chat_template.compile_template(template)  # a template that does not compile: one ConfigError now
       return cls(tokenizer, tuple(config.train_data_columns), config.sft_train_on_completion_only, False,
                  config.max_target_length + 1, template=template, special=special)

@@ -11,7 +11,7 @@ Per GENERATED token i (Rollout.tokens[i]: request.output, then the stop token wh
                k <= KEPT_IDS); [] for a larger set (a wide top-p, or no filter), which the trainer rebuilds
                as the kept[i] largest of its own logits: exact for an unfiltered row, an approximation
                for a wide top-p set once the policy has moved (DeepSeek-V3.2 keeps the engine's mask).
-Per POSITION p of prompt + tokens: experts[p] [n_moe_layers, num_experts_per_tok] int32, the experts
+Per POSITION p of prompt + tokens: routed_experts[p] [n_moe_layers, num_experts_per_tok] int32, the experts
 each MoE layer routed the token at p to (keep routing); -1 where no step computed p: the last
 generated token (never fed back) and nothing else. A request whose prompt shares cached prefix pages
 did not compute them: the engine keeps, on the host, the routing of each full page a rollout
@@ -42,8 +42,8 @@ KEPT_IDS = 64  # a kept set of at most this many ids is recorded as its ids; a l
 
 @dataclasses.dataclass
 class Rollout:
-  """A rollout request's records (see the module docstring); experts has a row per position."""
-  experts: np.ndarray  # [positions, n_moe_layers, k] int32, -1 where not computed
+  """A rollout request's records (see the module docstring); routed_experts has a row per position."""
+  routed_experts: np.ndarray  # [positions, n_moe_layers, k] int32, -1 where not computed
   tokens: list[int] = dataclasses.field(default_factory=list)  # generated, the stop token included
   logprobs: list[float] = dataclasses.field(default_factory=list)
   kept: list[int] = dataclasses.field(default_factory=list)
@@ -93,18 +93,19 @@ class RolloutRecorder:
     return next((i for i, key in enumerate(keys) if key not in self.pages), len(keys))
 
   def record(self, rows: Sequence, where: Sequence[int], sampled: np.ndarray, logp: np.ndarray, kept: np.ndarray,
-             kept_ids: np.ndarray, experts: np.ndarray) -> None:
+             kept_ids: np.ndarray, routed_experts: np.ndarray) -> None:
     """Stores a step's records in each rollout row's Request (call before scheduler.update). sampled,
-    logp, kept [B], kept_ids [B,C], experts [B,t,L,k] on the host; where: each row's batch row."""
+    logp, kept [B], kept_ids [B,C], routed_experts [B,t,L,k] on the host; where: each row's batch row."""
     ps = self.page_size
     for row, i in zip(rows, where):
       r, ro = row.request, row.request.rollout
       if ro is None:
         continue
-      if row.start and ro.experts[row.start - 1].size and ro.experts[row.start - 1, 0, 0] < 0:  # after shared pages
+      before = ro.routed_experts[row.start - 1] if row.start else None  # [L,k]
+      if before is not None and before.size and before[0, 0] < 0:  # after shared pages
         for j, key in enumerate(page_hashes(r.tokens[:row.start], ps)):
-          ro.experts[j * ps:(j + 1) * ps] = self.pages[key]
-      ro.experts[row.start:row.start + row.known] = experts[i, :row.known]
+          ro.routed_experts[j * ps:(j + 1) * ps] = self.pages[key]
+      ro.routed_experts[row.start:row.start + row.known] = routed_experts[i, :row.known]
       if row.samples:
         ro.tokens.append(int(sampled[i]))
         ro.logprobs.append(float(logp[i]))
@@ -113,7 +114,7 @@ class RolloutRecorder:
 
   def publish(self, rows: Sequence, allocator: PageAllocator) -> None:
     """After scheduler.update: keeps the routing of the full pages this step's rollout rows completed;
-    a finished rollout's experts are cut to its positions and pages no longer cached are forgotten."""
+    a finished rollout's routed_experts are cut to its positions and pages no longer cached are forgotten."""
     ps = self.page_size
     for row in rows:
       r, ro = row.request, row.request.rollout
@@ -123,9 +124,9 @@ class RolloutRecorder:
       if done // ps > row.start // ps:
         keys = page_hashes(r.tokens[:done], ps)
         for j in range(row.start // ps, done // ps):
-          self.pages[keys[j]] = ro.experts[j * ps:(j + 1) * ps].copy()  # [page_size, L, k]
+          self.pages[keys[j]] = ro.routed_experts[j * ps:(j + 1) * ps].copy()  # [page_size, L, k]
       if r.finish_reason is not None:
-        ro.experts = ro.experts[:len(r.prompt) + len(ro.tokens)]
+        ro.routed_experts = ro.routed_experts[:len(r.prompt) + len(ro.tokens)]
         self.pages = {key: v for key, v in self.pages.items() if allocator.holds(key)}
 
 

@@ -326,7 +326,7 @@ class ServingEngine:
     -> (the pools after the write (also kept as self.pools by the caller), sampled [B], (lps, records)):
     lps with with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N],
     top ids [B,t,N]), else None; records with with_rollout the rollout's (logp [B], kept [B], kept_ids [B,C],
-    experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
+    routed_experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
     adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
     with self._rules():
@@ -366,8 +366,9 @@ class ServingEngine:
     with_logprobs (a row asks for logprobs): the model keeps every row position's logits and lps is
     logprobs.step_logprobs there (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     N = serve_max_logprobs (the model's own logits: a grammar's mask changes only what is drawn); else None.
-    with_rollout (a rollout row): records = (logp [B], kept [B], kept_ids [B,C], experts [B,t,L,k]),
-    rollout.sampled_logprobs of the drawn tokens and the step's routing; else None. Each flag is static: its own program."""
+    with_rollout (a rollout row): records = (logp [B], kept [B], kept_ids [B,C], routed_experts [B,t,L,k]),
+    rollout.sampled_logprobs of the drawn tokens and the step's routing; else None. Each flag is static: its own
+    program."""
     f, logits, aux = self._forward(t, params, buffers, pools, absorbed, buf, every_position=with_logprobs)
     if with_logprobs:  # logits [B,t,V]: the row's last known token's
       last = jnp.take_along_axis(logits, f["last"][:, None, None], axis=1)[:, 0]  # [B,V]
@@ -381,8 +382,8 @@ class ServingEngine:
       logp, kept, kept_ids = rollout.sampled_logprobs(self.mask_vocab(last), sampled, f["temp"], f["top_p"],
                                                       f["top_k"])  # [B], [B], [B,C]
       b, cfg = f["tokens"].shape[0], self.config
-      experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
-      records = (logp, kept, kept_ids, experts)
+      routed_experts = aux.get("routed_experts", jnp.zeros((b, t, 0, cfg.num_experts_per_tok), jnp.int32))  # [B,t,L,k]
+      records = (logp, kept, kept_ids, routed_experts)
     return aux["cache_entries"], sampled, lps, records
 
   def mask_vocab(self, logits: jax.Array) -> jax.Array:

@@ -153,13 +153,13 @@ def _exchange_ragged(rows, ids, dest, pos, kept, *, axis, ep, cap, compute):
 
 def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax.Array, experts: ExpertWeights, *,
                 route_fn, mesh: Mesh, rules: dict, capacity_factor: float, exchange: str, impl: str,
-                balance: bool, precision=None, forced: jax.Array | None = None) -> MeshMoEOutput:
+                balance: bool, precision=None, routed_experts: jax.Array | None = None) -> MeshMoEOutput:
   """DeepSeekMoE's routing and routed experts over the mesh, each device on its own tokens.
 
   x [b,t,D], token_valid [b,t] bool (padding: not routed, not counted), gate [D,E], bias [E] (the
   selection-only routing bias), experts: all E experts' weights (sharded as the rules say);
-  route_fn(x [T,D] fp32, gate, bias[, forced]) -> (weights [T,k], ids [T,k], scores [T,E]) is DeepSeekMoE.route;
-  forced [b,t,k] int32 or None: recorded experts (keep routing), sharded as the tokens.
+  route_fn(x [T,D] fp32, gate, bias[, routed_experts]) -> (weights [T,k], ids [T,k], scores [T,E]) is DeepSeekMoE.route;
+  routed_experts [b,t,k] int32 or None: recorded experts (keep routing), sharded as the tokens.
   """
   wi_0, wi_1, wo = experts
   if exchange not in EXCHANGES:
@@ -179,14 +179,14 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   exchange_fn = _exchange_ragged if exchange == "ragged_all_to_all" else _exchange_fixed
   tokens_over_experts = pl.expert_axis is not None and pl.expert_axis in pl.token_axes
 
-  def local(x, token_valid, gate, bias, wi_0, wi_1, wo, forced=None):
-    # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E], forced [b_l,t_l,k] | None,
+  def local(x, token_valid, gate, bias, wi_0, wi_1, wo, routed_experts=None):
+    # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E], routed_experts [b_l,t_l,k] | None,
     # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D] (float, or BlockFP8: the spec applies to values and scale)
     b_l, t_l, d = x.shape
     e_l = shape_of(wi_0)[0]
     n = b_l * t_l
     xf = x.reshape(n, d)  # [T_l,D]
-    extra = () if forced is None else (forced.reshape(n, -1),)  # [T_l,k]
+    extra = () if routed_experts is None else (routed_experts.reshape(n, -1),)  # [T_l,k]
     weights, ids, scores = route_fn(xf.astype(jnp.float32), gate, bias, *extra)  # [T_l,k], [T_l,k], [T_l,E]
     k = ids.shape[-1]
     valid = jnp.broadcast_to(token_valid.reshape(n, 1), (n, k))  # [T_l,k]
@@ -234,8 +234,8 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
     return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms, ids.reshape(b_l, t_l, k)
 
   args, specs = (x, token_valid, gate, bias, wi_0, wi_1, wo), (tok, tok2, P(), P(), w_in, w_in, w_out)
-  if forced is not None:
-    args, specs = args + (forced,), specs + (tok,)  # forced [b,t,k] lies as x [b,t,D]
+  if routed_experts is not None:
+    args, specs = args + (routed_experts,), specs + (tok,)  # routed_experts [b,t,k] lies as x [b,t,D]
   fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tok, P(), P(), (P(), P()), tok))
   y, counts, dropped, (balance_sum, balance_seqs), ids = fn(*args)
   return MeshMoEOutput(y, counts, dropped, balance_sum, balance_seqs, ids)

@@ -198,9 +198,9 @@ def combine(out: jax.Array, weights: jax.Array, precision=None) -> jax.Array:
                     preferred_element_type=jnp.float32)  # [T,D]
 
 
-def routed_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, experts: ExpertWeights, *,
-                   impl: str, block_rows: int | None = None, precision=None,
-                   valid: jax.Array | None = None) -> jax.Array:
+def weighted_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, experts: ExpertWeights, *,
+                     impl: str, block_rows: int | None = None, precision=None,
+                     valid: jax.Array | None = None) -> jax.Array:
   """sum_j weights[t,j] * SwiGLU_{expert_ids[t,j]}(x[t]) on one device, dropless.
 
   x [T,D], weights [T,k], expert_ids [T,k] (valid [T,k]: assignments to leave out, e.g. padding)

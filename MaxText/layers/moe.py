@@ -42,7 +42,7 @@ from MaxText.kernels.moe_experts import (
   dispatch_impl,
   expert_counts,
   load_of,
-  routed_experts,
+  weighted_experts,
 )
 from MaxText.layers.linears import MLP, PRECISION, dtype_of, param, stored, weight_params
 from MaxText.runtime.sharding import active_mesh
@@ -73,14 +73,14 @@ class Routing(NamedTuple):
 
 
 def route(logits: jax.Array, bias: jax.Array | None, routing: Routing,
-          forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+          routed_experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Group-limited top-k routing.
 
   logits [T,E] (the router matmul's output), bias [E] or None. Returns (weights [T,k] fp32,
   expert_ids [T,k] int32, scores [T,E] fp32).
   The bias only changes which experts are chosen; the weights come from the unbiased scores.
   A group is scored by the sum of its top-2 biased scores (as the official code and HF do).
-  forced [T,k] int32 (keep routing): each token with forced[t,0] >= 0 takes those experts (weights
+  routed_experts [T,k] int32 (keep routing): each token with routed_experts[t,0] >= 0 takes those experts (weights
   from this router's scores of them, normalized and scaled alike); the others route as above.
   """
   num_experts_per_tok, n_routing_groups, topk_routing_group, routed_score_func, norm_topk_prob, \
@@ -103,8 +103,8 @@ def route(logits: jax.Array, bias: jax.Array | None, routing: Routing,
     choice = grouped.reshape(num_tokens, num_experts)  # [T,E]
 
   expert_ids = jax.lax.top_k(choice, num_experts_per_tok)[1].astype(jnp.int32)  # [T,k]
-  if forced is not None:
-    expert_ids = jnp.where(forced[:, :1] >= 0, forced.astype(jnp.int32), expert_ids)  # [T,k]
+  if routed_experts is not None:
+    expert_ids = jnp.where(routed_experts[:, :1] >= 0, routed_experts.astype(jnp.int32), expert_ids)  # [T,k]
   weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [T,k]
   if norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)  # [T,k]
@@ -182,9 +182,9 @@ class DeepSeekMoE(nnx.Module):
         if config.shared_experts else None
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
-               forced_experts: jax.Array | None = None) -> tuple[jax.Array, dict]:
+               routed_experts: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """x [b,t,D], segment_ids [b,t] (0 = padding: not routed, not counted; None = all real),
-    forced_experts [b,t,k] int32 (keep routing, see `route`; None = route freely) -> (y [b,t,D],
+    routed_experts [b,t,k] int32 (keep routing, see `route`; None = route freely) -> (y [b,t,D],
     {"expert_load": [E] fp32, "load_balance_loss": [] fp32, "moe_dropped": [] fp32,
      "routed_experts": [b,t,k] int32 the experts each token took})."""
     cfg = self.config
@@ -202,16 +202,16 @@ class DeepSeekMoE(nnx.Module):
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,
-                      balance=weight > 0, precision=self.precision, forced=forced_experts)
+                      balance=weight > 0, precision=self.precision, routed_experts=routed_experts)
       y, counts, dropped, expert_ids = r.y, r.counts, r.dropped, r.ids  # [b,t,D], [E], [], [b,t,k]
       balance = weight * r.balance_sum / jnp.maximum(r.balance_seqs, 1.0)
     else:
-      forced = None if forced_experts is None else forced_experts.reshape(b * t, k)  # [T,k]
+      routed = None if routed_experts is None else routed_experts.reshape(b * t, k)  # [T,k]
       weights, expert_ids, scores = self.route(xc.reshape(b * t, d).astype(jnp.float32), gate, bias,
-                                               forced)  # [T,k] [T,k] [T,E]
+                                               routed)  # [T,k] [T,k] [T,E]
       slot_valid = jnp.broadcast_to(token_valid.reshape(b * t, 1), expert_ids.shape)  # [T,k]
-      y = routed_experts(xc.reshape(b * t, d), weights, expert_ids, experts, impl=self.dispatch,
-                         precision=self.precision, valid=slot_valid).reshape(b, t, d)  # [b,t,D]
+      y = weighted_experts(xc.reshape(b * t, d), weights, expert_ids, experts, impl=self.dispatch,
+                           precision=self.precision, valid=slot_valid).reshape(b, t, d)  # [b,t,D]
       counts, dropped = expert_counts(expert_ids, e, slot_valid), jnp.int32(0)
       balance = sequence_balance_loss(scores.reshape(b, t, e), expert_ids.reshape(b, t, k), weight, token_valid) \
           if weight > 0 else jnp.zeros((), jnp.float32)
@@ -225,10 +225,10 @@ class DeepSeekMoE(nnx.Module):
     return y, aux
 
   def route(self, x: jax.Array, gate: jax.Array, bias: jax.Array,
-            forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T,D] fp32, gate [D,E], bias [E], forced [T,k] or None (`route`) -> (weights [T,k],
+            routed_experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T,D] fp32, gate [D,E], bias [E], routed_experts [T,k] or None (`route`) -> (weights [T,k],
     expert_ids [T,k], scores [T,E]).
     The router runs in full fp32 (HIGHEST: no bf16 passes on TPU): routing flips on small logit errors."""
     logits = jnp.einsum("td,de->te", x, gate, precision=jax.lax.Precision.HIGHEST)  # [T,E]
     logits = checkpoint_name(logits, "moe_gate_out")
-    return route(logits, bias, self.routing, forced)
+    return route(logits, bias, self.routing, routed_experts)

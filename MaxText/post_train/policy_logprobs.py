@@ -100,7 +100,7 @@ def rollout_arrays(requests: Sequence, length: int, vocab_size: int, moe_layers:
     end = p + len(ro.tokens)
     a["tokens"][i, :end], a["segment_ids"][i, :end] = r.prompt + ro.tokens, 1
     a["kept"][i, p:end], a["logp_old"][i, p:end], a["generated"][i, p:end] = ro.kept, ro.logprobs, True
-    a["routed_experts"][i, :len(ro.experts)] = ro.experts
+    a["routed_experts"][i, :len(ro.routed_experts)] = ro.routed_experts
     for j, ids in enumerate(ro.kept_ids):
       a["kept_ids"][i, p + j, :len(ids)] = ids
   return a

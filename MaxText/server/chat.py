@@ -29,18 +29,6 @@ from MaxText.server.structured import grammar_spec
 from MaxText.server.tool_grammar import tool_call_grammar
 
 
-def resolve_chat_encoding(chat_encoding: str, has_template: bool, has_tokenizer: bool) -> str:
-  """chat_encoding=auto: the jinja template when there is one, else DeepSeek-V3.2's format (the
-  release ships no template) when there is a tokenizer; deepseek_v32 needs a tokenizer."""
-  from MaxText.config.types import ConfigError
-  if chat_encoding == "deepseek_v32" and not has_tokenizer:
-    raise ConfigError("chat_encoding=deepseek_v32 needs tokenizer_path (the format is text: a tokenizer.json "
-                      "holding its markers, e.g. DeepSeek-V3.2's or tests/data/tokenizer.json)")
-  if chat_encoding == "auto":
-    return "jinja" if has_template or not has_tokenizer else "deepseek_v32"
-  return chat_encoding
-
-
 class _PlainParser:
   """The jinja path's reply: all content."""
 

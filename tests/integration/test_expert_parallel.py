@@ -87,7 +87,7 @@ def _single_device(args, k, valid=None):
   x, gate, bias, wi_0, wi_1, wo = args
   xf = x.reshape(-1, x.shape[-1])  # [T,D]
   weights, ids, _ = _route_fn(k)(xf, gate, bias)
-  return moe_experts.routed_experts(xf, weights, ids, ExpertWeights(wi_0, wi_1, wo), impl="blocked", valid=valid), ids
+  return moe_experts.weighted_experts(xf, weights, ids, ExpertWeights(wi_0, wi_1, wo), impl="blocked", valid=valid), ids
 
 
 def _kept_reference(ids, token_valid, ep, e, cap, token_shards):

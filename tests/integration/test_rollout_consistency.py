@@ -63,8 +63,8 @@ def _consistency(num_devices, **mesh_keys):
   for r in requests:
     ro, p = r.rollout, len(r.prompt)
     assert len(ro.tokens) == len(ro.logprobs) == len(ro.kept) == NEW and ro.tokens == r.output
-    assert ro.experts.shape == (p + NEW, cfg.num_moe_layers, cfg.num_experts_per_tok)
-    assert (ro.experts[:-1] >= 0).all() and (ro.experts[-1] == -1).all()  # every fed position, shared pages too
+    assert ro.routed_experts.shape == (p + NEW, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    assert (ro.routed_experts[:-1] >= 0).all() and (ro.routed_experts[-1] == -1).all()  # every fed position, shared pages too
     np.testing.assert_allclose(logp[requests.index(r), p:p + NEW], ro.logprobs, atol=1e-4, rtol=0)
   kept = np.concatenate([r.rollout.kept for r in requests])
   assert (kept < cfg.vocab_size).any() and (kept == cfg.vocab_size).any()  # filtered rows and unfiltered ones

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from MaxText.data import chat_dsv32 as fmt
+from MaxText.data import chat_template
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.server.app import Server, build_app
-from MaxText.server.chat import resolve_chat_encoding
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import Texts
 from tests.conftest import REPO_ROOT, make_config
@@ -71,7 +71,7 @@ def served():
   cfg = make_config(tokenizer_type="hf", tokenizer_path=TOKENIZER, max_target_length=4096, serve_page_size=16)
   tok = load_tokenizer(cfg)
   texts = Texts(tok, add_bos=True, vocab_size=512, chat_template=None, chat_template_source="none",
-                special_tokens={}, chat_encoding=resolve_chat_encoding(cfg.chat_encoding, False, True))
+                special_tokens={}, chat_encoding=chat_template.resolve_encoding(cfg.chat_encoding, False, True))
   engine = EngineThread(lambda: contextlib.nullcontext(StandInEngine(tok)), max_waiting=8, log=lambda line: None)
   with serving(build_app(Server(cfg, texts, engine, "dsv32-stand-in"))) as (url, _):
     deadline = time.monotonic() + 30
@@ -183,11 +183,11 @@ def test_bad_tools_and_tool_messages_are_openai_400s_naming_the_field(served, bo
 
 def test_auto_picks_the_jinja_template_when_there_is_one_and_deepseek_v32_needs_a_tokenizer():
   from MaxText.config.types import ConfigError
-  assert [resolve_chat_encoding("auto", t, k) for t, k in [(True, True), (False, True), (False, False)]] == [
+  assert [chat_template.resolve_encoding("auto", t, k) for t, k in [(True, True), (False, True), (False, False)]] == [
       "jinja", "deepseek_v32", "jinja"]
-  assert resolve_chat_encoding("jinja", False, True) == "jinja"
+  assert chat_template.resolve_encoding("jinja", False, True) == "jinja"
   with pytest.raises(ConfigError, match="chat_encoding=deepseek_v32 needs tokenizer_path"):
-    resolve_chat_encoding("deepseek_v32", False, False)
+    chat_template.resolve_encoding("deepseek_v32", False, False)
 
 
 def test_chat_thinking_is_the_mode_of_a_request_that_does_not_say():

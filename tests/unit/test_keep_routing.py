@@ -26,9 +26,9 @@ def test_forced_route_takes_the_given_experts_with_this_routers_normalized_score
   w_same, ids_same, _ = route(logits, None, routing, ids)
   np.testing.assert_array_equal(ids_same, ids)
   np.testing.assert_array_equal(w_same, w)
-  forced = np.array([[7, 0], [1, 2], [-1, -1], [3, 4], [5, 6]], np.int32)  # token 2: not recorded
-  w_f, ids_f, _ = route(logits, None, routing, jnp.asarray(forced))
-  want_ids = forced.copy()
+  routed = np.array([[7, 0], [1, 2], [-1, -1], [3, 4], [5, 6]], np.int32)  # token 2: not recorded
+  w_f, ids_f, _ = route(logits, None, routing, jnp.asarray(routed))
+  want_ids = routed.copy()
   want_ids[2] = np.asarray(ids)[2]
   np.testing.assert_array_equal(ids_f, want_ids)
   s = np.take_along_axis(np.asarray(scores, np.float64), want_ids, axis=-1)  # [T,k]
@@ -45,8 +45,8 @@ def test_forcing_the_chosen_experts_keeps_outputs_and_gradients_forcing_others_c
   x = rand_x(cfg, b=4)  # [4,8,D]
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def loss(p, forced):
-    y, aux = nnx.merge(graphdef, p, rest)(x, None, forced)  # [b,t,D]
+  def loss(p, routed_experts):
+    y, aux = nnx.merge(graphdef, p, rest)(x, None, routed_experts=routed_experts)  # [b,t,D]
     return jnp.sum(jnp.sin(y)), (y, aux["routed_experts"])  # aux: [b,t,k]
 
   grad = jax.value_and_grad(loss, has_aux=True)

@@ -207,12 +207,12 @@ def test_dispatch_plan_places_every_assignment_in_its_experts_block(block_rows):
 
 
 @pytest.mark.parametrize("impl,block_rows", [("ragged_dot", None), ("blocked", None), ("blocked", 4)])
-def test_routed_experts_impls_match_token_loop(impl, block_rows):
+def test_weighted_experts_impls_match_token_loop(impl, block_rows):
   cfg, model = make_model(shared_experts=0)
   x = rand_x(cfg).reshape(-1, cfg.emb_dim)
   p = params64(model)
   w, ids, _ = np_route(np.asarray(x, np.float64) @ p["gate"], None, cfg)
-  experts = jax.jit(moe_experts.routed_experts, static_argnames=("impl", "block_rows"))
+  experts = jax.jit(moe_experts.weighted_experts, static_argnames=("impl", "block_rows"))
   y = experts(x, jnp.asarray(w, jnp.float32), jnp.asarray(ids, jnp.int32),
               moe_experts.ExpertWeights(model.wi_0[...], model.wi_1[...], model.wo[...]), impl=impl,
               block_rows=block_rows)

@@ -1,5 +1,5 @@
 """The RL side: rewards (post_train/rewards.py), prompts (post_train/prompts.py), rollouts -> loss arrays
-(MaxText/rl.py assemble), config rules, and a run killed after a checkpoint that resumes the same run."""
+(post_train/rollout_batch.py assemble), config rules, and a run killed after a checkpoint that resumes the same run."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.rollout import Rollout
 from MaxText.inference.scheduler import Request, SamplingParams
-from MaxText.post_train import prompts, rewards
+from MaxText.post_train import prompts, rewards, rollout_batch
 from MaxText.runtime.cli import RunError
 
 HF_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizer.json")
@@ -126,7 +126,7 @@ def test_assemble_scores_the_sampled_tokens_with_group_advantages_and_the_switch
     return r
 
   reqs = [request([4, 5], True, [-0.1, -0.2, -0.3]), request([6, 6, 6, 6], False, [-1.0] * 4)]
-  batch = rl.assemble(make_config(**keys), reqs, np.array([1.0, 0.0], np.float32))
+  batch = rollout_batch.assemble(make_config(**keys), reqs, np.array([1.0, 0.0], np.float32))
   a = batch.arrays
   np.testing.assert_array_equal(a["tokens"][0, :7], [1, 2, 3, 4, 5, 7, 0])  # the stop token is trained on
   np.testing.assert_array_equal(a["mask"][0, :8], [0, 0, 0, 1, 1, 1, 0, 0])
@@ -134,10 +134,22 @@ def test_assemble_scores_the_sampled_tokens_with_group_advantages_and_the_switch
   np.testing.assert_allclose(a["logp_old"][0, :7], [0, 0, 0, -0.1, -0.2, -0.3, 0])
   np.testing.assert_allclose(a["advantages"], [0.5, -0.5])
   assert batch.generated == 7 and a["kept"][0, 3] == 5 and a["routed_experts"][0, 4, 0, 0] == 4
-  off = rl.assemble(make_config(**keys, rl_keep_routing=False, rl_keep_sampling_mask=False), reqs,
-                    np.array([1.0, 0.0], np.float32))
+  off = rollout_batch.assemble(make_config(**keys, rl_keep_routing=False, rl_keep_sampling_mask=False), reqs,
+                               np.array([1.0, 0.0], np.float32))
   assert "kept" not in off.arrays and "routed_experts" not in off.arrays
-  assert off.recorded_experts[0, 4, 0, 0] == 4  # still there for the routing agreement
+  assert off.routed_experts[0, 4, 0, 0] == 4  # still there for the routing agreement
+
+
+def test_routing_agreement_counts_computed_real_positions_whose_expert_sets_match():
+  """[1 sequence, 4 positions, 2 layers, k 2]: the model's own routing against the recorded one; order within a
+  set does not matter, -1 (not computed) and padding (segment 0) are left out: 3 of 4 counted pairs agree."""
+  own = np.array([[[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]], [[5, 6], [7, 0]]]], np.int32)  # [1,4,2,2]
+  recorded = own[..., ::-1].copy()  # the same sets in another order
+  recorded[0, 1, 1] = [6, 1]  # position 1, layer 1: another set
+  recorded[0, 2] = -1  # position 2: not computed
+  arrays = {"tokens": np.zeros((1, 4), np.int32), "positions": np.arange(4)[None], "segment_ids": np.array([[1, 1, 1, 0]])}
+  model = lambda tokens, positions, segment_ids: (None, {"routed_experts": own})  # noqa: E731
+  assert float(rollout_batch.routing_agreement(model, arrays, recorded)) == 3 / 4  # positions 0 and 1, 2 layers
 
 
 def test_config_rules_are_one_line_naming_the_key():

@@ -153,7 +153,7 @@ def test_records_include_the_stop_token_and_shared_prefix_pages_get_their_routin
     n = len(r.prompt) + len(r.rollout.tokens)
     want = np.stack([np.arange(n), np.arange(n) + 1], -1)[:, None, :]  # [n,1,2]
     want[-1] = -1  # the last token is never fed to the model
-    np.testing.assert_array_equal(r.rollout.experts, want)
+    np.testing.assert_array_equal(r.rollout.routed_experts, want)
   assert len(b.rollout.tokens) == 4 and b.output == b.rollout.tokens
 
 

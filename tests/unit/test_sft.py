@@ -290,6 +290,28 @@ def test_a_jinja_chat_template_weighs_what_the_template_adds_for_each_assistant_
     bad(record, "x.jsonl:1")
 
 
+def test_sft_server_and_rl_take_the_chat_format_from_one_decision(tmp_path, tok):
+  """A tokenizer_config.json with a chat_template next to tokenizer_path (no chat_template_path): under
+  chat_encoding=auto the server and SFT both render with it and RL refuses it in one line; under
+  deepseek_v32 all three render DeepSeek-V3.2's format."""
+  import shutil
+
+  from MaxText import rl
+  from MaxText.config.types import ConfigError
+  from MaxText.data.chat_template import chat_format
+  shutil.copy(HF_JSON, tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+  keys = dict(dataset_type="file", use_sft=True, train_data_columns=["messages"], tokenizer_type="hf",
+              tokenizer_path=str(tmp_path / "tokenizer.json"), max_target_length=32, max_prefill_length=32,
+              decode_sampling_strategy="temperature", rl_max_completion_tokens=4)
+  auto, v32 = make_config(**keys), make_config(**keys, chat_encoding="deepseek_v32")
+  assert chat_format(auto).encoding == "jinja" and ConversationEncoder.from_config(auto, tok).template == CHATML
+  with pytest.raises(ConfigError, match="chat_encoding=auto renders with the jinja template"):
+    rl.check_config(auto)
+  assert chat_format(v32).encoding == "deepseek_v32" and ConversationEncoder.from_config(v32, tok).template is None
+  rl.check_config(v32)
+
+
 def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in_short_rows(tmp_path):
   """demos/sft_demo.py's plumbing without training or serving: the BPE tokenizer it trains keeps
   V3.2's markers and every digit one token each, its train.py command is a valid config whose vocab holds
