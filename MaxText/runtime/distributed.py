@@ -228,12 +228,14 @@ def settled(tree):
 
   The host waits here after a program with cross-process collectives and before it launches another
   program that does not consume that one's outputs. Reading a replicated result (float(loss), a
-  fingerprint, process_allgather's answer) waits for ONE local device's copy only; XLA:CPU launches
-  the next collective program as soon as the previous one is launched, and the other local devices
-  may still be exchanging the first one's gloo messages on the same communicators: the two programs'
-  messages then meet in another order in each process, and gloo aborts ("Received data size doesn't
-  match expected size ... distributed collective mismatch"). On one process, and on TPU/GPU (whose
-  collectives are ordered on each device's stream), this costs one wait and changes nothing."""
+  fingerprint, multihost_utils.process_allgather's answer) waits for ONE local device's copy only, and
+  XLA:CPU orders the LAUNCHES of collective programs, not their completion (cpu_client.h: "launching
+  only one collective at a time"): the next program may start on a device whose part of the previous
+  one is still exchanging gloo messages, and two programs' messages that meet in another order in each
+  process are what gloo aborts on ("Received data size doesn't match expected size ... distributed
+  collective mismatch", the two-process data-mesh test's flake; not reproduced in isolation). With every
+  host-launched collective program settled, a process has one in flight at a time. On one process, and
+  on TPU/GPU, this costs one wait at a checkpoint or eval and changes nothing else."""
   import jax
   return jax.block_until_ready(tree)
 
