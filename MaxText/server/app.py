@@ -282,7 +282,6 @@ def body_error(errors: Sequence[dict]) -> ApiError:
   return ApiError(400, f"{where}: {err.get('msg', 'invalid')}", field)
 
 
-
 def build_app(server: Server) -> FastAPI:
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -306,8 +305,9 @@ def build_app(server: Server) -> FastAPI:
   @app.exception_handler(StarletteHTTPException)
   async def no_route(request: Request, e: StarletteHTTPException):
     if e.status_code in (404, 405):
-      what = "is not a route of this server" if e.status_code == 404 else "does not take this method"
-      e = ApiError(e.status_code, f"{request.method} {request.url.path} {what}: it serves {ROUTES}", None,
+      what = (f"{request.method} {request.url.path} is not a route of this server" if e.status_code == 404
+              else f"{request.url.path} does not take {request.method}")
+      e = ApiError(e.status_code, f"{what}: it serves {ROUTES}", None,
                    "not_found" if e.status_code == 404 else "method_not_allowed")
       return JSONResponse(e.body(), status_code=e.status)
     return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
