@@ -69,6 +69,52 @@ WIDE = dict(  # official attention dims, narrow everything else
     mtp_num_layers=0, ici_data_parallelism=1,
 )
 PAGE = 64
+# Memory bandwidth per device kind (GB/s; the first name in jax.devices()[0].device_kind wins): the roofline's
+# denominator. The CPU has no entry: a jitted sum over 512 MiB measures it in the run (`bandwidth`).
+BANDWIDTH = (("v5 lite", 819.0), ("v5e", 819.0), ("v5p", 2765.0), ("v6", 1640.0), ("H200", 4800.0), ("H100", 3350.0))
+
+
+def bandwidth(override: float | None) -> tuple[float, str]:
+  """(GB/s, where it came from) for this process's device: --bandwidth, BANDWIDTH, else measured (a
+  reduction reading 512 MiB, the best of 5)."""
+  if override:
+    return override, "--bandwidth"
+  kind = jax.devices()[0].device_kind
+  for name, gbs in BANDWIDTH:
+    if name.lower() in kind.lower():
+      return gbs, f"{kind} (table)"
+  x = jnp.ones((1 << 27,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  jax.block_until_ready(f(x))
+  best = min(_seconds(lambda: jax.block_until_ready(f(x))) for _ in range(5))
+  return x.nbytes / best / 1e9, f"{kind}: measured (a sum over 512 MiB)"
+
+
+def _seconds(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+def step_bytes(cfg, params, batch: int, context: int) -> dict:
+  """The bytes one decode step must move at least (its roofline bound's numerator), per part: every
+  parameter once (weights), and per row and layer the cache it reads: sparse, every indexer key (and
+  its scale) plus the k selected latents (c_kv, k_pe, scales); dense, every latent."""
+  per = {name: w * jnp.dtype(dt).itemsize for name, (w, dt) in _fields(cfg).items()}
+  latent = per["c_kv"] + per["k_pe"] + per["c_kv_scale"]
+  keys = per["idx_k"] + per["idx_k_scale"]
+  layers = cfg.num_decoder_layers
+  weights = sum(a.nbytes for a in jax.tree.leaves(params))
+  k = min(cfg.indexer_topk, context)
+  return dict(weights=weights, sparse=weights + batch * layers * (context * keys + k * latent),
+              dense=weights + batch * layers * context * latent)
+
+
+def _fields(cfg) -> dict:
+  """{field: (width, value dtype)} of one slot of the cache (kv_cache's layout)."""
+  latent, rotary = kv_cache._dtypes(cfg.kv_cache_dtype)
+  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  return {name: (w, dt[name]) for name, w in kv_cache._widths(cfg).items()}
 
 
 def config_for(context: int, args, batch: int = 1):
@@ -179,36 +225,56 @@ def paired_ratio(num: list[float], den: list[float]) -> tuple[float, list[float]
   return statistics.median(r), [q[0], q[2]]
 
 
-def step_rows(args, params, buffers) -> list[dict]:
+def contiguous_bytes(cfg, batch: int, context: int) -> int:
+  """What the contiguous reference holds beside the pools: its rows' copy of every layer's cache."""
+  return batch * context * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)
+
+
+def step_rows(args, params, buffers, gbs: float) -> list[dict]:
   modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
-  print(f"{'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
+  print(f"{'rows':>4} {'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
+        + " " + " ".join(f"{m + ' MB':>10} {m + ' roofline':>14}" for m in modes)
         + " " + " ".join(f"{m + ' p/c [quartiles]':>26}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
   pick = min if args.stat == "min" else statistics.median
   rows = []
-  for s in args.contexts:
-    cfg = config_for(s, args, args.batch)
-    graphdef, _, _ = model_state.abstract_model(cfg)
-    row = dict(context=s)
-    for mode in modes:
-      engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
-      fill_pools(engine, seed=s)
-      feed = step_feed_at_end(engine, args.batch, args.chunk if args.prefill else 1)
-      got, out = time_variants({"paged": paged_step(engine, feed), "contiguous": contiguous_step(engine, feed)},
-                               args.iters)
-      row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
-      row[f"{mode}_ms"], row[f"{mode}_contiguous_ms"] = (round(pick(got[k]) * 1e3, 3) for k in ("paged", "contiguous"))
-      ratio, quartiles = paired_ratio(got["paged"], got["contiguous"])
-      row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
-      del engine
-    line = f"{s:>8} " + " ".join(f"{row[f'{m}{v}_ms']:>16.1f}" for m in modes for v in ("", "_contiguous"))
-    line += " " + " ".join(f"{row[m + '_ratio']:>11.2f}x [{row[m + '_ratio_q'][0]:.2f}-{row[m + '_ratio_q'][1]:.2f}]"
-                           for m in modes)
-    if len(modes) == 2:
-      line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
-    differ = [m for m in modes if not row[f"{m}_same_tokens"]]
-    print(line + (f"  (paged and contiguous sampled different tokens: {', '.join(differ)})" if differ else ""),
-          flush=True)
-    rows.append(row)
+  for batch in args.batch:
+    for s in args.contexts:
+      cfg = config_for(s, args, batch)
+      graphdef, _, _ = model_state.abstract_model(cfg)
+      need = step_bytes(cfg, params, batch, s)
+      reference = args.contiguous == "on" or (
+          args.contiguous == "auto" and contiguous_bytes(cfg, batch, s) <= args.contiguous_max_gib * 2 ** 30)
+      row = dict(rows=batch, context=s, contiguous=reference)
+      for mode in modes:
+        engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
+        fill_pools(engine, seed=s)
+        feed = step_feed_at_end(engine, batch, args.chunk if args.prefill else 1)
+        fns = {"paged": paged_step(engine, feed)}
+        if reference:  # built only when asked for: it holds a copy of the rows' cache (6.6 GiB at 4 rows, 128K)
+          fns["contiguous"] = contiguous_step(engine, feed)
+        got, out = time_variants(fns, args.iters)
+        row[f"{mode}_ms"] = round(pick(got["paged"]) * 1e3, 3)
+        row[f"{mode}_bytes"] = need[mode]
+        row[f"{mode}_bound_ms"] = round(need[mode] / gbs / 1e6, 4)
+        row[f"{mode}_roofline"] = round(row[f"{mode}_bound_ms"] / row[f"{mode}_ms"], 4)
+        if reference:
+          row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
+          row[f"{mode}_contiguous_ms"] = round(pick(got["contiguous"]) * 1e3, 3)
+          ratio, quartiles = paired_ratio(got["paged"], got["contiguous"])
+          row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
+        del engine, fns
+      nan = float("nan")
+      line = f"{batch:>4} {s:>8} " + " ".join(f"{row.get(f'{m}{v}_ms', nan):>16.1f}" for m in modes
+                                              for v in ("", "_contiguous"))
+      line += " " + " ".join(f"{row[m + '_bytes'] / 1e6:>10.0f} {row[m + '_roofline']:>14.3f}" for m in modes)
+      line += " " + " ".join(f"{row[m + '_ratio']:>11.2f}x [{row[m + '_ratio_q'][0]:.2f}-{row[m + '_ratio_q'][1]:.2f}]"
+                             if reference else f"{'(no contiguous)':>26}" for m in modes)
+      if len(modes) == 2:
+        line += f"  {row['dense_ms'] / row['sparse_ms']:>11.1f}x"
+      differ = [m for m in modes if reference and not row[f"{m}_same_tokens"]]
+      print(line + (f"  (paged and contiguous sampled different tokens: {', '.join(differ)})" if differ else ""),
+            flush=True)
+      rows.append(row)
   return rows
 
 
@@ -247,7 +313,13 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
   ap.add_argument("--quick", action="store_true", help="contexts 32768 131072, sparse only, 5 iters")
   ap.add_argument("--sparse-only", action="store_true", help="skip the dense columns")
-  ap.add_argument("--batch", type=int, default=1, help="rows in the decode step, each its own sequence")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                  help="rows in the decode step, each its own sequence (several: each in turn)")
+  ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"],
+                  help="time the contiguous reference too (auto: when its copy fits --contiguous-max-gib)")
+  ap.add_argument("--contiguous-max-gib", type=float, default=1.0)
+  ap.add_argument("--bandwidth", type=float, default=None,
+                  help="memory bandwidth in GB/s for the roofline (default: BANDWIDTH's entry, else measured)")
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
@@ -266,12 +338,14 @@ def main(argv: list[str] | None = None) -> None:
   if bad := [a for a in args.set if "=" not in a]:
     ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
 
+  if args.prompt and len(args.batch) > 1:
+    ap.error("--prompt runs one request: give one --batch")
   cfg0 = config_for(args.contexts[0], args)
   mesh = sharding.create_mesh(cfg0)
   _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context
   what = (f"a prompt through the engine in {args.chunk}-token chunks" if args.prompt else
           f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step")
-  print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), batch {args.batch}, "
+  print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), rows {args.batch}, "
         f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}"
         f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}"
         + ("" if args.prompt else f"; {args.stat} of {args.iters} steps"))
@@ -281,10 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(dict(benchmark="decode_prompt_chunks", chunk=args.chunk, **common,
                           rows=prompt_rows(args, params, buffers))))
     return
-  rows = step_rows(args, params, buffers)
+  gbs, source = bandwidth(args.bandwidth)
+  print(f"roofline: the bytes a step must move (weights + indexer keys + selected latents; dense: every latent) "
+        f"at {gbs:.1f} GB/s ({source})")
+  rows = step_rows(args, params, buffers, gbs)
   name = "decode_prefill_chunk" if args.prefill else "decode"
-  print(json.dumps(dict(benchmark=name, batch=args.batch, chunk=args.chunk if args.prefill else 1, **common,
-                        stat=args.stat, iters=args.iters, rows=rows)))
+  print(json.dumps(dict(benchmark=name, chunk=args.chunk if args.prefill else 1, **common, bandwidth_gbs=round(gbs, 1),
+                        bandwidth_source=source, stat=args.stat, iters=args.iters, rows=rows)))
 
 
 if __name__ == "__main__":

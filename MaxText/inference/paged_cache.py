@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
+from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.index_scores import row_index_scores
 from MaxText.runtime import sharding
@@ -218,6 +219,7 @@ def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
 
 
 KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (one row) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
+PAGES_PER_SCORE_BLOCK = 8  # pages a grid step of the Pallas scoring kernel reads (512 keys at 64 a page)
 
 
 class PagedKeys(NamedTuple):
@@ -241,7 +243,10 @@ class PagedKeys(NamedTuple):
     return self._replace(table=jax.lax.dynamic_slice_in_dim(self.table, i, 1, axis=0))  # [1,P]
 
   def scores(self, q: jax.Array, w: jax.Array, pos: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
-    """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos."""
+    """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos. One query a row
+    (a decode step) goes through the Pallas kernel where backend.py's table says so (paged_scoring)."""
+    if q.shape[1] == 1 and backend.choice("paged_scoring") == "pallas":
+      return self._kernel_scores(q, w, pos)
     (b, p), d, page = self.table.shape, self.idx_k.shape[-1], self.page_size
     per_block = max(1, min(p, KEY_BLOCK_BYTES // (page * d * 4)))  # pages a block
     n = -(-p // per_block)
@@ -262,6 +267,17 @@ class PagedKeys(NamedTuple):
     out = jnp.full((b, q.shape[1], n * width), -jnp.inf, jnp.float32)
     out = jax.lax.fori_loop(0, b * n, block, out) if b * n > 1 else block(0, out)
     return out[..., :self.slots]  # [b,tq,S]
+
+  def _kernel_scores(self, q: jax.Array, w: jax.Array, pos: jax.Array) -> jax.Array:
+    """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off the TPU):
+    the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
+    p, d = self.table.shape[1], q.shape[-1]
+    per_block = min(PAGES_PER_SCORE_BLOCK, p)
+    table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
+    got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,
+                                          self.idx_k_scale, table, pos[:, 0], self.page_size,
+                                          pages_per_block=per_block, interpret=jax.default_backend() != "tpu")
+    return got[:, None, :self.slots]  # [b,1,S]
 
 
 def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, fn, *rows: jax.Array):

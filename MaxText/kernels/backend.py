@@ -23,6 +23,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      lacks ragged_all_to_all; moe_dispatch) rows routed
   gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
                      k=2048 (sparse_attention_impl=auto)   on these backends
+  paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
+                     (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
+                                                           for one decode query a row (measured on a
+                                                           v5e: 7.0 vs 98 ms at 16 rows of 128K fp8)
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -58,6 +62,7 @@ class Choices:
   grouped_matmul: str  # "blocked" | "ragged_dot"
   moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
+  paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -68,6 +73,9 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
     "grouped_matmul": ("blocked", "ragged_dot"),
     "moe_exchange": ("all_to_all", "ragged_all_to_all"),
 }
+KERNELS = {  # choices between the XLA path (first; CPU and portable) and a Pallas kernel (kernels/paged_decode.py)
+    "paged_scoring": ("xla", "pallas"),
+}
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
@@ -77,7 +85,9 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # TPU v5e (docs/accelerators.md, Figures): on f32[1,1024,131072], k=2048, the binned selections take 18.3 ms
 # (exact) and 16.8 ms (approx, recall 0.97) against lax.top_k's 215 ms and lax.approx_max_k's 95 ms; the rest
 # stays portable (not measured there).
-TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned")
+# The paged decode scoring through the Pallas kernel: 1.14 / 2.39 / 7.03 ms at 1 / 4 / 16 rows of 128K fp8 keys
+# against the XLA page-block loop's 1.15 / 7.84 / 98.4 ms (benchmarks/paged_decode_kernels.py, docs/kernels.md).
+TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md
@@ -114,8 +124,8 @@ def _check(backend: str | None, overrides: dict) -> None:
     if name == "gather_min_length":
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
-    elif value not in OPTIONS[name]:
-      raise ValueError(f"backend.forced: {name}={value!r}; expected one of {OPTIONS[name]}")
+    elif value not in {**OPTIONS, **KERNELS}[name]:
+      raise ValueError(f"backend.forced: {name}={value!r}; expected one of {({**OPTIONS, **KERNELS})[name]}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")
 

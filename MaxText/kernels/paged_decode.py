@@ -1,0 +1,336 @@
+"""Pallas (Mosaic TPU) kernels of the paged decode step, and their XLA references.
+
+Two kernels read the paged pools (inference/paged_cache.py) where they lie, one row (sequence) per
+grid step of the first axis, a block of pages or slots per step of the second, the next block's
+DMAs started before this block is computed (two buffers):
+
+  paged_index_scores   the indexer's scores of one decode query per row over every cached key:
+                       q [B,H,d], w [B,H] (times H**-0.5 d**-0.5 folded in by the caller: see
+                       `index_weights`), the key pool idx_k [N,d] (fp32, or fp8 bits uint8 with a
+                       scale [N,1]) through the page table [B,P] -> scores [B, P*page] fp32 (-inf past
+                       each row's position). Keys are DMA'd a page at a time ([page, d], 8 KiB in fp8),
+                       fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
+                       multiplied on the MXU with fp32 accumulation, so fp8 x fp8 products are exact
+                       and the scales apply after the dot (as DeepGEMM's fp8 MQA logits). The
+                       [B, S] scores go to HBM (4 bytes a key against the 128 + 4 the key costs to
+                       read in fp8: 3%) and the selection (selection.py, binned) runs on them.
+  sparse_mla_decode    absorbed MLA of one decode query per row over its k selected slots: q_abs
+                       [B,H,c], q_pe [B,H,r], slot ids [B,K] (already through the page table) with a
+                       validity mask, the latent pool c_kv [N,c] (fp32, or fp8 bits with scales
+                       [N, c/128]) and k_pe [N,r] (fp32, or bf16 bits uint16) -> o_lat [B,H,c] fp32.
+                       Each selected slot is one DMA of its row ([1,c] + [1,r] + its scales);
+                       fp8 is dequantized in VMEM; online softmax in fp32 over blocks of slots.
+
+fp8 and bf16 fields arrive as the pools hold them (their bits, kv_cache.storage_dtype) and are
+decoded with integer ops (`_e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
+arithmetic lowers on every TPU generation and in interpret mode alike.
+
+`interpret=True` runs either kernel with Pallas' TPU interpreter on any backend (tests/unit/
+test_paged_decode.py holds them to the XLA references `paged_index_scores_xla` and
+`sparse_mla_decode_xla` on the CPU). Design notes and TPU figures: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from MaxText.kernels.fp8_blocks import quantize
+
+NEG_INF = float("-inf")
+FP8_BLOCK = 128  # elements per fp8 scale (kv_cache.FP8_BLOCK: kernels sit below inference)
+_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.uint16): jnp.bfloat16}
+
+
+def as_values(a: jax.Array) -> jax.Array:
+  """The reference's decoding of a pool field (kv_cache.as_values): bits reinterpreted by XLA, not by
+  the kernels' integer arithmetic, so the tests compare two decodings."""
+  value = _VALUES.get(jnp.dtype(a.dtype))
+  return a if value is None else jax.lax.bitcast_convert_type(a, value)
+
+
+# ---- bit decoding (the pools' integer storage -> f32), shared by both kernels
+
+def _e4m3_to_f32(bits: jax.Array) -> jax.Array:
+  """float8_e4m3fn bits (any int dtype, values 0..255) -> f32 values, exactly (NaN -> NaN; the pools
+  never hold one). Normal: (-1)^s 2^(e-7) (1 + m/8); e = 0: (-1)^s 2^-6 m/8."""
+  b = bits.astype(jnp.int32) & 0xFF
+  sign, e, m = b >> 7, (b >> 3) & 0xF, b & 0x7
+  normal = jax.lax.bitcast_convert_type((sign << 31) | ((e + 120) << 23) | (m << 20), jnp.float32)
+  sub = m.astype(jnp.float32) * (2.0 ** -9) * (1 - 2 * sign).astype(jnp.float32)
+  nan = (e == 15) & (m == 7)
+  return jnp.where(nan, jnp.nan, jnp.where(e == 0, sub, normal))
+
+
+def _bf16_bits_to_f32(bits: jax.Array) -> jax.Array:
+  """bfloat16 bits (uint16 / int32 holding 0..65535) -> f32 values, exactly."""
+  return jax.lax.bitcast_convert_type((bits.astype(jnp.int32) & 0xFFFF) << 16, jnp.float32)
+
+
+def _decode(x: jax.Array) -> jax.Array:
+  """A field as a pool stores it -> f32: uint8 = fp8 bits, uint16 = bf16 bits, a float as is."""
+  if x.dtype == jnp.uint8:
+    return _e4m3_to_f32(x)
+  if x.dtype == jnp.uint16:
+    return _bf16_bits_to_f32(x)
+  return x.astype(jnp.float32)
+
+
+def _dequant(x: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """x [n, w] as stored, scale [n, ceil(w/128)] (fp8) or None -> [n, w] f32 values."""
+  v = _decode(x)
+  if scale is None:
+    return v
+  w = v.shape[-1]  # [n, w]; scale [n, ceil(w/128)]: lane-aligned 128-wide groups, no 3-D reshape (Mosaic)
+  return jnp.concatenate([v[:, g:g + FP8_BLOCK] * scale[:, i:i + 1] for i, g in enumerate(range(0, w, FP8_BLOCK))],
+                         axis=1)
+
+
+# ---- double-buffered gathers: items `ids[i]` of pools in HBM into VMEM buffers (two slots each)
+
+def _each_copy(fields, sems, ids_ref, slot, n: int, method: str) -> None:
+  """start or wait the DMAs of block `slot`: for each of the n ids and each field (src [M, ...] in
+  HBM, dst [2, n, ...] in VMEM), item ids_ref[0, 0, i] of src into dst[slot, i]. One DMA semaphore per
+  (slot, field): a wait takes one item's bytes, so n waits match n starts."""
+  @pl.loop(0, n)
+  def _(i):
+    item = ids_ref[0, 0, i]
+    for f, (src, dst) in enumerate(fields):
+      getattr(pltpu.make_async_copy(src.at[pl.ds(item, 1)], dst.at[slot, pl.ds(i, 1)], sems.at[slot, f]), method)()
+
+
+def _pipelined(fields, sems, ids_now, ids_next, n: int):
+  """Within the second grid axis j (sequential per row): on return block j's items are in slot j % 2
+  of every dst, block j+1's DMAs already started into the other slot (block 0's at j == 0)."""
+  j, last = pl.program_id(1), pl.num_programs(1) - 1
+  slot = j % 2
+
+  @pl.when(j == 0)
+  def _():
+    _each_copy(fields, sems, ids_now, 0, n, "start")
+
+  @pl.when(j < last)
+  def _():
+    _each_copy(fields, sems, ids_next, 1 - slot, n, "start")
+
+  _each_copy(fields, sems, ids_now, slot, n, "wait")
+  return slot
+
+
+def _ids_specs(width: int, n_blocks: int):
+  """Two SMEM BlockSpecs of an id array laid out [B * n_blocks, 1, width] (`_blocked_ids`: a block's ids
+  are a whole array row, as Mosaic wants a block's last two dims whole or tiled): this block's ids
+  and the next one's (the last block's again at the end)."""
+  return [pl.BlockSpec((1, 1, width), lambda b, j: (b * n_blocks + j, 0, 0), memory_space=pltpu.SMEM),
+          pl.BlockSpec((1, 1, width), lambda b, j: (b * n_blocks + jnp.minimum(j + 1, n_blocks - 1), 0, 0),
+                       memory_space=pltpu.SMEM)]
+
+
+def _blocked_ids(ids: jax.Array, width: int) -> jax.Array:
+  """ids [B, n*width] -> [B*n, 1, width] (`_ids_specs`' layout)."""
+  return ids.astype(jnp.int32).reshape(-1, 1, width)
+
+
+_NT = (((1,), (1,)), ((), ()))  # dot_general: [m,k] x [n,k] -> [m,n]
+_HI = jax.lax.Precision.HIGHEST
+
+
+# ---- (a) paged indexer scoring
+
+def fp8_queries(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """q [..., H, d] (d = 128, after the Hadamard rotation) -> (e4m3 bits uint8 [..., H, d], scale [..., H]
+  fp32): DeepSeek's per-128-block quantization (fp8_blocks.quantize with block (1, 128): scale =
+  amax / 448), one block per head, as the release's indexer quantizes its queries for decode."""
+  v = quantize(q.astype(jnp.float32), (1, FP8_BLOCK))
+  return jax.lax.bitcast_convert_type(v.values, jnp.uint8), v.scale[..., 0]
+
+
+def index_weights(w: jax.Array, d: int) -> jax.Array:
+  """w [B,H] (fp32, already times H**-0.5, as Indexer.queries) -> the per-head weights the kernel
+  multiplies relu(q.k) by: w * d**-0.5 (index_scores' factor)."""
+  return w.astype(jnp.float32) * d ** -0.5
+
+
+def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, *rest, pages: int, page: int, fp8: bool):
+  if fp8:
+    ks_hbm, out_ref, kbuf, sbuf, sems = rest
+    fields = ((k_hbm, kbuf), (ks_hbm, sbuf))
+  else:
+    out_ref, kbuf, sems = rest
+    fields = ((k_hbm, kbuf),)
+  slot = _pipelined(fields, sems, tab_now, tab_next, pages)
+  b, j = pl.program_id(0), pl.program_id(1)
+  width, d = pages * page, kbuf.shape[-1]
+  keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
+  if fp8 and q.dtype == jnp.uint8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
+    logits_t = jax.lax.dot_general(_decode(keys).astype(jnp.bfloat16), _decode(q).astype(jnp.bfloat16), _NT,
+                                   preferred_element_type=jnp.float32)  # [width, H]
+  else:  # fp32 queries: the keys' values (fp8 decoded) in fp32
+    logits_t = jax.lax.dot_general(_decode(keys), q.astype(jnp.float32), _NT, preferred_element_type=jnp.float32,
+                                   precision=_HI)  # [width, H]
+  if fp8:
+    logits_t = logits_t * sbuf[slot].reshape(width, 1)  # the keys' scales (> 0: relu commutes with them)
+  scores = jax.lax.dot_general(w_ref[0], jnp.maximum(logits_t, 0.0), _NT, preferred_element_type=jnp.float32,
+                               precision=_HI)  # w [1,H] (the queries' scales folded in) -> [1, width]
+  slots = j * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+  out_ref[0] = jnp.where(slots <= pos_ref[b], scores, NEG_INF)
+
+
+def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, idx_k: jax.Array,
+                       idx_k_scale: jax.Array | None, table: jax.Array, pos: jax.Array, page: int, *,
+                       pages_per_block: int = 8, interpret: bool = False) -> jax.Array:
+  """Scores [B, P*page] fp32 of one query per row over its pages (the kernel; module doc):
+  sum_h w[h] relu(q[h] . k[s]) with q, k the dequantized values.
+
+  q [B,H,d]: f32 (q_scale None), or with fp8 keys fp8 bits uint8 with q_scale [B,H] f32 (one scale
+  per head's d = 128 values: fp8_queries); w [B,H] the per-head weights (index_weights); idx_k [N,d] as the pool holds it
+  (uint8 fp8 bits with idx_k_scale [N,1], or f32); table [B,P] page ids (< 0: none, read as page 0
+  and masked only by pos); pos [B] each row's query position: slots > pos score -inf. P must be a
+  multiple of pages_per_block (pad the table)."""
+  fp8 = idx_k_scale is not None
+  b, h, d = q.shape
+  p = table.shape[1]
+  if p % pages_per_block:
+    raise ValueError(f"paged_index_scores: {p} pages is not a multiple of pages_per_block={pages_per_block}")
+  if fp8 and idx_k_scale.shape[-1] != 1:
+    raise ValueError(f"paged_index_scores: fp8 keys need one scale per key (d = 128), got {idx_k_scale.shape}")
+  if (q.dtype == jnp.uint8) != (q_scale is not None) or (q_scale is not None and not fp8):
+    raise ValueError("paged_index_scores: fp8 queries (uint8 bits) come with q_scale, and with fp8 keys")
+  n_blocks, width = p // pages_per_block, pages_per_block * page
+  table = jnp.maximum(table, 0).astype(jnp.int32)
+  w = w.astype(jnp.float32) * (1.0 if q_scale is None else q_scale)  # relu(qs x) = qs relu(x): the q scale joins w
+  ids = _blocked_ids(table, pages_per_block)  # [B*n_blocks, 1, pages_per_block]
+  ins = [pos.astype(jnp.int32), ids, ids, q, w[:, None, :], idx_k.reshape(-1, page, d)]  # keys [N/page,page,d]
+  any_ = pl.BlockSpec(memory_space=pl.ANY)
+  in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), *_ids_specs(pages_per_block, n_blocks),
+              pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, 1, h), lambda i, j: (i, 0, 0)), any_]
+  scratch = [pltpu.VMEM((2, pages_per_block, page, d), idx_k.dtype)]
+  if fp8:
+    ins.append(idx_k_scale.astype(jnp.float32).reshape(-1, page, 1))  # [N/page, page, 1]
+    in_specs.append(any_)
+    scratch.append(pltpu.VMEM((2, pages_per_block, page, 1), jnp.float32))
+  scratch.append(pltpu.SemaphoreType.DMA((2, 2 if fp8 else 1)))
+  kernel = functools.partial(_score_kernel, pages=pages_per_block, page=page, fp8=fp8)
+  return pl.pallas_call(
+      kernel, grid=(b, n_blocks), in_specs=in_specs,
+      out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((b, 1, p * page), jnp.float32), scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interpret)(*ins)[:, 0]
+
+
+def paged_index_scores_xla(q, q_scale, w, idx_k, idx_k_scale, table, pos, page: int) -> jax.Array:
+  """paged_index_scores' function in plain XLA (the reference): every page gathered, dequantized,
+  scored in fp32."""
+  b, h, d = q.shape
+  keys = jnp.take(as_values(idx_k).astype(jnp.float32).reshape(-1, page, d), jnp.maximum(table, 0), axis=0)
+  keys = keys.reshape(b, -1, d)  # [B,S,d]
+  qv = as_values(q).astype(jnp.float32) * (1.0 if q_scale is None else q_scale[..., None])
+  if idx_k_scale is not None:
+    ks = jnp.take(idx_k_scale.reshape(-1, page), jnp.maximum(table, 0), axis=0).reshape(b, -1)  # [B,S]
+    keys = keys * ks[..., None]
+  logits = jnp.einsum("bhd,bsd->bhs", qv, keys, precision=jax.lax.Precision.HIGHEST)  # [B,H,S]
+  scores = jnp.einsum("bhs,bh->bs", jax.nn.relu(logits), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  slots = jnp.arange(scores.shape[1], dtype=jnp.int32)[None]
+  return jnp.where(slots <= pos[:, None], scores, NEG_INF)
+
+
+# ---- (b) sparse MLA decode
+
+def _mla_kernel(valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, scale: float, fp8: bool):
+  if fp8:
+    cs_ref, out_ref, m_ref, l_ref, acc_ref = rest
+  else:
+    cs_ref = None
+    out_ref, m_ref, l_ref, acc_ref = rest
+  j, last = pl.program_id(1), pl.num_programs(1) - 1
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, jnp.finfo(jnp.float32).min, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  c = _dequant(c_ref[0], None if cs_ref is None else cs_ref[0])  # [block, c] f32 (fp8: dequantized here)
+  pe = _decode(pe_ref[0])  # [block, r]
+  logits = (jax.lax.dot_general(q_ref[0], c, _NT, preferred_element_type=jnp.float32, precision=_HI)
+            + jax.lax.dot_general(qpe_ref[0], pe, _NT, preferred_element_type=jnp.float32, precision=_HI)) * scale
+  logits = jnp.where(valid_ref[0] > 0, logits, NEG_INF)  # [H, block]; valid [1, block]
+  m_old = m_ref[...]  # [H,1]
+  m_new = jnp.maximum(m_old, jnp.max(logits, axis=1, keepdims=True))  # finite: m starts at a finite floor
+  p = jnp.exp(logits - m_new)  # [H, block]
+  alpha = jnp.exp(m_old - m_new)
+  l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+  acc_ref[...] = acc_ref[...] * alpha + jax.lax.dot_general(p, c, (((1,), (0,)), ((), ())),
+                                                            preferred_element_type=jnp.float32, precision=_HI)
+  m_ref[...] = m_new
+
+  @pl.when(j == last)
+  def _():
+    out_ref[0] = acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny)  # no valid slot: 0
+
+
+def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: jax.Array, c_kv: jax.Array,
+                      k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 256,
+                      interpret: bool = False) -> jax.Array:
+  """o_lat [B,H,c] fp32 = softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale,
+  times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (K a
+  multiple of block; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
+  it (uint8 fp8 bits with c_kv_scale [N, c/128], or f32), k_pe [N,r] (f32, or uint16 bf16 bits). A
+  row with no valid slot gets 0.
+
+  The K selected rows are gathered AS STORED by XLA (B*K*(c + 2r + 16) bytes in fp8: 2048 rows of
+  656 bytes a row, 1.3 MB), then the kernel streams them in blocks of `block` slots (Pallas'
+  pipeline), dequantizes in VMEM and runs the online softmax. A per-slot DMA from the pool into a
+  VMEM block (as the scoring kernel's per-page DMAs) does not lower: Mosaic wants a DMA's offset in
+  the tiled (second-minor) dimension aligned to the tile (8 rows in fp32, 32 in fp8), and one slot
+  is one row (docs/kernels.md)."""
+  fp8 = c_kv_scale is not None
+  b, h, c = q_abs.shape
+  r, k = q_pe.shape[-1], ids.shape[1]
+  if k % block:
+    raise ValueError(f"sparse_mla_decode: {k} slots is not a multiple of block={block}")
+  ids = jnp.clip(ids, 0, c_kv.shape[0] - 1).astype(jnp.int32)
+  gathered = [jnp.take(c_kv, ids, axis=0), jnp.take(k_pe, ids, axis=0)]  # [B,K,c], [B,K,r] as stored
+  ins = [valid.astype(jnp.int32)[:, None], q_abs.astype(jnp.float32), q_pe.astype(jnp.float32), *gathered]
+  in_specs = [pl.BlockSpec((1, 1, block), lambda i, j: (i, 0, j)), pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
+              pl.BlockSpec((1, h, r), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, block, c), lambda i, j: (i, j, 0)),
+              pl.BlockSpec((1, block, r), lambda i, j: (i, j, 0))]
+  if fp8:
+    ins.append(jnp.take(c_kv_scale.astype(jnp.float32), ids, axis=0))  # [B,K,c/128]
+    in_specs.append(pl.BlockSpec((1, block, c_kv_scale.shape[-1]), lambda i, j: (i, j, 0)))
+  scratch = [pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, c), jnp.float32)]
+  kernel = functools.partial(_mla_kernel, scale=scale, fp8=fp8)
+  return pl.pallas_call(
+      kernel, grid=(b, k // block), in_specs=in_specs,
+      out_specs=pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, h, c), jnp.float32), scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interpret)(*ins)
+
+
+def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale: float) -> jax.Array:
+  """sparse_mla_decode's function in plain XLA (the reference): the selected rows gathered,
+  dequantized, a masked fp32 softmax."""
+  ids = jnp.clip(ids, 0, c_kv.shape[0] - 1)
+  c = as_values(jnp.take(c_kv, ids, axis=0)).astype(jnp.float32)  # [B,K,c]
+  if c_kv_scale is not None:
+    s = jnp.take(c_kv_scale, ids, axis=0)  # [B,K,c/128]
+    c = (c.reshape(*c.shape[:2], -1, FP8_BLOCK) * s[..., None]).reshape(c.shape)
+  pe = as_values(jnp.take(k_pe, ids, axis=0)).astype(jnp.float32)  # [B,K,r]
+  hi = jax.lax.Precision.HIGHEST
+  logits = (jnp.einsum("bhc,bkc->bhk", q_abs, c, precision=hi)
+            + jnp.einsum("bhr,bkr->bhk", q_pe, pe, precision=hi)) * scale  # [B,H,K]
+  logits = jnp.where(valid[:, None], logits, NEG_INF)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.where(valid[:, None], jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  out = jnp.einsum("bhk,bkc->bhc", p, c, precision=hi)
+  return out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+
+__all__ = ["fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
+           "index_weights"]

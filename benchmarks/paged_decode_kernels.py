@@ -1,0 +1,170 @@
+"""The Pallas decode kernels (kernels/paged_decode.py) against their XLA paths, at decode shapes.
+
+    python benchmarks/paged_decode_kernels.py                          # TPU: 128K, rows 1 4 16, fp8 and fp32
+    python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
+
+Per (cache dtype, rows, context): (a) the indexer's scores of one decode query per row over every
+cached key (64 heads of 128, keys fp8 with one scale each, queries fp8 with one scale per head; or
+fp32), the kernel against the engine's paged path (paged_cache.PagedKeys.scores: a loop of page
+blocks) and the plain XLA reference (every page gathered, one einsum); (b) sparse MLA decode over
+k = 2048 selected slots (128 heads, latents of 512 + 64: fp8 with 4 scales + bf16 rope, or fp32),
+the kernel against the XLA reference (the rows gathered, a masked softmax). Each variant's median
+of --iters calls (alternating), the bytes it must move (its roofline bound at --bandwidth GB/s:
+the v5e's 819 by default) and the fraction of that bound achieved; the largest difference from the
+XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.inference.kv_cache import quantize_fp8
+from MaxText.inference.paged_cache import PagedKeys
+from MaxText.kernels import paged_decode as pd
+
+H_I, D_I, H, C, R, PAGE = 64, 128, 128, 512, 64, 64
+
+
+def bits(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
+
+
+def inputs(rows: int, context: int, fp8: bool, seed: int = 0) -> dict:
+  """Pools of rows * context slots (pages a random permutation), queries, a selection of k slots."""
+  keys = jax.random.split(jax.random.key(seed), 8)
+  p = context // PAGE
+  n = rows * context
+  table = jnp.asarray(np.random.default_rng(seed).permutation(rows * p).reshape(rows, p), jnp.int32)
+  q = jax.random.normal(keys[0], (rows, H_I, D_I))
+  w = jax.random.uniform(keys[1], (rows, H_I)) * H_I ** -0.5
+  q_abs = jax.random.normal(keys[5], (rows, H, C)) * 0.05
+  q_pe = jax.random.normal(keys[6], (rows, H, R)) * 0.05
+  k = min(2048, context)
+  pos_sel = jax.vmap(lambda kk: jax.random.choice(kk, context, (k,), replace=False))(jax.random.split(keys[7], rows))
+  ids = jnp.take_along_axis(table, pos_sel // PAGE, axis=1) * PAGE + pos_sel % PAGE  # [rows,k] slot ids
+  d = dict(table=table, pos=jnp.full((rows,), context - 1, jnp.int32), w=w, ids=ids, valid=jnp.ones((rows, k), bool),
+           q_abs=q_abs, q_pe=q_pe)
+  if fp8:  # the pools' fp8 bits drawn directly (any finite e4m3: not 0x7f/0xff), scales near 3/448: no f32 copy
+    fp8_bits = lambda kk, shape: jnp.where(jax.random.bernoulli(kk, 0.5, shape), 0, 128).astype(jnp.uint8) + \
+        jax.random.randint(jax.random.fold_in(kk, 1), shape, 0, 127, jnp.uint8)  # [.., n] sign | 0..126
+    qq, qs = quantize_fp8(q)
+    d.update(q=bits(qq, jnp.float8_e4m3fn), q_scale=qs[..., 0], idx_k=fp8_bits(keys[2], (n, D_I)),
+             idx_k_scale=jax.random.uniform(keys[2], (n, 1), minval=0.5, maxval=1.5) * 3 / 448,
+             c_kv=fp8_bits(keys[3], (n, C)),
+             c_kv_scale=jax.random.uniform(keys[3], (n, C // 128), minval=0.5, maxval=1.5) * 3 / 448,
+             k_pe=bits(jax.random.normal(keys[4], (n, R)), jnp.bfloat16))
+  else:
+    d.update(q=q, q_scale=None, idx_k=jax.random.normal(keys[2], (n, D_I)), idx_k_scale=None,
+             c_kv=jax.random.normal(keys[3], (n, C)), c_kv_scale=None, k_pe=jax.random.normal(keys[4], (n, R)))
+  return d
+
+
+def scoring_fns(d: dict, interpret: bool) -> dict:
+  w = pd.index_weights(d["w"], D_I)
+  args = (d["q"], d["q_scale"], w, d["idx_k"], d["idx_k_scale"], d["table"], d["pos"])
+  ppb = min(8, d["table"].shape[1])
+  kernel = jax.jit(lambda *a: pd.paged_index_scores(*a, PAGE, pages_per_block=ppb, interpret=interpret))
+  xla = jax.jit(lambda *a: pd.paged_index_scores_xla(*a, PAGE))
+
+  @jax.jit
+  def engine(q, q_scale, w_, idx_k, idx_k_scale, table, pos):  # the engine's path: PagedKeys over f32 queries
+    qv = pd.as_values(q).astype(jnp.float32) * (1.0 if q_scale is None else q_scale[..., None])
+    keys = PagedKeys(idx_k, idx_k_scale, table, PAGE)
+    return keys.scores(qv[:, None], d["w"][:, None], pos[:, None], head_chunk=H_I)[:, 0]
+
+  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args), "engine": lambda: engine(*args)}
+
+
+def mla_fns(d: dict, interpret: bool) -> dict:
+  args = (d["q_abs"], d["q_pe"], d["ids"], d["valid"], d["c_kv"], d["k_pe"], d["c_kv_scale"])
+  block = min(256, d["ids"].shape[1])
+  kernel = jax.jit(lambda *a: pd.sparse_mla_decode(*a, 0.07, block=block, interpret=interpret))
+  xla = jax.jit(lambda *a: pd.sparse_mla_decode_xla(*a, 0.07))
+  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args)}
+
+
+def bytes_moved(kind: str, rows: int, context: int, fp8: bool) -> int:
+  """What a call must read and write at least: (a) every key (+ its scale) and the [rows, S] scores;
+  (b) k selected latents of 512 + 64 (+ 4 scales) and the [rows, 128, 512] fp32 output."""
+  if kind == "scoring":
+    return rows * context * ((D_I + 4 if fp8 else 4 * D_I) + 4)
+  k = min(2048, context)
+  return rows * k * (C + 4 * 4 + 2 * R if fp8 else 4 * (C + R)) + rows * H * C * 4
+
+
+def timed(fns: dict, iters: int) -> tuple[dict, dict]:
+  out = {name: np.asarray(fn()) for name, fn in fns.items()}  # compile + first call
+  ms = {name: [] for name in fns}
+  for _ in range(iters):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      ms[name].append((time.perf_counter() - t0) * 1e3)
+  return {n: statistics.median(v) for n, v in ms.items()}, out
+
+
+def max_rel(a: np.ndarray, ref: np.ndarray) -> float:
+  finite = np.isfinite(ref)
+  if not np.array_equal(finite, np.isfinite(a)):
+    return float("inf")
+  scale = max(float(np.max(np.abs(ref[finite]))), 1e-30)
+  return float(np.max(np.abs(a[finite] - ref[finite]))) / scale
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--contexts", type=int, nargs="*", default=[131072])
+  ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
+  ap.add_argument("--dtypes", nargs="*", default=["fp8", "float32"], choices=["fp8", "float32"])
+  ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--bandwidth", type=float, default=819.0, help="memory bandwidth in GB/s (TPU v5e: 819)")
+  ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
+  ap.add_argument("--no-engine", action="store_true", help="skip the engine's PagedKeys path")
+  args = ap.parse_args(argv)
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); roofline at {args.bandwidth} GB/s; "
+        f"median of {args.iters}; interpret={args.interpret}")
+  print(f"{'kernel':>8} {'dtype':>7} {'rows':>4} {'context':>7} {'MB':>8} {'bound ms':>8} {'pallas ms':>9} "
+        f"{'xla ms':>8} {'engine ms':>9} {'pallas/bound':>12} {'xla/pallas':>10} {'max rel diff':>12}")
+  results = []
+  for dtype in args.dtypes:
+    for rows in args.rows:
+      for context in args.contexts:
+        d = inputs(rows, context, dtype == "fp8")
+        for kind, make in (("scoring", scoring_fns), ("mla", mla_fns)):
+          fns = make(d, args.interpret)
+          if args.no_engine:
+            fns.pop("engine", None)
+          try:
+            ms, out = timed(fns, args.iters)
+            err = max_rel(out["kernel"], out["xla"])
+            status = "ok"
+          except Exception as e:  # a Mosaic lowering error is a result here: print it and go on
+            ms, err, status = {}, None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+          nbytes = bytes_moved(kind, rows, context, dtype == "fp8")
+          bound = nbytes / args.bandwidth / 1e6  # ms
+          row = dict(kernel=kind, dtype=dtype, rows=rows, context=context, bytes=nbytes, bound_ms=round(bound, 4),
+                     status=status, max_rel_diff=err, **{f"{k}_ms": round(v, 4) for k, v in ms.items()})
+          if ms:
+            row["roofline_fraction"] = round(bound / ms["kernel"], 3)
+            print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} {nbytes / 1e6:>8.1f} {bound:>8.3f} {ms['kernel']:>9.3f} "
+                  f"{ms['xla']:>8.3f} {ms.get('engine', float('nan')):>9.3f} {row['roofline_fraction']:>12.2f} "
+                  f"{ms['xla'] / ms['kernel']:>10.2f} {err:>12.2e}", flush=True)
+          else:
+            print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {status}", flush=True)
+          results.append(row)
+          del fns
+        del d
+        jax.clear_caches()
+  print(json.dumps(dict(benchmark="paged_decode_kernels", backend=jax.default_backend(),
+                        device=jax.devices()[0].device_kind, bandwidth_gbs=args.bandwidth, rows=results)))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,110 @@
+"""The Pallas decode kernels (kernels/paged_decode.py) in interpret mode against their XLA references,
+and the paged key source taking the scoring kernel where backend.py's table says so."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from MaxText.inference import kv_cache
+from MaxText.inference.paged_cache import PagedKeys
+from MaxText.kernels import backend
+from MaxText.kernels import paged_decode as pd
+
+B, PAGE, P = 2, 8, 4  # 2 rows of 4 pages of 8 slots; the pool holds exactly their pages
+N = B * P * PAGE
+
+
+def _bits(x, dtype):
+  return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
+
+
+def _close(got, ref, rtol):
+  got, ref = np.asarray(got), np.asarray(ref)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+  fin = np.isfinite(ref)
+  assert np.max(np.abs(got[fin] - ref[fin])) <= rtol * np.max(np.abs(ref[fin])), np.max(np.abs(got[fin] - ref[fin]))
+
+
+def test_bit_decoding_is_exact_for_every_fp8_code_and_bf16_values():
+  codes = np.arange(256, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(pd._e4m3_to_f32(jnp.asarray(codes)))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])  # subnormals, signs, 448 alike
+  x = jax.random.normal(jax.random.key(0), (64,)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(pd._bf16_bits_to_f32(_bits(x, jnp.bfloat16)), x.astype(jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def scoring_case():
+  k = jax.random.split(jax.random.key(1), 4)
+  table = jnp.asarray(np.random.default_rng(0).permutation(B * P).reshape(B, P), jnp.int32)
+  return dict(q=jax.random.normal(k[0], (B, 4, 128)), w=jax.random.uniform(k[1], (B, 4)),
+              keys=jax.random.normal(k[2], (N, 128)), table=table, pos=jnp.array([P * PAGE - 1, 13]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8_keys", "fp8_keys_and_queries"])
+def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
+  c = scoring_case
+  q, q_scale, keys, k_scale = c["q"], None, c["keys"], None
+  if dtype != "float32":
+    kq, k_scale = kv_cache.quantize_fp8(keys)
+    keys = _bits(kq, jnp.float8_e4m3fn)
+  if dtype == "fp8_keys_and_queries":
+    q, q_scale = pd.fp8_queries(q)
+  args = (q, q_scale, c["w"], keys, k_scale, c["table"], c["pos"], PAGE)
+  got = pd.paged_index_scores(*args, pages_per_block=2, interpret=True)
+  ref = pd.paged_index_scores_xla(*args)
+  assert np.isinf(np.asarray(got)[1, 14:]).all() and np.isfinite(np.asarray(got)[1, :14]).all()  # past pos: -inf
+  _close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
+
+
+def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
+  """fp8 queries and keys (e4m3: 3 mantissa bits, relative step 2**-4) against f32 scoring of the
+  same keys: the stated tolerance is 10% of the largest score."""
+  c = scoring_case
+  q8, qs = pd.fp8_queries(c["q"])
+  exact = pd.paged_index_scores_xla(c["q"], None, c["w"], c["keys"], None, c["table"], c["pos"], PAGE)
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  fp8 = pd.paged_index_scores(q8, qs, c["w"], _bits(kq, jnp.float8_e4m3fn), ks, c["table"], c["pos"], PAGE,
+                              pages_per_block=4, interpret=True)
+  _close(fp8, exact, 0.1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_decode_equals_the_xla_path(fp8):
+  k = jax.random.split(jax.random.key(2), 6)
+  h, c, r, kk = 4, 256, 64, 32
+  q_abs, q_pe = jax.random.normal(k[0], (B, h, c)), jax.random.normal(k[1], (B, h, r))
+  c_kv, k_pe = jax.random.normal(k[2], (N, c)), jax.random.normal(k[3], (N, r))
+  ids = jax.random.randint(k[4], (B, kk), 0, N)
+  valid = (jax.random.uniform(k[5], (B, kk)) < 0.6).at[1].set(False)  # row 1: nothing selected -> 0
+  scale = None
+  if fp8:
+    cq, scale = kv_cache.quantize_fp8(c_kv)
+    c_kv, k_pe = _bits(cq, jnp.float8_e4m3fn), _bits(k_pe, jnp.bfloat16)
+  got = pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1, block=16, interpret=True)
+  ref = pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1)
+  _close(got, ref, 1e-5)
+  assert np.all(np.asarray(got)[1] == 0)
+  assert np.max(np.abs(np.asarray(got)[0])) > 0.1
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring_case, fp8):
+  c = scoring_case
+  keys, scale = c["keys"], None
+  if fp8:
+    kq, scale = kv_cache.quantize_fp8(keys)
+    keys = _bits(kq, jnp.float8_e4m3fn)
+  src = PagedKeys(keys, scale, c["table"].at[1, 3].set(-1), PAGE)  # a missing page: past pos, -inf either way
+  q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]
+  xla = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
+  with backend.forced(paged_scoring="pallas"):
+    kernel = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
+  _close(kernel, xla, 1e-5)
+  with pytest.raises(ValueError, match="paged_scoring"):
+    with backend.forced(paged_scoring="mosaic"):
+      pass
