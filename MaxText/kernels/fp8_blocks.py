@@ -102,7 +102,7 @@ def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
   k = w.values.shape[-2]
   block = block_of(w.values.shape, w.scale.shape)
   nk = w.scale.shape[-2]  # K-blocks
-  per = next(m for m in range(math.ceil(nk / MATMUL_CHUNKS), nk + 1) if nk % m == 0)  # K-blocks per chunk
+  per = math.ceil(nk / MATMUL_CHUNKS)  # K-blocks per chunk (the last may have fewer)
   x = x.astype(dtype)
   y = None
   for j in range(0, nk, per):

@@ -85,7 +85,12 @@ def test_output_at_step_0_equals_the_base_exactly(quant):
   assert not np.allclose(np.asarray(adapted(TOKENS)[0]), np.asarray(base(TOKENS)[0]), atol=1e-3)
 
 
-@pytest.mark.parametrize("k,n,block", [(512, 48, (32, 16)), (200, 70, (16, 32)), (64, 40, (64, 8))])
+@pytest.mark.parametrize("k,n,block", [
+    (512, 48, (32, 16)),  # 16 K-blocks: 8 chunks of 2
+    (250, 70, (16, 32)),  # 16 K-blocks, the last partial (10 rows), partial N-blocks too
+    (208, 40, (16, 8)),  # 13 K-blocks: 7 chunks of 2, the last of 1
+    (64, 40, (64, 8)),  # one K-block: one chunk
+])
 def test_fp8_matmul_by_chunks_of_blocks_equals_the_dense_matmul_on_the_dequantized_weight(k, n, block):
   w = quantize(jax.random.normal(jax.random.key(0), (k, n)), block)
   x = jax.random.normal(jax.random.key(1), (3, 5, k))
