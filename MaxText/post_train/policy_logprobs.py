@@ -86,8 +86,9 @@ def kept_set(lg: jax.Array, kept: jax.Array, kept_ids: jax.Array | None, finite:
 def rollout_arrays(requests: Sequence, length: int, vocab_size: int, moe_layers: int, experts_per_tok: int) -> dict:
   """Finished rollout requests (inference/rollout.py records) as token_logprobs reads them, host numpy:
   tokens, positions, segment_ids (1 on prompt + generated tokens, 0 padding), kept (vocab_size outside the
-  generated tokens) [N,length] int32, kept_ids [N,length,KEPT_IDS] int32 (-1 padded), routed_experts [N,length,L,k] int32 (-1 where not recorded),
-  logp_old [N,length] f32 (the engine's, 0 outside the generated tokens) and generated [N,length] bool."""
+  generated tokens) [N,length] int32, kept_ids [N,length,KEPT_IDS] int32 (-1 padded), routed_experts
+  [N,length,L,k] int32 (-1 where not recorded), logp_old [N,length] f32 (the engine's, 0 outside the generated
+  tokens) and generated [N,length] bool."""
   n = len(requests)
   a = {"tokens": np.zeros((n, length), np.int32), "segment_ids": np.zeros((n, length), np.int32),
        "kept": np.full((n, length), vocab_size, np.int32), "kept_ids": np.full((n, length, KEPT_IDS), -1, np.int32),

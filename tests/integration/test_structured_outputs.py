@@ -87,3 +87,14 @@ def test_max_tokens_cutting_a_grammar_ends_with_length(served):
   assert r.finish_reason == "length" and len(r.output) == 3 and text.startswith("{")
   with pytest.raises(json.JSONDecodeError):
     json.loads(text)
+
+
+def test_a_constrained_rows_logprobs_are_the_models_before_the_mask(served):
+  """docs/logprobs.md: the grammar changes what is drawn, never what is reported (vLLM reports the masked
+  distribution): at the same position the constrained row's top logprobs are the free row's."""
+  eng, tok, prompts, _, _ = served
+  free, held = eng.generate([prompts[0]] * 2, [SamplingParams(max_tokens=1, temperature=0.0, logprobs=3),
+                                               SamplingParams(max_tokens=1, temperature=0.0, logprobs=3, grammar=SPECS[2])])
+  p = len(prompts[0])
+  assert any(not any(c.startswith(tok.decode([i])) for c in CHOICES) for i, _ in free.logprobs[p].top)  # not all allowed
+  assert held.logprobs[p].top == free.logprobs[p].top and any(c.startswith(tok.decode(held.output)) for c in CHOICES)
