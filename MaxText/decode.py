@@ -37,9 +37,8 @@ import re
 import time
 from typing import Sequence
 
-from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
-from MaxText.runtime import cli, compile_cache, distributed
+from MaxText.runtime import cli, distributed
 
 PROMPT_SEPARATOR = "|"
 _IDS = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*,?\s*$")
@@ -168,10 +167,7 @@ def run(config: Config, out=sys.stdout, err=sys.stderr) -> list:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)  # joins the processes
-  cli.quiet_libraries()
-  compile_cache.enable(config)
-  cli.run(lambda: run(config))  # bad prompts, tokenizer files: exit 2; checkpoints: exit 1
+  cli.entry_point(argv, __doc__, run)  # bad prompts, tokenizer files: exit 2; checkpoints: exit 1
 
 
 if __name__ == "__main__":

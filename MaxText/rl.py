@@ -42,7 +42,6 @@ from jax.sharding import NamedSharding
 from MaxText import train as trainer
 from MaxText.checkpoint import model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
-from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
 from MaxText.data.chat_template import chat_format
 from MaxText.data.tokenizer import load_tokenizer
@@ -53,7 +52,7 @@ from MaxText.post_train.evaluator import Evaluator, completion_text
 from MaxText.post_train.prompts import PromptSource
 from MaxText.post_train.rewards import load_reward
 from MaxText.post_train.rollout_batch import assemble, grpo_loss_fn, routing_agreement, scored_logprobs
-from MaxText.runtime import cli, compile_cache, distributed, sharding
+from MaxText.runtime import cli, distributed, sharding
 from MaxText.runtime.metrics import MetricsLogger, fmt_duration
 
 
@@ -222,10 +221,7 @@ def _log_eval(logger, step: int, value: float) -> dict:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)
-  cli.quiet_libraries()
-  compile_cache.enable(config)
-  cli.run(lambda: rl(config))
+  cli.entry_point(argv, __doc__, rl)
 
 
 if __name__ == "__main__":

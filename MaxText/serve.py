@@ -33,9 +33,8 @@ if not __package__ and __name__ == "__main__":  # run as `python MaxText/serve.p
 import contextlib
 import signal
 
-from MaxText.config import pyconfig
 from MaxText.config.types import Config
-from MaxText.runtime import cli, compile_cache, distributed
+from MaxText.runtime import cli, distributed
 
 
 def _log(line: str) -> None:
@@ -102,10 +101,7 @@ def serve(config: Config) -> None:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)
-  cli.quiet_libraries()
-  compile_cache.enable(config)
-  cli.run(lambda: serve(config))
+  cli.entry_point(argv, __doc__, serve)
 
 
 if __name__ == "__main__":

@@ -143,23 +143,18 @@ def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
 
 
 def _table(config, r: dict) -> str:
-  gib = lambda b: f"{b / 2**30:9.2f} GiB"
-  mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
-  rows = [
+  from MaxText.runtime.aot import gib, report_table
+  weights = f"fp8 blocks (the rest {config.weight_dtype})" if r["weight_quantization"] == "fp8_block" else config.weight_dtype
+  return report_table(
       f"model {config.model_name}: serving step of {r['rows']} rows x {r['tokens_per_row']} tokens on "
-      f"{r['num_devices']} devices ({mesh}); weights "
-      f"{'fp8 blocks (the rest ' + config.weight_dtype + ')' if r['weight_quantization'] == 'fp8_block' else config.weight_dtype}"
-      f", cache {r['kv_cache_dtype']}",
-      f"  weights              {gib(r['weight_bytes_per_device'])} per device",
-      f"  cache pools          {gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
-      f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of {r['max_target_length']:,})",
-      f"  temporaries          {gib(r['temp_bytes_per_device'])}  (the write of new entries: "
-      f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)",
-      f"  peak                 {gib(r['peak_bytes_per_device'])}",
-      f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",
-      f"  compiled in          {r['compile_seconds']:.1f} s",
-  ]
-  return "\n".join(rows)
+      f"{r['num_devices']} devices ({{mesh}}); weights {weights}, cache {r['kv_cache_dtype']}",
+      [("weights", f"{gib(r['weight_bytes_per_device'])} per device"),
+       ("cache pools", f"{gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
+                       f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of "
+                       f"{r['max_target_length']:,})"),
+       ("temporaries", f"{gib(r['temp_bytes_per_device'])}  (the write of new entries: "
+                       f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)")],
+      r)
 
 
 def _report_or_exit(config) -> dict:

@@ -36,14 +36,13 @@ from jax.sharding import NamedSharding
 
 from MaxText.checkpoint import model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
-from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
 from MaxText.data import input_pipeline
 from MaxText.layers import lora
 from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from MaxText.layers.moe import update_routing_bias
-from MaxText.runtime import cli, compile_cache, distributed, sharding
+from MaxText.runtime import cli, distributed, sharding
 from MaxText.runtime.cli import RunError
 from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, peak_flops_per_device, warn
 from MaxText.runtime.metrics_prefetch import DeferredMetrics
@@ -122,7 +121,8 @@ def update_routing_biases(config: Config, buffers, aux) -> dict:
   return jax.tree_util.tree_map_with_path(upd, buffers)
 
 
-def _loss_fn(config: Config, graphdef, params, buffers, mb):
+def lm_loss_fn(config: Config, graphdef, params, buffers, mb):
+  """The LM loss of a microbatch (make_train_step's default loss_fn): (loss, (metrics with "loss", expert loads))."""
   model = model_state.merge(graphdef, params, buffers)
   mtp_b = {k: jnp.swapaxes(mb[k], 0, 1) for k in ("mtp_tokens", "mtp_targets", "mtp_weights") if k in mb}  # [n,b,t]
   logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"], mtp_b.get("mtp_tokens"))
@@ -169,9 +169,9 @@ def batch_shardings(config: Config, mesh, batch: dict) -> dict:
 
 def make_train_step(config: Config, graphdef, tx, loss_fn=None):
   """state {params, buffers, opt_state, step} x batch -> (new state, metrics). loss_fn(config, graphdef,
-  params, buffers, batch) -> (loss, (metrics with "loss", expert loads)): default the LM loss (_loss_fn);
+  params, buffers, batch) -> (loss, (metrics with "loss", expert loads)): default the LM loss (lm_loss_fn);
   the RL loop (MaxText/rl.py) passes its GRPO loss."""
-  loss_fn = loss_fn or _loss_fn
+  loss_fn = loss_fn or lm_loss_fn
   grad_fn = jax.value_and_grad(lambda p, b, mb: loss_fn(config, graphdef, p, b, mb), has_aux=True)
   accum = config.gradient_accumulation_steps
   schedule = learning_rate_schedule(config)
@@ -240,7 +240,7 @@ def abstract_train_step(config: Config, mesh):
 def make_eval_step(config: Config, graphdef):
   """(params, buffers, batch) -> the loss metrics, no gradients."""
   def step(params, buffers, batch):
-    _, (metrics, _) = _loss_fn(config, graphdef, params, buffers, batch)
+    _, (metrics, _) = lm_loss_fn(config, graphdef, params, buffers, batch)
     return metrics
   return step
 
@@ -415,10 +415,7 @@ def train(config: Config) -> dict:
 
 
 def main(argv) -> None:
-  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=distributed.initialize)  # joins the processes
-  cli.quiet_libraries()
-  compile_cache.enable(config)
-  cli.run(lambda: train(config))
+  cli.entry_point(argv, __doc__, train)
 
 
 if __name__ == "__main__":

@@ -70,24 +70,17 @@ def report(config, compiled, state, batch, seconds: float) -> dict:
 
 
 def _table(config, r: dict) -> str:
-  gib = lambda b: f"{b / 2**30:9.2f} GiB"
-  mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
-  rows = [
-      f"model {config.model_name}: train step of {r['tokens_per_step']:,} tokens on {r['num_devices']} devices ({mesh}); "
-      f"weights {config.weight_dtype}, compute {config.dtype}",
-      f"  parameters + buffers {gib(r['parameter_bytes_per_device'])} per device",
-      *([f"    frozen base        {gib(r['base_bytes_per_device'])} (weight_quantization={config.weight_quantization})",
-         f"    LoRA adapters      {gib(r['adapter_bytes_per_device'])} (rank {config.lora_rank})"]
-        if config.lora_rank else []),
-      f"  trained parameters   {r['trainable_parameters']:,}",
-      f"  optimizer state      {gib(r['optimizer_bytes_per_device'])}",
-      f"  temporaries          {gib(r['temp_bytes_per_device'])} (activations and the step's temporaries)",
-      f"  peak                 {gib(r['peak_bytes_per_device'])}",
-      f"  flops per step       {r['flops_per_step']:.3e}",
-      f"  collectives          {', '.join(f'{k} {v}' for k, v in r['collectives'].items()) or 'none'}",
-      f"  compiled in          {r['compile_seconds']:.1f} s",
-  ]
-  return "\n".join(rows)
+  from MaxText.runtime.aot import gib, report_table
+  lora = [("  frozen base", f"{gib(r['base_bytes_per_device'])} (weight_quantization={config.weight_quantization})"),
+          ("  LoRA adapters", f"{gib(r['adapter_bytes_per_device'])} (rank {config.lora_rank})")] if config.lora_rank else []
+  return report_table(
+      f"model {config.model_name}: train step of {r['tokens_per_step']:,} tokens on {r['num_devices']} devices "
+      f"({{mesh}}); weights {config.weight_dtype}, compute {config.dtype}",
+      [("parameters + buffers", f"{gib(r['parameter_bytes_per_device'])} per device"), *lora,
+       ("trained parameters", f"{r['trainable_parameters']:,}"),
+       ("optimizer state", gib(r["optimizer_bytes_per_device"])),
+       ("temporaries", f"{gib(r['temp_bytes_per_device'])} (activations and the step's temporaries)")],
+      r, after_peak=[("flops per step", f"{r['flops_per_step']:.3e}")])
 
 
 def main(argv) -> None:

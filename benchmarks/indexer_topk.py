@@ -134,12 +134,12 @@ def main():
               f"{np.prod(shape) * k / 2**30:.0f} GiB")
       results = time_all(fns, x, repeats)
       baseline_ms, _, _, exact = next(iter(results.values()))
-      config = sel._binned_config(shape[-1], min(k, shape[-1]), args.recall_target)
+      config = sel.binned_config(shape[-1], min(k, shape[-1]), args.recall_target)
       for name, (median, best, cpu, mask) in results.items():
         recall = (mask & exact).sum() / exact.sum()
         est = ""  # ours approx: the estimate its (G, m) was chosen by
         if name.startswith("ours approx") and config is not None:
-          est = f"{sel._binned_recall(-(-shape[-1] // config[0]) * config[0], min(k, shape[-1]), *config):.4f}"
+          est = f"{sel.binned_recall(-(-shape[-1] // config[0]) * config[0], min(k, shape[-1]), *config):.4f}"
         print(f"{label:>18} {k:>5}  {name:<48} {median:>10.1f} {best:>8.1f} {cpu:>8.1f} "
               f"{baseline_ms / median:>7.1f}x {recall:>7.4f} {est:>7}", flush=True)
     del x

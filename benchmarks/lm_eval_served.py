@@ -5,7 +5,7 @@ and app on a free localhost port); lm-eval's `local-completions` model (tokenize
 tokenizes through /tokenize and /detokenize, found by /tokenizer_info, so it loads nothing) runs the
 tasks of tests/data/lm_eval (tiny_mc: multiple choice by loglikelihood; tiny_gen: generate_until) in this
 process; then the same items are scored by the training model's teacher-forced log-softmax and its greedy
-continuation (tests/lm_eval_harness.py, which tests/integration/test_server.py runs in CI). Anything
+continuation (MaxText/server/lm_eval_client.py, which tests/integration/test_server.py runs in CI). Anything
 trying to reach past 127.0.0.1 meanwhile is refused and counted.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_served.py     # lm_eval==0.4.13 is in requirements.txt
@@ -29,9 +29,9 @@ from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
 from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
+from MaxText.server.in_process import serve_in_thread
+from MaxText.server.lm_eval_client import Teacher, loopback_only, run_lm_eval
 from MaxText.server.protocol import Texts, load_chat_template
-from tests.lm_eval_harness import Teacher, loopback_only, run_lm_eval
-from tests.server_harness import serving
 
 TOKENIZER = "tests/data/tokenizer.json"
 SIZES = dict(max_target_length=40, max_prefill_length=24, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
@@ -48,7 +48,7 @@ def main() -> None:
   _, _, special = load_chat_template("", TOKENIZER)
   texts = Texts(tok, add_bos=False, vocab_size=cfg.vocab_size, chat_template=None, chat_template_source="none",
                 special_tokens=special)
-  with serving(build_app(Server(cfg, texts, thread, "tiny"))) as (url, _):
+  with serve_in_thread(build_app(Server(cfg, texts, thread, "tiny"))) as (url, _):
     while httpx.get(url + "/health").status_code != 200:
       time.sleep(0.5)
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ def batched_blocks(keys: paged_cache.PagedKeys, q, w, pos, head_chunk: int):
 
   def block(i, out):
     pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b,per_block]
-    k = paged_cache._pages(keys.idx_k, pages, page)  # [b,width,d]
+    k = paged_cache.page_values(keys.idx_k, pages, page)  # [b,width,d]
     valid = (i * width + jnp.arange(width))[None, None, :] <= pos[:, :, None]  # [b,tq,width]
     return jax.lax.dynamic_update_slice_in_dim(out, index_scores(q, w, k, valid, head_chunk=head_chunk), i * width, 2)
 

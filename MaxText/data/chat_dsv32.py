@@ -30,6 +30,8 @@ import re
 import uuid
 from typing import Any, Callable, Sequence
 
+from MaxText.runtime.cli import FieldError
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -81,12 +83,8 @@ Here are the functions available in JSONSchema format:
 USER_ROLES = ("user", "developer")
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(FieldError):
   """Messages or tools the format cannot render; `field` names the bad one (e.g. messages[3].tool_call_id)."""
-
-  def __init__(self, message: str, field: str):
-    super().__init__(message)
-    self.field = field
 
 
 @dataclasses.dataclass

@@ -48,17 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.runtime.cli import FieldError
+
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps' layout
 KINDS = ("json", "regex", "choice", "lark")
 _CACHED = 256  # compiled grammars kept (least recently used dropped)
 
 
-class GrammarError(ValueError):
+class GrammarError(FieldError):
   """A grammar that cannot be compiled; `field` names the request field it came from (a 400)."""
-
-  def __init__(self, message: str, field: str):
-    super().__init__(message)
-    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)

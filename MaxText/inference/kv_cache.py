@@ -82,7 +82,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int
 # ---------------------------------------------------------------- layout and sizes
 
 
-def _dtypes(kv_cache_dtype: str):
+def field_dtypes(kv_cache_dtype: str):
   """(latent dtype for c_kv and idx_k, rotary dtype for k_pe)."""
   if kv_cache_dtype == "fp8":
     return FP8, jnp.bfloat16
@@ -90,7 +90,7 @@ def _dtypes(kv_cache_dtype: str):
   return dt, dt
 
 
-def _widths(config: Config) -> dict[str, int]:
+def field_widths(config: Config) -> dict[str, int]:
   """Width of each cached vector per token (0 = not stored)."""
   fp8 = config.kv_cache_dtype == "fp8"
   idx = config.indexer_head_dim if config.use_indexer else 0
@@ -106,20 +106,20 @@ def init_layer_cache(config: Config, batch: int, num_layers: int | None = None,
                      length: int | None = None) -> LayerCache:
   """Zeros [num_layers, batch, S, n] (or [batch, S, n] when num_layers is None), S = length or
   max_target_length; the indexer's arrays [.., batch, n, S]."""
-  latent, rotary = _dtypes(config.kv_cache_dtype)
+  latent, rotary = field_dtypes(config.kv_cache_dtype)
   layers = () if num_layers is None else (num_layers,)
   s = length or config.max_target_length
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
   shape = lambda name, w: layers + (batch,) + ((w, s) if name in _TRANSPOSED else (s, w))
   return LayerCache(**{name: jnp.zeros(shape(name, w), dt[name]) if w else None
-                       for name, w in _widths(config).items()})
+                       for name, w in field_widths(config).items()})
 
 
 def bytes_per_token_per_layer(config: Config) -> int:
   """Bytes one token costs in one layer's cache, scales included."""
-  latent, rotary = _dtypes(config.kv_cache_dtype)
+  latent, rotary = field_dtypes(config.kv_cache_dtype)
   size = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
-  return sum(w * jnp.dtype(size[name]).itemsize for name, w in _widths(config).items())
+  return sum(w * jnp.dtype(size[name]).itemsize for name, w in field_widths(config).items())
 
 
 # ---------------------------------------------------------------- write and read
@@ -237,7 +237,7 @@ def gather_latents(view: LayerCache, idx: jax.Array, dtype=jnp.float32) -> tuple
 
 def describe(config: Config) -> str:
   """One line: the layout and bytes per token per layer (for logs and the benchmark)."""
-  w = _widths(config)
+  w = field_widths(config)
   n = bytes_per_token_per_layer(config)
   parts = f"c_kv {w['c_kv']} + k_pe {w['k_pe']}" + (f" + idx_k {w['idx_k']}" if w["idx_k"] else "")
   if config.kv_cache_dtype == "fp8":
@@ -252,4 +252,4 @@ def describe(config: Config) -> str:
 
 __all__ = ["LayerCache", "quantize_fp8", "dequantize_fp8", "init_layer_cache", "as_fields", "write", "as_stored",
            "read_latents", "read_indexer_keys", "gather_latents", "bytes_per_token_per_layer", "describe",
-           "FP8_BLOCK"]
+           "FP8_BLOCK", "field_dtypes", "field_widths"]

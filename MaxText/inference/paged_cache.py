@@ -71,12 +71,12 @@ class PagedLayerCache(NamedTuple):
 
 def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = None) -> PagedLayerCache:
   """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits)."""
-  latent, rotary = kv_cache._dtypes(config.kv_cache_dtype)
+  latent, rotary = kv_cache.field_dtypes(config.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
   dt = {name: kv_cache.storage_dtype(d) for name, d in dt.items()}
   layers = () if num_layers is None else (num_layers,)
   return PagedLayerCache(**{name: jnp.zeros(layers + (num_slots, w), dt[name]) if w else None
-                            for name, w in kv_cache._widths(config).items()})
+                            for name, w in kv_cache.field_widths(config).items()})
 
 
 def placed(config: Config, make, mesh=None, *, abstract: bool = False):
@@ -211,7 +211,7 @@ def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
   return kv_cache.as_values(jnp.take(a, ids, axis=0, mode="clip"))
 
 
-def _pages(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
+def page_values(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
   """a [N, n] (slots), pages [B, G] page ids -> [B, G * page_size, n] values: whole pages, one gather
   slice of [page_size, n] each (never one per token)."""
   by_page = a.reshape(a.shape[0] // page_size, page_size, a.shape[-1])  # [N/page, page, n]
@@ -256,9 +256,9 @@ class PagedKeys(NamedTuple):
     def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
       r, j = i // n, i % n
       pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
-      keys = _pages(self.idx_k, pages, page)[0]  # [width,d] values (fp8: still quantized)
+      keys = page_values(self.idx_k, pages, page)[0]  # [width,d] values (fp8: still quantized)
       if self.idx_k_scale is not None:
-        keys = dequantize_fp8(keys, _pages(self.idx_k_scale, pages, page)[0])
+        keys = dequantize_fp8(keys, page_values(self.idx_k_scale, pages, page)[0])
       got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
       slot = j * width + jnp.arange(width, dtype=jnp.int32)  # [width]
       got = jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
@@ -321,10 +321,10 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
 
       def read_block(i):  # -> c [1,width,c], pe [1,width,r]
         pages = jax.lax.dynamic_slice_in_dim(row_table, i * per_block, per_block)[None]  # [1,per_block]
-        cc = _pages(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
+        cc = page_values(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
         if "c_kv_scale" in stores:
-          cc = dequantize_fp8(cc, _pages(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
-        return cc, _pages(stores["k_pe"], pages, page_size)
+          cc = dequantize_fp8(cc, page_values(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
+        return cc, page_values(stores["k_pe"], pages, page_size)
 
       return latent_attention_blocks(*(a[None] for a in rest[:2]), read_block, n, per_block * page_size,
                                      *(a[None] for a in rest[2:]), scale, precision)[0]  # [t,h,c]
@@ -345,7 +345,7 @@ def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int)
 
   def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P]
     pages = jnp.maximum(arrays[0], 0) - first // page_size  # [B_l,P] local pages
-    return {name: _pages(a, pages, page_size) for name, a in stores.items()}  # [B_l,S,n]
+    return {name: page_values(a, pages, page_size) for name, a in stores.items()}  # [B_l,S,n]
 
   got = _on_shards(read, present, ((page_table, 0),), pool_out=False)
   view = {name: got.get(name) for name in pools._fields}  # [B,S,n]
@@ -383,4 +383,5 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
 
 
 __all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "placed", "page_axes", "page_shards", "pool_shardings", "slots",
-           "write", "PagedKeys", "select_over_pages", "dense_over_pages", "sequence_view", "gather_selected", "pool_bytes"]
+           "write", "PagedKeys", "select_over_pages", "dense_over_pages", "sequence_view", "gather_selected", "pool_bytes",
+           "page_values"]

@@ -49,14 +49,11 @@ import time
 from typing import Any, Sequence
 
 from MaxText.inference.page_allocator import OutOfPages, PageAllocator
+from MaxText.runtime.cli import FieldError
 
 
-class RequestError(ValueError):
+class RequestError(FieldError):
   """A request the engine cannot serve; the message names the field (an OpenAI 400)."""
-
-  def __init__(self, message: str, field: str):
-    super().__init__(message)
-    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +172,8 @@ class Scheduler:
     self._wide = False  # whether the last step ran prefill chunks (rule 3)
     # rollouts (inference/rollout.py): (prompt, cached pages) -> how many of them a rollout may share
     self.rollout_shareable = lambda prompt, pages: pages
+    # on_finish(request): called as a request finishes, its pages still held (tests read where it wrote)
+    self.on_finish = None
 
   # ---- requests
   def add(self, prompt: Sequence[int], params: SamplingParams, hold: bool = False) -> Request:
@@ -371,6 +370,8 @@ class Scheduler:
 
   def _finish(self, r: Request, reason: str) -> None:
     r.finish_reason = reason
+    if self.on_finish is not None:
+      self.on_finish(r)
     written = r.tokens[:r.computed]  # tokens whose entries are in its pages
     self.allocator.publish(r.pages, written)
     self.allocator.release(r.pages)

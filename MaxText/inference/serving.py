@@ -37,9 +37,10 @@ shardings) make an abstract engine: nothing allocated, `compile_step(b, t)` for 
 Logprobs (logprobs.py): a step holding a row whose request asks for them runs the step's with_logprobs variant,
 the same model call keeping every row position's logits, returning [B,t,N+1] values (the next token's
 logprob and the top N = serve_max_logprobs); other steps run the plain one. Not when speculating.
-Rollouts (rollout.py, RL): a step holding a rollout request's row runs the rollout program (the plain
-or logprob step plus each row's sampled token's logprob under its sampling distribution, its kept set
-(size, and ids up to rollout.KEPT_IDS) and the step's routed experts [B,t,L,k]); the host keeps them in Request.rollout. Not when speculating.
+Rollouts (rollout.py, RL): a step holding a rollout request's row runs the step's with_rollout variant (the
+plain or with_logprobs step plus each row's sampled token's logprob under its sampling distribution, its kept set
+(size, and ids up to rollout.KEPT_IDS) and the step's routed experts [B,t,L,k]); the host keeps them in
+Request.rollout. Not when speculating.
 Structured outputs (grammar.py, with `grammars`): a request with a grammar waits out of the queue while
 its grammar compiles on a worker thread (others keep stepping); a step holding a sampling row with a
 grammar runs the step program's masked variant, its [B, ceil(V/32)] int32 bitmask filled on the host

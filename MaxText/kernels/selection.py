@@ -99,7 +99,7 @@ def _fold(cand: jax.Array, m: int) -> jax.Array:
 
 def _keys_missed(s: int, k: int) -> float:
   """The expected number of a random row's top k keys that lo's bins (16 keys, top 2) miss."""
-  return (1.0 - _binned_recall(s - s % 16, k, 16, 2)) * k
+  return (1.0 - binned_recall(s - s % 16, k, 16, 2)) * k
 
 
 def _one_level_closes(s: int, k: int, rows: int) -> bool:
@@ -207,7 +207,7 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
   kk = min(k, scores.shape[-1])
   chosen = backend.choices()
   binned = approx and chosen.approx_selection == "binned"
-  config = _binned_config(scores.shape[-1], kk, recall_target) if binned else None
+  config = binned_config(scores.shape[-1], kk, recall_target) if binned else None
   # Writing the mask per block costs more than a scatter of few indices: it pays from k >= s/128
   # (docs/measured_choices.md; benchmarks/indexer_topk.py).
   if config is not None and exact_topk and 128 * kk >= scores.shape[-1]:
@@ -264,7 +264,7 @@ def _topk_mask_block(x: jax.Array, k: int, exact_topk: bool) -> jax.Array:
 # ----------------------------------------------------------------------------- approximate top-k
 
 
-def _binned_recall(s: int, k: int, rows: int, m: int) -> float:
+def binned_recall(s: int, k: int, rows: int, m: int) -> float:
   """Expected recall of keeping the top m of each strided bin of `rows` keys (s/rows bins).
 
   The number of true top-k keys in one bin is hypergeometric (s keys, k of them top, `rows`
@@ -279,7 +279,7 @@ def _binned_recall(s: int, k: int, rows: int, m: int) -> float:
   return 1.0 - bins * lost / k
 
 
-def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | None:
+def binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | None:
   """(rows per bin G, kept per bin m) of least estimated cost whose estimated recall clears the
   target with a margin (a quarter of 1 - target), or None when no binning beats exact top_k."""
   want = recall_target + 0.25 * (1.0 - recall_target)
@@ -289,7 +289,7 @@ def _binned_config(s: int, k: int, recall_target: float) -> tuple[int, int] | No
     for m in range(1, min(rows, 8)):  # m == rows would keep everything
       if m * bins < k:
         continue
-      if _binned_recall(bins * rows, k, rows, m) >= want:
+      if binned_recall(bins * rows, k, rows, m) >= want:
         # m knock-out passes over every key + bisection/scatter on the candidates, weighted by
         # their measured costs per key and per candidate (docs/measured_choices.md)
         cost = m * bins * rows + 16 * m * bins
@@ -417,7 +417,7 @@ def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
     strided bins (bin = position mod s/G) of G in {4,8,16,32} keys, the top m of each bin by m
     knock-out max passes over int32 keys (G=32: two 16-key bins' top m, merged), then the exact
     top k' of the m*bins candidates by bisection (_kth_key) and a scatter. (G, m) is the cheapest
-    pair whose hypergeometric recall estimate (_binned_recall) clears recall_target; when none
+    pair whose hypergeometric recall estimate (binned_recall) clears recall_target; when none
     does, exact lax.top_k runs.
     The binned result is unsorted except that the last entry is the smallest value.
   NaN counts as -inf; entries with value -inf (row with fewer than k' finite keys) are not
@@ -431,7 +431,7 @@ def select_topk(scores: jax.Array, k: int, *, approx: bool = False,
     return lax.top_k(_sanitize(scores), kk)
   if backend.choice("approx_selection") == "approx_max_k":
     return lax.approx_max_k(_sanitize(scores), kk, recall_target=recall_target)
-  config = _binned_config(scores.shape[-1], kk, recall_target)
+  config = binned_config(scores.shape[-1], kk, recall_target)
   if config is None:
     return lax.top_k(_sanitize(scores), kk)
   return _map_blocks(lambda x: _binned_topk_block(x, kk, *config), scores)

@@ -76,3 +76,23 @@ def collective_sizes(hlo: str, op: str) -> list[int]:
       shapes = re.findall(r"\[([\d,]*)\]", result_type)  # one per tuple element
       sizes.append(max((math.prod(int(v) for v in m.split(",") if v) for m in shapes), default=1))
   return sizes
+
+
+# ---------------------------------------------------------------- the compile reports' tables
+
+
+def report_table(title: str, rows: list[tuple[str, str]], r: dict, after_peak: tuple = ()) -> str:
+  """A compile report's console table (train_compile, serve_compile): `title` with {mesh} filled from
+  r["mesh"], each (label, value) row, then the rows every report has: peak (after_peak's rows follow
+  it), collectives, compile time. r: the report's JSON object (peak_bytes_per_device, collectives,
+  compile_seconds, mesh)."""
+  mesh = " x ".join(f"{a} {v}" for a, v in r["mesh"].items() if v > 1) or "1 device"
+  rows = [*rows, ("peak", gib(r["peak_bytes_per_device"])), *after_peak,
+          ("collectives", ", ".join(f"{k} {v}" for k, v in r["collectives"].items()) or "none"),
+          ("compiled in", f"{r['compile_seconds']:.1f} s")]
+  return "\n".join([title.format(mesh=mesh)] + [f"  {label:<20} {value}" for label, value in rows])
+
+
+def gib(b: int) -> str:
+  """bytes as the reports print them: GiB, 9 wide, 2 decimals."""
+  return f"{b / 2**30:9.2f} GiB"

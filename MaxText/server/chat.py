@@ -101,7 +101,7 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
     text = fmt.render([m.as_dict() for m in body.messages], thinking=thinking and forced is None,
                       tools=tools if body.tool_choice != "none" else None, response_format=body.response_format)
   except fmt.ChatFormatError as e:
-    raise ApiError(400, str(e), e.field) from None
+    raise ApiError.bad_field(e) from None
   parser = CompletionParser(thinking=text.endswith(fmt.THINK_START))
   if forced:
     parser.feed(forced)  # the start of a block: held, sent with the rest of it

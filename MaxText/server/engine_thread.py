@@ -184,7 +184,7 @@ class EngineThread:
     try:
       stream.request = engine.add_request(stream.prompt, stream.params)
     except RequestError as e:
-      stream.put(_Event(error=ApiError(400, str(e), e.field)))
+      stream.put(_Event(error=ApiError.bad_field(e)))
       return
     except Exception as e:  # noqa: BLE001 - a bug in one request's admission fails that request only
       stream.put(_Event(error=ApiError(500, f"{type(e).__name__}: {e}")))

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from MaxText.data.chat_template import compile_template, load_chat_template  # noqa: F401 (serve.py imports it here)
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.inference.scheduler import SamplingParams
+from MaxText.runtime.cli import FieldError
 
 
 class ApiError(Exception):
@@ -32,6 +33,11 @@ class ApiError(Exception):
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
     super().__init__(message)
     self.status, self.message, self.param, self.code = status, message, param, code
+
+  @classmethod
+  def bad_field(cls, e: FieldError) -> ApiError:
+    """A 400 naming the field a request, message or grammar error names (its `param`)."""
+    return cls(400, str(e), e.field)
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),

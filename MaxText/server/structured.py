@@ -107,4 +107,4 @@ async def compiled(grammars, spec: GrammarSpec) -> None:
   try:
     await asyncio.wrap_future(grammars.compile(spec))
   except GrammarError as e:
-    raise ApiError(400, str(e), e.field) from None
+    raise ApiError.bad_field(e) from None

@@ -12,7 +12,7 @@ from MaxText import train
 from MaxText.checkpoint import model_state
 from MaxText.layers.indexer import Indexer  # noqa: F401  (the module under test, via the model)
 from MaxText.runtime import sharding
-from tests.integration.sharded import T, assert_same, run_loss_and_grads, small_config
+from tests.support.sharded import T, assert_same, run_loss_and_grads, small_config
 
 _config, _run, _assert_same = small_config, run_loss_and_grads, assert_same
 

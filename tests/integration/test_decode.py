@@ -8,8 +8,6 @@ error cases)."""
 import functools
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +26,7 @@ from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
+from tests.support.decode_cli import decode_cli
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 S, K = 48, 8  # cache length; indexer top-k well below it, so the selection matters
@@ -288,14 +287,6 @@ def test_decode_fills_max_target_length_and_rejects_a_prompt_over_max_prefill_le
 # ---------------------------------------------------------------- the CLI
 
 
-def _cli(*args, timeout=240):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "MaxText", "decode.py"), "configs/base.yml", *args],
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _rows(stdout):
   stops = dict(re.findall(r"^row (\d+): stop=(\S+)", stdout, re.M))
   ids = {int(i): [int(x) for x in v.split(",") if x] for i, v in re.findall(r"^row (\d+) ids: ?(.*)$", stdout, re.M)}
@@ -304,7 +295,7 @@ def _rows(stdout):
 
 @pytest.mark.slow
 def test_cli_streams_text_with_a_sentencepiece_tokenizer():
-  r = _cli(f"tokenizer_path={DATA}/tokenizer.model", "prompt=I love to", "max_target_length=24",
+  r = decode_cli(f"tokenizer_path={DATA}/tokenizer.model", "prompt=I love to", "max_target_length=24",
            "max_prefill_length=16", "prefill_chunk_size=4")
   assert r.returncode == 0, r.stderr
   assert "RANDOM parameters" in r.stdout.splitlines()[0]
@@ -322,7 +313,7 @@ def test_cli_streams_text_with_a_sentencepiece_tokenizer():
 
 @pytest.mark.slow
 def test_cli_batch_of_text_prompts_with_an_hf_tokenizer_and_top_p():
-  r = _cli("tokenizer_type=hf", f"tokenizer_path={DATA}/tokenizer.json", "prompt=The sea|I love to eat fish",
+  r = decode_cli("tokenizer_type=hf", f"tokenizer_path={DATA}/tokenizer.json", "prompt=The sea|I love to eat fish",
            "max_target_length=20", "max_prefill_length=16", "decode_sampling_strategy=top_p", "seed=3")
   assert r.returncode == 0, r.stderr
   stops, ids = _rows(r.stdout)
@@ -336,7 +327,7 @@ def test_cli_token_ids_from_a_checkpoint_match_the_engine(tmp_path):
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   path = str(tmp_path / "params")
   model_state.save_parameters(path, params, buffers)
-  r = _cli(f"load_parameters_path={path}", "prompt=1,17,42|1,99,7,8,9", "max_target_length=20",
+  r = decode_cli(f"load_parameters_path={path}", "prompt=1,17,42|1,99,7,8,9", "max_target_length=20",
            "max_prefill_length=8")
   assert r.returncode == 0, r.stderr
   assert f"load_parameters_path={path}" in r.stdout and "RANDOM" not in r.stdout
@@ -356,7 +347,7 @@ def test_cli_token_ids_from_a_checkpoint_match_the_engine(tmp_path):
     (["prompt=1,2", "kv_cache_dtype=int4"], 2, "kv_cache_dtype"),
 ])
 def test_cli_bad_input_exits_nonzero_with_a_message(args, code, message):
-  r = _cli(*args, timeout=120)
+  r = decode_cli(*args, timeout=120)
   assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
   assert message in r.stderr, r.stderr
   assert "Traceback" not in r.stderr

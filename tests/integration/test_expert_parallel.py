@@ -14,12 +14,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText.kernels import moe_dispatch, moe_experts
+from MaxText.kernels import moe_dispatch
 from MaxText.kernels.moe_experts import ExpertWeights
 from MaxText.layers import moe
 from MaxText.runtime import aot, sharding
 from tests.conftest import make_config
-from tests.integration.sharded import assert_same, run_loss_and_grads, small_config
+from tests.support.sharded import (
+  assert_same,
+  layer_inputs,
+  moe_on_mesh_of,
+  moe_single_device,
+  run_loss_and_grads,
+  sigmoid_route_fn,
+  small_config,
+)
 
 # data x expert: test_capacity_drops_are_counted_and_equal_a_reference_without_them and tests/integration/
 # test_serving_mesh.py (kept out of here for CI's time)
@@ -54,42 +62,6 @@ def test_expert_parallel_equals_single_device(mesh, single_device):
 # ---------------------------------------------------------------- the layer alone: capacity, exchanges
 
 
-def _layer_inputs(b, t, d, e, i, skew, seed=0):
-  """x [b,t,D], gate [D,E], bias [E] (`skew` steers tokens to the first experts), wi_0/wi_1 [E,D,I], wo [E,I,D]."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  x = jax.random.normal(ks[0], (b, t, d))
-  gate = jax.random.normal(ks[1], (d, e)) * d ** -0.5
-  bias = -skew * jnp.arange(e, dtype=jnp.float32)  # [E]
-  wi_0 = jax.random.normal(ks[3], (e, d, i)) * d ** -0.5
-  wi_1 = jax.random.normal(ks[4], (e, d, i)) * d ** -0.5
-  wo = jax.random.normal(ks[5], (e, i, d)) * i ** -0.5
-  return x, gate, bias, wi_0, wi_1, wo
-
-
-def _route_fn(k):
-  routing = moe.Routing(num_experts_per_tok=k, n_routing_groups=1, topk_routing_group=1, routed_score_func="sigmoid",
-                        norm_topk_prob=True, routed_scaling_factor=1.0)
-  return lambda x, gate, bias: moe.route(jnp.dot(x, gate, precision="highest"), bias, routing)
-
-
-def _on_mesh(cfg, args, token_valid, k, **kw):
-  mesh = sharding.create_mesh(cfg)
-  rules = sharding.rules_of(cfg)
-  def f(x, token_valid, gate, bias, *experts):
-    r = moe_dispatch.moe_on_mesh(x, token_valid, gate, bias, ExpertWeights(*experts), route_fn=_route_fn(k), mesh=mesh,
-                                 rules=rules, impl="blocked", balance=False, **kw)
-    return r.y, r.counts, r.dropped
-  return jax.jit(f)(args[0], token_valid, *args[1:])
-
-
-def _single_device(args, k, valid=None):
-  """(y [T,D], ids [T,k]) on one device, leaving out assignments where valid [T,k] is False."""
-  x, gate, bias, wi_0, wi_1, wo = args
-  xf = x.reshape(-1, x.shape[-1])  # [T,D]
-  weights, ids, _ = _route_fn(k)(xf, gate, bias)
-  return moe_experts.weighted_experts(xf, weights, ids, ExpertWeights(wi_0, wi_1, wo), impl="blocked", valid=valid), ids
-
-
 def _kept_reference(ids, token_valid, ep, e, cap, token_shards):
   """numpy: which assignments the fixed-capacity dispatch keeps. Tokens split into `token_shards`
   equal consecutive shards of the flattened [b*t] order (batch-major, as the mesh shards them);
@@ -121,19 +93,19 @@ def test_capacity_drops_are_counted_and_equal_a_reference_without_them(mesh):
   b, t, d, e, k, i = 8, 16, 16, 8, 2, 8
   cf = 1.1  # cf x M / ep is not whole (17.6 and 8.8 rows): the bound's rounding shows
   cfg = make_config(num_devices=math.prod(mesh.values()), num_experts=e, **mesh)
-  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+  args = layer_inputs(b, t, d, e, i, skew=0.3)
   token_valid = jnp.ones((b, t), bool).at[:, -3:].set(False)  # padding: never routed nor counted
-  y, counts, dropped = _on_mesh(cfg, args, token_valid, k, capacity_factor=cf, exchange="all_to_all")
+  y, counts, dropped = moe_on_mesh_of(cfg, args, token_valid, k, capacity_factor=cf, exchange="all_to_all")
 
   shards = math.prod(mesh.values())  # tokens over data x expert: consecutive blocks of the batch
   ep = mesh["ici_expert_parallelism"]
-  _, ids = _single_device(args, k)
+  _, ids = moe_single_device(args, k)
   cap = math.ceil(cf * (b * t // shards * k) / ep)  # rows each shard may send each owner (padding counts in M)
   kept = _kept_reference(ids, token_valid, ep, e, cap, shards)
   valid = np.broadcast_to(np.asarray(token_valid).reshape(-1, 1), kept.shape)
   assert int(dropped) == int((valid & ~kept).sum()) > 0
   np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids)[valid], minlength=e))
-  want, _ = _single_device(args, k, valid=jnp.asarray(kept))  # [T,D]
+  want, _ = moe_single_device(args, k, valid=jnp.asarray(kept))  # [T,D]
   np.testing.assert_allclose(np.asarray(y).reshape(b * t, d), want, rtol=1e-5, atol=1e-5)
 
 
@@ -158,11 +130,11 @@ def _ragged_all_to_all_by_all_gather(operand, output, input_offsets, send_sizes,
 def test_ragged_exchange_equals_fixed_exchange(capacity_factor, monkeypatch):
   b, t, d, e, k, i = 8, 8, 16, 8, 2, 8
   cfg = make_config(num_devices=8, num_experts=e, ici_data_parallelism=2, ici_expert_parallelism=4)
-  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+  args = layer_inputs(b, t, d, e, i, skew=0.3)
   token_valid = jnp.ones((b, t), bool).at[0, :5].set(False)
-  fixed = _on_mesh(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="all_to_all")
+  fixed = moe_on_mesh_of(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="all_to_all")
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_by_all_gather)
-  ragged = _on_mesh(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="ragged_all_to_all")
+  ragged = moe_on_mesh_of(cfg, args, token_valid, k, capacity_factor=capacity_factor, exchange="ragged_all_to_all")
   np.testing.assert_allclose(ragged[0], fixed[0], rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(ragged[1], fixed[1])
   assert int(ragged[2]) == int(fixed[2]) == (0 if capacity_factor < 0 else int(fixed[2]))
@@ -174,9 +146,9 @@ def test_tokens_replicated_over_expert_run_local_experts_and_psum():
   # One sequence cannot be split over 4 expert devices: each runs its own experts on all tokens.
   b, t, d, e, k, i = 1, 8, 16, 8, 2, 8
   cfg = make_config(num_devices=4, num_experts=e, ici_expert_parallelism=4)
-  args = _layer_inputs(b, t, d, e, i, skew=0.0)
-  y, counts, dropped = _on_mesh(cfg, args, jnp.ones((b, t), bool), k, capacity_factor=-1.0, exchange="all_to_all")
-  want, ids = _single_device(args, k)
+  args = layer_inputs(b, t, d, e, i, skew=0.0)
+  y, counts, dropped = moe_on_mesh_of(cfg, args, jnp.ones((b, t), bool), k, capacity_factor=-1.0, exchange="all_to_all")
+  want, ids = moe_single_device(args, k)
   np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids).reshape(-1), minlength=e))
   assert int(dropped) == 0
@@ -246,12 +218,11 @@ def _serve(mesh_kw, prompts):
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
     eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
-    written, finish = {}, eng.scheduler._finish
-    def record(r, reason):  # the slots of each request's written positions, before its pages are released
+    written = {}
+    def record(r):  # the slots of each request's written positions, before its pages are released
       ps = eng.page_size
       written[id(r)] = [r.pages[i // ps] * ps + i % ps for i in range(r.computed)]
-      finish(r, reason)
-    eng.scheduler._finish = record
+    eng.scheduler.on_finish = record
     out = eng.generate(prompts, SamplingParams(max_tokens=4))
     # the pools as each request's entries in position order (a mesh shards pages, so page ids differ)
     pools = [jax.tree.map(lambda a, s=written[id(r)]: np.asarray(a)[..., s, :], eng.pools) for r in out]
@@ -277,11 +248,11 @@ def test_ragged_exchange_lowers_with_its_gradient():
   b, t, d, e, k, i = 8, 8, 16, 8, 2, 8
   cfg = make_config(num_devices=8, num_experts=e, ici_data_parallelism=2, ici_expert_parallelism=4)
   mesh, rules = sharding.create_mesh(cfg), sharding.rules_of(cfg)
-  args = _layer_inputs(b, t, d, e, i, skew=0.3)
+  args = layer_inputs(b, t, d, e, i, skew=0.3)
 
   def loss(x, wi_0, wi_1, wo):
     y = moe_dispatch.moe_on_mesh(x, jnp.ones((b, t), bool), args[1], args[2], ExpertWeights(wi_0, wi_1, wo),
-                                 route_fn=_route_fn(k), mesh=mesh, rules=rules, capacity_factor=-1.0,
+                                 route_fn=sigmoid_route_fn(k), mesh=mesh, rules=rules, capacity_factor=-1.0,
                                  exchange="ragged_all_to_all", impl="blocked", balance=False).y
     return jnp.sum(y ** 2)
 

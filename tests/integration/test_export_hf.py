@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from MaxText import convert_hf_checkpoint, export_hf_checkpoint, train  # noqa: E402
 from MaxText.checkpoint import hf_export, hf_format, hf_import, model_state
 from tests.conftest import REPO_ROOT, make_config  # noqa: E402
-from tests.integration.test_hf_parity import build_hf_model, make_fp8_checkpoint  # noqa: E402
+from tests.support.hf_reference import build_hf_model, make_fp8_checkpoint  # noqa: E402
 
 
 def _add_mtp_layer(hf_dir):

@@ -16,8 +16,8 @@ from MaxText.kernels.fp8_blocks import FP8, dequantize, quantize
 from MaxText.layers.linears import kernel_block, requantized
 from MaxText.runtime import sharding
 from tests.conftest import make_config
-from tests.integration.test_decode import _cli
-from tests.integration.test_expert_parallel import _layer_inputs, _on_mesh, _single_device
+from tests.support.decode_cli import decode_cli
+from tests.support.sharded import layer_inputs, moe_on_mesh_of, moe_single_device
 
 BASE = dict(max_target_length=32, max_prefill_length=16, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
             serve_page_size=8, serve_max_num_seqs=2, serve_max_num_tokens=16, prefill_chunk_size=8,
@@ -52,16 +52,16 @@ def test_fp8_experts_on_a_mesh_equal_one_device_on_the_dequantized_weights(mesh)
   # Each device dequantizes its own experts' (and hidden shard's) blocks inside the shard_map.
   b, t, d, e, k, i = 4, 8, 32, 8, 2, 32
   cfg = make_config(num_devices=8, num_experts=e, **mesh)
-  x, gate, bias, *weights = _layer_inputs(b, t, d, e, i, skew=0.0)
+  x, gate, bias, *weights = layer_inputs(b, t, d, e, i, skew=0.0)
   fp8 = [quantize(w, (16, 16)) for w in weights]  # a tensor shard of I = 32 / 2 holds one whole block
-  y, counts, _ = _on_mesh(cfg, (x, gate, bias, *fp8), jnp.ones((b, t), bool), k, capacity_factor=-1.0,
+  y, counts, _ = moe_on_mesh_of(cfg, (x, gate, bias, *fp8), jnp.ones((b, t), bool), k, capacity_factor=-1.0,
                           exchange="all_to_all")
-  want, ids = _single_device((x, gate, bias, *(dequantize(w) for w in fp8)), k)
+  want, ids = moe_single_device((x, gate, bias, *(dequantize(w) for w in fp8)), k)
   np.testing.assert_allclose(np.asarray(y).reshape(want.shape), want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids).reshape(-1), minlength=e))
   bad = [quantize(w, (32, 32)) for w in weights]  # 32 / 2 = 16 rows of a 32-row block per shard
   with pytest.raises(ValueError, match="weight_block_size"):
-    _on_mesh(make_config(num_devices=8, num_experts=e, ici_tensor_parallelism=2, ici_expert_parallelism=4),
+    moe_on_mesh_of(make_config(num_devices=8, num_experts=e, ici_tensor_parallelism=2, ici_expert_parallelism=4),
              (x, gate, bias, *bad), jnp.ones((b, t), bool), k, capacity_factor=-1.0, exchange="all_to_all")
 
 
@@ -102,7 +102,7 @@ def test_a_checkpoint_of_the_other_weight_quantization_is_one_config_error_namin
     with pytest.raises(ConfigError, match=f"weight_quantization={want} does not fit load_parameters_path=.*converted "
                                           f"with weight_quantization={have}; set weight_quantization={have}"):
       model_state.load_parameters(path, loaded, sharding.create_mesh(loaded))
-  r = _cli(f"load_parameters_path={tmp_path / 'fp8_block'}", "prompt=1,2", "weight_block_size=[16,32]",
+  r = decode_cli(f"load_parameters_path={tmp_path / 'fp8_block'}", "prompt=1,2", "weight_block_size=[16,32]",
            "mtp_num_layers=0", timeout=120)
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
   assert "weight_quantization=none does not fit" in r.stderr and "with weight_quantization=fp8_block" in r.stderr

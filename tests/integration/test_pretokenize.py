@@ -6,11 +6,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText import pretokenize
 from MaxText.data import input_pipeline as ip
 from MaxText.data.tokenizer import load_tokenizer
+from tests.conftest import make_config
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 SP_MODEL = os.path.join(DATA, "tokenizer.model")

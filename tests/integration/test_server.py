@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (MaxText/serve.py, MaxText/server/) in this process on a free localhost
 port, one tiny model saved to disk and loaded as a trained run is: the real `openai` client (plain,
 streamed, chat), greedy outputs equal to decode.py's for the same prompts and weights, lm-evaluation-harness
-scoring the served model as our teacher-forced model does (tests/lm_eval_harness.py), OpenAI error
+scoring the served model as our teacher-forced model does (MaxText/server/lm_eval_client.py), OpenAI error
 bodies naming the field for bad input (httpx), a disconnect mid-stream
 freeing its pages, and 64 concurrent streaming clients that all finish with every page free after."""
 
@@ -23,9 +23,10 @@ from MaxText import decode
 from MaxText.checkpoint import model_state
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.runtime import sharding
+from MaxText.server.in_process import serve_in_thread
+from MaxText.server.lm_eval_client import Teacher, loopback_only, run_lm_eval
 from tests.conftest import REPO_ROOT, make_config
-from tests.lm_eval_harness import Teacher, loopback_only, run_lm_eval
-from tests.server_harness import serving, wait_for
+from tests.support.server_harness import wait_for
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -66,7 +67,7 @@ def served(weights):
   tmp = weights[0]
   cfg = make_config(**KEYS, tokenizer_path=str(tmp / "tokenizer.json"), load_parameters_path=str(tmp / "params"))
   server, app = create_server(cfg, log=lambda line: None)
-  with serving(app) as (url, thread):
+  with serve_in_thread(app) as (url, thread):
     _wait_for(lambda: _get_status(f"{url}/health") == 200, "/health 200", timeout=600)  # compiling: ~60 s alone, 5x that on a loaded host
     yield cfg, url, server
   assert not thread.is_alive() and server.engine.state == "stopped"

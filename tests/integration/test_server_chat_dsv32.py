@@ -18,9 +18,10 @@ from MaxText.data import chat_template
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
+from MaxText.server.in_process import serve_in_thread
 from MaxText.server.protocol import Texts
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import SchedulerEngine, serving
+from tests.support.server_harness import SchedulerEngine
 
 TOKENIZER = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
 D = fmt.DSML
@@ -73,7 +74,7 @@ def served():
   texts = Texts(tok, add_bos=True, vocab_size=512, chat_template=None, chat_template_source="none",
                 special_tokens={}, chat_encoding=chat_template.resolve_encoding(cfg.chat_encoding, False, True))
   engine = EngineThread(lambda: contextlib.nullcontext(StandInEngine(tok)), max_waiting=8, log=lambda line: None)
-  with serving(build_app(Server(cfg, texts, engine, "dsv32-stand-in"))) as (url, _):
+  with serve_in_thread(build_app(Server(cfg, texts, engine, "dsv32-stand-in"))) as (url, _):
     deadline = time.monotonic() + 30
     while not engine.ready and time.monotonic() < deadline:
       time.sleep(0.02)
@@ -213,7 +214,7 @@ def test_a_forced_tool_call_is_submitted_under_the_tools_grammar_and_auto_under_
   stand_in = StandInEngine(tok)
   engine = EngineThread(lambda: contextlib.nullcontext(stand_in), max_waiting=8, log=lambda line: None)
   server = Server(cfg, texts, engine, "dsv32-stand-in", grammars=Grammars.for_tokenizer(tok, 512))
-  with serving(build_app(server)) as (url, _):
+  with serve_in_thread(build_app(server)) as (url, _):
     deadline = time.monotonic() + 30
     while not engine.ready and time.monotonic() < deadline:
       time.sleep(0.02)

@@ -18,8 +18,8 @@ from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
 from tests.conftest import make_config
-from tests.integration.test_serving import BASE as SERVING
-from tests.integration.test_serving import NEW, PROMPTS
+from tests.support.serving import BASE as SERVING
+from tests.support.serving import NEW, PROMPTS
 
 BASE = {**SERVING, "mtp_num_layers": 1}  # test_serving's tiny engine, with an MTP module to draft
 

@@ -17,7 +17,7 @@ from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT, make_config
-from tests.integration.test_serving import BASE  # test_serving's tiny engine
+from tests.support.serving import BASE  # the serving tests' tiny engine
 
 TOKENIZER = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -110,7 +110,7 @@ def test_sparse_stage_indexer_learns_only_from_its_kl_and_the_model_only_from_lm
 
   def part(name):
     def f(p):
-      _, (m, _) = train._loss_fn(cfg, graphdef, p, buffers, batch)
+      _, (m, _) = train.lm_loss_fn(cfg, graphdef, p, buffers, batch)
       return m[name]
     return jax.jit(jax.grad(f))(params)
 

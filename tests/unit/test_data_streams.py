@@ -6,12 +6,12 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText.data import input_pipeline as ip
 from MaxText.data.packing import pack_row
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
+from tests.conftest import make_config
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 SP_MODEL = os.path.join(DATA, "tokenizer.model")

@@ -22,7 +22,7 @@ from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError, ChatRequest, CompletionRequest, Texts
 from MaxText.server.structured import grammar_spec
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import ScriptedEngine
+from tests.support.server_harness import ScriptedEngine
 
 TOKENIZER = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
 V = 512  # the tiny model's vocabulary; the tokenizer's is 391

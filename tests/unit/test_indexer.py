@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from MaxText.kernels import selection
@@ -13,33 +12,15 @@ from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.masks import attention_validity
 from MaxText.layers.embeddings import rope_inv_freq
 from MaxText.layers.indexer import Indexer, hadamard_matrix
-
-
-def _np_index_scores(q, w, k, valid):
-  """float64 oracle: I[t,s] = sum_h w[t,h] * d**-0.5 * relu(q[t,h] . k[s]); -inf where not valid."""
-  q, w, k = (np.asarray(a, np.float64) for a in (q, w, k))
-  d = q.shape[-1]
-  dots = np.einsum("bthd,bsd->btsh", q, k)  # [b,t,s,h]
-  out = np.einsum("btsh,bth->bts", np.maximum(dots, 0.0), w) * d ** -0.5
-  return np.where(np.asarray(valid), out, -np.inf)
-
-
-def _np_rope_half(x, positions, inv_freq):
-  """numpy rotate-half RoPE on all of x's last dim: x [b,t,...,r]."""
-  x = np.asarray(x, np.float64)
-  ang = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)  # [b,t,r/2]
-  ang = ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:])
-  c, s = np.cos(ang), np.sin(ang)
-  h = x.shape[-1] // 2
-  x1, x2 = x[..., :h], x[..., h:]
-  return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def _np_layernorm(x, scale, bias, eps=1e-6):
-  x = np.asarray(x, np.float64)
-  mu = x.mean(-1, keepdims=True)
-  var = ((x - mu) ** 2).mean(-1, keepdims=True)
-  return (x - mu) / np.sqrt(var + eps) * np.asarray(scale, np.float64) + np.asarray(bias, np.float64)
+from tests.conftest import make_config
+from tests.support.attention_reference import (
+  copy_indexer_to_hf,
+  hf_indexer_config,
+  np_index_scores_of,
+  np_layernorm,
+  np_rope_half,
+  to_torch,
+)
 
 
 def _randomize_norm(idx: Indexer, seed=0):
@@ -71,7 +52,7 @@ def _random_qwk(b=2, t=5, s=7, h=6, d=16, seed=0):
 def test_index_scores_match_float64_oracle_with_relu_weights_scale_and_mask():
   q, w, k, valid = _random_qwk()
   got = np.asarray(index_scores(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), jnp.asarray(valid), head_chunk=64))
-  want = _np_index_scores(q, w, k, valid)
+  want = np_index_scores_of(q, w, k, valid)
   assert got.dtype == np.float32
   np.testing.assert_array_equal(np.isneginf(got), ~valid)
   np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
@@ -115,14 +96,14 @@ def test_keys_and_queries_use_rotate_half_rope_on_first_rope_dims_only():
   r = cfg.qk_rope_head_dim
   inv = rope_inv_freq(cfg, r)
 
-  k_raw = _np_layernorm(np.asarray(x) @ np.asarray(idx.wk.kernel[...]), idx.k_norm.scale[...], idx.k_norm.bias[...])
-  want_k = np.concatenate([_np_rope_half(k_raw[..., :r], pos, inv), k_raw[..., r:]], -1)
+  k_raw = np_layernorm(np.asarray(x) @ np.asarray(idx.wk.kernel[...]), idx.k_norm.scale[...], idx.k_norm.bias[...])
+  want_k = np.concatenate([np_rope_half(k_raw[..., :r], pos, inv), k_raw[..., r:]], -1)
   got_k = np.asarray(jax.jit(idx.keys)(x, pos))
   np.testing.assert_allclose(got_k, want_k, rtol=1e-5, atol=1e-5)
 
   b, t, _ = q_lat.shape
   q_raw = (np.asarray(q_lat, np.float64) @ np.asarray(idx.wq_b.kernel[...])).reshape(b, t, cfg.indexer_n_heads, -1)
-  want_q = np.concatenate([_np_rope_half(q_raw[..., :r], pos, inv), q_raw[..., r:]], -1)
+  want_q = np.concatenate([np_rope_half(q_raw[..., :r], pos, inv), q_raw[..., r:]], -1)
   got_q, got_w = jax.jit(idx.queries)(x, q_lat, pos)
   np.testing.assert_allclose(np.asarray(got_q), want_q, rtol=1e-5, atol=1e-5)
   want_w = np.asarray(x, np.float64) @ np.asarray(idx.weights_proj.kernel[...]) * cfg.indexer_n_heads ** -0.5
@@ -233,7 +214,7 @@ def test_select_approx_path_follows_config():
     exact_mask = _select(scores, indexer_topk=k)
     mask = _select(scores, indexer_topk=k, indexer_use_approx_top_k=True, indexer_approx_top_k_recall=0.95)
     values, indices = selection.select_topk(scores, k, approx=True, recall_target=0.95)
-    assert selection._binned_config(4096, k, 0.95) is not None
+    assert selection.binned_config(4096, k, 0.95) is not None
     np.testing.assert_array_equal(np.asarray(mask), np.asarray(selection.generate_mask_reference(indices, 4096)))
     recall = (np.asarray(mask) & np.asarray(exact_mask)).sum() / np.asarray(exact_mask).sum()
     assert recall >= 0.95, (k, recall)
@@ -255,40 +236,6 @@ def test_additive_generate_mask_follows_exact_topk_flag():
 
 
 # ---------------------------------------------------------------- Hugging Face parity
-
-def _hf_config(cfg, topk):
-  from transformers import DeepseekV32Config
-  hf = DeepseekV32Config(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.emb_dim, intermediate_size=cfg.mlp_dim,
-      moe_intermediate_size=cfg.moe_mlp_dim, num_hidden_layers=1, num_attention_heads=cfg.num_query_heads,
-      num_key_value_heads=cfg.num_query_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-      qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-      index_n_heads=cfg.indexer_n_heads, index_head_dim=cfg.indexer_head_dim, index_topk=topk,
-      max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.normalization_layer_epsilon,
-      first_k_dense_replace=1, n_group=1, topk_group=1, n_routed_experts=cfg.num_experts,
-      num_experts_per_tok=cfg.num_experts_per_tok,
-      rope_parameters=dict(rope_type="yarn", rope_theta=cfg.rope_max_timescale, factor=cfg.rope_factor,
-                           original_max_position_embeddings=cfg.original_max_position_embeddings,
-                           beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
-                           mscale_all_dim=cfg.mscale))
-  hf._attn_implementation = "eager"
-  return hf
-
-
-def _t(a):
-  import torch
-  return torch.from_numpy(np.array(a, np.float32))
-
-
-def copy_indexer_to_hf(idx: Indexer, hf_idx):
-  """Our kernels are [in, out]; torch Linear weights are [out, in]."""
-  import torch
-  with torch.no_grad():
-    hf_idx.wq_b.weight.copy_(_t(idx.wq_b.kernel[...]).T)
-    hf_idx.wk.weight.copy_(_t(idx.wk.kernel[...]).T)
-    hf_idx.weights_proj.weight.copy_(_t(idx.weights_proj.kernel[...]).T)
-    hf_idx.k_norm.weight.copy_(_t(idx.k_norm.scale[...]))
-    hf_idx.k_norm.bias.copy_(_t(idx.k_norm.bias[...]))
 
 
 def _hf_index_scores(hf_idx, hidden, q_resid, cos, sin, mask_add):
@@ -316,7 +263,7 @@ def test_indexer_matches_hf_deepseek_v32_indexer():
   cfg = make_config(indexer_topk=topk)
   idx = Indexer(cfg, rngs=nnx.Rngs(11))
   _randomize_norm(idx, seed=11)
-  hf_cfg = _hf_config(cfg, topk)
+  hf_cfg = hf_indexer_config(cfg, topk)
   hf_idx = DeepseekV32Indexer(hf_cfg, layer_idx=0).eval()
   copy_indexer_to_hf(idx, hf_idx)
   x, q_lat, pos = _inputs(cfg, b=2, t=t, seed=11)
@@ -325,7 +272,7 @@ def test_indexer_matches_hf_deepseek_v32_indexer():
   ours = np.asarray(jax.jit(idx.__call__)(x, q_lat, pos, valid))
   mask_ours = jax.jit(idx.select)(jnp.asarray(ours))
 
-  hx, hq, hpos = _t(x), _t(q_lat), torch.from_numpy(np.asarray(pos, np.int64))
+  hx, hq, hpos = to_torch(x), to_torch(q_lat), torch.from_numpy(np.asarray(pos, np.int64))
   cos, sin = DeepseekV32RotaryEmbedding(hf_cfg)(hx, hpos)
   mask_add = torch.where(torch.from_numpy(np.array(valid)), 0.0, torch.finfo(torch.float32).min)
   with torch.no_grad():

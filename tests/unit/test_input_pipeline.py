@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText.data import input_pipeline as ip
 from MaxText.data.tokenizer import TextStreamer, TokenizerError, load_tokenizer
+from tests.conftest import make_config
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CORPUS_TXT = os.path.join(DATA, "corpus.txt")

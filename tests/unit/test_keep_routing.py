@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_moe import ROUTE_CFG, make_model, np_route, params64, rand_x
 
 from MaxText.layers import moe
 from MaxText.runtime import sharding
+from tests.support.moe import ROUTE_CFG, make_model, np_route, params64, rand_x
 
 route = jax.jit(moe.route, static_argnames=("routing",))
 

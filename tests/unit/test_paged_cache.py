@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText.inference import kv_cache, paged_cache
 from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
+from tests.conftest import make_config
 
 PAGE, PAGES = 4, 10
 

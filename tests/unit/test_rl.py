@@ -8,7 +8,6 @@ import types
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText import rl
 from MaxText.config.types import ConfigError
@@ -18,6 +17,7 @@ from MaxText.inference.rollout import Rollout
 from MaxText.inference.scheduler import Request, SamplingParams
 from MaxText.post_train import prompts, rewards, rollout_batch
 from MaxText.runtime.cli import RunError
+from tests.conftest import make_config
 
 HF_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizer.json")
 RL_KEYS = dict(tokenizer_type="hf", tokenizer_path=HF_JSON, decode_sampling_strategy="temperature",

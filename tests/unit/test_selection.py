@@ -93,7 +93,7 @@ def test_approx_recall_on_random_4x16x1024_k64():
   valid = np.ones(exact.shape, bool)
   _, ours = select_topk(scores, 64, approx=True, recall_target=0.95)
   _, xla = jax.lax.approx_max_k(scores, 64, recall_target=0.95)
-  assert sel._binned_config(1024, 64, 0.95) is not None  # the binned method really runs here
+  assert sel.binned_config(1024, 64, 0.95) is not None  # the binned method really runs here
   assert _recall(ours, exact, valid) >= 0.95
   assert _recall(xla, exact, valid) >= 0.95
 
@@ -272,7 +272,7 @@ def test_binned_approx_reaches_its_recall_target(recall_target, causal):
   b, t, s, k = 2, 64, 4096, 256
   key = jax.random.key(7)
   scores = _causal_scores(key, b, t, s) if causal else jax.random.normal(key, (b, t, s), jnp.float32)
-  assert sel._binned_config(s, k, recall_target) is not None
+  assert sel.binned_config(s, k, recall_target) is not None
   exact_vals, exact_idx = jax.lax.top_k(scores, k)
   values, indices = select_topk(scores, k, approx=True, recall_target=recall_target)
   valid = np.asarray(exact_vals > -jnp.inf)
@@ -285,8 +285,8 @@ def test_binned_approx_reaches_its_recall_target(recall_target, causal):
 
 def test_recall_estimate_is_close_to_measured():
   s, k = 8192, 512
-  rows, m = sel._binned_config(s, k, 0.95)
-  estimate = sel._binned_recall(s, k, rows, m)
+  rows, m = sel.binned_config(s, k, 0.95)
+  estimate = sel.binned_recall(s, k, rows, m)
   scores = jax.random.normal(jax.random.key(3), (1, 64, s), jnp.float32)
   with backend.forced(approx_selection="binned"):  # the binned method's estimate, on any backend
     _, indices = jax.jit(lambda x: sel.select_topk(x, k, approx=True, recall_target=0.95))(scores)
@@ -295,7 +295,7 @@ def test_recall_estimate_is_close_to_measured():
 
 
 def test_binned_config_falls_back_to_exact_when_binning_cannot_pay():
-  assert sel._binned_config(64, 64, 0.95) is None  # k == s: keeping every key
+  assert sel.binned_config(64, 64, 0.95) is None  # k == s: keeping every key
   x = jax.random.normal(jax.random.key(0), (2, 64), jnp.float32)
   values, indices = select_topk(x, 64, approx=True)
   np.testing.assert_array_equal(indices, jax.lax.top_k(x, 64)[1])
@@ -444,7 +444,7 @@ def test_fused_approx_mask_repairs_the_rows_whose_bins_tie_at_the_kth():
   packed keys of several bins tie at it take more than k and are redone by the first-ties block.
   A block mixing such rows with random ones: select_topk(approx)'s set, exactly k per row."""
   s, k = 4096, 64
-  config = sel._binned_config(s, k, 0.95)
+  config = sel.binned_config(s, k, 0.95)
   assert config is not None and 128 * k >= s  # the per-block fused mask runs
   x = jax.random.normal(jax.random.key(11), (1, 8, s), jnp.float32)
   x = x.at[0, ::2].set(jnp.round(x[0, ::2] * 2) / 2)  # even rows: 15 distinct values, ties everywhere

@@ -1,5 +1,5 @@
 """The routes' abort sites (MaxText/server/app.py), each on its own, over the real app, uvicorn and
-engine thread with a scripted engine (tests/server_harness.py: no model): a plain request
+engine thread with a scripted engine (tests/support/server_harness.py: no model): a plain request
 whose client disconnects mid-generation (the collect path), a streamed one (the event stream), and
 a request of several prompts one of which the engine refuses (the accepted ones), and a request cut
 by a stop string (the text's own stop) are all aborted in the engine, their pages freed; and a 429
@@ -21,7 +21,7 @@ from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import Texts
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import ScriptedEngine, wait_for
+from tests.support.server_harness import ScriptedEngine, wait_for
 
 DATA = os.path.join(REPO_ROOT, "tests", "data")
 MAX_TOKENS = 28  # 28 steps of 0.08 s: a request runs over two seconds unless aborted

@@ -20,7 +20,7 @@ from MaxText.server.engine_thread import EngineThread
 from MaxText.server.logprobs import chat_logprobs
 from MaxText.server.protocol import ChatRequest, Texts
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import ScriptedEngine
+from tests.support.server_harness import ScriptedEngine
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
 USER = [{"role": "user", "content": "3+4?"}]

@@ -12,7 +12,7 @@ import pytest
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError
-from tests.server_harness import ScriptedEngine
+from tests.support.server_harness import ScriptedEngine
 
 
 @pytest.fixture

@@ -18,9 +18,10 @@ from MaxText.inference.scheduler import SamplingParams, Scheduler
 from MaxText.server import gate
 from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
+from MaxText.server.in_process import serve_in_thread
 from MaxText.server.protocol import ApiError, CompletionRequest, Texts
 from tests.conftest import make_config
-from tests.server_harness import ScriptedEngine, serving, wait_for
+from tests.support.server_harness import ScriptedEngine, wait_for
 
 KEY = "sk-test-5b1e"
 MAX_BYTES = 400
@@ -34,7 +35,7 @@ def _served(**keys):
   texts = Texts(None, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
                 special_tokens={})
   server = Server(make_config(**keys), texts, engine, "tiny")
-  with serving(build_app(server)) as (url, _):
+  with serve_in_thread(build_app(server)) as (url, _):
     wait_for(lambda: engine.ready, "the engine to start", timeout=10)
     yield url, eng, server
 

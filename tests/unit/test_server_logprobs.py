@@ -15,9 +15,10 @@ from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.logprobs import Logprob
 from MaxText.server.app import Server, build_app
 from MaxText.server.engine_thread import EngineThread
+from MaxText.server.in_process import serve_in_thread
 from MaxText.server.protocol import Texts
 from tests.conftest import REPO_ROOT, make_config
-from tests.server_harness import ScriptedEngine, serving
+from tests.support.server_harness import ScriptedEngine
 
 PROMPT = [5, 40, 41, 42, 43]
 
@@ -47,7 +48,7 @@ def url():
                                          tokenizer_path=os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")))
   texts = Texts(tokenizer, add_bos=False, vocab_size=512, chat_template="{{ messages[0]['content'] }}",
                 chat_template_source="test", special_tokens={"bos_token": "", "eos_token": "</s>"})
-  with serving(build_app(Server(make_config(), texts, engine, "tiny"))) as (base, _):
+  with serve_in_thread(build_app(Server(make_config(), texts, engine, "tiny"))) as (base, _):
     with httpx.Client(base_url=base, timeout=30) as c:
       for _ in range(500):
         if c.get("/health").status_code == 200:

@@ -5,7 +5,6 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from MaxText.data import chat_dsv32 as fmt
 from MaxText.data import input_pipeline as ip
@@ -13,6 +12,7 @@ from MaxText.data.packing import pack_row
 from MaxText.data.records import DataError
 from MaxText.data.sft import ConversationEncoder
 from MaxText.data.tokenizer import load_tokenizer
+from tests.conftest import make_config
 
 HF_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizer.json")
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": "x"}'}}

@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_attention_mla import _inputs, _make, _np_kl, _rel, np_index_scores, np_mla, np_topk_mask
 
 from MaxText.kernels import selection
 from MaxText.kernels import sparse_attention as sa
@@ -21,6 +19,16 @@ from MaxText.kernels import topk_indices as ti
 from MaxText.kernels.masks import attention_validity
 from MaxText.layers.attention_mla import MLA, capture_selection
 from MaxText.runtime import sharding
+from tests.conftest import make_config
+from tests.support.attention_reference import (
+  make_mla,
+  mla_inputs,
+  np_index_scores,
+  np_kl,
+  np_mla,
+  np_topk_mask,
+  rel_err,
+)
 
 pytestmark = pytest.mark.device  # on one GPU or TPU too (tools/device/device_check.sh); not the meshes
 
@@ -61,8 +69,8 @@ def _selection_of(inter, t: int) -> np.ndarray:
 
 def _pair(seed, **overrides):
   """The same MLA (same parameters) on the mask path and on the gather path."""
-  cfg, mask_mla = _make(seed, indexer_topk=K, sparse_attention_impl="mask", **overrides)
-  _, gather_mla = _make(seed, indexer_topk=K, sparse_attention_impl="gather", sparse_attention_query_block=BLOCK,
+  cfg, mask_mla = make_mla(seed, indexer_topk=K, sparse_attention_impl="mask", **overrides)
+  _, gather_mla = make_mla(seed, indexer_topk=K, sparse_attention_impl="gather", sparse_attention_query_block=BLOCK,
                         **overrides)
   assert not mask_mla.use_gather(T) and gather_mla.use_gather(T)
   return cfg, mask_mla, gather_mla
@@ -73,7 +81,7 @@ def _assert_paths_agree(mask_mla, gather_mla, x, pos, seg=None, tol=2e-5):
   out_g, loss_g, inter_g, g_g = _run(gather_mla, x, pos, seg)
   sel_m, sel_g = _selection_of(inter_m, x.shape[1]), _selection_of(inter_g, x.shape[1])
   np.testing.assert_array_equal(sel_g, sel_m)
-  assert _rel(out_g, out_m) <= tol
+  assert rel_err(out_g, out_m) <= tol
   np.testing.assert_allclose(loss_g, loss_m, rtol=tol, atol=1e-7)
   assert set(g_g) == set(g_m)
   for name in g_m:
@@ -97,7 +105,7 @@ def _index_scores(m: MLA, x, pos, seg=None):
 @pytest.mark.parametrize("stage", ["none", "sparse"])
 def test_gather_equals_mask_forward_and_gradients(stage):
   cfg, mask_mla, gather_mla = _pair(20, indexer_training_stage=stage)
-  x, pos = _inputs(cfg, t=T, seed=20)
+  x, pos = mla_inputs(cfg, t=T, seed=20)
   sel, out, loss, grads = _assert_paths_agree(mask_mla, gather_mla, x, pos)
   counts = sel.sum(-1)
   assert (counts[:, :K] == np.arange(1, K + 1)).all() and (counts[:, K:] == K).all()  # short rows, then k
@@ -112,12 +120,12 @@ def test_sparse_stage_indexer_loss_is_the_float64_kl_over_the_selection_on_both_
   # L_I = mean_t KL(p_t || softmax(I_t)) over S_t: p_t the sparse attention's probabilities summed
   # over heads, I_t the indexer scores, S_t their top-k, all from a float64 oracle of the layer.
   cfg, mask_mla, gather_mla = _pair(22, indexer_training_stage="sparse")
-  x, pos = _inputs(cfg, t=T, seed=22)
+  x, pos = mla_inputs(cfg, t=T, seed=22)
   scores = np_index_scores(mask_mla, x, pos, np.asarray(attention_validity(pos, pos)))  # [b,t,s]
   assert not _kth_is_tied(scores.astype(np.float32), K), "a near tie at the k-th score: pick another seed"
   support = np_topk_mask(scores, K)  # [b,t,s]
   _, probs = np_mla(mask_mla, x, pos, support, with_probs=True)  # [b,h,t,s]
-  want = _np_kl(probs, scores, support)
+  want = np_kl(probs, scores, support)
   assert want > 1e-2
   for m in (mask_mla, gather_mla):
     _, loss, inter, _ = _run(m, x, pos)
@@ -129,7 +137,7 @@ def test_gather_equals_mask_with_ties_at_the_kth_score():
   # One indexer head: a key scores exactly 0 wherever relu clips it, so ties at the k-th value
   # are common; the exact-k selection takes the lowest positions first on both paths.
   cfg, mask_mla, gather_mla = _pair(21, indexer_n_heads=1, indexer_training_stage="sparse")
-  x, pos = _inputs(cfg, t=T, seed=21)
+  x, pos = mla_inputs(cfg, t=T, seed=21)
   assert _kth_is_tied(_index_scores(mask_mla, x, pos), K), "no tie at the k-th score: pick another seed"
   _assert_paths_agree(mask_mla, gather_mla, x, pos)
 
@@ -140,14 +148,14 @@ def test_gather_equals_mask_when_every_score_ties():
   for m in (mask_mla, gather_mla):
     m.indexer.wk.kernel[...] = jnp.zeros_like(m.indexer.wk.kernel[...])
     m.indexer.k_norm.bias[...] = m.indexer.k_norm.bias[...].at[:cfg.qk_rope_head_dim].set(0.0)
-  x, pos = _inputs(cfg, t=T, seed=22)
+  x, pos = mla_inputs(cfg, t=T, seed=22)
   sel, _, _, _ = _assert_paths_agree(mask_mla, gather_mla, x, pos)
   np.testing.assert_array_equal(sel[:, K:], np.broadcast_to(np.arange(T) < K, sel[:, K:].shape))  # first k keys
 
 
 def test_gather_equals_mask_with_segments_and_padding():
   cfg, mask_mla, gather_mla = _pair(23, indexer_training_stage="sparse")
-  x, _ = _inputs(cfg, t=T, seed=23)
+  x, _ = mla_inputs(cfg, t=T, seed=23)
   seg = jnp.asarray([[1] * 6 + [2] * 4 + [0] * 3, [1] * 10 + [0] * 3], jnp.int32)
   pos = jnp.asarray([list(range(6)) + list(range(4)) + [0] * 3, list(range(10)) + [0] * 3], jnp.int32)
   sel, out, _, grads = _assert_paths_agree(mask_mla, gather_mla, x, pos, seg)
@@ -161,13 +169,13 @@ def test_gather_equals_mask_with_segments_and_padding():
 def test_gather_equals_mask_with_approximate_selection(exact_topk):
   # s = 64, k = 8: the binned approximate top-k really runs (no fallback to lax.top_k).
   t, k = 64, 8
-  assert selection._binned_config(t, k, 0.95) is not None
-  cfg, mask_mla = _make(24, indexer_topk=k, indexer_use_approx_top_k=True, sparse_attention_impl="mask",
+  assert selection.binned_config(t, k, 0.95) is not None
+  cfg, mask_mla = make_mla(24, indexer_topk=k, indexer_use_approx_top_k=True, sparse_attention_impl="mask",
                         indexer_mask_exact_topk=exact_topk, indexer_training_stage="sparse")
-  _, gather_mla = _make(24, indexer_topk=k, indexer_use_approx_top_k=True, sparse_attention_impl="gather",
+  _, gather_mla = make_mla(24, indexer_topk=k, indexer_use_approx_top_k=True, sparse_attention_impl="gather",
                         sparse_attention_query_block=24, indexer_mask_exact_topk=exact_topk,
                         indexer_training_stage="sparse")
-  x, pos = _inputs(cfg, t=t, seed=24)
+  x, pos = mla_inputs(cfg, t=t, seed=24)
   if exact_topk:  # the mask is the approximate index set: the same set on both paths
     _assert_paths_agree(mask_mla, gather_mla, x, pos)
     return
@@ -184,12 +192,12 @@ def test_raw_cutoff_mask_exceeds_k_under_ties_but_gather_takes_exactly_k():
   # indexer_mask_exact_topk=false: without ties both paths agree; with ties at the k-th value the
   # mask path takes every tied key, the gather path exactly k of them (lowest positions first),
   # i.e. the gather path always equals the mask path with indexer_mask_exact_topk=true.
-  cfg, raw_mask = _make(25, indexer_topk=K, indexer_n_heads=1, indexer_mask_exact_topk=False,
+  cfg, raw_mask = make_mla(25, indexer_topk=K, indexer_n_heads=1, indexer_mask_exact_topk=False,
                         sparse_attention_impl="mask")
-  _, exact_mask = _make(25, indexer_topk=K, indexer_n_heads=1, sparse_attention_impl="mask")
-  _, gather_mla = _make(25, indexer_topk=K, indexer_n_heads=1, indexer_mask_exact_topk=False,
+  _, exact_mask = make_mla(25, indexer_topk=K, indexer_n_heads=1, sparse_attention_impl="mask")
+  _, gather_mla = make_mla(25, indexer_topk=K, indexer_n_heads=1, indexer_mask_exact_topk=False,
                         sparse_attention_impl="gather", sparse_attention_query_block=BLOCK)
-  x, pos = _inputs(cfg, t=T, seed=25)
+  x, pos = mla_inputs(cfg, t=T, seed=25)
   assert _kth_is_tied(_index_scores(raw_mask, x, pos), K)
   sel_raw = _selection_of(_run(raw_mask, x, pos)[2], T)
   out_g, _, inter_g, _ = _run(gather_mla, x, pos)
@@ -197,19 +205,19 @@ def test_raw_cutoff_mask_exceeds_k_under_ties_but_gather_takes_exactly_k():
   sel_g = _selection_of(inter_g, T)
   assert (sel_raw.sum(-1) > K).any() and (sel_g.sum(-1) <= K).all() and not (sel_g & ~sel_raw).any()
   np.testing.assert_array_equal(sel_g, _selection_of(inter_e, T))
-  assert _rel(out_g, out_e) <= 2e-5
+  assert rel_err(out_g, out_e) <= 2e-5
   untied = (sel_raw.sum(-1) <= K)  # rows without extra tied keys: the raw mask agrees too
   np.testing.assert_array_equal(sel_g[untied], sel_raw[untied])
 
 
 def test_queries_with_at_most_k_keys_equal_dense_causal_attention():
   cfg, _, gather_mla = _pair(26)
-  _, dense = _make(26, use_indexer=False)
-  x, pos = _inputs(cfg, t=T, seed=26)
+  _, dense = make_mla(26, use_indexer=False)
+  x, pos = mla_inputs(cfg, t=T, seed=26)
   out_g, _, _, _ = _run(gather_mla, x, pos)
   out_d, _, _, _ = _run(dense, x, pos)
-  assert _rel(out_g[:, :K], out_d[:, :K]) <= 2e-5  # rows 0..k-1 see <= k keys
-  assert _rel(out_g[:, K:], out_d[:, K:]) > 1e-2  # later rows really are sparse
+  assert rel_err(out_g[:, :K], out_d[:, :K]) <= 2e-5  # rows 0..k-1 see <= k keys
+  assert rel_err(out_g[:, K:], out_d[:, K:]) > 1e-2  # later rows really are sparse
 
 
 def test_auto_switches_at_the_min_length_and_dense_warmup_stays_on_the_mask_path():
@@ -225,8 +233,8 @@ def test_auto_switches_at_the_min_length_and_dense_warmup_stays_on_the_mask_path
 # ---------------------------------------------------------------- the pieces
 
 def test_absorbed_attention_equals_expanded_attention():
-  cfg, m = _make(27, indexer_topk=K)
-  x, pos = _inputs(cfg, t=T, seed=27)
+  cfg, m = make_mla(27, indexer_topk=K)
+  x, pos = mla_inputs(cfg, t=T, seed=27)
   rng = np.random.default_rng(27)
   idx = jnp.asarray(rng.integers(0, T, (2, T, 6)), jnp.int32)
   ok = jnp.asarray(rng.random((2, T, 6)) < 0.7).at[:, 3].set(False)  # row 3 has no valid slot
@@ -250,7 +258,7 @@ def test_absorbed_attention_equals_expanded_attention():
 
   absorbed, expanded, probs, probs_dense_at_idx, mask = both(x)
   assert np.asarray(mask).any(-1).sum() > 10
-  assert _rel(absorbed, expanded) <= 1e-5
+  assert rel_err(absorbed, expanded) <= 1e-5
   np.testing.assert_allclose(np.where(ok[:, None], probs, 0), np.where(ok[:, None], probs_dense_at_idx, 0),
                              rtol=1e-5, atol=1e-7)
   np.testing.assert_array_equal(np.asarray(probs)[~np.broadcast_to(np.asarray(ok)[:, None], probs.shape)], 0.0)
@@ -327,10 +335,10 @@ def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
   (_, (out2, idx2, ok2, kl2)), g2 = run(4, True)  # 3 blocks of 4 (one padding row), a loop over queries
   np.testing.assert_array_equal(np.asarray(idx1), np.asarray(idx2))
   np.testing.assert_array_equal(np.asarray(ok1), np.asarray(ok2))
-  assert _rel(out2, out1) <= 1e-5 and abs(float(kl2) - float(kl1)) <= 1e-5 * abs(float(kl1)) and float(kl1) > 0
+  assert rel_err(out2, out1) <= 1e-5 and abs(float(kl2) - float(kl1)) <= 1e-5 * abs(float(kl1)) and float(kl1) > 0
   for name, a, b_ in zip(diff, g1, g2):
     assert np.abs(np.asarray(a)).max() > 0, name
-    assert _rel(b_, a) <= 1e-5, name
+    assert rel_err(b_, a) <= 1e-5, name
 
 
 # ---------------------------------------------------------------- context parallelism
@@ -346,7 +354,7 @@ def test_context_parallel_gather_path_equals_one_device(cp):
   m = MLA(cfg1, rngs=nnx.Rngs(31))
   graphdef1, params, rest = nnx.split(m, nnx.Param, ...)
   graphdef = nnx.split(MLA(cfg, rngs=nnx.Rngs(31)), nnx.Param, ...)[0]
-  x, pos = _inputs(cfg, t=t, seed=31)
+  x, pos = mla_inputs(cfg, t=t, seed=31)
   r = jnp.asarray(np.random.default_rng(31).standard_normal(x.shape), jnp.float32)
   # the context-parallel run sees the sequence as training feeds it: zig-zag reordered (load balancing)
   perm = sharding.load_balance_permutation(t, cp)
@@ -374,8 +382,8 @@ def test_context_parallel_gather_path_equals_one_device(cp):
                                         jax.device_put(pos, seq))
   assert out.sharding.spec[1] == "context"
   out, gx = out[:, inverse], gx[:, inverse]  # back to original order
-  assert _rel(out, out1) <= 1e-5 and abs(float(kl) - float(kl1)) <= 1e-5 * abs(float(kl1))
-  assert _rel(gx, gx1) <= 1e-5
+  assert rel_err(out, out1) <= 1e-5 and abs(float(kl) - float(kl1)) <= 1e-5 * abs(float(kl1))
+  assert rel_err(gx, gx1) <= 1e-5
   for a, b in zip(jax.tree.leaves(gp1), jax.tree.leaves(gp)):
     assert np.abs(np.asarray(b) - np.asarray(a)).max() <= 1e-5 * max(np.abs(np.asarray(a)).max(), 1e-6)
   # each device scores and attends only its own t/cp queries (not the replicated computation)

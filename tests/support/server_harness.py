@@ -1,9 +1,6 @@
-"""What the server tests share: a stand-in for ServingEngine over the real Scheduler, and an app served
-on a free localhost port in a thread."""
+"""What the server tests share: a stand-in for ServingEngine over the real Scheduler, and a bounded wait.
+(The app served in a thread is MaxText.server.in_process.serve_in_thread.)"""
 
-import contextlib
-import socket
-import threading
 import time
 
 from MaxText.inference.page_allocator import PageAllocator
@@ -85,20 +82,3 @@ def wait_for(predicate, what: str, timeout: float = 20.0, poll: float = 0.05):
       return
     time.sleep(poll)
   pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-@contextlib.contextmanager
-def serving(app):
-  """-> (base url, the server's thread): uvicorn serves `app` on a pre-bound free port until the block ends."""
-  import uvicorn
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-  thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  try:
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", thread
-  finally:
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()

@@ -1,7 +1,9 @@
-"""lm-evaluation-harness against our server, and the same items scored by our own training model.
+"""lm-evaluation-harness against our server, and the same items scored by our own training model
+(tests/integration/test_server.py and benchmarks/lm_eval_served.py; lm-eval is a test requirement, imported
+only by run_lm_eval).
 
 `run_lm_eval` runs lm-eval's `local-completions` model in this process (`simple_evaluate`: no second
-interpreter) on the local tasks of tests/data/lm_eval (tiny_mc: multiple choice by loglikelihood;
+interpreter) on local tasks (TASKS_DIR: the repository's tests/data/lm_eval) (tiny_mc: multiple choice by loglikelihood;
 tiny_gen: greedy generate_until), tokenizing through the server's /tokenize (tokenizer_backend=remote),
 with lm-eval's per-item samples. `Teacher` scores the same items with the training model's teacher-forced
 log-softmax, tokenized as lm-eval does: a choice's continuation = the ids of context + " " + choice past
@@ -9,7 +11,6 @@ the context's ids (its `_encode_pair`; " " its target_delimiter), no BOS (the re
 add_special_tokens=False); its greedy continuation takes the argmax below the tokenizer's vocabulary (the
 server never samples past it) until EOS or max_gen_toks, cut at the task's "\\n" as lm-eval cuts it.
 `loopback_only` records (and refuses) every connection or name lookup past 127.0.0.1 while lm-eval runs.
-Shared by tests/integration/test_server.py and benchmarks/lm_eval_served.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from MaxText.checkpoint import model_state
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout's
 TASKS_DIR = os.path.join(REPO_ROOT, "tests", "data", "lm_eval")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 MAX_GEN_TOKS = 4  # tiny_gen.yaml's generation_kwargs
@@ -39,12 +40,12 @@ def loopback_only():
   def guard(address):
     if isinstance(address, tuple) and address[0] not in LOOPBACK:
       tried.append(address)
-      raise OSError(f"tests.lm_eval_harness: the network is off ({address})")
+      raise OSError(f"lm_eval_client: the network is off ({address})")
 
   def lookup(host, *args, **kwargs):
     if host not in LOOPBACK and host is not None:
       tried.append(host)
-      raise socket.gaierror(f"tests.lm_eval_harness: the network is off ({host})")
+      raise socket.gaierror(f"lm_eval_client: the network is off ({host})")
     return getaddrinfo(host, *args, **kwargs)
 
   socket.socket.connect = lambda self, address: (guard(address), connect(self, address))[1]
