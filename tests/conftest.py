@@ -128,3 +128,14 @@ def lingering_reads(monkeypatch):
     return shard
 
   monkeypatch.setattr(serialization, "_read_shard", lingering)
+
+
+_INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration") + os.sep
+
+
+def pytest_collection_modifyitems(config, items):
+  """Every end-to-end test (tests/integration/) is `slow`: the fast lane, `pytest tests -m "not slow" -n 2`
+  (README.md), runs the unit tests not marked slow; CI runs everything. One rule instead of a marker a file."""
+  for item in items:
+    if str(item.path).startswith(_INTEGRATION):
+      item.add_marker(pytest.mark.slow)
