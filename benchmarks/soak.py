@@ -60,8 +60,12 @@ class Tally:
     self.kinds = collections.Counter()
     self.accepted = 0  # responses with a 200 status line: requests the engine took
     self.ttft: list[float] = []
+    self.errors = collections.Counter()  # "kind status: what" of every 4xx/5xx but the expected ones, and no-answers
 
-  def add(self, kind: str, status: int):
+  def add(self, kind: str, status: int, why: str = ""):
+    expected = {"malformed": 400, "burst": 429}.get(kind)
+    if status != 200 and status != expected:
+      self.errors[f"{kind} {status}: {why[:160]}"] += 1
     self.kinds[kind] += 1
     self.status[status] += 1
     self.accepted += status in (200, 408)  # 408: taken, then ended at serve_request_timeout
@@ -114,20 +118,22 @@ async def _send(client, url: str, kind: str, path: str, body, tally: Tally) -> N
   try:
     if isinstance(body, dict) and body.get("stream"):
       async with client.stream("POST", url + path, content=content) as r:
+        if r.status_code != 200:
+          tally.add(kind, r.status_code, (await r.aread()).decode(errors="replace"))
+          return
         first = True
         async for line in r.aiter_lines():
           if line.startswith("data: ") and first:
             first = False
-            if r.status_code == 200:
-              tally.ttft.append(time.perf_counter() - t0)
+            tally.ttft.append(time.perf_counter() - t0)
             if kind == "disconnect":
               break  # the client goes away mid-stream: the server must abort it and free its pages
       tally.add(kind, r.status_code)
     else:
       r = await client.post(url + path, content=content)
-      tally.add(kind, r.status_code)
-  except Exception:  # noqa: BLE001 - a hung or broken connection counts against the server
-    tally.add(kind, 0)
+      tally.add(kind, r.status_code, r.text if r.status_code != 200 else "")
+  except Exception as e:  # noqa: BLE001 - a hung or broken connection counts against the server
+    tally.add(kind, 0, f"{type(e).__name__}: {e}")
 
 
 async def drive(url: str, seconds: float, clients: int, burst_every: float, burst: int, seed: int,
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
   cmd = [sys.executable, "-m", "MaxText.serve", "configs/base.yml", "tokenizer_type=hf",
          f"tokenizer_path={os.path.join(DATA, 'tokenizer.json')}", "add_bos=false", "serve_host=127.0.0.1",
          f"serve_port={port}", f"serve_max_waiting={max_waiting}", f"serve_max_num_seqs={max_seqs}",
-         "max_target_length=128", "serve_request_timeout=60", *args.overrides]
+         "max_target_length=1024", "serve_request_timeout=60", *args.overrides]
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MAXTEXT_API_KEY": KEY,
          "PYTHONPATH": REPO}
   log_path = os.path.join(tempfile.mkdtemp(prefix="soak_"), "server.log")
@@ -219,6 +225,7 @@ def main(argv=None) -> int:
       "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1), "max": round(max(rss + [end_rss]), 1)},
       "pages_cached": int(m.get("pages_cached") or 0), "pages_total": int(m.get("pages_total") or 0),
       "finish_reasons": {k[len("finished_"):]: int(v) for k, v in m.items() if k.startswith("finished_")},
+      "unexpected": dict(tally.errors.most_common(5)),
   }
   checks = {"no 5xx or hung request": result["status_5xx"] == 0,
             "every page back in the pool": result["pages_leaked"] == 0 and result["pages_cached"] <= result["pages_total"],
@@ -232,6 +239,8 @@ def main(argv=None) -> int:
         f"{result['pages_leaked']:>7} {warm_rss:>9.1f} {end_rss:>8.1f} {str(result['p50_ttft_s']):>9} "
         f"{str(result['p99_ttft_s']):>9}")
   print(f"status {result['status']}; kinds {result['kinds']}; finish reasons {result['finish_reasons']}")
+  for what, n in tally.errors.most_common(8):
+    print(f"  {n:>6} x {what}")
   for what, ok in checks.items():
     print(f"  {'ok  ' if ok else 'FAIL'} {what}")
   result["checks_passed"] = all(checks.values())
