@@ -6,6 +6,7 @@ a whole prompt through the engine's scheduler, each prefill chunk timed as its c
     python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
     python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
+    python benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8   # issue 54's table
     python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
     python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
 
@@ -26,6 +27,15 @@ calls' ratios (call i of each) with its quartiles: on a shared host the pairs ca
 load's drift. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the paged
 engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios, *_same_tokens
 whether both sampled the same greedy tokens); asserts nothing about time.
+
+Each row also carries the bytes the step must move at least (step_bytes: every parameter once, and
+per row the indexer keys and scales of every slot plus the k selected latents; dense: every latent)
+and that over the backend's memory bandwidth (BANDWIDTH per device kind, --bandwidth, else measured
+by a reduction over 512 MiB: on a loaded CPU that figure is low, so its fractions read high): the
+roofline bound, and the fraction of it achieved (*_bound_ms, *_roofline). --batch takes several row
+counts. The contiguous reference holds a copy of the rows' cache beside the pools: it is built only
+with --contiguous on, or (auto) where that copy fits --contiguous-max-gib (1 GiB: at 128K fp8, 4 rows
+yes, 16 rows no); without it the row has no *_contiguous_ms, ratio or same_tokens.
 
 --prompt: a prompt of context - 1 tokens (one request, greedy, max_tokens 1) through
 ServingEngine.step as a server would run it: the scheduler's chunks of --chunk tokens, each step's

@@ -22,7 +22,7 @@ DMAs started before this block is computed (two buffers):
                        fp8 is dequantized in VMEM; online softmax in fp32 over blocks of slots.
 
 fp8 and bf16 fields arrive as the pools hold them (their bits, kv_cache.storage_dtype) and are
-decoded with integer ops (`_e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
+decoded with integer ops (`e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
 arithmetic lowers on every TPU generation and in interpret mode alike.
 
 `interpret=True` runs either kernel with Pallas' TPU interpreter on any backend (tests/unit/
@@ -55,7 +55,7 @@ def as_values(a: jax.Array) -> jax.Array:
 
 # ---- bit decoding (the pools' integer storage -> f32), shared by both kernels
 
-def _e4m3_to_f32(bits: jax.Array) -> jax.Array:
+def e4m3_to_f32(bits: jax.Array) -> jax.Array:
   """float8_e4m3fn bits (any int dtype, values 0..255) -> f32 values, exactly (NaN -> NaN; the pools
   never hold one). Normal: (-1)^s 2^(e-7) (1 + m/8); e = 0: (-1)^s 2^-6 m/8."""
   b = bits.astype(jnp.int32) & 0xFF
@@ -74,7 +74,7 @@ def _bf16_bits_to_f32(bits: jax.Array) -> jax.Array:
 def _decode(x: jax.Array) -> jax.Array:
   """A field as a pool stores it -> f32: uint8 = fp8 bits, uint16 = bf16 bits, a float as is."""
   if x.dtype == jnp.uint8:
-    return _e4m3_to_f32(x)
+    return e4m3_to_f32(x)
   if x.dtype == jnp.uint16:
     return _bf16_bits_to_f32(x)
   return x.astype(jnp.float32)
@@ -332,5 +332,5 @@ def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale
   return out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
-__all__ = ["fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
+__all__ = ["e4m3_to_f32", "fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
            "index_weights"]
