@@ -115,7 +115,7 @@ def test_fp8_pool_reads_decode_the_bits_exactly_as_xla_converts_them(scoring_cas
   XLA's float8 convert ("convert") bit for bit: scores of PagedKeys and gathered latents alike."""
   from MaxText.inference import paged_cache
   c = scoring_case
-  kq, scale = kv_cache.quantize_fp8(c["keys"] * 3)
+  kq, scale = kv_cache.quantize_fp8(c["keys"] * jnp.where(jnp.arange(128) % 4 == 0, 1e-4, 3.0))  # subnormals too
   src = PagedKeys(_bits(kq, jnp.float8_e4m3fn), scale, c["table"], PAGE)
   q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]
   pools = paged_cache.PagedLayerCache(c_kv=src.idx_k, k_pe=jnp.zeros((N, 8), jnp.uint16), c_kv_scale=scale)
