@@ -278,14 +278,14 @@ class PagedKeys(NamedTuple):
     return out[..., :self.slots]  # [b,tq,S]
 
   def _kernel_scores(self, q: jax.Array, w: jax.Array, pos: jax.Array) -> jax.Array:
-    """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off the TPU):
+    """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):
     the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
     p, d = self.table.shape[1], q.shape[-1]
     per_block = min(PAGES_PER_SCORE_BLOCK, p)
     table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
     got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,
                                           self.idx_k_scale, table, pos[:, 0], self.page_size,
-                                          pages_per_block=per_block, interpret=jax.default_backend() != "tpu")
+                                          pages_per_block=per_block)
     return got[:, None, :self.slots]  # [b,1,S]
 
 
