@@ -6,6 +6,7 @@ a whole prompt through the engine's scheduler, each prefill chunk timed as its c
     python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
     python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
+    python benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8   # issue 54's table
     python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
     python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
 
@@ -27,6 +28,15 @@ load's drift. Prints a table, then one JSON line (the rows: sparse_ms and dense_
 engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios, *_same_tokens
 whether both sampled the same greedy tokens); asserts nothing about time.
 
+Each row also carries the bytes the step must move at least (step_bytes: every parameter once, and
+per row the indexer keys and scales of every slot plus the k selected latents; dense: every latent)
+and that over the backend's memory bandwidth (BANDWIDTH per device kind, --bandwidth, else measured
+by a reduction over 512 MiB: on a loaded CPU that figure is low, so its fractions read high): the
+roofline bound, and the fraction of it achieved (*_bound_ms, *_roofline). --batch takes several row
+counts. The contiguous reference holds a copy of the rows' cache beside the pools: it is built only
+with --contiguous on, or (auto) where that copy fits --contiguous-max-gib (1 GiB: at 128K fp8, 4 rows
+yes, 16 rows no); without it the row has no *_contiguous_ms, ratio or same_tokens.
+
 --prompt: a prompt of context - 1 tokens (one request, greedy, max_tokens 1) through
 ServingEngine.step as a server would run it: the scheduler's chunks of --chunk tokens, each step's
 page table as wide as its context bucket (serve_context_buckets). Every step is timed (after
@@ -39,6 +49,7 @@ the step's table (linear in the slots, not the prefix): times stay flat within a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -127,18 +138,35 @@ def config_for(context: int, args, batch: int = 1):
                              serve_num_pages=batch * -(-context // PAGE), **model)
 
 
+FILL_SLOTS = 1 << 18  # slots filled per program: a [chunk, 512] f32 draw (512 MiB) at most, whatever the pool
+
+
 def fill_pools(engine: ServingEngine, seed: int) -> None:
-  """Every slot of the engine's pools random (normal latents; fp8 fields with unit scales)."""
+  """Every slot of the engine's pools random (normal latents; fp8 fields with unit scales), FILL_SLOTS
+  slots at a time into the pools in place (donated): drawing a 16-row 128K pool at once held 8 GB of
+  f32 values and random bits beside it."""
   key = jax.random.key(seed)
+
+  @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))
+  def put(a, key, start, n, ones):  # a [L, N, w] or [N, w]: slots start .. start+n drawn (ones: a scale field)
+    shape = a.shape[:-2] + (n, a.shape[-1])
+    values = jnp.ones(shape, jnp.float32) if ones else jax.random.normal(jax.random.fold_in(key, start), shape)
+    return jax.lax.dynamic_update_slice_in_dim(a, kv_cache.to_storage(values, a.dtype), start, axis=a.ndim - 2)
 
   def fill(pool, key):  # a stacked PagedLayerCache [L,N,..] or a list of per-layer ones [N,..]
     if isinstance(pool, list):
       return [fill(p, jax.random.fold_in(key, i)) for i, p in enumerate(pool)]
-    return type(pool)(*[None if a is None else jnp.ones_like(a) if name.endswith("_scale") else
-                        kv_cache.to_storage(jax.random.normal(jax.random.fold_in(key, i), a.shape), a.dtype)
-                        for i, (name, a) in enumerate(pool._asdict().items())])
+    out = {}
+    for i, (name, a) in enumerate(pool._asdict().items()):
+      if a is not None:
+        n = a.shape[-2]
+        for start in range(0, n, FILL_SLOTS):  # the last chunk ends at N (it may redraw slots before it)
+          a = put(a, jax.random.fold_in(key, i), min(start, n - min(FILL_SLOTS, n)), min(FILL_SLOTS, n),
+                  name.endswith("_scale"))
+      out[name] = a
+    return type(pool)(**out)
 
-  engine.pools = {name: jax.jit(fill)(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
+  engine.pools = {name: fill(p, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(engine.pools.items())}
 
 
 def step_feed_at_end(engine: ServingEngine, batch: int, t: int) -> dict:

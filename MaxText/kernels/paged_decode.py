@@ -22,10 +22,10 @@ DMAs started before this block is computed (two buffers):
                        fp8 is dequantized in VMEM; online softmax in fp32 over blocks of slots.
 
 fp8 and bf16 fields arrive as the pools hold them (their bits, kv_cache.storage_dtype) and are
-decoded with integer ops (`_e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
+decoded with integer ops (`e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
 arithmetic lowers on every TPU generation and in interpret mode alike.
 
-`interpret=True` runs either kernel with Pallas' TPU interpreter on any backend (tests/unit/
+`interpret=True` (the default off a TPU) runs either kernel with Pallas' TPU interpreter on any backend (tests/unit/
 test_paged_decode.py holds them to the XLA references `paged_index_scores_xla` and
 `sparse_mla_decode_xla` on the CPU). Design notes and TPU figures: docs/kernels.md.
 """
@@ -55,7 +55,7 @@ def as_values(a: jax.Array) -> jax.Array:
 
 # ---- bit decoding (the pools' integer storage -> f32), shared by both kernels
 
-def _e4m3_to_f32(bits: jax.Array) -> jax.Array:
+def e4m3_to_f32(bits: jax.Array) -> jax.Array:
   """float8_e4m3fn bits (any int dtype, values 0..255) -> f32 values, exactly (NaN -> NaN; the pools
   never hold one). Normal: (-1)^s 2^(e-7) (1 + m/8); e = 0: (-1)^s 2^-6 m/8."""
   b = bits.astype(jnp.int32) & 0xFF
@@ -74,7 +74,7 @@ def _bf16_bits_to_f32(bits: jax.Array) -> jax.Array:
 def _decode(x: jax.Array) -> jax.Array:
   """A field as a pool stores it -> f32: uint8 = fp8 bits, uint16 = bf16 bits, a float as is."""
   if x.dtype == jnp.uint8:
-    return _e4m3_to_f32(x)
+    return e4m3_to_f32(x)
   if x.dtype == jnp.uint16:
     return _bf16_bits_to_f32(x)
   return x.astype(jnp.float32)
@@ -88,6 +88,11 @@ def _dequant(x: jax.Array, scale: jax.Array | None) -> jax.Array:
   w = v.shape[-1]  # [n, w]; scale [n, ceil(w/128)]: lane-aligned 128-wide groups, no 3-D reshape (Mosaic)
   return jnp.concatenate([v[:, g:g + FP8_BLOCK] * scale[:, i:i + 1] for i, g in enumerate(range(0, w, FP8_BLOCK))],
                          axis=1)
+
+
+def _interpret(interpret: bool | None) -> bool:
+  """interpret=None: Pallas' interpreter wherever the process's backend is not a TPU (Mosaic's)."""
+  return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 # ---- double-buffered gathers: items `ids[i]` of pools in HBM into VMEM buffers (two slots each)
@@ -182,7 +187,7 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, *rest, pages:
 
 def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, idx_k: jax.Array,
                        idx_k_scale: jax.Array | None, table: jax.Array, pos: jax.Array, page: int, *,
-                       pages_per_block: int = 8, interpret: bool = False) -> jax.Array:
+                       pages_per_block: int = 8, interpret: bool | None = None) -> jax.Array:
   """Scores [B, P*page] fp32 of one query per row over its pages (the kernel; module doc):
   sum_h w[h] relu(q[h] . k[s]) with q, k the dequantized values.
 
@@ -220,7 +225,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
       out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
       out_shape=jax.ShapeDtypeStruct((b, 1, p * page), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret)(*ins)[:, 0]
+      interpret=_interpret(interpret))(*ins)[:, 0]
 
 
 def paged_index_scores_xla(q, q_scale, w, idx_k, idx_k_scale, table, pos, page: int) -> jax.Array:
@@ -276,7 +281,7 @@ def _mla_kernel(valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, scale: float, f
 
 def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: jax.Array, c_kv: jax.Array,
                       k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 256,
-                      interpret: bool = False) -> jax.Array:
+                      interpret: bool | None = None) -> jax.Array:
   """o_lat [B,H,c] fp32 = softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale,
   times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (K a
   multiple of block; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
@@ -310,7 +315,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
       out_specs=pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((b, h, c), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret)(*ins)
+      interpret=_interpret(interpret))(*ins)
 
 
 def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale: float) -> jax.Array:
@@ -332,5 +337,5 @@ def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale
   return out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
-__all__ = ["fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
+__all__ = ["e4m3_to_f32", "fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
            "index_weights"]
