@@ -15,6 +15,8 @@ A state is checkpointed only while its parameters are finite, and a checkpoint w
 give a non-finite loss is set aside: the error names the newest good checkpoint to resume from.
 eval_interval > 0: the loss on held-out data (eval_dataset_path, or a held-out synthetic stream).
 profiler=xplane: a jax.profiler trace under <run>/profile.
+lora_rank > 0: only LoRA adapters train, over the frozen base of load_parameters_path (fp8_block allowed);
+checkpoints hold the adapters and their optimizer state (docs/lora.md).
 """
 
 from __future__ import annotations

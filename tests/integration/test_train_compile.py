@@ -96,7 +96,7 @@ def test_qlora_reports_the_frozen_fp8_base_the_adapters_and_optimizer_state_for_
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert "frozen base" in out.stdout and "LoRA adapters" in out.stdout
   adapters, base = got["adapter_bytes_per_device"], got["base_bytes_per_device"]
-  assert got["parameter_bytes_per_device"] == adapters + base and 0 < adapters < base / 10
+  assert got["parameter_bytes_per_device"] == adapters + base and 0 < adapters < base  # tiny dims: r=4 is not small
   # AdamW's mu and nu mirror the fp32 adapters; the base has none (the rest: the replicated step counts)
   assert 2 * adapters <= got["optimizer_bytes_per_device"] <= 2 * adapters + 64
   cfg = make_config(num_devices=8, lora_rank=4, **KEYS)
