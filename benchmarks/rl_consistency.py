@@ -6,11 +6,12 @@ from the engine's own, with and without keep routing and the keep sampling mask.
     python benchmarks/rl_consistency.py dtype=bfloat16 weight_dtype=bfloat16   # any config key=value
 
 The engine (inference/serving.py) samples --prompts prompts x --group samples of --new tokens each as
-rollouts (inference/rollout.py: each token's logprob under its sampling distribution, its kept-set
-size, every position's routed experts), half the rows at temperature 1 unfiltered, the others with
+rollouts (inference/rollout.py: each token's logprob under its sampling distribution, its kept set
+(size, ids up to KEPT_IDS), every position's routed experts), half the rows at temperature 1 unfiltered, the others with
 top_p / top_k. The trainer (post_train/policy_logprobs.py) then scores the same tokens on the same
 weights four ways: keep routing on / off x sampling mask on / off. Per way: the max and mean |trainer -
-engine| over the generated tokens; without keep routing, how often the trainer's own routing differs
+engine| over the generated tokens; then, on a moved policy (noised weights, as after an update), how far
+scoring over the engine's recorded kept ids is from rebuilding the set from the moved logits; without keep routing, how often the trainer's own routing differs
 from the engine's (per token and MoE layer, and tokens with any layer differing) over the positions
 the engine computed. Prints a table, then one JSON line; asserts nothing.
 """
@@ -33,6 +34,7 @@ def main(argv=None) -> None:
   p.add_argument("--new", type=int, default=24, help="tokens generated per sample")
   p.add_argument("--prompt-len", type=int, default=20)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--move", type=float, default=0.05, help="relative weight noise of the moved policy")
   args, overrides = p.parse_known_args(argv)
   if args.devices > 1:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -74,9 +76,10 @@ def main(argv=None) -> None:
       logits, aux = model_state.merge(graphdef, p, buffers)(tokens, positions, seg, routed_experts=routed)
       return logits, aux["routed_experts"]  # [N,T,V], [N,T,L,k]
 
-    def scored(routed, masked):
-      logits, chosen = forward(params, a["tokens"], a["positions"], a["segment_ids"], routed)
-      return np.asarray(logprobs_of(logits, a["tokens"], temperature=1.0, kept=a["kept"] if masked else None)), chosen
+    def scored(routed, masked, p=params, ids=True):
+      logits, chosen = forward(p, a["tokens"], a["positions"], a["segment_ids"], routed)
+      return np.asarray(logprobs_of(logits, a["tokens"], temperature=1.0, kept=a["kept"] if masked else None,
+                                    kept_ids=a["kept_ids"] if masked and ids else None)), chosen
 
     free = forward(params, a["tokens"], a["positions"], a["segment_ids"], None)[1]  # the trainer's own routing
     results = {}
@@ -86,6 +89,15 @@ def main(argv=None) -> None:
         logp, _ = scored(routed, masked)
         d = np.abs(logp - a["logp_old"])[a["generated"]]
         results[(keep_routing, masked)] = (float(d.max()), float(d.mean()))
+    # a moved policy (weights x (1 + --move N(0, 1)), as after an update): the engine's recorded kept ids vs the
+    # set rebuilt as the n largest of the moved logits, over the filtered tokens whose set was recorded as ids
+    leaves, tree = jax.tree.flatten(params)
+    noise = [np.random.default_rng(args.seed + i).standard_normal(x.shape) for i, x in enumerate(leaves)]
+    moved = jax.tree.unflatten(tree, [(x * (1 + args.move * n)).astype(x.dtype) for x, n in zip(leaves, noise)])
+    recorded = (a["kept_ids"][..., 0] >= 0) & (a["kept"] < cfg.vocab_size) & a["generated"]  # [N,T]
+    gap = np.abs(scored(a["routed_experts"], True, moved)[0] - scored(a["routed_experts"], True, moved, ids=False)[0])
+    g = gap[recorded] if recorded.any() else np.zeros(1)  # none: no top-k row (or every set past KEPT_IDS)
+    moved_gap = (float(g.max()), float(g.mean()), float((g > 1e-4).mean()))
 
   rec, own = a["routed_experts"], np.sort(np.asarray(free), -1)
   computed = rec[..., 0, 0] >= 0  # [N,T] positions the engine fed through the model
@@ -98,6 +110,9 @@ def main(argv=None) -> None:
   print("\n| keep routing | sampling mask | max abs diff | mean abs diff |\n|---|---|---|---|")
   for (kr, m), (mx, mean) in results.items():
     print(f"| {'on' if kr else 'off'} | {'on' if m else 'off'} | {mx:.2e} | {mean:.2e} |")
+  print(f"\nmoved policy (weights x (1 + {args.move} N(0,1))), {int(recorded.sum())} filtered tokens: |engine's "
+        f"kept ids - the rebuilt n largest| max {moved_gap[0]:.3e}, mean {moved_gap[1]:.3e}, "
+        f"{moved_gap[2]:.1%} of tokens differ by > 1e-4")
   print(f"\nrouting (trainer's own vs the engine's): {per_layer:.4%} of (position, MoE layer) pairs differ; "
         f"{per_token:.4%} of positions differ in some layer")
   print(json.dumps({"devices": args.devices, "dtype": cfg.dtype, "rollouts": len(requests),
@@ -107,7 +122,8 @@ def main(argv=None) -> None:
                     "mean_abs_diff_mask_only": results[(False, True)][1],
                     "max_abs_diff_keep_routing_only": results[(True, False)][0],
                     "max_abs_diff_neither": results[(False, False)][0],
-                    "routing_differs_per_layer": per_layer, "routing_differs_per_position": per_token}))
+                    "moved_ids_vs_rebuilt_max": moved_gap[0], "moved_ids_vs_rebuilt_mean": moved_gap[1],
+                    "moved_ids_vs_rebuilt_fraction": moved_gap[2], "routing_differs_per_layer": per_layer, "routing_differs_per_position": per_token}))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def kept_set(lg: jax.Array, kept: jax.Array, kept_ids: jax.Array | None, finite:
   c = 0 if kept_ids is None else kept_ids.shape[-1]
   keep = jnp.ones((b, s, v), bool)
   if c:
+    if kept_ids.shape != (b, s, c):
+      raise ValueError(f"kept_ids is {kept_ids.shape}: [B,T,C] beside tokens [B,T] (here B, T = {b}, {s + 1})")
     ids = jnp.where(kept_ids < 0, v, kept_ids)  # [B,S,C]: padding -> out of range, dropped
     recorded = jnp.zeros((b, s, v), bool).at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], ids].set(
         True, mode="drop")  # [B,S,V]

@@ -102,7 +102,7 @@ def test_the_engines_kept_set_not_the_moved_policys_top_n():
                                        jnp.asarray([1.0]), jnp.asarray([2]))
   tokens = jnp.asarray([[0, 1]])
   score = lambda lg: float(logprobs_of(jnp.asarray([[lg, [0.0] * 4]]), tokens, temperature=1.0,  # noqa: E731
-                                       kept=jnp.asarray([[4, int(kept[0])]]), kept_ids=kept_ids[None, None].repeat(2, 1))[0, 1])
+                                       kept=jnp.asarray([[4, int(kept[0])]]), kept_ids=jnp.repeat(kept_ids[None], 2, axis=1))[0, 1])
   np.testing.assert_allclose(score([3.0, 1.0, 2.0, 0.0]), 1 - np.log(np.exp(3) + np.exp(1)), atol=1e-5)  # -2.127
   np.testing.assert_allclose(score([0.0, 0.5, 5.0, 4.0]), 0.5 - np.log(1 + np.exp(0.5)), atol=1e-5)  # the reference
 
