@@ -20,7 +20,7 @@ MAX_MIB=56
 # The imports of device_check.sh's sections and of tests/unit's collection (pydantic, omegaconf, grain, ...),
 # and of the server; datasets and tensorboard stay out (nothing the device runs imports them).
 # flax ... pytest-xdist are on the GPU image (so left out there) and missing from the TPU image.
-NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi uvicorn prometheus_client Jinja2 httpx llguidance flax optax orbax-checkpoint safetensors sentencepiece tokenizers pytest-xdist)
+NEEDS=(pydantic omegaconf grain array-record tensorboardX fastapi starlette uvicorn prometheus_client Jinja2 httpx llguidance flax optax orbax-checkpoint safetensors sentencepiece tokenizers pytest-xdist)
 # What the device check imports, from the bundle or the image, checked after the install: a failure stops it; what
 # only the server imports is a warning.
 MODULES="jax flax optax orbax.checkpoint numpy yaml pydantic omegaconf grain array_record tensorboardX sentencepiece
