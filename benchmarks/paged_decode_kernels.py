@@ -27,7 +27,6 @@ import numpy as np
 
 from MaxText.inference.kv_cache import quantize_fp8
 from MaxText.inference.paged_cache import PagedKeys
-from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
 
 H_I, D_I, H, C, R, PAGE = 64, 128, 128, 512, 64, 64
@@ -80,16 +79,7 @@ def scoring_fns(d: dict, interpret: bool) -> dict:
     keys = PagedKeys(idx_k, idx_k_scale, table, PAGE)
     return keys.scores(qv[:, None], d["w"][:, None], pos[:, None], head_chunk=H_I)[:, 0]
 
-  def engine_with(how):  # the engine's path with the pools' fp8 decoded by `how` (backend.py's fp8_decode)
-    fn = jax.jit(engine.__wrapped__)
-
-    def run():
-      with backend.forced(fp8_decode=how):  # traced inside (first call), every call alike
-        return fn(*args)
-    return run
-
-  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args), "engine": lambda: engine(*args),
-          "engine_bits": engine_with("bits"), "engine_convert": engine_with("convert")}
+  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args), "engine": lambda: engine(*args)}
 
 
 def mla_fns(d: dict, interpret: bool) -> dict:
@@ -137,9 +127,7 @@ def main(argv=None) -> None:
   ap.add_argument("--bandwidth", type=float, default=819.0, help="memory bandwidth in GB/s (TPU v5e: 819)")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
   ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
-                  choices=["kernel", "xla", "engine", "engine_bits", "engine_convert"],
-                  help="engine: PagedKeys.scores as this backend's row runs it; engine_bits / engine_convert: with "
-                       "fp8_decode forced (the scoring only)")
+                  choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")
   ap.add_argument("--kernels", nargs="+", default=["scoring", "mla"], choices=["scoring", "mla"])
   args = ap.parse_args(argv)
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); roofline at {args.bandwidth} GB/s; "
@@ -165,7 +153,7 @@ def main(argv=None) -> None:
             print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {row['status']}", flush=True)
             results.append(row)
             continue
-          pairs = [(a, b) for a, b in (("kernel", "xla"), ("engine_bits", "engine_convert"), ("kernel", "engine"))
+          pairs = [(a, b) for a, b in (("kernel", "xla"), ("kernel", "engine"))
                    if a in out and b in out]
           row.update(status="ok", **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
                      max_rel_diff={f"{a}~{b}": max_rel(out[a], out[b]) for a, b in pairs})
