@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
-from MaxText.inference.kv_cache import FP8, dequantize_fp8
+from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.index_scores import row_index_scores
@@ -206,15 +206,6 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
   return pools._replace(**dict(zip(names, _on_shards(put_all, dsts, rows, pool_out=True))))
 
 
-def _dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """kv_cache.dequantize_fp8 of fp8 values q [..., n] read from a pool, the e4m3 -> f32 step as
-  backend.py's fp8_decode says ("bits": integer ops on the bits, the CPU's: XLA:CPU's float8
-  convert is 14x slower); both are exact, so the result is the same bit for bit."""
-  if backend.choice("fp8_decode") == "bits" and q.dtype == FP8:
-    q = paged_decode.e4m3_to_f32(jax.lax.bitcast_convert_type(q, jnp.uint8))
-  return dequantize_fp8(q, scale, dtype)
-
-
 def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
   """a [N, n], ids [B, m] slot ids -> [B, m, n] values."""
   return kv_cache.as_values(jnp.take(a, ids, axis=0, mode="clip"))
@@ -267,7 +258,7 @@ class PagedKeys(NamedTuple):
       pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
       keys = page_values(self.idx_k, pages, page)[0]  # [width,d] values (fp8: still quantized)
       if self.idx_k_scale is not None:
-        keys = _dequantize(keys, page_values(self.idx_k_scale, pages, page)[0])
+        keys = dequantize_fp8(keys, page_values(self.idx_k_scale, pages, page)[0])
       got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
       slot = j * width + jnp.arange(width, dtype=jnp.int32)  # [width]
       got = jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
@@ -332,7 +323,7 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
         pages = jax.lax.dynamic_slice_in_dim(row_table, i * per_block, per_block)[None]  # [1,per_block]
         cc = page_values(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
         if "c_kv_scale" in stores:
-          cc = _dequantize(cc, page_values(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
+          cc = dequantize_fp8(cc, page_values(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
         return cc, page_values(stores["k_pe"], pages, page_size)
 
       return latent_attention_blocks(*(a[None] for a in rest[:2]), read_block, n, per_block * page_size,
@@ -380,7 +371,7 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False)
   c = got["c_kv"]
   if "c_kv_scale" in got:
-    c = _dequantize(c, got["c_kv_scale"], dtype)
+    c = dequantize_fp8(c, got["c_kv_scale"], dtype)
   return c.astype(dtype), got["k_pe"].astype(dtype)
 
 

@@ -23,11 +23,6 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      lacks ragged_all_to_all; moe_dispatch) rows routed
   gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
                      k=2048 (sparse_attention_impl=auto)   on these backends
-  fp8_decode         "bits": e4m3 bits -> f32 by integer   "convert": XLA's float8 -> f32
-                     ops (paged_decode.e4m3_to_f32; the    convert
-                     paged pools' dequantization): XLA:CPU's
-                     convert is 14x slower (2M values:
-                     35.9 vs 2.5 ms)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -67,7 +62,6 @@ class Choices:
   grouped_matmul: str  # "blocked" | "ragged_dot"
   moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
-  fp8_decode: str = "convert"  # "bits" | "convert": how the paged pools' fp8 values become f32
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
 
 
@@ -78,14 +72,13 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
     "query_loop": ("loop", "vmap"),
     "grouped_matmul": ("blocked", "ragged_dot"),
     "moe_exchange": ("all_to_all", "ragged_all_to_all"),
-    "fp8_decode": ("bits", "convert"),
 }
 KERNELS = {  # choices between the XLA path (first; CPU and portable) and a Pallas kernel (kernels/paged_decode.py)
     "paged_scoring": ("xla", "pallas"),
 }
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
-              grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072, fp8_decode="bits")
+              grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
 PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row_blocks="all", query_loop="vmap",
                    grouped_matmul="ragged_dot", moe_exchange="ragged_all_to_all", gather_min_length=3072)
 

@@ -1,33 +1,35 @@
 """Pallas (Mosaic TPU) kernels of the paged decode step, and their XLA references.
 
-Two kernels read the paged pools (inference/paged_cache.py) where they lie, one row (sequence) per
-grid step of the first axis, a block of pages or slots per step of the second, the next block's
-DMAs started before this block is computed (two buffers):
+Two kernels over the paged pools (inference/paged_cache.py), one row (sequence) per grid step of
+the first axis, a block of pages or slots per step of the second:
 
   paged_index_scores   the indexer's scores of one decode query per row over every cached key:
                        q [B,H,d], w [B,H] (times H**-0.5 d**-0.5 folded in by the caller: see
                        `index_weights`), the key pool idx_k [N,d] (fp32, or fp8 bits uint8 with a
                        scale [N,1]) through the page table [B,P] -> scores [B, P*page] fp32 (-inf past
-                       each row's position). Keys are DMA'd a page at a time ([page, d], 8 KiB in fp8),
-                       fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
+                       each row's position). Keys are DMA'd from the pool a page at a time ([page,
+                       d], 8 KiB in fp8), the next block's pages started before this block is
+                       scored (two VMEM buffers); fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
                        multiplied on the MXU with fp32 accumulation, so fp8 x fp8 products are exact
-                       and the scales apply after the dot (as DeepGEMM's fp8 MQA logits). The
+                       and the scales apply after the dot (as DeepGEMM's fp8 MQA logits); fp32
+                       queries meet the keys decoded to fp32 instead. The
                        [B, S] scores go to HBM (4 bytes a key against the 128 + 4 the key costs to
                        read in fp8: 3%) and the selection (selection.py, binned) runs on them.
   sparse_mla_decode    absorbed MLA of one decode query per row over its k selected slots: q_abs
                        [B,H,c], q_pe [B,H,r], slot ids [B,K] (already through the page table) with a
                        validity mask, the latent pool c_kv [N,c] (fp32, or fp8 bits with scales
                        [N, c/128]) and k_pe [N,r] (fp32, or bf16 bits uint16) -> o_lat [B,H,c] fp32.
-                       Each selected slot is one DMA of its row ([1,c] + [1,r] + its scales);
-                       fp8 is dequantized in VMEM; online softmax in fp32 over blocks of slots.
+                       The selected rows are gathered as stored by XLA (a per-slot DMA does not
+                       lower: docs/kernels.md), streamed in blocks of slots by Pallas' pipeline,
+                       fp8 dequantized in VMEM; online softmax in fp32 over the blocks.
 
 fp8 and bf16 fields arrive as the pools hold them (their bits, kv_cache.storage_dtype) and are
 decoded with integer ops (`e4m3_to_f32`, `_bf16_bits_to_f32`): the v5e has no fp8 unit, and bit
 arithmetic lowers on every TPU generation and in interpret mode alike.
 
-`interpret=True` (the default off a TPU) runs either kernel with Pallas' TPU interpreter on any backend (tests/unit/
-test_paged_decode.py holds them to the XLA references `paged_index_scores_xla` and
-`sparse_mla_decode_xla` on the CPU). Design notes and TPU figures: docs/kernels.md.
+`interpret=True` (the default off a TPU) runs either kernel with Pallas' TPU interpreter on any
+backend (tests/unit/test_paged_decode.py holds them to the XLA references `paged_index_scores_xla`
+and `sparse_mla_decode_xla` on the CPU). Design notes and TPU figures: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -109,21 +109,3 @@ def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring
     with backend.forced(paged_scoring="mosaic"):
       pass
 
-
-def test_fp8_pool_reads_decode_the_bits_exactly_as_xla_converts_them(scoring_case):
-  """The paged pools' fp8 dequantization by integer ops (fp8_decode="bits", the CPU's row) equals
-  XLA's float8 convert ("convert") bit for bit: scores of PagedKeys and gathered latents alike."""
-  from MaxText.inference import paged_cache
-  c = scoring_case
-  kq, scale = kv_cache.quantize_fp8(c["keys"] * jnp.where(jnp.arange(128) % 4 == 0, 1e-4, 3.0))  # subnormals too
-  src = PagedKeys(_bits(kq, jnp.float8_e4m3fn), scale, c["table"], PAGE)
-  q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]
-  pools = paged_cache.PagedLayerCache(c_kv=src.idx_k, k_pe=jnp.zeros((N, 8), jnp.uint16), c_kv_scale=scale)
-  idx = jnp.array([[0, 5, 31], [7, 2, 30]])
-  got = {}
-  for how in ("bits", "convert"):
-    with backend.forced(fp8_decode=how):
-      got[how] = (jax.jit(lambda *a: src.scores(*a, head_chunk=4))(q, w, pos),
-                  jax.jit(lambda t, i: paged_cache.gather_selected(pools, t, i, PAGE)[0])(c["table"], idx))
-  for a, b in zip(got["bits"], got["convert"]):
-    np.testing.assert_array_equal(a, b)
