@@ -91,6 +91,11 @@ def _launch(script, args, *, processes, devices, cache, per_process=None, port=N
          # collective (its 40 s rendezvous timeout)
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
          "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  if processes > 1:
+    # No persistent cache for a multi-process run: JAX writes entries from process 0 only and the processes'
+    # keys differ, so process 0 loaded its programs while process 1 compiled them, ran ahead, and timed out
+    # in gloo's 30 s context rendezvous (GetKeyValue DEADLINE_EXCEEDED at step 1) on a loaded host.
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   port = port or _free_port()
   procs = []
   for i in range(processes):
