@@ -11,8 +11,9 @@ B = 0 makes the adapted model's output equal the base's at step 0. A and B are f
 weight_dtype is (they are what trains: QLoRA's fp32 adapters over a bf16/fp8 base), cast to the compute
 dtype in the matmul. Stacked (scanned) layers carry
 stacked adapters [L, in, r], [L, r, out]. A's input axis and B's output axis are the kernel's logical
-axes, the rank axis is `lora_rank` (replicated): each adapter is sharded as its kernel is
-(ZeRO-3 over fsdp/context/expert, tensor on heads/mlp), and so are its optimizer moments.
+axes, the rank axis is `lora_rank`, which base.yml maps to the ZeRO-3 axes (fsdp, context, expert) that the
+other side left free: A [in, r] is sharded as its kernel's input, B [r, out] on its rank (a mesh axis is used
+once per array), so no adapter is whole on every device; its optimizer moments follow.
 
 The paths are the linears' module paths, e.g. `dense_layers/layers/attention/wq_a`,
 `moe_layers/layers/mlp/shared_experts/down`, `moe_layers/layers/attention/indexer/wk`,

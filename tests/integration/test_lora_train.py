@@ -38,8 +38,13 @@ def test_qlora_step_on_an_fsdp_context_expert_mesh_equals_one_device_and_shards_
   # kernel [L, embed, q_lora]: embed over every axis that would hold copies; A [L, embed, r] likewise, rank replicated
   assert attn["kernel"].sharding.spec == PartitionSpec(None, zero3, None)
   assert attn["lora_a"].sharding.spec == PartitionSpec(None, zero3, None)
-  wo = params["moe_layers"]["layers"]["attention"]["wo"]  # [L, q_heads, embed]
-  assert wo["lora_b"].sharding.spec == PartitionSpec(None, None, zero3)
+  # B [L, r, out]: the rank takes the ZeRO-3 axes that divide it (r=4: fsdp x context), out what is left
+  assert attn_b(params, "wq_b").sharding.spec == PartitionSpec(None, ("fsdp", "context"), None)  # out: q_heads
+  assert attn_b(params, "wo").sharding.spec == PartitionSpec(None, ("fsdp", "context"), "expert")  # out: embed
+
+
+def attn_b(params, name):
+  return params["moe_layers"]["layers"]["attention"][name]["lora_b"]
 
 
 CHATS = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
