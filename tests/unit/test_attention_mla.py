@@ -241,6 +241,7 @@ def test_stage_none_has_zero_indexer_loss_and_attends_over_selection():
 
 # ---------------------------------------------------------------- Hugging Face parity
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_mla_matches_hf_deepseek_v32_attention():
   torch = pytest.importorskip("torch")
   from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding

@@ -177,6 +177,7 @@ def test_gather_min_length_zero_is_the_backends_and_a_key_wins():
 # ---------------------------------------------------------------- the whole model
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_whole_model_on_the_gpu_row_equals_the_cpu_row():
   """The tiny model on the gather path (exact selection, per-query loop or vmap, blocked matmul or
   ragged_dot): loss and gradients under the portable row (what a GPU or TPU runs) equal the CPU's."""

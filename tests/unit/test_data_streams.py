@@ -122,6 +122,7 @@ def test_lane_rows_follow_the_packing_rules_and_lose_no_token():
       np.testing.assert_array_equal(row["positions"], np.arange(L) - first)
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_batches_and_resume_do_not_depend_on_workers_or_processes(corpus):
   """2 worker processes = 0 workers; two processes' rows = the global batch; a state saved at step 3 by
   one process with no workers resumes exactly on another layout (2 processes, 2 workers)."""

@@ -10,6 +10,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, REPO_ROOT) for p in glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
 # Shell variables the docs' commands use, as a reader would have set them.
@@ -143,6 +145,7 @@ def _cheap(command: str) -> bool:
   return bool(re.search(r"-m MaxText\.config |--help$|demos/sft_conversations\.py ", command))
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_cheap_documented_commands_run_as_written(tmp_path):
   commands = sorted({c for _, c in _doc_commands() if _cheap(c)})
   assert len(commands) >= 3, commands

@@ -97,6 +97,7 @@ def _forward(cfg, params, buffers, tokens):
   return nnx.jit(lambda m, t: m(t)[0])(model_state.merge(graphdef, params, buffers), tokens)
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_fp8_model_forward_equals_the_forward_on_hf_style_dequantized_bf16_weights():
   # HF / DeepSeek's weight_dequant: fp8 * scale in fp32, stored bf16; the float model runs on those.
   # The rest of the weights (embeddings, norms, router, head) bf16 in both, as in DeepSeek's checkpoints.

@@ -205,6 +205,7 @@ def test_select_never_picks_masked_keys_when_fewer_valid_than_k():
     np.testing.assert_array_equal(np.asarray(mask), [[[True, True, False, False, False]]])
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_select_approx_path_follows_config():
   """The approx mask is select_topk(approx)'s index set (exact_topk) or its smallest value as a
   raw cutoff, at k = s/16 (the fused per-block mask) and k = s/256 (the index scatter)."""

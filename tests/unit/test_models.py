@@ -37,6 +37,7 @@ def test_671b_with_mtp_parameter_count():
 _jit_forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_scanned_and_unscanned_stacks_compute_the_same_function():
   cfg_s = make_config(scan_layers=True)
   cfg_l = make_config(scan_layers=False)
@@ -129,6 +130,7 @@ def _layer_masks(model, tokens):
   return masks
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("exact", [True, False])
 def test_every_layer_follows_indexer_mask_exact_topk(exact):
   """All indexer scores tie (weights_proj = 0): exact-k keeps the k lowest positions per query,
@@ -148,6 +150,7 @@ def test_every_layer_follows_indexer_mask_exact_topk(exact):
     np.testing.assert_array_equal(m[0], first_k if exact else causal, err_msg=f"layer {i}")
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("approx", [True, False])
 def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   """Each layer's selection goes through the configured path: the approximate top-k (with the
@@ -170,6 +173,7 @@ def test_every_layer_follows_indexer_use_approx_top_k(approx, monkeypatch):
   assert calls == want * 5  # 4 decoder layers + the MTP layer
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_bf16_params_and_activations_track_fp32():
   tokens = jax.random.randint(jax.random.key(3), (2, 32), 3, 512)
   cfg32 = make_config(mtp_num_layers=0)

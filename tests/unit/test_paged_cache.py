@@ -22,6 +22,7 @@ def _entries(cfg, b, t, seed):
   return dict(c_kv=f(cfg.kv_lora_rank), k_pe=f(cfg.qk_rope_head_dim), idx_k=f(cfg.indexer_head_dim))
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
 def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys(dtype, monkeypatch):
   cfg = make_config(kv_cache_dtype=dtype, indexer_topk=5)

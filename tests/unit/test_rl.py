@@ -160,6 +160,7 @@ def test_config_rules_are_one_line_naming_the_key():
       rl.check_config(make_config(**{**RL_KEYS, **keys}))
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypatch, capsys):
   """Step 2 dies before its checkpoint; run again: it resumes from step 1 and step 2 samples and trains
   exactly as the killed run did (same prompts, seeds, weights)."""

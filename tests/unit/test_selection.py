@@ -168,6 +168,7 @@ def score_batches(draw):
   return x.astype(np.float32), k
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(score_batches())
 def test_every_path_keeps_the_selection_invariants(batch):

@@ -165,6 +165,7 @@ def test_gather_equals_mask_with_segments_and_padding():
   assert np.isfinite(grads["x"]).all()
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("exact_topk", [True, False])
 def test_gather_equals_mask_with_approximate_selection(exact_topk):
   # s = 64, k = 8: the binned approximate top-k really runs (no fallback to lax.top_k).
@@ -343,6 +344,7 @@ def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
 
 # ---------------------------------------------------------------- context parallelism
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (8 simulated CPU devices in tests/conftest.py)")
 def test_context_parallel_gather_path_equals_one_device(cp):
