@@ -74,7 +74,19 @@ def _commands(block: list[str]) -> list[str]:
 
 
 def _doc_commands() -> list[tuple[str, str]]:
-  return [(doc, c) for doc in DOCS for block in _fenced(_read(doc), "bash") for c in _commands(block)]
+  """(doc, command) of every bash block; a variable the block assigns (`C="..."`) is substituted into the
+  block's later commands (the others: SHELL_VARS, by _expand)."""
+  out = []
+  for doc in DOCS:
+    for block in _fenced(_read(doc), "bash"):
+      local = {}
+      for c in _commands(block):
+        c = re.sub(r"\$\{?(\w+)\}?", lambda m: local.get(m.group(1), m.group(0)), c)
+        assign = re.fullmatch(r"(\w+)=(\S.*)", c)
+        if assign and len(shlex.split(assign.group(2))) == 1:
+          local[assign.group(1)] = shlex.split(assign.group(2))[0]
+        out.append((doc, c))
+  return out
 
 
 def _expand(command: str) -> str:
