@@ -17,7 +17,7 @@ from MaxText.checkpoint import model_state, orbax_state
 from MaxText.layers import lora
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT
-from tests.unit.test_lora import small_lora_config, train_steps
+from tests.support.lora import small_lora_config, train_steps
 
 HF_JSON = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
 MESH = dict(num_devices=8, ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_expert_parallelism=2)

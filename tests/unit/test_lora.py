@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText import train
 from MaxText.checkpoint import orbax_state
 from MaxText.config.types import ConfigError
-from MaxText.data import input_pipeline
 from MaxText.kernels import fp8_blocks
 from MaxText.kernels.fp8_blocks import dequantize, quantize
 from MaxText.layers import lora
 from MaxText.layers.models import Transformer
-from MaxText.runtime import sharding
 from tests.conftest import make_config
+from tests.support.lora import small_lora_config, train_steps
 
 TOKENS = (jnp.arange(32, dtype=jnp.int32).reshape(2, 16) * 37) % 500
 
@@ -117,27 +115,6 @@ def test_merged_kernel_equals_the_unmerged_linear():
   merged = jnp.einsum("bti,io->bto", x, lin.kernel_value(), precision=jax.lax.Precision.HIGHEST)
   np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(merged), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
-
-
-def train_steps(cfg, steps: int):
-  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh."""
-  mesh = sharding.create_mesh(cfg)
-  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-    graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
-    first = jax.tree.map(np.asarray, state)
-    batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
-    batch_sharding = train.batch_shardings(cfg, mesh, batch)
-    step = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
-    for _ in range(steps):
-      state, metrics = step(state, jax.device_put(batch, batch_sharding))
-    return first, jax.tree.map(np.asarray, state), metrics
-
-
-def small_lora_config(**kw):
-  """2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time."""
-  return make_config(**{**dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
-                               global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
-                               first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none"), **kw})
 
 
 @pytest.mark.parametrize("quant", ["fp8_block"])  # the QLoRA base; its norms, router and head are float leaves

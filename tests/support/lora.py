@@ -1,0 +1,31 @@
+"""LoRA tests' shared pieces: a small LoRA config and a few train steps on its mesh (tests/unit/test_lora.py,
+tests/integration/test_lora_train.py)."""
+
+import jax
+import numpy as np
+
+from MaxText import train
+from MaxText.data import input_pipeline
+from MaxText.runtime import sharding
+from tests.conftest import make_config
+
+
+def train_steps(cfg, steps: int):
+  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh."""
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
+    first = jax.tree.map(np.asarray, state)
+    batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
+    batch_sharding = train.batch_shardings(cfg, mesh, batch)
+    step = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
+    for _ in range(steps):
+      state, metrics = step(state, jax.device_put(batch, batch_sharding))
+    return first, jax.tree.map(np.asarray, state), metrics
+
+
+def small_lora_config(**kw):
+  """2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time."""
+  return make_config(**{**dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
+                               global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
+                               first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none"), **kw})
