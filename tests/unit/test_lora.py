@@ -70,6 +70,7 @@ def test_a_regex_that_does_not_compile_is_a_config_error():
     make_config(lora_rank=4, lora_module_path="(wq_a")
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("quant", ["none", "fp8_block"])
 def test_output_at_step_0_equals_the_base_exactly(quant):
   kw = dict(weight_quantization=quant, weight_block_size=(16, 16))
@@ -117,6 +118,7 @@ def test_merged_kernel_equals_the_unmerged_linear():
   assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("quant", ["fp8_block"])  # the QLoRA base; its norms, router and head are float leaves
 def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   cfg = small_lora_config(weight_quantization=quant)
@@ -137,6 +139,7 @@ def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_adapters_merged_into_the_base_give_the_adapted_models_logits():
   cfg = make_config(lora_rank=4, matmul_precision="highest", mtp_num_layers=0)
   adapted = Transformer(cfg, rngs=nnx.Rngs(0))
