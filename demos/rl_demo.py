@@ -30,7 +30,7 @@ import sys
 import time
 
 from benchmarks.serve_load import REPO
-from demos.sft_demo import demo_tokenizer, run, train_command
+from demos.sft_demo import demo_tokenizer, parse_args, run, train_command
 
 
 def write_data(args, out: str) -> dict:
@@ -120,12 +120,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-  p = parser()
-  args, extra = p.parse_known_args(argv)
-  bad = [x for x in extra if "=" not in x]
-  if bad:
-    p.error(f"unknown argument {bad[0]!r}: flags are --name value, model keys key=value")
-  extra = extra or ["mtp_num_layers=0", "remat_policy=none"]
+  args, extra = parse_args(parser(), argv, ["mtp_num_layers=0", "remat_policy=none"])
   data = os.path.join(args.work, "data")
   counts = write_data(args, data)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)

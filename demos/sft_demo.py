@@ -153,13 +153,18 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def main(argv=None) -> None:
-  p = parser()
+def parse_args(p: argparse.ArgumentParser, argv, default_keys) -> tuple[argparse.Namespace, list[str]]:
+  """A demo's command line -> (its flags, the model keys key=value passed on to train and serve, default_keys
+  when none); anything else exits 2 in one line (argparse's error)."""
   args, extra = p.parse_known_args(argv)
   bad = [x for x in extra if "=" not in x]
   if bad:
     p.error(f"unknown argument {bad[0]!r}: flags are --name value, model keys key=value")
-  extra = extra or list(DEFAULT_KEYS)
+  return args, extra or list(default_keys)
+
+
+def main(argv=None) -> None:
+  args, extra = parse_args(parser(), argv, DEFAULT_KEYS)
   if args.quick:
     vars(args).update(QUICK)
   data = os.path.join(args.work, "data")

@@ -347,3 +347,13 @@ def test_chat_thinking_is_the_mode_of_records_without_reasoning_or_thinking(tok)
     assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=default))
     ids, _ = enc({"messages": msgs, "thinking": not default}, "x.jsonl:1")  # the record's own word wins
     assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=not default))
+
+
+def test_the_demos_pass_model_keys_on_and_refuse_anything_else_in_one_line(capsys):
+  from demos import sft_demo
+  args, keys = sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank=16"], ["mtp_num_layers=0"])
+  assert args.work == "w" and keys == ["lora_rank=16"]  # given keys replace the defaults
+  assert sft_demo.parse_args(sft_demo.parser(), ["--work", "w"], ("mtp_num_layers=0",))[1] == ["mtp_num_layers=0"]
+  with pytest.raises(SystemExit) as e:
+    sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank"], [])
+  assert e.value.code == 2 and "unknown argument 'lora_rank'" in capsys.readouterr().err
