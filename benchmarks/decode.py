@@ -123,9 +123,9 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
 
 def _fields(cfg) -> dict:
   """{field: (width, value dtype)} of one slot of the cache (kv_cache's layout)."""
-  latent, rotary = kv_cache._dtypes(cfg.kv_cache_dtype)
+  latent, rotary = kv_cache.field_dtypes(cfg.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
-  return {name: (w, dt[name]) for name, w in kv_cache._widths(cfg).items()}
+  return {name: (w, dt[name]) for name, w in kv_cache.field_widths(cfg).items()}
 
 
 def config_for(context: int, args, batch: int = 1):
