@@ -5,11 +5,17 @@
 #   bash benchmarks/tpu_decode_check.sh decode OUT    benchmarks/decode.py at 128K, rows 1/4/16, fp8 cache, sparse
 #                                                    and dense, bytes and roofline fraction (the contiguous
 #                                                    reference where its copy fits 1 GiB)
-# Expects .device_bundle (benchmarks/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
+#   bash benchmarks/tpu_decode_check.sh profile OUT   benchmarks/decode_profile.py: the 16- and 1-row 128K fp8 sparse
+#                                                    step traced (device time per part and source line) and its
+#                                                    pieces timed alone (docs/kernels.md's breakdown); ROWS="16"
+#                                                    for one of them
+#   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
+#                                                    train step (remat none, else full), MFU and its profile
+# Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="$1"; out="${2:-/tmp/tdc}"; mkdir -p "$out"
-site="$(bash benchmarks/device_bundle.sh --install .device_bundle python3 2>"$out/install.log")" || { tail -5 "$out/install.log"; exit 1; }
+site="$(bash tools/device/device_bundle.sh --install .device_bundle python3 2>"$out/install.log")" || { tail -5 "$out/install.log"; exit 1; }
 export PYTHONPATH="$PWD:$site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c 'import jax; print(jax.__version__, jax.devices())'
 case "$part" in
@@ -18,5 +24,12 @@ case "$part" in
   decode)
     python3 benchmarks/decode.py --contexts 131072 --batch 1 4 16 --cache-dtype fp8 --iters 5 --stat median 2>&1 \
       | tee "$out/decode.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels or decode, got '$part'" >&2; exit 2 ;;
+  profile)
+    for rows in ${ROWS:-16 1}; do
+      python3 benchmarks/decode_profile.py --rows "$rows" --context 131072 --cache-dtype fp8 --iters 7 \
+        --out "/tmp/decode_profile_$rows" 2>&1 | tee "$out/profile_$rows.log"
+    done ;;
+  mfu)
+    python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full 2>&1 | tee "$out/mfu.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile or mfu, got '$part'" >&2; exit 2 ;;
 esac

@@ -1,0 +1,220 @@
+"""Where a sparse decode step's time goes: the engine's step (benchmarks/decode.py's model and pools)
+under jax.profiler, its device ops summed by the source line that made them, and the pieces of the
+sparse path timed alone on the same pools (scoring, selection, gather, attention).
+
+    python benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --out /tmp/prof
+    python benchmarks/decode_profile.py --rows 2 --context 4096 --topk 512 --iters 2     # CPU smoke run
+
+1. The step: benchmarks/decode.py's paged engine step (and write), `--iters` calls timed (median).
+2. The trace: `--trace-steps` calls under jax.profiler.trace(--out/trace). Each device op (the
+   planes named /device:...; on the CPU the XLA thunks) is mapped to the source line of its HLO
+   instruction (the compiled step's metadata: source_file:source_line) and summed per line, then per
+   part (PARTS: the file and function a line belongs to); per step, in ms. Ops a line cannot be
+   found for are "other".
+3. The pieces, each its own jitted program on the engine's own layer pool and page table, medians of
+   `--iters` calls: the indexer scores (backend.py's paged_scoring route, and the Pallas kernel and
+   the XLA loop side by side), the exact top-k selection over those scores (topk_indices: the
+   backend's row), the gather of the k selected latents (gather_selected, fp8 dequantized), and the
+   attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention).
+
+Prints the tables, then one JSON line. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pools and the step)
+import profile_ops  # noqa: E402
+
+from MaxText.checkpoint import model_state  # noqa: E402
+from MaxText.inference import paged_cache, step_feed  # noqa: E402
+from MaxText.inference.serving import ServingEngine  # noqa: E402
+from MaxText.kernels import backend, paged_decode  # noqa: E402
+from MaxText.kernels.sparse_attention import gather_attend  # noqa: E402
+from MaxText.kernels.topk_indices import topk_indices  # noqa: E402
+from MaxText.runtime import sharding  # noqa: E402
+
+# (part, file suffix, function names or None = any): the first match names a source line's part
+PARTS = (
+    ("scoring", "kernels/paged_decode.py", ("paged_index_scores", "_score_kernel", "_each_copy", "_pipelined",
+                                            "e4m3_to_f32", "_decode", "index_weights")),
+    ("scoring", "inference/paged_cache.py", ("scores", "_kernel_scores", "select_over_pages", "run")),
+    ("scoring", "kernels/index_scores.py", None),
+    ("weights: absorbed wkv_b", "kernels/sparse_attention.py", ("absorb_q", "unabsorb_out")),
+    ("scoring (splice, new keys)", "kernels/cached_attention.py", ("index_scores_spliced", "splice", "row")),
+    ("selection", "kernels/selection.py", None),
+    ("selection", "kernels/selection_keys.py", None),
+    ("selection", "kernels/topk_indices.py", None),
+    ("gather", "inference/paged_cache.py", ("gather_selected", "read", "_rows")),
+    ("gather", "inference/kv_cache.py", None),
+    ("gather", "kernels/cached_attention.py", ("merge_selected",)),
+    ("attention", "kernels/sparse_attention.py", None),
+    ("attention", "kernels/paged_decode.py", ("sparse_mla_decode", "_mla_kernel", "_dequant")),
+    ("write", "inference/paged_cache.py", ("write", "put_all", "slots")),
+    ("indexer q, k, w", "layers/indexer.py", None),
+    ("MLA projections", "layers/attention_mla.py", None),
+    ("weights: linears", "layers/linears.py", None),
+    ("weights: linears", "kernels/fp8_blocks.py", ("matmul",)),
+    ("sampling", "inference/sampling.py", None),
+    ("sampling", "inference/penalties.py", None),
+    ("sampling", "inference/serving.py", None),
+)
+
+
+def median_ms(fn, iters: int) -> float:
+  jax.block_until_ready(fn())
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3
+
+
+def layer_pool(engine: ServingEngine) -> paged_cache.PagedLayerCache:
+  pool = next(iter(engine.pools.values()))
+  return pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
+
+
+def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
+  """The sparse path's pieces on layer 0's pool, each its own program (module doc, 3)."""
+  cfg = engine.config
+  pool = layer_pool(engine)
+  table = jnp.asarray(feed["table"])  # [B,P]
+  b = table.shape[0]
+  pos = jnp.asarray(feed["positions"][:, 0])  # [B]
+  h, d, k = cfg.indexer_n_heads, cfg.indexer_head_dim, min(cfg.indexer_topk, engine.pages_per_seq * engine.page_size)
+  key = jax.random.key(0)
+  q = jax.random.normal(key, (b, 1, h, d), jnp.float32)
+  w = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, h), jnp.float32) * h ** -0.5
+  keys = paged_cache.PagedKeys(pool.idx_k, pool.idx_k_scale, table, engine.page_size)
+
+  def scores_with(route):  # traced (its first call) inside the forced block: the route is read when traced
+    fn = jax.jit(lambda q, w, pos: keys.scores(q, w, pos[:, None], head_chunk=16))
+    with backend.forced(paged_scoring=route):
+      jax.block_until_ready(fn(q, w, pos))
+    return fn
+
+  rows = []
+  fns = {f"scoring ({route})": (scores_with(route), (q, w, pos)) for route in ("pallas", "xla")}
+  scores = fns[f"scoring ({backend.choice('paged_scoring')})"][0](q, w, pos)  # [B,1,S]
+  select = jax.jit(lambda s: topk_indices(s, k))
+  idx, valid = select(scores)  # [B,1,k]
+  fns["selection (topk_indices)"] = (select, (scores,))
+  fns["selection (lax.top_k)"] = (jax.jit(lambda s: jax.lax.top_k(s, k)), (scores,))
+  fns["selection (lax.approx_max_k)"] = (jax.jit(lambda s: jax.lax.approx_max_k(s, k, recall_target=0.95)), (scores,))
+  gather = jax.jit(lambda table, idx: paged_cache.gather_selected(pool, table, idx, engine.page_size))
+  c_sel, pe_sel = gather(table, idx[:, 0])  # [B,k,c], [B,k,r]
+  fns["gather (gather_selected)"] = (gather, (table, idx[:, 0]))
+  nh, c, r = cfg.num_query_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  q_abs = jax.random.normal(jax.random.fold_in(key, 2), (b, 1, nh, c), jnp.float32)
+  q_pe = jax.random.normal(jax.random.fold_in(key, 3), (b, 1, nh, r), jnp.float32)
+  local = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None, None], (b, 1, k))
+  attend = jax.jit(lambda q_abs, q_pe, c_sel, pe_sel, valid: gather_attend(q_abs, q_pe, c_sel, pe_sel, local, valid,
+                                                                           cfg.softmax_scale)[0])
+  fns["attention (gather_attend)"] = (attend, (q_abs, q_pe, c_sel, pe_sel, valid))
+  slot_ids = jnp.take_along_axis(table, idx[:, 0] // engine.page_size, axis=1) * engine.page_size \
+      + idx[:, 0] % engine.page_size  # [B,k]
+  kernel_k = -(-k // 256) * 256
+  ids = jnp.pad(slot_ids, ((0, 0), (0, kernel_k - k)))
+  ok = jnp.pad(valid[:, 0], ((0, 0), (0, kernel_k - k)))
+  mla = jax.jit(lambda ids, ok: paged_decode.sparse_mla_decode(q_abs[:, 0], q_pe[:, 0], ids, ok, pool.c_kv, pool.k_pe,
+                                                               pool.c_kv_scale, cfg.softmax_scale))
+  fns["gather + attention (sparse_mla_decode)"] = (mla, (ids, ok))
+  for name, (fn, fargs) in fns.items():
+    try:
+      ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
+    except Exception as e:  # a piece that does not lower here (e.g. Mosaic) is reported, not fatal
+      print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      ms = float("nan")
+    rows.append(dict(piece=name, ms=round(ms, 3)))
+    print(f"{name:>40} {ms:>10.3f}", flush=True)
+  return rows
+
+
+def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
+  """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
+  buf = step_feed.to_device(feed)
+  with engine._rules():
+    step = engine._step_jit.lower(feed["t"], False, False, engine.params, engine.buffers, engine.pools,
+                                  engine.absorbed, buf).compile()
+    entries = step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[0]
+    write = engine._write_jit.lower(feed["t"], engine.pools, entries, buf).compile()
+  texts = [step.as_text(), write.as_text()]
+  trace = os.path.join(args.out, "trace")
+  jax.block_until_ready(run())
+  with jax.profiler.trace(trace):
+    for _ in range(args.trace_steps):
+      jax.block_until_ready(run())
+  return profile_ops.summarize(trace, texts, PARTS, args.trace_steps, args.top, args.hlo_chars)
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rows", type=int, default=16)
+  ap.add_argument("--context", type=int, default=131072)
+  ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--cache-dtype", default="fp8", choices=["float32", "bfloat16", "fp8"])
+  ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--trace-steps", type=int, default=3)
+  ap.add_argument("--top", type=int, default=25, help="source lines listed")
+  ap.add_argument("--hlo-chars", type=int, default=240, help="characters of each top op's HLO line printed")
+  ap.add_argument("--out", default="/tmp/decode_profile")
+  ap.add_argument("--no-trace", action="store_true")
+  ap.add_argument("--no-pieces", action="store_true")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (decode.py's)")
+  ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
+                  help="backend.py choices forced over this backend's row (e.g. index_placement=search: the row before)")
+  args = ap.parse_args(argv)
+  if bad := [a for a in args.set + args.force if "=" not in a]:
+    ap.error(f"--set and --force take KEY=VALUE pairs, got {bad[0]!r}")
+  with backend.forced(**dict(a.split("=", 1) for a in args.force)):
+    run_all(args)
+
+
+def run_all(args) -> None:
+  os.makedirs(args.out, exist_ok=True)
+  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=1, chunk=512, cache_dtype=args.cache_dtype,
+                             approx=False)
+  cfg = bench.config_for(args.context, dargs, args.rows)
+  mesh = sharding.create_mesh(cfg)
+  graphdef, params, buffers, _ = model_state.create(cfg, mesh)
+  engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
+  bench.fill_pools(engine, seed=args.context)
+  feed = bench.step_feed_at_end(engine, args.rows, 1)
+  run = bench.paged_step(engine, feed)
+  step_ms = median_ms(run, args.iters)
+  need = bench.step_bytes(cfg, params, args.rows, args.context)
+  gbs, source = bench.bandwidth(None)
+  bound = need["sparse"] / gbs / 1e6
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); {args.rows} rows x {args.context}, "
+        f"{args.cache_dtype} cache, top-k {cfg.indexer_topk}; {' '.join(args.set)}; kernel choices "
+        f"{dataclasses.asdict(backend.choices())}")
+  print(f"sparse step (step + write programs): {step_ms:.3f} ms, median of {args.iters}; bound "
+        f"{need['sparse'] / 1e6:.0f} MB at {gbs:.0f} GB/s ({source}) = {bound:.3f} ms: {bound / step_ms:.1%} of the roofline")
+  result = dict(benchmark="decode_profile", backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                rows=args.rows, context=args.context, cache_dtype=args.cache_dtype, topk=cfg.indexer_topk,
+                overrides=args.set, choices=dataclasses.asdict(backend.choices()),
+                step_ms=round(step_ms, 3), bound_ms=round(bound, 4), roofline=round(bound / step_ms, 4))
+  if not args.no_trace:
+    result["parts"] = profile(engine, feed, run, args)
+  if not args.no_pieces:
+    print(f"\n{'piece (alone, layer 0 pool)':>40} {'ms':>10}")
+    result["pieces"] = pieces(engine, feed, args)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
