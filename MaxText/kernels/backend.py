@@ -23,6 +23,8 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      lacks ragged_all_to_all; moe_dispatch) rows routed
   gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
                      k=2048 (sparse_attention_impl=auto)   on these backends
+  index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
+                     a binary search over prefix counts    counting (no while loop of gathers)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -63,6 +65,7 @@ class Choices:
   moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
+  index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -73,8 +76,9 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
     "grouped_matmul": ("blocked", "ragged_dot"),
     "moe_exchange": ("all_to_all", "ragged_all_to_all"),
 }
-KERNELS = {  # choices between the XLA path (first; CPU and portable) and a Pallas kernel (kernels/paged_decode.py)
-    "paged_scoring": ("xla", "pallas"),
+KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
+    "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
+    "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
 }
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
@@ -87,7 +91,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # stays portable (not measured there).
 # The paged decode scoring through the Pallas kernel: 1.14 / 2.39 / 7.03 ms at 1 / 4 / 16 rows of 128K fp8 keys
 # against the XLA page-block loop's 1.15 / 7.84 / 98.4 ms (benchmarks/paged_decode_kernels.py, docs/kernels.md).
-TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas")
+# mask_to_indices' slots placed by counting (index_placement "compare"): the binary search is a while loop of
+# 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
+TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
+                          index_placement="compare")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from MaxText.kernels import selection
+from MaxText.kernels import backend, selection
 from MaxText.kernels import sparse_attention as sa
 from MaxText.kernels import topk_indices as ti
 from MaxText.kernels.masks import attention_validity
@@ -290,18 +290,28 @@ def test_topk_indices_is_lax_top_k_set_with_ties_nan_and_short_rows():
   np.testing.assert_array_equal(np.asarray(ok_a), np.asarray(values) > -np.inf)
 
 
-def test_mask_to_indices_round_trips_random_masks():
+@pytest.mark.parametrize("placement", ["search", "compare"])
+def test_mask_to_indices_round_trips_random_masks(placement):
+  """Both placements (backend.py index_placement: the CPU's binary search, the TPU's counting) give
+  each row's selected positions ascending, and exactly them."""
   rng = np.random.default_rng(29)
   for s in (1, 31, 32, 33, 200):
     k = max(1, s // 3)
     scores = rng.standard_normal((3, 5, s))
     mask = (scores > np.sort(scores, -1)[..., -k:][..., :1] - 1e-9) & (rng.random((3, 5, s)) < 0.8)
-    idx, ok = jax.jit(ti.mask_to_indices, static_argnums=1)(jnp.asarray(mask), k)
+    mask[0, 0] = False  # a row with nothing selected
+    mask[0, 1, :k] = True  # a full row
+    mask[0, 1, k:] = False
+    with backend.forced(index_placement=placement):  # a fresh function: jit's cache would keep another choice
+      idx, ok = jax.jit(lambda m, k=k: ti.mask_to_indices(m, k))(jnp.asarray(mask))
     back = np.zeros_like(mask)
     for r in np.ndindex(*mask.shape[:2]):
       back[r][np.asarray(idx)[r][np.asarray(ok)[r]]] = True
     np.testing.assert_array_equal(back, mask)
     np.testing.assert_array_equal(np.asarray(ok).sum(-1), mask.sum(-1))
+    idx, ok = np.asarray(idx), np.asarray(ok)
+    assert all((np.diff(idx[r][ok[r]]) > 0).all() for r in np.ndindex(*mask.shape[:2]))  # ascending
+    assert (idx[~ok] == 0).all()  # then 0
 
 
 def _driver_inputs(seed=30, b=2, t=11, s=11, h=3, nope=4, r=2, v=5, c=6, H=2, d=4):
