@@ -9,7 +9,9 @@ the first axis, a block of pages or slots per step of the second:
                        scale [N,1]) through the page table [B,P] -> scores [B, P*page] fp32 (-inf past
                        each row's position). Keys are DMA'd from the pool a page at a time ([page,
                        d], 8 KiB in fp8), the next block's pages started before this block is
-                       scored (two VMEM buffers); fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
+                       scored (two VMEM buffers); the fp8 keys' scales multiply the kernel's scores
+                       afterwards (XLA; they are > 0, so they commute with relu and the head sum);
+                       fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
                        multiplied on the MXU with fp32 accumulation, so fp8 x fp8 products are exact
                        and the scales apply after the dot (as DeepGEMM's fp8 MQA logits); fp32
                        queries meet the keys decoded to fp32 instead. The
@@ -162,14 +164,9 @@ def index_weights(w: jax.Array, d: int) -> jax.Array:
   return w.astype(jnp.float32) * d ** -0.5
 
 
-def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, *rest, pages: int, page: int, fp8: bool):
-  if fp8:
-    ks_hbm, out_ref, kbuf, sbuf, sems = rest
-    fields = ((k_hbm, kbuf), (ks_hbm, sbuf))
-  else:
-    out_ref, kbuf, sems = rest
-    fields = ((k_hbm, kbuf),)
-  slot = _pipelined(fields, sems, tab_now, tab_next, pages)
+def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf, sems, *, pages: int, page: int,
+                  fp8: bool):
+  slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages)
   b, j = pl.program_id(0), pl.program_id(1)
   width, d = pages * page, kbuf.shape[-1]
   keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
@@ -179,8 +176,6 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, *rest, pages:
   else:  # fp32 queries: the keys' values (fp8 decoded) in fp32
     logits_t = jax.lax.dot_general(_decode(keys), q.astype(jnp.float32), _NT, preferred_element_type=jnp.float32,
                                    precision=_HI)  # [width, H]
-  if fp8:
-    logits_t = logits_t * sbuf[slot].reshape(width, 1)  # the keys' scales (> 0: relu commutes with them)
   scores = jax.lax.dot_general(w_ref[0], jnp.maximum(logits_t, 0.0), _NT, preferred_element_type=jnp.float32,
                                precision=_HI)  # w [1,H] (the queries' scales folded in) -> [1, width]
   slots = j * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
@@ -215,19 +210,23 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   any_ = pl.BlockSpec(memory_space=pl.ANY)
   in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), *_ids_specs(pages_per_block, n_blocks),
               pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, 1, h), lambda i, j: (i, 0, 0)), any_]
-  scratch = [pltpu.VMEM((2, pages_per_block, page, d), idx_k.dtype)]
-  if fp8:
-    ins.append(idx_k_scale.astype(jnp.float32).reshape(-1, page, 1))  # [N/page, page, 1]
-    in_specs.append(any_)
-    scratch.append(pltpu.VMEM((2, pages_per_block, page, 1), jnp.float32))
-  scratch.append(pltpu.SemaphoreType.DMA((2, 2 if fp8 else 1)))
+  scratch = [pltpu.VMEM((2, pages_per_block, page, d), idx_k.dtype), pltpu.SemaphoreType.DMA((2, 1))]
   kernel = functools.partial(_score_kernel, pages=pages_per_block, page=page, fp8=fp8)
-  return pl.pallas_call(
+  scores = pl.pallas_call(
       kernel, grid=(b, n_blocks), in_specs=in_specs,
       out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
       out_shape=jax.ShapeDtypeStruct((b, 1, p * page), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=_interpret(interpret))(*ins)[:, 0]
+      interpret=_interpret(interpret))(*ins)[:, 0]  # [B, P*page]; fp8: without the keys' scales
+  if not fp8:
+    return scores
+  # sum_h w relu(s q.k) = s sum_h w relu(q.k) for a key scale s > 0 (-inf stays -inf): the scales apply to the
+  # kernel's scores here, a page row of `page` scales gathered per table entry ([N/page, page]: 2x lane padding at
+  # page 64). Read in the kernel as a [page, 1] column they cost 32 KiB a page in HBM (the f32 (8, 128) tile's lane
+  # padding, 4x the keys' bytes) and a relayout of the whole pool's scales each step (docs/kernels.md).
+  scale_pages = idx_k_scale.astype(jnp.float32).reshape(-1, page)  # [N/page, page]
+  scaled = scores * jnp.take(scale_pages, table, axis=0).reshape(b, p * page)  # [B, P*page]
+  return jnp.where(scores == NEG_INF, NEG_INF, scaled)  # a masked slot stays -inf whatever its scale (0 x -inf)
 
 
 def paged_index_scores_xla(q, q_scale, w, idx_k, idx_k_scale, table, pos, page: int) -> jax.Array:
