@@ -96,8 +96,10 @@ def probe() -> dict:
               jax=jax.__version__, memory_bytes=stats.get("bytes_limit"))
 
 
-def _train_step(overrides: dict, steps: int) -> dict:
-  """Compile the train step of train.py (from abstract inputs), check it fits, then run it."""
+def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, base: str = "base.yml") -> dict:
+  """Compile the train step of train.py (from abstract inputs), check it fits, then run it. trace_dir:
+  2 more steps under jax.profiler.trace there, and the compiled step's HLO text under "hlo" (for
+  benchmarks/profile_ops.summarize). base: the config file (a name under configs/ or a path)."""
   import jax
   import numpy as np
 
@@ -105,7 +107,7 @@ def _train_step(overrides: dict, steps: int) -> dict:
   from MaxText.config import pyconfig
   from MaxText.runtime import metrics, sharding
 
-  cfg = pyconfig.initialize(["device_check", "base.yml"], num_devices=1, ici_data_parallelism=1, scan_layers=False,
+  cfg = pyconfig.initialize(["device_check", base], num_devices=1, ici_data_parallelism=1, scan_layers=False,
                             enable_checkpointing=False, enable_tensorboard=False, **overrides)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
@@ -147,6 +149,12 @@ def _train_step(overrides: dict, steps: int) -> dict:
       loss = float(jax.device_get(m["loss"]))
       if i:
         times.append(time.perf_counter() - t0)
+    if trace_dir:
+      with jax.profiler.trace(trace_dir):
+        for _ in range(2):
+          state, m = compiled(state, batch)
+          jax.block_until_ready(m["loss"])
+      out["hlo"] = compiled.as_text()
   step_s = statistics.median(times)
   peak, source = metrics.peak_flops_per_device()
   model_flops = metrics.model_flops_per_token(cfg, train.active_params(cfg, n_params)) * out["tokens"]

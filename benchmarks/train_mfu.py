@@ -1,0 +1,98 @@
+"""Train-step MFU of a DeepSeek-V3.2-shaped model that fits one device, and the step's profile.
+
+    python benchmarks/train_mfu.py                                  # configs/models/deepseek3.2-v5e.yml
+    python benchmarks/train_mfu.py --set remat_policy=full global_batch_size=4
+    python benchmarks/train_mfu.py --set emb_dim=256 mlp_dim=256 moe_mlp_dim=64 num_query_heads=4 \
+        q_lora_rank=32 kv_lora_rank=32 indexer_n_heads=4 indexer_topk=64 vocab_size=512 max_target_length=256 \
+        --steps 2                                                    # a CPU smoke run
+
+The train step is train.py's (tools/device/device_check.py `_train_step`: compiled from abstract
+inputs, unscanned layers, its memory analysis checked against the device before anything is
+allocated, then --steps steps timed after a warm-up, median). Each --set is one rung: the first that
+fits the device is run (largest first: `--set A B --set C D` tries "A B", then "C D").
+
+Printed per run: step time; MFU two ways against the device's bf16 peak (runtime/metrics.py PEAK_FLOPS:
+TPU v5e 197 TFLOP/s):
+  model MFU   = model FLOPs per step / step time / peak, model FLOPs = tokens x (6 x active params
+                + attention), attention = 12 x layers x keys x heads x (qk_head_dim + v_head_dim) / 2
+                per token, keys = min(indexer_topk, sequence) (metrics.model_flops_per_token, what
+                train.py logs as mfu); active params = all but the unrouted experts' (train.active_params)
+  compiled    = the compiled step's cost-analysis FLOPs (rematerialized recompute, the indexer and
+                the optimizer counted) over the same
+then 2 steps under jax.profiler (benchmarks/profile_ops.py): device time per part of the model
+(PARTS), per source line and per op. Prints one JSON line. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
+import profile_ops  # noqa: E402
+
+PARTS = (  # (part, file suffix, functions or None): the first match over an op's MaxText frames
+    ("attention: indexer", "layers/indexer.py", None),
+    ("attention: indexer", "kernels/index_scores.py", None),
+    ("attention: selection", "kernels/selection.py", None),
+    ("attention: selection", "kernels/selection_keys.py", None),
+    ("attention: selection", "kernels/topk_indices.py", None),
+    ("attention: sparse core", "kernels/sparse_attention.py", None),
+    ("attention: masks", "kernels/masks.py", None),
+    ("MoE: dispatch", "kernels/moe_dispatch.py", None),
+    ("MoE: experts", "kernels/moe_experts.py", None),
+    ("MoE: router, shared", "layers/moe.py", None),
+    ("attention: MLA", "layers/attention_mla.py", None),
+    ("embeddings, RoPE", "layers/embeddings.py", None),
+    ("norms", "layers/normalizations.py", None),
+    ("linears", "layers/linears.py", None),
+    ("linears", "kernels/fp8_blocks.py", None),
+    ("optimizer", "runtime/optimizers.py", None),
+    ("loss", "MaxText/train.py", None),
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="append",
+                  help="overrides of one rung; repeat --set for further rungs (largest first)")
+  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
+  ap.add_argument("--no-trace", action="store_true")
+  ap.add_argument("--top", type=int, default=25)
+  args = ap.parse_args(argv)
+  rungs = args.set or [[]]
+  tried = []
+  for rung in rungs:
+    if bad := [a for a in rung if "=" not in a]:
+      ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
+    overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
+    r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out)
+    if r["fits"]:
+      break
+    tried.append(f"{' '.join(rung) or '(the model as configured)'}: {r.get('peak_gib')} GiB > {r.get('limit_gib')} GiB")
+    print(f"does not fit: {tried[-1]}", flush=True)
+  else:
+    print(json.dumps(dict(benchmark="train_mfu", model=args.model, fits=False, tried=tried)))
+    return
+  hlo = r.pop("hlo", None)
+  print(f"model {args.model} {' '.join(rung)}: {r['params'] / 1e9:.3f}B parameters, {r['tokens']} tokens a step, "
+        f"peak memory {r['peak_gib']} GiB of {r['limit_gib']}; compile {r['compile_s']} s")
+  print(f"step {r['step_ms']:.1f} ms (median of {args.steps}); model MFU {r['model_mfu']:.1%}, compiled "
+        f"{r['tflops_per_s']} TFLOP/s = {r['mfu']:.1%} of {r['peak_tflops']} TFLOP/s ({r['peak_source']}); loss {r['loss']}")
+  parts = None
+  if hlo is not None:
+    parts = profile_ops.summarize(args.out, [hlo], PARTS, 2, args.top)
+  print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, tried=tried, parts=parts, **r)))
+
+
+if __name__ == "__main__":
+  main()
