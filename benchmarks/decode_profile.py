@@ -53,6 +53,7 @@ PARTS = (
     ("scoring", "kernels/index_scores.py", None),
     ("weights: absorbed wkv_b", "kernels/sparse_attention.py", ("absorb_q", "unabsorb_out")),
     ("scoring (splice, new keys)", "kernels/cached_attention.py", ("index_scores_spliced", "splice", "row")),
+    ("attention", "kernels/topk_indices.py", ("gather_rows",)),  # gather_attend's row gather of the selected
     ("selection", "kernels/selection.py", None),
     ("selection", "kernels/selection_keys.py", None),
     ("selection", "kernels/topk_indices.py", None),

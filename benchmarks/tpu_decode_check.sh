@@ -31,5 +31,10 @@ case "$part" in
     done ;;
   mfu)
     python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full 2>&1 | tee "$out/mfu.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile or mfu, got '$part'" >&2; exit 2 ;;
+  fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before (one run, two processes)
+    python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
+      --out /tmp/decode_profile_after 2>&1 | tee "$out/after_16.log"
+    python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --no-trace --no-pieces \
+      --force index_placement=search 2>&1 | tee "$out/search_16.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu or fixes, got '$part'" >&2; exit 2 ;;
 esac

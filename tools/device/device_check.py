@@ -96,10 +96,10 @@ def probe() -> dict:
               jax=jax.__version__, memory_bytes=stats.get("bytes_limit"))
 
 
-def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, base: str = "base.yml") -> dict:
+def _train_step(overrides: dict, steps: int, trace_dir: str | None = None) -> dict:
   """Compile the train step of train.py (from abstract inputs), check it fits, then run it. trace_dir:
   2 more steps under jax.profiler.trace there, and the compiled step's HLO text under "hlo" (for
-  benchmarks/profile_ops.summarize). base: the config file (a name under configs/ or a path)."""
+  benchmarks/profile_ops.summarize)."""
   import jax
   import numpy as np
 
@@ -107,7 +107,7 @@ def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, base:
   from MaxText.config import pyconfig
   from MaxText.runtime import metrics, sharding
 
-  cfg = pyconfig.initialize(["device_check", base], num_devices=1, ici_data_parallelism=1, scan_layers=False,
+  cfg = pyconfig.initialize(["device_check", "base.yml"], num_devices=1, ici_data_parallelism=1, scan_layers=False,
                             enable_checkpointing=False, enable_tensorboard=False, **overrides)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
