@@ -11,6 +11,8 @@
 #                                                    for one of them
 #   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
 #                                                    train step (remat none, else full), MFU and its profile
+#   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
+#                                                    with index_placement=search (the row before), then unscanned
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,10 +33,13 @@ case "$part" in
     done ;;
   mfu)
     python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full 2>&1 | tee "$out/mfu.log" ;;
-  fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before (one run, two processes)
+  fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before, then unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
       --out /tmp/decode_profile_after 2>&1 | tee "$out/after_16.log"
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --no-trace --no-pieces \
-      --force index_placement=search 2>&1 | tee "$out/search_16.log" ;;
+      --force index_placement=search 2>&1 | tee "$out/search_16.log"
+    # do the whole-pool relayout copies come from the scanned stack's [L, N, n] pools? the same step unscanned
+    python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 12 --no-pieces \
+      --set scan_layers=false --out /tmp/decode_profile_unscanned 2>&1 | tee "$out/unscanned_16.log" ;;
   *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu or fixes, got '$part'" >&2; exit 2 ;;
 esac
