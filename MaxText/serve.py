@@ -86,7 +86,8 @@ def create_server(config: Config, log=_log):
 def uvicorn_server(config: Config, app):
   import uvicorn
   return uvicorn.Server(uvicorn.Config(app, host=config.serve_host, port=config.serve_port, log_level="warning",
-                                       access_log=False, timeout_graceful_shutdown=config.serve_shutdown_timeout))
+                                       access_log=False, timeout_graceful_shutdown=config.serve_shutdown_timeout,
+                                       timeout_keep_alive=config.serve_keep_alive))
 
 
 def serve(config: Config) -> None:

@@ -261,6 +261,7 @@ class Serve(_Section):
   serve_api_key: SecretStr  # masked in repr, logs and to_yaml (server/gate.py reads it)
   serve_max_request_bytes: PosInt
   serve_request_timeout: Annotated[float, Field(ge=0)]
+  serve_keep_alive: Annotated[float, Field(gt=0)]
 
 
 class ReinforcementLearning(_Section):

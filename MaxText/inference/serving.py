@@ -416,13 +416,14 @@ class ServingEngine:
 
   def stats(self) -> dict:
     """spec_drafted / spec_accepted: drafts verified / accepted since reset (0 without speculation);
-    spec_acceptance their ratio (None before any draft)."""
+    spec_acceptance their ratio (None before any draft); step_programs: compiled step programs so far."""
     a = self.allocator
     drafted, accepted = (self.spec.drafted, self.spec.accepted) if self.spec else (0, 0)
     return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_used": a.used_pages, "pages_total": a.num_pages, "pages_cached": a.cached_pages,
             "prefix_hit_rate": a.hit_rate(), "steps": self.steps, "spec_drafted": drafted,
-            "spec_accepted": accepted, "spec_acceptance": accepted / drafted if drafted else None}
+            "spec_accepted": accepted, "spec_acceptance": accepted / drafted if drafted else None,
+            "step_programs": self.step_programs()}
 
 
 __all__ = ["ServingEngine", "SamplingParams", "Scheduled"]

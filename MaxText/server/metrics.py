@@ -22,6 +22,8 @@ _GAUGES = {
     "pages_cached": ("maxtext_pages_cached", "free pages that hold a cached prompt prefix"),
     "prefix_hit_rate": ("maxtext_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / looked up"),
     "spec_acceptance": ("maxtext_spec_decode_acceptance_rate", "speculative tokens accepted / proposed"),
+    "step_programs": ("maxtext_step_programs", "compiled step programs (one per shape and variant, compiled on first "
+                      "use): a count that keeps growing under steady traffic is a compile per request"),
 }
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -184,3 +184,12 @@ def test_the_environment_variable_alone_turns_the_key_on(monkeypatch):
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}).status_code == 200
   assert os.environ[gate.API_KEY_ENV] == "env-key"
+
+
+def test_serve_keep_alive_reaches_uvicorn_and_must_be_positive():
+  """An idle connection's lifetime is the key's (a balancer's idle timeout must stay below it); 0 is refused."""
+  from MaxText.serve import uvicorn_server
+  assert uvicorn_server(make_config(serve_keep_alive=75.0), app=None).config.timeout_keep_alive == 75.0
+  assert uvicorn_server(make_config(), app=None).config.timeout_keep_alive == 5.0
+  with pytest.raises(pyconfig.ConfigError, match="serve_keep_alive"):
+    make_config(serve_keep_alive=0)
