@@ -13,11 +13,11 @@ def _values(text: bytes) -> dict[str, float]:
 def test_gauges_follow_stats_and_spec_acceptance_appears_when_reported():
   m = ServerMetrics()
   stats = {"running": 3, "waiting": 1, "pages_used": 7, "pages_total": 32, "pages_cached": 2, "prefix_hit_rate": 0.5,
-           "steps": 10}
+           "steps": 10, "step_programs": 18}
   v = _values(m.render(stats, ready=True))
   assert v["maxtext_requests_running"] == 3 and v["maxtext_requests_waiting"] == 1
   assert v["maxtext_pages_used"] == 7 and v["maxtext_pages_total"] == 32 and v["maxtext_prefix_cache_hit_rate"] == 0.5
-  assert v["maxtext_engine_ready"] == 1 and not any("spec" in k for k in v)
+  assert v["maxtext_engine_ready"] == 1 and not any("spec" in k for k in v) and v["maxtext_step_programs"] == 18
   v = _values(m.render({**stats, "running": 0, "spec_acceptance": 0.75}, ready=True))
   assert v["maxtext_spec_decode_acceptance_rate"] == 0.75 and v["maxtext_requests_running"] == 0
 
