@@ -158,9 +158,12 @@ def test_routing_agreement_counts_computed_real_positions_whose_expert_sets_matc
 def test_config_rules_are_one_line_naming_the_key():
   for keys, said in ((dict(decode_sampling_strategy="greedy"), "decode_sampling_strategy=greedy"),
                      (dict(rl_max_completion_tokens=32), "rl_max_completion_tokens=32"),
-                     (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3")):
-    with pytest.raises(ConfigError, match=said):
+                     (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3"),
+                     (dict(weight_quantization="fp8_block"), r"weight_quantization=fp8_block: .* \(lora_rank=N\)")):
+    with pytest.raises(ConfigError, match=said) as e:
       rl.check_config(make_config(**{**RL_KEYS, **keys}))
+    assert "\n" not in str(e.value)
+  rl.check_config(make_config(**RL_KEYS, weight_quantization="fp8_block", lora_rank=4))  # adapters over an fp8 base
 
 
 def _loop_keys(tmp_path, monkeypatch, **kw) -> dict:
@@ -235,6 +238,8 @@ def test_grpo_with_lora_moves_only_the_adapters_swaps_them_in_without_recompilin
   (_, w1), (after_1, _), (after_2, w3) = loads[:3]  # before steps 1, 2, 3 of the killed run
   assert after_2 == after_1 > 0
   assert [m["kl"] for m in killed][0] == 0.0 and killed[1]["kl"] > 0  # step 1 on-policy over B = 0: the reference
+  # step 2 samples with the adapters of update 1: the trainer's pi_theta of its tokens is the engine's pi_old
+  assert killed[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
   (a1, base1), (a3, base3) = w1, w3  # (the adapters, the frozen base + buffers)
   assert jax.tree.leaves(a1) and all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(a1))
   jax.tree.map(np.testing.assert_array_equal, base1, base3)  # the base's bits, after two updates
@@ -262,6 +267,9 @@ def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp
   config = pyconfig.initialize(rl_demo.rl_argv(args, str(data), HF_JSON, 512, extra or ["mtp_num_layers=0"]))
   rl.check_config(config)
   assert config.rl_num_generations == args.generations and config.eval_dataset_path.endswith("eval.jsonl")
+  # the LoRA keys go to RL only (SFT trains the base); the default model keys stay when only they are given
+  assert rl_demo.split_keys(["lora_rank=16", "lora_alpha=32"]) == (list(rl_demo.DEFAULT_KEYS), ["lora_rank=16", "lora_alpha=32"])
+  assert rl_demo.split_keys(["use_indexer=false", "lora_rank=8"]) == (["use_indexer=false"], ["lora_rank=8"])
 
 
 def test_prompts_warn_once_when_their_mode_is_not_the_one_the_starting_run_trained(tmp_path, capsys):
