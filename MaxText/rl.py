@@ -211,7 +211,10 @@ def summary(config: Config, history: list[dict], start: int, seconds: float, sav
   line = (f"done: RL steps {steps[0]['step']}-{last['step']} of {config.steps} in {fmt_duration(seconds)}; final "
           f"reward_mean {last['reward_mean']:.4f} | reward_std {last['reward_std']:.4f} | kl {last['kl']:.4g}")
   line += f"; held-out reward {evals[-1]:.4f}" if evals else ""
-  weights = f"load_parameters_path={config.checkpoint_dir}" if saved else "not saved (enable_checkpointing=false)"
+  weights = ("not saved (enable_checkpointing=false)" if not saved
+             else f"LoRA adapters (rank {config.lora_rank}) in {config.checkpoint_dir}, over the base "
+                  f"load_parameters_path={config.load_parameters_path or '(random init)'}" if config.lora_rank
+             else f"load_parameters_path={config.checkpoint_dir}")
   return line + f"; weights: {weights}"
 
 

@@ -234,7 +234,10 @@ def test_grpo_with_lora_moves_only_the_adapters_swaps_them_in_without_recompilin
   monkeypatch.setattr(rl, "ServingEngine", Recording)
   keys = _loop_keys(tmp_path, monkeypatch, lora_rank=4, steps=3, rl_reward="rl_test_length:checksum")
   killed, _, _ = _killed_and_resumed(keys, monkeypatch, capsys)
-  assert "reference policy: the base with the adapters off (no copy" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "reference policy: the base with the adapters off (no copy" in out
+  assert out.strip().splitlines()[-1].endswith(f"weights: LoRA adapters (rank 4) in {tmp_path}/r/checkpoints, over the "
+                                               "base load_parameters_path=(random init)")
   (_, w1), (after_1, _), (after_2, w3) = loads[:3]  # before steps 1, 2, 3 of the killed run
   assert after_2 == after_1 > 0
   assert [m["kl"] for m in killed][0] == 0.0 and killed[1]["kl"] > 0  # step 1 on-policy over B = 0: the reference
