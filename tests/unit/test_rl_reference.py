@@ -60,17 +60,24 @@ def test_the_lora_reference_is_the_base_model_bit_for_bit_and_the_policy_exactly
     np.testing.assert_array_equal(np.asarray(reference(moved, ARRAYS)), ref)  # the adapters never reach it
 
 
+def _model_state(cfg):
+  """(graphdef, the train state's model entries as train.model_parts lays them out), zeros: nothing compiled."""
+  graphdef, params, buffers = model_state.abstract_model(cfg)
+  zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree.to_pure_dict())  # noqa: E731
+  return graphdef, train.model_parts(cfg, zeros(params), zeros(buffers))
+
+
 def test_the_lora_reference_holds_no_weights_while_the_full_fine_tunes_holds_a_copy():
   """rl_beta > 0 under LoRA costs no memory: the reference reads the state's frozen arrays themselves."""
   cfg = small_lora_config()
-  graphdef, state, _ = _state(cfg)
+  graphdef, state = _model_state(cfg)
   reference = Reference(cfg, graphdef, state, None)
   params, buffers = reference.weights(state)
   assert reference.held_bytes() == 0 and params == {}
   assert buffers is state[orbax_state.FROZEN]
   assert "no copy of the weights" in reference.describe()
   full_cfg = small_lora_config(lora_rank=0)
-  graphdef, state, _ = _state(full_cfg)
+  graphdef, state = _model_state(full_cfg)
   full = Reference(full_cfg, graphdef, state, None)
   assert full.held_bytes() == model_state.param_bytes(state["params"]) > 0
   assert not any(a is b for a, b in zip(jax.tree.leaves(full.weights(state)[0]), jax.tree.leaves(state["params"])))
