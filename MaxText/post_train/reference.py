@@ -9,8 +9,9 @@ LoRA (lora_rank > 0, train state {"params": adapters, "buffers": {}, "frozen": t
 the base with the adapters switched off: the graphdef of the same model without adapters (the one
 lora_rank=0 builds; adapters are added after the base, so the base's tree is the same) over
 state["frozen"], the very arrays the policy reads. No copy: rl_beta > 0 costs one forward a step and no
-memory (`held_bytes` is 0). Its logprobs are the base model's bit for bit, and equal the policy's while B = 0
-(step 0: KL exactly 0). The arrays are read from the state at each call: the train step donates the state,
+memory (`held_bytes` is 0). Its logprobs are the base model's bit for bit, and the policy's forward's while
+B = 0 (step 0: KL 0; scored inside the train step's gradient program, another XLA program, the policy's may
+round differently, ~1e-7: the demo's step-1 KL was -1.8e-10). The arrays are read from the state at each call: the train step donates the state,
 so the frozen arrays of an earlier state are gone.
 """
 
