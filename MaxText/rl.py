@@ -10,7 +10,12 @@ optimizer, finite-state guard). The new weights reach the engine through load_we
 programs stay). Per sampled token the engine records its logprob (pi_old), the experts each MoE
 layer routed it to, and the top-k/top-p kept set: the trainer's logprobs take the
 recorded routing (rl_keep_routing) and renormalize over the kept set (rl_keep_sampling_mask).
-rl_beta > 0 holds a frozen reference: the starting policy (load_parameters_path's, or the seeded init).
+rl_beta > 0 holds a frozen reference: the starting policy (load_parameters_path's, or the seeded init;
+post_train/reference.py).
+lora_rank > 0 (docs/lora.md): only adapters train, over the frozen base of load_parameters_path (fp8_block
+allowed); the engine serves base + the current adapters, swapped in after each update with the compiled
+programs kept; the reference is the base with the adapters off (no second copy of the weights); checkpoints
+hold the adapters and their optimizer state, as train.py's.
 This file is the loop; its pieces are tested alone under post_train/: rollout_batch.py (rollouts -> the
 loss's arrays, the trainer's logprobs, the routing agreement, the loss_fn), evaluator.py (the held-out
 reward), grpo.py (the loss), prompts.py, rewards.py.
@@ -35,7 +40,6 @@ if not __package__ and __name__ == "__main__":  # run as `python MaxText/rl.py`:
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -50,8 +54,9 @@ from MaxText.inference.serving import ServingEngine
 from MaxText.post_train import grpo
 from MaxText.post_train.evaluator import Evaluator, completion_text
 from MaxText.post_train.prompts import PromptSource
+from MaxText.post_train.reference import Reference
 from MaxText.post_train.rewards import load_reward
-from MaxText.post_train.rollout_batch import assemble, grpo_loss_fn, routing_agreement, scored_logprobs
+from MaxText.post_train.rollout_batch import assemble, grpo_loss_fn, routing_agreement
 from MaxText.runtime import cli, distributed, sharding
 from MaxText.runtime.metrics import MetricsLogger, fmt_duration
 
@@ -74,8 +79,9 @@ def check_config(config: Config) -> None:
   if n % config.gradient_accumulation_steps:
     raise ConfigError(f"gradient_accumulation_steps={config.gradient_accumulation_steps} does not divide the "
                       f"{n} sequences of a step (rl_prompts_per_step x rl_num_generations)")
-  if config.weight_quantization != "none":
-    raise ConfigError(f"weight_quantization={config.weight_quantization}: RL trains float weights (none)")
+  if config.weight_quantization != "none" and not config.lora_rank:
+    raise ConfigError(f"weight_quantization={config.weight_quantization}: RL trains float weights (none), or LoRA "
+                      "adapters over the frozen fp8 base (lora_rank=N)")
 
 
 def sampling_params(config: Config, step: int, row: int) -> SamplingParams:
@@ -85,6 +91,12 @@ def sampling_params(config: Config, step: int, row: int) -> SamplingParams:
   return SamplingParams(max_tokens=config.rl_max_completion_tokens, temperature=config.decode_sampling_temperature,
                         top_p=config.decode_sampling_nucleus_p if config.decode_sampling_strategy == "top_p" else 1.0,
                         seed=seed, rollout=True)
+
+
+def policy_weights(state: dict) -> tuple[dict, dict]:
+  """The policy's (params, buffers) as the engine merges them: the state's params and buffers; under LoRA
+  (params = the adapters) the frozen base with the buffers. The same tree every step: a swap recompiles nothing."""
+  return state["params"], trainer.model_buffers(state)
 
 
 def _batch_sharding(mesh, config: Config, arrays: dict) -> dict:
@@ -115,17 +127,19 @@ def rl(config: Config) -> list[dict]:
     # The optimizer's schedule counts updates (steps x iterations).
     step_config = config.model_copy(update={"steps": config.steps * config.rl_num_iterations})
     graphdef, state, state_sharding, tx = trainer.init_state(step_config, mesh)
-    ref_params = jax.tree.map(jnp.copy, state["params"]) if config.rl_beta > 0 else None  # the starting policy
+    vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
+    reference = Reference(config, graphdef, state, vocab) if config.rl_beta > 0 else None  # the starting policy
+    if reference is not None:
+      print(reference.describe(), flush=True)
     manager = orbax_state.create_manager(config)
     start = 0
     restored = orbax_state.restore_newest_good(manager, orbax_state.abstract_like(state, state_sharding))
     if restored is not None:
-      start, state, _ = restored
+      start, saved, _ = restored
+      state = dict(state, **saved)  # under LoRA the frozen base is not in a checkpoint: it stays as loaded
       print(f"resumed from checkpoint step {start} in {config.checkpoint_dir}", flush=True)
-    vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
-    engine = ServingEngine(config, graphdef, state["params"], state["buffers"], sample_vocab=vocab,
+    engine = ServingEngine(config, graphdef, *policy_weights(state), sample_vocab=vocab,
                            eos_id=source.eos_id, log=lambda line: print(line, flush=True))
-    logprobs_jit = jax.jit(lambda p, b, batch: scored_logprobs(config, model_state.merge(graphdef, p, b), batch, vocab))
     agreement_jit = jax.jit(lambda p, b, batch, rec: routing_agreement(model_state.merge(graphdef, p, b), batch, rec))
     step_fn = None
     logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
@@ -133,7 +147,7 @@ def rl(config: Config) -> list[dict]:
       if evaluate is not None and start == 0:
         history.append(_log_eval(logger, 0, evaluate(engine)))
       for step in range(start + 1, config.steps + 1):
-        engine.load_weights(state["params"], state["buffers"])  # the policy's weights, no recompile
+        engine.load_weights(*policy_weights(state))  # the policy's weights (LoRA: its adapters), no recompile
         t0 = time.perf_counter()
         rows = source.step(step)
         prompts = [ids for _, _, ids in rows for _ in range(g)]
@@ -147,9 +161,9 @@ def rl(config: Config) -> list[dict]:
         shardings = _batch_sharding(mesh, config, {**arrays, "logp_ref": arrays["tokens"]})
         dev = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
         agreement = None if batch.routed_experts is None else \
-            agreement_jit(state["params"], state["buffers"], dev, batch.routed_experts)  # before the update
-        if ref_params is not None:
-          dev["logp_ref"] = logprobs_jit(ref_params, state["buffers"], dev)
+            agreement_jit(*policy_weights(state), dev, batch.routed_experts)  # before the update
+        if reference is not None:
+          dev["logp_ref"] = reference(state, dev)
         if step_fn is None:
           step_fn = trainer.jit_train_step(step_config, graphdef, tx, state_sharding,
                                            {k: shardings[k] for k in dev}, mesh, grpo_loss_fn(options, vocab))
@@ -172,7 +186,7 @@ def rl(config: Config) -> list[dict]:
           m["routing_agreement"] = float(agreement)
         _log(logger, config, step, m)
         if evaluate is not None and (step % config.eval_interval == 0 or step == config.steps):
-          engine.load_weights(state["params"], state["buffers"])
+          engine.load_weights(*policy_weights(state))
           m.update(_log_eval(logger, step, evaluate(engine)))
         history.append(m)
         if manager is not None and (step % config.checkpoint_period == 0 or step == config.steps):
@@ -197,7 +211,10 @@ def summary(config: Config, history: list[dict], start: int, seconds: float, sav
   line = (f"done: RL steps {steps[0]['step']}-{last['step']} of {config.steps} in {fmt_duration(seconds)}; final "
           f"reward_mean {last['reward_mean']:.4f} | reward_std {last['reward_std']:.4f} | kl {last['kl']:.4g}")
   line += f"; held-out reward {evals[-1]:.4f}" if evals else ""
-  weights = f"load_parameters_path={config.checkpoint_dir}" if saved else "not saved (enable_checkpointing=false)"
+  weights = ("not saved (enable_checkpointing=false)" if not saved
+             else f"LoRA adapters (rank {config.lora_rank}) in {config.checkpoint_dir}, over the base "
+                  f"load_parameters_path={config.load_parameters_path or '(random init)'}" if config.lora_rank
+             else f"load_parameters_path={config.checkpoint_dir}")
   return line + f"; weights: {weights}"
 
 

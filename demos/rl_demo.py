@@ -14,6 +14,8 @@ exact-match reward raises its accuracy on problems it never trained RL on.
 3. RL in this process: MaxText.rl on rl.jsonl from <work>/sft/checkpoints (rl_reward=exact_match
    against "answer", sampling at --temperature), --rl_steps steps; eval_interval=--eval_every greedy
    accuracy (exact match) on eval.jsonl before the first update and every --eval_every steps.
+   Extra key=value go to SFT and RL (default: mtp_num_layers=0 remat_policy=none), except the LoRA keys
+   (lora_rank, lora_alpha, lora_module_path), which go to RL only: SFT trains the base, RL adapters over it.
 4. <work>/rl_demo.png: reward mean and KL per step, held-out accuracy at each eval.
 
 Prints a table and one JSON line: accuracy_before, accuracy_after, steps, rollout_tokens_per_s,
@@ -119,8 +121,20 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+DEFAULT_KEYS = ("mtp_num_layers=0", "remat_policy=none")
+LORA_KEYS = ("lora_rank=", "lora_alpha=", "lora_module_path=")  # RL's only: SFT makes the base they adapt
+
+
+def split_keys(extra: list[str]) -> tuple[list[str], list[str]]:
+  """The model keys key=value of the command line -> (those for SFT and RL: DEFAULT_KEYS when none, the LoRA
+  keys for RL only). With lora_rank=N, SFT still trains every weight (the base), RL trains adapters over it."""
+  lora = [x for x in extra if x.startswith(LORA_KEYS)]
+  return [x for x in extra if not x.startswith(LORA_KEYS)] or list(DEFAULT_KEYS), lora
+
+
 def main(argv=None) -> None:
-  args, extra = parse_args(parser(), argv, ["mtp_num_layers=0", "remat_policy=none"])
+  args, extra = parse_args(parser(), argv, [])
+  extra, lora = split_keys(extra)
   data = os.path.join(args.work, "data")
   counts = write_data(args, data)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
@@ -136,7 +150,7 @@ def main(argv=None) -> None:
   os.chdir(REPO)
   from MaxText import rl
   from MaxText.config import pyconfig
-  config = pyconfig.initialize(rl_argv(args, data, tokenizer, vocab_size, extra))
+  config = pyconfig.initialize(rl_argv(args, data, tokenizer, vocab_size, extra + lora))
   t1 = time.perf_counter()
   history = rl.rl(config)
   rl_s = time.perf_counter() - t1
@@ -149,7 +163,8 @@ def main(argv=None) -> None:
     json.dump(history, f, indent=1)
   print(f"\n| stage | steps | time | held-out accuracy ({counts['eval_problems']} problems, greedy) |\n|---|---|---|---|")
   print(f"| SFT (from the random init) | {args.sft_steps} | {sft_s / 60:.1f} min | {evals[0]['eval_reward']:.0%} |")
-  print(f"| + RL (GRPO, {args.prompts} x {args.generations} rollouts a step) | {args.rl_steps} | {rl_s / 60:.1f} min "
+  how = f"GRPO, {args.prompts} x {args.generations} rollouts a step" + (f"; {' '.join(lora)}" if lora else "")
+  print(f"| + RL ({how}) | {args.rl_steps} | {rl_s / 60:.1f} min "
         f"| {evals[-1]['eval_reward']:.0%} |")
   print(f"plot: {png}", file=sys.stderr)
   print(json.dumps({"accuracy_before": round(evals[0]["eval_reward"], 3),
@@ -157,7 +172,7 @@ def main(argv=None) -> None:
                     "rollout_tokens_per_s": round(mean("rollout_tokens_per_s"), 1),
                     "train_tokens_per_s": round(mean("train_tokens_per_s"), 1),
                     "sft_steps": args.sft_steps, "sft_s": round(sft_s), "rl_s": round(rl_s),
-                    "evals": [(h["step"], round(h["eval_reward"], 3)) for h in evals], "extra": extra}))
+                    "evals": [(h["step"], round(h["eval_reward"], 3)) for h in evals], "extra": extra + lora}))
 
 
 if __name__ == "__main__":

@@ -122,13 +122,13 @@ class Linear(nnx.Module):
     return dequantize_if(stored(self.kernel, self.kernel_scale), dtype or self.dtype)
 
   def kernel_value(self) -> jax.Array:
-    """The kernel [in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
+    """The kernel [..., in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
     stored, or dequantized to the compute dtype when fp8; with an adapter, merged: W + (alpha / r) A B."""
     w = self.kernel[...] if self.kernel_scale is None else self.weight()
     if self.lora_a is None:
       return w
-    ab = jnp.einsum("ir,ro->io", self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)  # [in, out]
+    ab = jnp.einsum("...ir,...ro->...io", self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)  # [..., in, out]: [L, in, out] read whole from a scanned stack
     return (w.astype(jnp.float32) + self.lora_scale * ab).astype(w.dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:

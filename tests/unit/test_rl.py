@@ -6,15 +6,18 @@ import os
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
 from MaxText import rl
+from MaxText.checkpoint import orbax_state
 from MaxText.config.types import ConfigError
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.rollout import Rollout
 from MaxText.inference.scheduler import Request, SamplingParams
+from MaxText.layers import lora
 from MaxText.post_train import prompts, rewards, rollout_batch
 from MaxText.runtime.cli import RunError
 from tests.conftest import make_config
@@ -155,48 +158,105 @@ def test_routing_agreement_counts_computed_real_positions_whose_expert_sets_matc
 def test_config_rules_are_one_line_naming_the_key():
   for keys, said in ((dict(decode_sampling_strategy="greedy"), "decode_sampling_strategy=greedy"),
                      (dict(rl_max_completion_tokens=32), "rl_max_completion_tokens=32"),
-                     (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3")):
-    with pytest.raises(ConfigError, match=said):
+                     (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3"),
+                     (dict(weight_quantization="fp8_block"), r"weight_quantization=fp8_block: .* \(lora_rank=N\)")):
+    with pytest.raises(ConfigError, match=said) as e:
       rl.check_config(make_config(**{**RL_KEYS, **keys}))
+    assert "\n" not in str(e.value)
+  rl.check_config(make_config(**RL_KEYS, weight_quantization="fp8_block", lora_rank=4))  # adapters over an fp8 base
+
+
+def _loop_keys(tmp_path, monkeypatch, **kw) -> dict:
+  """A tiny RL run (1 prompt x 2 samples a step, 2 layers, no indexer) whose rewards differ within a group."""
+  mod = types.ModuleType("rl_test_length")
+  mod.length = lambda text, record: float(len(text) % 3)  # rewards that differ within a group: a gradient
+  mod.checksum = lambda text, record: float(sum(map(ord, text)) % 3)  # where the lengths do not differ
+  monkeypatch.setitem(sys.modules, "rl_test_length", mod)
+  return dict(dict(RL_KEYS, dataset_type="file", dataset_path=_records(tmp_path / "p.jsonl"), steps=2,
+              rl_prompts_per_step=1, rl_num_generations=2, rl_beta=0.1, checkpoint_period=1,
+              async_checkpointing=False, base_output_directory=str(tmp_path), run_name="r", serve_max_num_seqs=2,
+              serve_width_buckets=1, serve_context_buckets=1, mtp_num_layers=0, enable_tensorboard=False,
+              learning_rate=1e-2, warmup_steps=0, num_decoder_layers=2, use_indexer=False,
+              rl_reward="rl_test_length:length"), **kw)
+
+
+def _killed_and_resumed(keys: dict, monkeypatch, capsys) -> tuple[list[dict], list[dict], list[dict]]:
+  """Runs `keys` until the last step ran and before its checkpoint (the kill), then the same again: (the
+  killed run's logged metrics per step, the resumed run's, its history). The resumed run must run only the last step."""
+  logged = []
+  monkeypatch.setattr(rl, "_log", lambda logger, config, step, m: logged.append(dict(m)))
+  save = rl.orbax_state.save
+  last = keys["steps"]
+
+  def dies_at_last(manager, step, *a):
+    if step == last:
+      raise KeyboardInterrupt  # the kill, after the last step ran and before it was saved
+    save(manager, step, *a)
+
+  monkeypatch.setattr(rl.orbax_state, "save", dies_at_last)
+  with pytest.raises(KeyboardInterrupt):
+    rl.rl(make_config(**keys))
+  killed = list(logged)
+  monkeypatch.setattr(rl.orbax_state, "save", save)
+  logged.clear()
+  capsys.readouterr()
+  history = rl.rl(make_config(**keys))
+  assert [h["step"] for h in history] == [last] and [m["step"] for m in logged] == [last]
+  for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
+    assert logged[0][k] == pytest.approx(killed[-1][k], rel=1e-5, abs=1e-7), k
+  return killed, logged, history
 
 
 @pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_a_run_killed_after_a_checkpoint_resumes_the_same_run(tmp_path, monkeypatch, capsys):
   """Step 2 dies before its checkpoint; run again: it resumes from step 1 and step 2 samples and trains
   exactly as the killed run did (same prompts, seeds, weights)."""
-  keys = dict(RL_KEYS, dataset_type="file", dataset_path=_records(tmp_path / "p.jsonl"), steps=2,
-              rl_prompts_per_step=1, rl_num_generations=2, rl_beta=0.1, checkpoint_period=1,
-              async_checkpointing=False, base_output_directory=str(tmp_path), run_name="r", serve_max_num_seqs=2,
-              serve_width_buckets=1, serve_context_buckets=1, mtp_num_layers=0, enable_tensorboard=False,
-              learning_rate=1e-2, warmup_steps=0, num_decoder_layers=2, use_indexer=False)
-  mod = types.ModuleType("rl_test_length")
-  mod.length = lambda text, record: float(len(text) % 3)  # rewards that differ within a group: a gradient
-  monkeypatch.setitem(sys.modules, "rl_test_length", mod)
-  keys["rl_reward"] = "rl_test_length:length"
-  logged = []
-  monkeypatch.setattr(rl, "_log", lambda logger, config, step, m: logged.append(dict(m)))
-  save = rl.orbax_state.save
-
-  def dies_at_2(manager, step, *a):
-    if step == 2:
-      raise KeyboardInterrupt  # the kill, after step 2 ran and before it was saved
-    save(manager, step, *a)
-
-  monkeypatch.setattr(rl.orbax_state, "save", dies_at_2)
-  with pytest.raises(KeyboardInterrupt):
-    rl.rl(make_config(**keys))
-  killed = logged[1]
-  monkeypatch.setattr(rl.orbax_state, "save", save)
-  logged.clear()
-  capsys.readouterr()
-  history = rl.rl(make_config(**keys))
-  assert [h["step"] for h in history] == [2] and logged[0]["step"] == 2
+  killed, _, history = _killed_and_resumed(_loop_keys(tmp_path, monkeypatch), monkeypatch, capsys)
   last = capsys.readouterr().out.strip().splitlines()[-1]  # the closing line, as train.py's
   assert last.startswith("done: RL steps 2-2 of 2 in ") and f"reward_mean {history[0]['reward_mean']:.4f}" in last
   assert last.endswith(f"weights: load_parameters_path={tmp_path}/r/checkpoints")
-  for k in ("reward_mean", "completion_tokens", "loss", "kl", "grad_norm", "param_norm"):
-    assert logged[0][k] == pytest.approx(killed[k], rel=1e-5, abs=1e-7), k
-  assert killed["kl"] > 0  # step 1 moved the policy away from the reference
+  assert killed[1]["kl"] > 0  # step 1 moved the policy away from the reference
+
+
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
+def test_grpo_with_lora_moves_only_the_adapters_swaps_them_in_without_recompiling_and_resumes(
+    tmp_path, monkeypatch, capsys):
+  """lora_rank > 0: at step 1 (B = 0) the policy is the reference (KL exactly 0); the engine gets the new
+  adapters after each update over the same base bits, with no step program compiled by the swap (those after
+  update 2 are those after update 1); checkpoints hold the adapters and their moments; a kill resumes exactly."""
+  loads, programs = [], []  # the weights each engine.load_weights is given (numpy); step programs after each generate
+
+  class Recording(rl.ServingEngine):
+    def load_weights(self, params, buffers):
+      loads.append(jax.tree.map(np.array, (params, buffers)))
+      super().load_weights(params, buffers)
+
+    def generate(self, *a, **kw):
+      out = super().generate(*a, **kw)
+      programs.append(self.step_programs())
+      return out
+
+  monkeypatch.setattr(rl, "ServingEngine", Recording)
+  keys = _loop_keys(tmp_path, monkeypatch, lora_rank=4, steps=3, rl_reward="rl_test_length:checksum")
+  killed, _, _ = _killed_and_resumed(keys, monkeypatch, capsys)
+  out = capsys.readouterr().out
+  assert "reference policy: the base with the adapters off (no copy" in out
+  assert out.strip().splitlines()[-1].endswith(f"weights: LoRA adapters (rank 4) in {tmp_path}/r/checkpoints, over the "
+                                               "base load_parameters_path=(random init)")
+  w1, _, w3 = loads[:3]  # before steps 1, 2, 3 of the killed run
+  assert programs[2] == programs[1] == programs[0] > 0  # the rollouts after updates 1 and 2 compiled nothing
+  assert [m["kl"] for m in killed][0] == 0.0 and killed[1]["kl"] > 0  # step 1 on-policy over B = 0: the reference
+  # step 2 samples with the adapters of update 1: the trainer's pi_theta of its tokens is the engine's pi_old
+  assert killed[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+  (a1, base1), (a3, base3) = w1, w3  # (the adapters, the frozen base + buffers)
+  assert jax.tree.leaves(a1) and all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(a1))
+  jax.tree.map(np.testing.assert_array_equal, base1, base3)  # the base's bits, after two updates
+  lora_b = lambda tree: [x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p[-1].key == "lora_b"]  # noqa: E731
+  assert not any(b.any() for b in lora_b(a1)) and all(b.any() for b in lora_b(a3))  # B: zeros, then trained
+  assert not any(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a1), jax.tree.leaves(a3)))  # A and B moved
+  stored = orbax_state._stored_tree(os.path.join(tmp_path, "r", "checkpoints", "3", "state"))
+  assert set(stored) == {"params", "buffers", "opt_state", "step"} and not jax.tree.leaves(stored["buffers"])
+  assert all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored["params"]))
 
 
 def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp_path):
@@ -215,6 +275,9 @@ def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp
   config = pyconfig.initialize(rl_demo.rl_argv(args, str(data), HF_JSON, 512, extra or ["mtp_num_layers=0"]))
   rl.check_config(config)
   assert config.rl_num_generations == args.generations and config.eval_dataset_path.endswith("eval.jsonl")
+  # the LoRA keys go to RL only (SFT trains the base); the default model keys stay when only they are given
+  assert rl_demo.split_keys(["lora_rank=16", "lora_alpha=32"]) == (list(rl_demo.DEFAULT_KEYS), ["lora_rank=16", "lora_alpha=32"])
+  assert rl_demo.split_keys(["use_indexer=false", "lora_rank=8"]) == (["use_indexer=false"], ["lora_rank=8"])
 
 
 def test_prompts_warn_once_when_their_mode_is_not_the_one_the_starting_run_trained(tmp_path, capsys):
