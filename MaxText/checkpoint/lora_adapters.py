@@ -39,11 +39,6 @@ class Adapter:
   leaves: dict  # "linear/path/lora_a" | ".../lora_b" -> host array [.., in, r] | [.., r, out], as saved
 
 
-def entries(config: Config) -> list[tuple[str, str]]:
-  """serve_lora_adapters as (name, path), in order: entry k is slot k (1-based; 0 is the base)."""
-  return [tuple(e.partition("=")[::2]) for e in config.serve_lora_adapters]
-
-
 def _flat(tree: dict, prefix: str = "") -> dict:
   """A nested params dict -> {"a/b/lora_a": leaf}."""
   out = {}
@@ -151,7 +146,7 @@ def load_or_create(config: Config, mesh, report=print):
   params, buffers, source line)."""
   if not config.serve_lora_adapters:
     return (config, *model_state.load_or_create(config, mesh, report=report))
-  adapters = [read(name, path) for name, path in entries(config)]
+  adapters = [read(name, path) for name, path in config.served_adapters]
   cfg = served_config(config, adapters)
   try:
     _, abs_params, abs_buffers = model_state.abstract_model(cfg)
@@ -167,4 +162,4 @@ def load_or_create(config: Config, mesh, report=print):
                                           f"linears, stacked at rank {cfg.lora_rank}")
 
 
-__all__ = ["Adapter", "entries", "read", "served_config", "stacked", "load_or_create"]
+__all__ = ["Adapter", "read", "served_config", "stacked", "load_or_create"]

@@ -343,6 +343,11 @@ class Config(*SECTIONS):
     return os.path.join(self.run_dir, "profile")
 
   @property
+  def served_adapters(self) -> list[tuple[str, str]]:
+    """serve_lora_adapters as (name, path) pairs: entry k is the served adapter slot k (1-based; 0 is the base)."""
+    return [(name, path) for name, _, path in (e.partition("=") for e in self.serve_lora_adapters)]
+
+  @property
   def softmax_scale(self) -> float:
     """qk_head_dim**-0.5, times YaRN's mscale**2 (0.1 * mscale * ln(factor) + 1)**2 when factor > 1."""
     scale = self.qk_head_dim ** -0.5
