@@ -261,11 +261,11 @@ class Serve(_Section):
   serve_api_key: SecretStr  # masked in repr, logs and to_yaml (server/gate.py reads it)
   serve_max_request_bytes: PosInt
   serve_request_timeout: Annotated[float, Field(ge=0)]
-  serve_lora_adapters: list[str]  # name=path entries (checkpoint/lora_adapters.py reads them)
+  serve_lora_adapters: Names  # name=path entries (checkpoint/lora_adapters.py reads them)
 
   @field_validator("serve_lora_adapters")
   @classmethod
-  def _adapter_entries(cls, v: list[str]) -> list[str]:
+  def _adapter_entries(cls, v: tuple[str, ...]) -> tuple[str, ...]:
     names = []
     for entry in v:
       name, eq, path = entry.partition("=")

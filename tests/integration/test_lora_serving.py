@@ -102,7 +102,7 @@ def test_a_bad_entry_is_one_line_naming_it(served, entry, said):
     write_adapter_run(str(tmp), "q_only", 3, **BASE, lora_rank=4, lora_module_path=".*/attention/wq_a")
   if "wide" in entry and not (tmp / "wide").exists():
     write_adapter_run(str(tmp), "wide", 4, **BASE, lora_rank=4, mlp_dim=96)
-  bad = cfg.model_copy(update={"serve_lora_adapters": [cfg.serve_lora_adapters[0], entry.format(tmp=tmp)]})
+  bad = cfg.model_copy(update={"serve_lora_adapters": (cfg.serve_lora_adapters[0], entry.format(tmp=tmp))})
   with pytest.raises(ConfigError, match=said.format(tmp=tmp)) as e:
     lora_adapters.load_or_create(bad, mesh)
   assert "\n" not in str(e.value)
