@@ -3,8 +3,6 @@
 the prefix keys of different adapters never meet (page_allocator.page_hashes' root); serve_lora_adapters' bad
 entries are one config line each; the server maps a request's model to its adapter slot and lists every adapter."""
 
-import contextlib
-
 import httpx
 import jax
 import jax.numpy as jnp
@@ -14,12 +12,8 @@ import pytest
 from MaxText.config.types import ConfigError
 from MaxText.inference.page_allocator import page_hashes
 from MaxText.layers import lora_rows
-from MaxText.server.app import Server, build_app
-from MaxText.server.engine_thread import EngineThread
-from MaxText.server.in_process import serve_in_thread
-from MaxText.server.protocol import Texts
 from tests.conftest import make_config
-from tests.support.server_harness import ScriptedEngine, wait_for
+from tests.support.server_harness import scripted_server
 
 HI = jax.lax.Precision.HIGHEST
 SLOTS = np.array([2, 0, 1], np.int32)  # three rows: adapter 2, none, adapter 1
@@ -87,19 +81,8 @@ def test_a_bad_serve_lora_adapters_is_one_line(keys, said):
   assert "\n" not in str(e.value)
 
 
-@contextlib.contextmanager
-def _served(**keys):
-  eng = ScriptedEngine(step_s=0.01)
-  engine = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
-  texts = Texts(None, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
-                special_tokens={})
-  with serve_in_thread(build_app(Server(make_config(**keys), texts, engine, "tiny"))) as (url, _):
-    wait_for(lambda: engine.ready, "the engine to start", timeout=10)
-    yield url, eng
-
-
 def test_the_model_field_picks_the_adapter_and_v1_models_lists_each():
-  with _served(serve_lora_adapters=["sql=/runs/sql", "chat=/runs/chat/checkpoints/4"]) as (url, eng):
+  with scripted_server(make_config(serve_lora_adapters=["sql=/runs/sql", "chat=/runs/chat/checkpoints/4"])) as (url, eng, _):
     models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m["root"], m["parent"]) for m in models] == [
         ("tiny", "tiny", None), ("sql", "/runs/sql", "tiny"), ("chat", "/runs/chat/checkpoints/4", "tiny")]
