@@ -38,6 +38,11 @@ class Adapter:
   alpha: float
   leaves: dict  # "linear/path/lora_a" | ".../lora_b" -> host array [.., in, r] | [.., r, out], as saved
 
+  @classmethod
+  def of(cls, name: str, path: str, rank: int, alpha: float, params: dict) -> "Adapter":
+    """From a params dict nested as the model's, holding only lora_a / lora_b (what a LoRA run's checkpoint holds)."""
+    return cls(name, path, rank, alpha, _flat(params))
+
 
 def _flat(tree: dict, prefix: str = "") -> dict:
   """A nested params dict -> {"a/b/lora_a": leaf}."""
@@ -74,10 +79,10 @@ def read(name: str, path: str) -> Adapter:
     params = hf_export.restore_raw(item)["params"]
   except ValueError as e:
     raise _bad(name, path, str(e)) from None
-  leaves = _flat(params)
-  if not leaves or not all(p.rsplit("/", 1)[-1] in lora.ADAPTER_NAMES for p in leaves):
+  adapter = Adapter.of(name, path, int(saved["lora_rank"]), float(saved["lora_alpha"]), params)
+  if not adapter.leaves or not all(p.rsplit("/", 1)[-1] in lora.ADAPTER_NAMES for p in adapter.leaves):
     raise _bad(name, path, f"{item} holds params other than lora_a / lora_b: not a LoRA run's checkpoint")
-  return Adapter(name, path, int(saved["lora_rank"]), float(saved["lora_alpha"]), leaves)
+  return adapter
 
 
 def _linears(adapter: Adapter) -> set[str]:
@@ -140,13 +145,10 @@ def _nest(flat: dict) -> dict:
   return out
 
 
-def load_or_create(config: Config, mesh, report=print):
-  """model_state.load_or_create for the served config; with serve_lora_adapters, every entry read and checked
-  first (before the base loads), then the served model (base + slot-stacked adapters) -> (its config, graphdef,
-  params, buffers, source line)."""
-  if not config.serve_lora_adapters:
-    return (config, *model_state.load_or_create(config, mesh, report=report))
-  adapters = [read(name, path) for name, path in config.served_adapters]
+def slots_on_mesh(config: Config, adapters: list[Adapter], mesh) -> tuple[Config, dict]:
+  """(the served config, the served model's slot-stacked adapters on the mesh, sharded as its abstract model says);
+  a ConfigError naming the entry when they do not fit the model `config` describes. Join them with the base's params
+  (lora.join) for the served model's."""
   cfg = served_config(config, adapters)
   try:
     _, abs_params, abs_buffers = model_state.abstract_model(cfg)
@@ -154,12 +156,22 @@ def load_or_create(config: Config, mesh, report=print):
     raise _bad(adapters[0].name, adapters[0].path, f"does not fit the served model: {e}") from None
   host = stacked(adapters, lora.split(abs_params.to_pure_dict())[0])
   shardings = lora.split(model_state.shardings_of(cfg, mesh, abs_params, abs_buffers)[0])[0]
-  on_mesh = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shardings)
+  return cfg, jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shardings)
+
+
+def load_or_create(config: Config, mesh, report=print):
+  """model_state.load_or_create for the served config; with serve_lora_adapters, every entry read and checked
+  first (before the base loads), then the served model (base + slot-stacked adapters) -> (its config, graphdef,
+  params, buffers, source line)."""
+  if not config.serve_lora_adapters:
+    return (config, *model_state.load_or_create(config, mesh, report=report))
+  adapters = [read(name, path) for name, path in config.served_adapters]
+  cfg, slots = slots_on_mesh(config, adapters, mesh)
   graphdef, params, buffers, source = model_state.load_or_create(cfg, mesh, report=report)
-  params = lora.join(on_mesh, lora.split(params)[1])
+  params = lora.join(slots, lora.split(params)[1])
   ranks = ", ".join(f"{a.name} (rank {a.rank}, alpha {a.alpha:g})" for a in adapters)
   return cfg, graphdef, params, buffers, (f"{source}; LoRA adapters {ranks} on {len(_linears(adapters[0]))} "
                                           f"linears, stacked at rank {cfg.lora_rank}")
 
 
-__all__ = ["Adapter", "read", "served_config", "stacked", "load_or_create"]
+__all__ = ["Adapter", "read", "served_config", "stacked", "slots_on_mesh", "load_or_create"]

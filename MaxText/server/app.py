@@ -13,7 +13,9 @@ detokenized incrementally, checked for stop strings, and sent (streamed: one eve
 ending with `data: [DONE]`). A client that goes away mid-request has its request aborted (its
 pages freed at the engine's next loop). Every failure is OpenAI's error body; none ends the server.
 Before any route: the API key (401) and the body's size (413), server/gate.py. A request the engine
-ends at serve_request_timeout is a 408 (streamed: the error as its last event, then [DONE]).
+ends at serve_request_timeout is a 408 (streamed: the error as its last event, then [DONE]). A request's `model`
+picks one of serve_lora_adapters (Server.adapter_slot: its slot travels as SamplingParams.lora_adapter; the
+base's name or none picks none) and /v1/models lists the base and each adapter (vLLM's parent / root fields).
 """
 
 from __future__ import annotations
