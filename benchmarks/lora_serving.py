@@ -5,11 +5,11 @@ throughput over the same base weights, in one process, side by side:
   slots, none   the served model with N adapters (random, rank R, on the default modules), every request through none
   slots, mixed  the same engine, requests cycling through none, adapter 1, ..., adapter N (one batch, one program)
 
-Each row: `requests` concurrent prompts of `prompt` tokens, `tokens` new tokens each, run `repeats` times after
-one run that compiles (median). Prints a table, then one JSON line.
+Each row: `requests` concurrent prompts of `prompt` tokens, `tokens` new tokens each; one run each that compiles,
+then `repeats` rounds of the three rows interleaved (median). Prints a table, then one JSON line.
 
     PYTHONPATH=. .venv/bin/python benchmarks/lora_serving.py [--adapters 4] [--rank 16] [--requests 8] \\
-        [--tokens 32] [--repeats 3] [key=value ...]   (model keys, default the tiny model)
+        [--tokens 32] [--repeats 5] [key=value ...]   (model keys, default the tiny model)
 """
 
 from __future__ import annotations
@@ -45,15 +45,19 @@ def _random_adapter(cfg, name: str, rank: int, seed: int) -> lora_adapters.Adapt
   return lora_adapters.Adapter.of(name, "(random)", rank, 2.0 * rank, params)
 
 
-def _tok_s(engine, prompts, slots, tokens: int, repeats: int) -> float:
-  params = [SamplingParams(max_tokens=tokens, lora_adapter=k) for k in slots]
-  engine.generate(prompts, params)  # compiles
-  times = []
+def _tok_s(runs: dict, prompts, tokens: int, repeats: int) -> dict:
+  """{row: tokens/s, median over `repeats`}; runs: {row: (engine, each prompt's adapter slot)}. One compiling run
+  each, then the rows interleaved repeat by repeat (a shared host's load drifts over all of them alike)."""
+  params = {name: [SamplingParams(max_tokens=tokens, lora_adapter=k) for k in slots] for name, (_, slots) in runs.items()}
+  for name, (engine, _) in runs.items():
+    engine.generate(prompts, params[name])  # compiles
+  times = {name: [] for name in runs}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    engine.generate(prompts, params)
-    times.append(time.perf_counter() - t0)
-  return len(prompts) * tokens / statistics.median(times)
+    for name, (engine, _) in runs.items():
+      t0 = time.perf_counter()
+      engine.generate(prompts, params[name])
+      times[name].append(time.perf_counter() - t0)
+  return {name: len(prompts) * tokens / statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -63,7 +67,7 @@ def main() -> None:
   ap.add_argument("--requests", type=int, default=8)
   ap.add_argument("--prompt", type=int, default=16)
   ap.add_argument("--tokens", type=int, default=32)
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--repeats", type=int, default=5)
   args, keys = ap.parse_known_args()
   cfg = _config(keys, serve_max_num_seqs=args.requests, serve_max_num_tokens=max(256, args.requests * args.prompt))
   mesh = sharding.create_mesh(cfg)
@@ -72,17 +76,16 @@ def main() -> None:
   names = [f"a{i}" for i in range(1, args.adapters + 1)]
   serve_cfg = cfg.model_copy(update={"serve_lora_adapters": tuple(f"{n}=(random)" for n in names)})
   adapters = [_random_adapter(cfg, n, args.rank, i) for i, n in enumerate(names)]
-  rows = {}
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers, _ = model_state.create(cfg, mesh)
     base = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
-    rows["base"] = _tok_s(base, prompts, [0] * len(prompts), args.tokens, args.repeats)
     served_cfg, slots = lora_adapters.slots_on_mesh(serve_cfg, adapters, mesh)
     served = ServingEngine(served_cfg, model_state.abstract_model(served_cfg)[0], lora.join(slots, params), buffers,
                            eos_id=-1)
-    rows["slots, none"] = _tok_s(served, prompts, [0] * len(prompts), args.tokens, args.repeats)
+    none = [0] * len(prompts)
     mixed = [i % (args.adapters + 1) for i in range(len(prompts))]
-    rows["slots, mixed"] = _tok_s(served, prompts, mixed, args.tokens, args.repeats)
+    rows = _tok_s({"base": (base, none), "slots, none": (served, none), "slots, mixed": (served, mixed)}, prompts,
+                  args.tokens, args.repeats)
     programs = served.step_programs()
   print(f"{args.requests} requests x {args.tokens} tokens, {args.adapters} adapters of rank {args.rank} on "
         f"{cfg.model_name} ({served_cfg.lora_module_path.count('|') + 1} linears), median of {args.repeats}")
