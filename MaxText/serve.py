@@ -6,7 +6,7 @@ r"""An OpenAI-compatible server: python -m MaxText.serve configs/base.yml [key=v
         -d '{"prompt": "I love to", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true for server-sent
-events), GET /v1/models, GET /health (503 while the engine compiles, 200 when ready), GET /metrics
+events), GET /v1/models (the base and each of serve_lora_adapters), GET /health (503 while the engine compiles, 200 when ready), GET /metrics
 (Prometheus). The engine is the continuous-batching one (MaxText/inference/serving.py, the serve_*
 keys) in its own thread; the HTTP side is FastAPI + uvicorn (MaxText/server/).
 load_parameters_path: as for decode.py (a converter output, a run's checkpoints folder, one step);
@@ -18,6 +18,8 @@ thinking and tool calls (MaxText/server/chat.py).
 serve_host / serve_port: where it listens; serve_max_waiting: waiting requests before a 429;
 serve_api_key (or $MAXTEXT_API_KEY): the bearer key every route but /health and /metrics needs;
 serve_max_request_bytes: the largest body (413); serve_request_timeout: seconds a request may run (408);
+serve_lora_adapters=[name=path,...]: LoRA adapters served beside the base (vLLM's --lora-modules), each a LoRA run's
+folder or checkpoint step; a request's "model" picks one (docs/lora.md, Serving adapters).
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to serve_shutdown_timeout
 seconds, exit 0. Bad config (an unknown key, a missing tokenizer) is one `error:` line, exit 2; a
 missing checkpoint exit 1.
@@ -46,7 +48,7 @@ def create_server(config: Config, log=_log):
   the CLI says); the engine is built and compiled in its thread when the app starts."""
   import jax
 
-  from MaxText.checkpoint import model_state
+  from MaxText.checkpoint import lora_adapters, model_state
   from MaxText.data.chat_template import chat_format
   from MaxText.data.tokenizer import load_tokenizer
   from MaxText.inference.grammar import Grammars
@@ -67,7 +69,8 @@ def create_server(config: Config, log=_log):
 
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-    graphdef, params, buffers, source = model_state.load_or_create(config, mesh, report=log)
+    # with serve_lora_adapters: the base + every adapter slot-stacked, under a config that adapts their linears
+    engine_config, graphdef, params, buffers, source = lora_adapters.load_or_create(config, mesh, report=log)
   log(f"serve: model {config.model_name} ({model_state.count_params(params):,} parameters), {source}; "
       f"tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
       f"{'yes' if fmt.template else 'none'}; chat format {fmt.encoding}")
@@ -75,7 +78,7 @@ def create_server(config: Config, log=_log):
   @contextlib.contextmanager
   def make_engine():
     with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
-      yield ServingEngine(config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id, log=log,
+      yield ServingEngine(engine_config, graphdef, params, buffers, sample_vocab=vocab, eos_id=eos_id, log=log,
                           grammars=grammars)
 
   engine = EngineThread(make_engine, max_waiting=config.serve_max_waiting, log=log)

@@ -262,6 +262,20 @@ class Serve(_Section):
   serve_max_request_bytes: PosInt
   serve_request_timeout: Annotated[float, Field(ge=0)]
   serve_keep_alive: Annotated[float, Field(gt=0)]
+  serve_lora_adapters: Names  # name=path entries (checkpoint/lora_adapters.py reads them)
+
+  @field_validator("serve_lora_adapters")
+  @classmethod
+  def _adapter_entries(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+    names = []
+    for entry in v:
+      name, eq, path = entry.partition("=")
+      if not (eq and name.strip() and path.strip()):
+        raise ValueError(f"entry {entry!r} is not name=path (a served name, then a LoRA run's folder or checkpoint step)")
+      if name in names:
+        raise ValueError(f"the name {name!r} is given twice: each adapter needs its own name")
+      names.append(name)
+    return v
 
 
 class ReinforcementLearning(_Section):
@@ -328,6 +342,11 @@ class Config(*SECTIONS):
   @property
   def profile_dir(self) -> str:
     return os.path.join(self.run_dir, "profile")
+
+  @property
+  def served_adapters(self) -> list[tuple[str, str]]:
+    """serve_lora_adapters as (name, path) pairs: entry k is the served adapter slot k (1-based; 0 is the base)."""
+    return [(name, path) for name, _, path in (e.partition("=") for e in self.serve_lora_adapters)]
 
   @property
   def softmax_scale(self) -> float:
@@ -402,6 +421,12 @@ class Config(*SECTIONS):
     if self.serve_speculative_tokens and self.mtp_num_layers < 1:
       bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
           f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")
+    if self.serve_lora_adapters and self.serve_speculative_tokens:
+      bad(f"serve_lora_adapters with serve_speculative_tokens={self.serve_speculative_tokens}: the MTP drafter does not "
+          "apply adapters yet; set serve_speculative_tokens=0 to serve adapters")
+    if self.model_name in [e.partition("=")[0] for e in self.serve_lora_adapters]:
+      bad(f"serve_lora_adapters names an adapter {self.model_name!r}, the base model's name (model_name): a request's "
+          "model field could not pick between them; rename the adapter")
     if self.dataset_type == "grain" and not self.grain_train_files:
       bad("dataset_type=grain needs grain_train_files: a glob of ArrayRecord or Parquet shards")
     if self.dataset_type == "hf" and not self.hf_path:

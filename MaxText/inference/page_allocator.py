@@ -13,7 +13,9 @@ Invariants (checked by `check`):
 
 Prefix caching: a full page is keyed by a hash chain over its tokens, h_i = H(h_{i-1}, tokens of
 page i), so a key names the whole prefix up to that page and two prompts share page i only when
-they agree on every token before it. `match(tokens)` returns the longest run of cached full
+they agree on every token before it. The chain starts at a `root` (the request's: its LoRA adapter,
+scheduler.Request.prefix_root): pages computed through one adapter are never shared with another's
+requests, whose cache entries differ for the same tokens. `match(tokens)` returns the longest run of cached full
 pages that starts the prompt; the caller takes a reference on each (`share`), then allocates
 fresh pages for the rest. When a sequence finishes, its full pages are `publish`ed (keyed and
 kept while no one uses them); `allocate` evicts the least recently used cached pages when the
@@ -37,10 +39,10 @@ class OutOfPages(RuntimeError):
   """Not enough free or evictable pages for an allocation (the scheduler preempts and retries)."""
 
 
-def page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
-  """The hash chain of the FULL pages of `tokens`: one key per full page, each covering the whole
+def page_hashes(tokens: Sequence[int], page_size: int, root: bytes = b"") -> list[bytes]:
+  """The hash chain of the FULL pages of `tokens` from `root`: one key per full page, each covering the whole
   prefix up to its page's end (a partial last page has no key)."""
-  keys, h = [], b""
+  keys, h = [], root
   for i in range(len(tokens) // page_size):
     page = tokens[i * page_size:(i + 1) * page_size]
     h = hashlib.blake2b(h + b"|" + ",".join(map(str, page)).encode(), digest_size=16).digest()
@@ -109,14 +111,14 @@ class PageAllocator:
       pages.append(p)
     return pages
 
-  def match(self, tokens: Sequence[int], count: bool = True) -> list[int]:
+  def match(self, tokens: Sequence[int], count: bool = True, root: bytes = b"") -> list[int]:
     """The cached pages that hold the longest run of full pages starting `tokens`, all in the first
     one's shard (no reference taken: `share` them before anything else allocates). count=False: a
     repeated lookup, left out of `lookups` and `hits`."""
     if not self.prefix_caching:
       return []
     pages = []
-    keys = page_hashes(tokens, self.page_size)
+    keys = page_hashes(tokens, self.page_size, root)
     for key in keys:
       p = self._page_of.get(key)
       if p is None or (pages and self.shard_of(p) != self.shard_of(pages[0])):
@@ -134,13 +136,13 @@ class PageAllocator:
         self._lrus[self.shard_of(p)].pop(p, None)  # a cached page comes back into use
       self._refs[p] += 1
 
-  def publish(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
+  def publish(self, pages: Sequence[int], tokens: Sequence[int], root: bytes = b"") -> None:
     """Keys the full pages among `pages` (a sequence's page table, in order) by the prefix of
     `tokens` they hold, so later prompts can share them. A page whose key another page already
     holds stays unkeyed (freed when released)."""
     if not self.prefix_caching:
       return
-    for p, key in zip(pages, page_hashes(tokens, self.page_size)):
+    for p, key in zip(pages, page_hashes(tokens, self.page_size, root)):
       if self._page_of.get(key) not in (None, p) or (p in self._key_of and self._key_of[p] != key):
         continue
       self._key_of[p] = key

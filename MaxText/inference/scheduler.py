@@ -78,6 +78,7 @@ class SamplingParams:
   min_p: float = 0.0
   min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
   timeout: float = 0.0  # seconds the request may take from its arrival (serve_request_timeout); 0 = no limit
+  lora_adapter: int = 0  # the served LoRA adapter: serve_lora_adapters' k-th entry (1-based); 0 = the base model
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -122,6 +123,12 @@ class Request:
   @property
   def tokens(self) -> list[int]:
     return self.prompt + self.output
+
+  @property
+  def prefix_root(self) -> bytes:
+    """Where its pages' prefix keys start (page_allocator.page_hashes): its LoRA adapter's, so requests through
+    different adapters (or none) never share cached pages."""
+    return b"" if not self.params.lora_adapter else f"lora:{self.params.lora_adapter}".encode()
 
   @property
   def prefilling(self) -> bool:
@@ -287,7 +294,7 @@ class Scheduler:
             break
         r.computed = min(r.computed, len(r.tokens))  # a run cut short: its later entries do not count
       if r.computed // page > row.start // page:  # a page filled: later prompts may share it now
-        self.allocator.publish(r.pages, r.tokens[:r.computed])
+        self.allocator.publish(r.pages, r.tokens[:r.computed], r.prefix_root)
       if reason:
         self.running.remove(r)
         self._finish(r, reason)
@@ -324,7 +331,7 @@ class Scheduler:
     position depends on the NEXT token, which the page's key does not hold (vLLM drops it alike).
     A request asking for prompt_logprobs takes no cached pages; a rollout, only those whose routing
     the engine kept (rollout.py)."""
-    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up)
+    pages = self.allocator.match(r.prompt[:len(r.prompt) - 1], count=r is not self._looked_up, root=r.prefix_root)
     if r.params.prompt_logprobs is not None:
       pages = []  # every prompt position's logits are needed: recompute the whole prompt (logprobs.py)
     if r.params.rollout:
@@ -373,7 +380,7 @@ class Scheduler:
     if self.on_finish is not None:
       self.on_finish(r)
     written = r.tokens[:r.computed]  # tokens whose entries are in its pages
-    self.allocator.publish(r.pages, written)
+    self.allocator.publish(r.pages, written, r.prefix_root)
     self.allocator.release(r.pages)
     r.pages = []
     self.finished.append(r)

@@ -45,6 +45,10 @@ Structured outputs (grammar.py, with `grammars`): a request with a grammar waits
 its grammar compiles on a worker thread (others keep stepping); a step holding a sampling row with a
 grammar runs the step program's masked variant, its [B, ceil(V/32)] int32 bitmask filled on the host
 (rows without a grammar all ones), and after it each such row's token advances its matcher.
+LoRA adapters (serve_lora_adapters; checkpoint/lora_adapters.py builds the params): the adapted linears hold every
+served adapter stacked on a slot axis, a request's SamplingParams.lora_adapter is its slot (0: the base), carried
+per row in the step feed, and the step adds each row's own adapter (layers/lora_rows.py): any mix of adapters
+shares one batch and one compiled program. Its pages' prefix keys start from its adapter (Request.prefix_root).
 Seeds: a request's key for its i-th position is fold_in(key(seed), i), its seed given or drawn
 from the engine's `seed` stream; greedy (temperature 0) needs none.
 
@@ -83,6 +87,7 @@ from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.sampling import sample_rows
 from MaxText.inference.scheduler import Request, RequestError, SamplingParams, Scheduled, Scheduler
 from MaxText.inference.step_spec import SpecStep
+from MaxText.layers import lora_rows
 from MaxText.runtime import sharding
 from MaxText.runtime.distributed import to_host
 
@@ -215,6 +220,10 @@ class ServingEngine:
       raise RequestError("presence/frequency/repetition penalties, logit_bias, min_p and min_tokens are not applied "
                          f"with {field} (a rollout's logprobs, a draft's verification would not see them): "
                          "leave them at their defaults", field)
+    adapters = len(self.config.serve_lora_adapters)
+    if not 0 <= params.lora_adapter <= adapters:
+      raise RequestError(f"LoRA adapter {params.lora_adapter} is not served: this engine serves {adapters} "
+                         "(serve_lora_adapters)", "model")
     if params.seed is None and params.temperature > 0:
       params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(2 ** 62))})
     if params.grammar is None:
@@ -344,8 +353,9 @@ class ServingEngine:
     model = nnx.merge(self.graphdef, params, buffers)
     views = stack_views(pools, absorbed, mode=self.mode, index_head_chunk=step_head_chunk(cfg, self.chunk, t),
                         page_table=f["table"], page_size=self.page_size)
-    logits, aux = model(f["tokens"], f["positions"], cache=views,
-                        last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
+    with lora_rows.row_adapters(f["adapter"]):  # served LoRA adapters: row b through its slot (none: no effect)
+      logits, aux = model(f["tokens"], f["positions"], cache=views,
+                          last_index=None if every_position else f["last"])  # [B,t,V] | [B,1,V]
     return f, logits, aux
 
   def _sample(self, f: dict, logits: jax.Array, mask=None, adjust=None) -> jax.Array:

@@ -1,4 +1,4 @@
-"""A serving step's host inputs in ONE int32 array [b, 4t + 10 + P] (one host-to-device transfer).
+"""A serving step's host inputs in ONE int32 array [b, 4t + 11 + P] (one host-to-device transfer).
 
     feed = step_feed.empty(b, t, pages)     # b padding rows of t tokens, a page table of `pages`
     step_feed.fill(feed, rows, where)       # the scheduled rows at their batch rows
@@ -17,6 +17,7 @@ request, its last len(drafts) the drafts):
   num_drafts [b]   len(drafts); q_row [b]: its request's row of draft_q (its drafts' distributions; new ones go there)
   top_k [b], temp [b] fp32, top_p [b] fp32, min_p [b] fp32: the request's options; seeds [b]: its seed's low 32 bits (uint32 bits)
   draw_at [b]      the position of the first token this row draws
+  adapter [b]      its request's LoRA adapter slot (serve_lora_adapters' entry k is slot k; 0 = the base: layers/lora_rows.py)
   table [b,P]      the request's pages; -1 past them
 A padding row (no request) has write_pos -1 everywhere and temperature 0, so it writes and draws nothing.
 """
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SEQ = ("tokens", "positions", "write_pos", "next")  # [b,t] each
-ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds", "temp", "top_p", "min_p")  # [b] each
+ROW = ("last", "samples", "num_drafts", "q_row", "top_k", "draw_at", "seeds", "temp", "top_p", "min_p",
+       "adapter")  # [b] each
 FLOAT = ("temp", "top_p", "min_p")  # fp32 bits
 
 
@@ -77,6 +79,7 @@ def fill(feed: dict, rows: Sequence, where: Sequence[int]) -> None:
     feed["temp"][i], feed["top_p"][i], feed["top_k"][i], feed["min_p"][i] = p.temperature, p.top_p, p.top_k, p.min_p
     feed["seeds"][i] = np.uint32((p.seed or 0) % 2 ** 32).view(np.int32)
     feed["draw_at"][i] = row.start + known
+    feed["adapter"][i] = p.lora_adapter
 
 
 def to_device(feed: dict) -> jax.Array:

@@ -68,6 +68,7 @@ from MaxText.kernels.sparse_attention import (
   unabsorb_out,
 )
 from MaxText.kernels.topk_indices import topk_indices
+from MaxText.layers import lora_rows
 from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
 from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
@@ -233,6 +234,10 @@ class MLA(nnx.Module):
     absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel_value(), h, nope, v)
     q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0,
                      precision=precision)  # [b,t,h,kv_lora]
+    lora = self.wkv_b if self.wkv_b.lora_slots else None  # served adapters: each row's wkv_b delta (lora_rows)
+    if lora is not None:
+      q_abs = q_abs + lora_rows.absorbed_q_delta(q_nope, lora.lora_a[...], lora.lora_b[...], nope, dt,
+                                                 precision)  # [b,t,h,kv_lora]
     q_pe = q_pe.astype(dt)
     if cache.mode == "sparse":
       q_i, w_i = self.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
@@ -254,6 +259,8 @@ class MLA(nnx.Module):
     else:
       raise ValueError(f"attention mode {cache.mode!r}: expected 'sparse' or 'dense'")
     out = unabsorb_out(o_lat.astype(dt), value_kernel(absorbed).astype(dt), h, 0, v, precision=precision)  # [b,t,h,v]
+    if lora is not None:
+      out = out + lora_rows.absorbed_out_delta(o_lat, lora.lora_a[...], lora.lora_b[...], nope, dt, precision)  # [b,t,h,v]
     return self.wo(out.reshape(b, t, h * v)), entries  # [b,t,D]
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, cache=None

@@ -6,7 +6,9 @@ weight_block_size (kernels/fp8_blocks.py); its matmul dequantizes it a chunk of 
 (fp8_blocks.matmul), never whole.
 
 LoRA (layers/lora.py) is a property of a Linear: where lora_module_path matches, `lora_a` [in, r] and
-`lora_b` [r, out] sit beside the (frozen) kernel and y = x W + (lora_alpha / r) (x A) B.
+`lora_b` [r, out] sit beside the (frozen) kernel and y = x W + (lora_alpha / r) (x A) B. A served model with
+serve_lora_adapters holds them slot-stacked instead (`lora_slots`: A [n, in, r], B [n, r, out], the scale
+folded into B), and each row of the batch adds its own slot's delta (layers/lora_rows.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flax import nnx
 
 from MaxText.config.types import Config
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, matmul, quantize, scale_shape
+from MaxText.layers import lora_rows
 
 # "default" is None, not lax.Precision.DEFAULT: an explicit DEFAULT pins one bf16 pass on a TPU even under
 # JAX_DEFAULT_MATMUL_PRECISION=highest or jax.default_matmul_precision (what the device tests set), None follows them.
@@ -116,6 +119,7 @@ class Linear(nnx.Module):
     self.lora_a: nnx.Param | None = nnx.data(None)
     self.lora_b: nnx.Param | None = nnx.data(None)
     self.lora_scale = 0.0
+    self.lora_slots = False  # True: A [n, in, r], B [n, r, out] stacked per served adapter (lora_rows.py)
 
   def weight(self, dtype=None) -> jax.Array:
     """The kernel [in, out] in dtype (default: the compute dtype), dequantized per block when fp8."""
@@ -123,9 +127,10 @@ class Linear(nnx.Module):
 
   def kernel_value(self) -> jax.Array:
     """The kernel [..., in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
-    stored, or dequantized to the compute dtype when fp8; with an adapter, merged: W + (alpha / r) A B."""
+    stored, or dequantized to the compute dtype when fp8; with an adapter, merged: W + (alpha / r) A B; with
+    slot-stacked adapters the base's W alone (each row's delta is added where the kernel is used: lora_rows)."""
     w = self.kernel[...] if self.kernel_scale is None else self.weight()
-    if self.lora_a is None:
+    if self.lora_a is None or self.lora_slots:
       return w
     ab = jnp.einsum("...ir,...ro->...io", self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
                     precision=jax.lax.Precision.HIGHEST)  # [..., in, out]: [L, in, out] read whole from a scanned stack
@@ -135,6 +140,8 @@ class Linear(nnx.Module):
     y = matmul(x, stored(self.kernel, self.kernel_scale), self.dtype, self.precision)  # [..., out]
     if self.lora_a is None:
       return y
+    if self.lora_slots:  # each row its own adapter (B holds its scale)
+      return y + lora_rows.delta(x, self.lora_a[...], self.lora_b[...], self.dtype, self.precision)
     h = jnp.einsum("...i,ir->...r", x.astype(self.dtype), self.lora_a[...].astype(self.dtype),
                    precision=self.precision)  # [..., r]
     d = jnp.einsum("...r,ro->...o", h, self.lora_b[...].astype(self.dtype), precision=self.precision)  # [..., out]

@@ -75,14 +75,21 @@ def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
 
 def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
   """Gives every linear lora_module_path matches its A and B (a no-op at lora_rank=0). Called once the
-  base is built, so the base's random draws (and values) are the same with and without adapters."""
+  base is built, so the base's random draws (and values) are the same with and without adapters. With
+  serve_lora_adapters (a served model): slot-stacked zeros, A [..., n, in, r], B [..., n, r, out], n = adapters + 1."""
   if not config.lora_rank:
     return
   r = config.lora_rank
   dtype = jnp.float32  # whatever weight_dtype says: adapters are the trained master copy (cast to dtype in the matmul)
+  slots = len(config.serve_lora_adapters) + 1  # serving: slot 0 (none) and one per served adapter
   for _, m in matched(model, config):
     *stack, n_in, n_out = m.kernel.shape  # stack: [L] for a scanned layer's kernel
     in_axis, out_axis = m.kernel.get_metadata()["logical_axes"][-2:]
+    if config.serve_lora_adapters:  # zeros, filled by checkpoint/lora_adapters.py (lora_rows.py: the layout)
+      m.lora_a = nnx.Param(jnp.zeros((*stack, slots, n_in, r), dtype), logical_axes=("lora_slot", in_axis, "lora_rank"))
+      m.lora_b = nnx.Param(jnp.zeros((*stack, slots, r, n_out), dtype), logical_axes=("lora_slot", "lora_rank", out_axis))
+      m.lora_slots, m.lora_scale = True, 1.0  # each adapter's alpha / r is folded into its B
+      continue
     bound = 1.0 / math.sqrt(n_in)
     a = jax.random.uniform(rngs.params(), (*stack, n_in, r), jnp.float32, -bound, bound)  # [..., in, r]
     m.lora_a = nnx.Param(a.astype(dtype), logical_axes=(in_axis, "lora_rank"))

@@ -13,7 +13,9 @@ detokenized incrementally, checked for stop strings, and sent (streamed: one eve
 ending with `data: [DONE]`). A client that goes away mid-request has its request aborted (its
 pages freed at the engine's next loop). Every failure is OpenAI's error body; none ends the server.
 Before any route: the API key (401) and the body's size (413), server/gate.py. A request the engine
-ends at serve_request_timeout is a 408 (streamed: the error as its last event, then [DONE]).
+ends at serve_request_timeout is a 408 (streamed: the error as its last event, then [DONE]). A request's `model`
+picks one of serve_lora_adapters (Server.adapter_slot: its slot travels as SamplingParams.lora_adapter; the
+base's name or none picks none) and /v1/models lists the base and each adapter (vLLM's parent / root fields).
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ class Server:
   metrics: ServerMetrics = dataclasses.field(default_factory=ServerMetrics)
   grammars: Any = None  # inference.grammar.Grammars: structured outputs (None: refused with a 400)
 
+  def adapter_slot(self, model: str | None) -> int:
+    """A request's model field -> its LoRA adapter slot (SamplingParams.lora_adapter): 0 for the base (its name,
+    or no model), k for serve_lora_adapters' k-th entry; any other name is a 404 naming the field."""
+    names = [name for name, _ in self.config.served_adapters]
+    if not model or model == self.model_id:
+      return 0
+    if model in names:
+      return names.index(model) + 1
+    raise ApiError(404, f"model={model!r} is not served here: this server serves "
+                   f"{', '.join(repr(m) for m in [self.model_id, *names])}", "model", "model_not_found")
+
 
 @dataclasses.dataclass
 class Piece:
@@ -82,9 +95,7 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   grammar: the chat format's own (a forced tool call's), applied when the server has grammars."""
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
-  if body.model and body.model != server.model_id:
-    raise ApiError(404, f"model={body.model!r} is not served here: this server serves {server.model_id!r}",
-                   "model", "model_not_found")
+  adapter = server.adapter_slot(body.model)
   stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
@@ -94,6 +105,8 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
     params = [dataclasses.replace(p, grammar=spec) for p in params]
   if server.config.serve_request_timeout:
     params = [dataclasses.replace(p, timeout=server.config.serve_request_timeout) for p in params]
+  if adapter:
+    params = [dataclasses.replace(p, lora_adapter=adapter) for p in params]
   streams: list[RequestStream] = []
   try:
     for p, sp in zip(prompts, params):
@@ -328,8 +341,10 @@ def build_app(server: Server) -> FastAPI:
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0,
-                                        "owned_by": "maxtext", "max_model_len": server.config.max_target_length}]}
+    card = {"object": "model", "created": 0, "owned_by": "maxtext", "max_model_len": server.config.max_target_length}
+    base = {"id": server.model_id, **card, "root": server.model_id, "parent": None}
+    return {"object": "list", "data": [base, *({"id": name, **card, "root": path, "parent": server.model_id}
+                                               for name, path in server.config.served_adapters)]}
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request):
@@ -341,7 +356,7 @@ def build_app(server: Server) -> FastAPI:
     if score_only:
       gens = [_dropped(g) for g in gens]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_id}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": body.model or server.model_id}
 
     started: set[int] = set()
 
@@ -389,7 +404,7 @@ def build_app(server: Server) -> FastAPI:
     streams = await _submit(server, body, [prompt], max_tokens, turn.stop_ids, turn.grammar)
     gens = [_pieces(server, 0, streams[0], body, arrival)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "created": created, "model": server.model_id}
+    head = {"id": rid, "created": created, "model": body.model or server.model_id}
     if body.stream:
       first, held = [True], Piece(0, "", [])  # held: the tokens of pieces the parser held back
 

@@ -29,3 +29,20 @@ def small_lora_config(**kw):
   return make_config(**{**dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
                                global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
                                first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none"), **kw})
+
+
+def write_adapter_run(out_dir: str, name: str, seed: int, **keys) -> dict:
+  """A LoRA run's folder as train.py with lora_rank writes it (<out_dir>/<name>/config.yml and checkpoints/1/state
+  holding only the adapters), its adapters random (B too, so they change the output) -> the adapters (numpy)."""
+  from MaxText.checkpoint import model_state, orbax_state, run_folder
+  from MaxText.layers import lora
+  cfg = make_config(**keys, base_output_directory=out_dir, run_name=name, enable_checkpointing=True,
+                    async_checkpointing=False)
+  rng = np.random.default_rng(seed)
+  adapters = jax.tree.map(lambda s: (rng.standard_normal(s.shape) * 0.3).astype(np.float32),
+                          lora.split(model_state.abstract_model(cfg)[1].to_pure_dict())[0])
+  run_folder.RunFolder(cfg).write_config()
+  manager = orbax_state.create_manager(cfg)
+  orbax_state.save(manager, 1, {"params": adapters, "buffers": {}, "step": np.int32(1)}, {})
+  orbax_state.finish(manager)
+  return adapters

@@ -1,6 +1,7 @@
 """What the server tests share: a stand-in for ServingEngine over the real Scheduler, and a bounded wait.
 (The app served in a thread is MaxText.server.in_process.serve_in_thread.)"""
 
+import contextlib
 import time
 
 from MaxText.inference.page_allocator import PageAllocator
@@ -82,3 +83,21 @@ def wait_for(predicate, what: str, timeout: float = 20.0, poll: float = 0.05):
       return
     time.sleep(poll)
   pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def scripted_server(config, step_s: float = 0.02):
+  """(url, ScriptedEngine, Server): the real app, uvicorn and engine thread over a ScriptedEngine, token-id prompts
+  (no tokenizer), model id "tiny", under `config`; served in a thread until the block ends."""
+  from MaxText.server.app import Server, build_app
+  from MaxText.server.engine_thread import EngineThread
+  from MaxText.server.in_process import serve_in_thread
+  from MaxText.server.protocol import Texts
+  eng = ScriptedEngine(step_s=step_s)
+  engine = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
+  texts = Texts(None, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
+                special_tokens={})
+  server = Server(config, texts, engine, "tiny")
+  with serve_in_thread(build_app(server)) as (url, _):
+    wait_for(lambda: engine.ready, "the engine to start", timeout=10)
+    yield url, eng, server

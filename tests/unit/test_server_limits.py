@@ -5,7 +5,6 @@ variable; to_yaml and repr mask it), the body's size (413 before parsing, by Con
 bytes of a chunked body), n / best_of bounds, and serve_request_timeout (the scheduler ends the request
 and frees its pages; a plain request gets a 408, a streamed one the error as its last event)."""
 
-import contextlib
 import json
 import os
 
@@ -16,28 +15,17 @@ from MaxText.config import pyconfig
 from MaxText.inference.page_allocator import PageAllocator
 from MaxText.inference.scheduler import SamplingParams, Scheduler
 from MaxText.server import gate
-from MaxText.server.app import Server, build_app
-from MaxText.server.engine_thread import EngineThread
-from MaxText.server.in_process import serve_in_thread
-from MaxText.server.protocol import ApiError, CompletionRequest, Texts
+from MaxText.server.protocol import ApiError, CompletionRequest
 from tests.conftest import make_config
-from tests.support.server_harness import ScriptedEngine, wait_for
+from tests.support.server_harness import scripted_server, wait_for
 
 KEY = "sk-test-5b1e"
 MAX_BYTES = 400
 
 
-@contextlib.contextmanager
 def _served(**keys):
   """(url, ScriptedEngine, Server) for the app under `keys` (config overrides)."""
-  eng = ScriptedEngine(step_s=0.02)
-  engine = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None)
-  texts = Texts(None, add_bos=False, vocab_size=512, chat_template=None, chat_template_source="none",
-                special_tokens={})
-  server = Server(make_config(**keys), texts, engine, "tiny")
-  with serve_in_thread(build_app(server)) as (url, _):
-    wait_for(lambda: engine.ready, "the engine to start", timeout=10)
-    yield url, eng, server
+  return scripted_server(make_config(**keys))
 
 
 @pytest.fixture(scope="module")
