@@ -180,6 +180,38 @@ def _rendezvous_peer(host: str, port: int, n: int, pid: int, timeout: float, dea
     raise ConfigError(answer["error"])
 
 
+def check_same_config(values: dict, timeout_s: float, own=("distributed_process_id",)) -> None:
+  """Several processes: raises ConfigError (one line naming the keys) unless this process's config
+  `values` equals process 0's, every key but `own` (each process's own). Each process publishes its
+  values in jax.distributed's key-value store; a follower compares with process 0's, process 0 with
+  every follower's, each within timeout_s. Called before anything compiles. One process: nothing."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # the store jax.distributed.initialize started
+  client, me = jax_distributed.global_state.client, jax.process_index()
+  text = json.dumps({k: v for k, v in values.items() if k not in own}, sort_keys=True, default=str)
+  mine = json.loads(text)  # as the others see it (tuples as lists)
+  client.key_value_set(f"maxtext_config/{me}", text)
+  for other in range(1, jax.process_count()) if me == 0 else (0,):
+    try:
+      theirs = json.loads(client.blocking_key_value_get(f"maxtext_config/{other}", int(timeout_s * 1000)))
+    except Exception:  # noqa: BLE001 - the store's deadline: that process never got this far
+      raise ConfigError(f"process {other} did not publish its config within distributed_initialization_timeout="
+                        f"{timeout_s:g} s (it failed earlier: see its output)") from None
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+      shown = ", ".join(f"{k}={_short(mine.get(k))} here, {_short(theirs.get(k))} on process {other}"
+                        for k in differ[:4])
+      raise ConfigError(f"the processes were started with different configs ({len(differ)} key(s) differ: {shown}"
+                        f"{', ...' if len(differ) > 4 else ''}): give every process the same command")
+
+
+def _short(value, most: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= most else text[:most - 3] + "..."
+
+
 # ---------------------------------------------------------------- batches and host reads
 
 
