@@ -22,9 +22,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-def launch(port: int, *, processes: int, devices: int, coordinator_port: int, extra=(), timeout_s: int = 60):
+def launch(port: int, *, processes: int, devices: int, coordinator_port: int, extra=(), timeout_s: int = 60,
+           per_process=None):
   """`python -m MaxText.serve SERVE` on `processes` processes of `devices` CPU devices each -> the Popens
-  (stdout and stderr piped). No persistent compilation cache with several processes (test_multiprocess.py)."""
+  (stdout and stderr piped); per_process[i]: process i's extra keys. No persistent compilation cache with
+  several processes (test_multiprocess.py)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT,
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
          "JAX_ENABLE_COMPILATION_CACHE": "false"}
@@ -34,7 +36,7 @@ def launch(port: int, *, processes: int, devices: int, coordinator_port: int, ex
                                       f"distributed_num_processes={processes}", f"distributed_process_id={i}",
                                       f"distributed_initialization_timeout={timeout_s}"]
     procs.append(subprocess.Popen([sys.executable, "-m", "MaxText.serve", *SERVE, f"serve_port={port}", *dist,
-                                   *extra], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                   *extra, *(per_process or {}).get(i, [])], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True))
   return procs
 
