@@ -74,7 +74,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import grammar, logprobs, paged_cache, penalties, rollout, step_feed
+from MaxText.inference import grammar, logprobs, paged_cache, penalties, rollout, step_channel, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -130,6 +130,8 @@ class ServingEngine:
     self.rollouts = rollout.RolloutRecorder(self.page_size, cfg.num_moe_layers, cfg.num_experts_per_tok)
     self._write_jit = jax.jit(self._write, static_argnums=(0,), donate_argnums=(1,))
     self._seeds = np.random.default_rng(cfg.seed)
+    # several processes: process 0's Channel announces each device call (step_channel.py); one process: LOCAL
+    self.channel = step_channel.LOCAL
     self.reset()
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
@@ -156,6 +158,7 @@ class ServingEngine:
   def reset(self) -> None:
     """Empty pools, a new page allocator and scheduler (no request, nothing cached); the compiled
     programs stay."""
+    self.channel.send("reset")
     cfg = self.config
     self.allocator = PageAllocator(self.num_pages, self.page_size, prefix_caching=cfg.serve_prefix_caching,
                                    shards=self.shards)
@@ -181,6 +184,7 @@ class ServingEngine:
   def warmup(self) -> int:
     """Compiles every step and write program (each row bucket x width x context) on padding-only
     input: every write is dropped, nothing changes. Returns how many step programs there are."""
+    self.channel.send("warmup")
     for b in self.buckets():
       for t in self.widths:
         for pages in self.contexts:
@@ -269,13 +273,12 @@ class ServingEngine:
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
     adjust = penalties.step_arrays(rows, where, b, self.config.vocab_size, self.eos_id)
-    self.pools, sampled, (lps, records) = self.run(t, feed, logprobs.wants(rows), ro, self.step_mask(rows, where, b),
-                                                   adjust)
-    sampled = to_host(sampled)
+    sampled, lps, records = self.device_step(t, feed["buf"], logprobs.wants(rows), ro, self.step_mask(rows, where, b),
+                                             adjust)
     if records is not None:
-      self.rollouts.record(rows, where, sampled, *(to_host(a) for a in records))
+      self.rollouts.record(rows, where, sampled, *records)
     if lps is not None:
-      logprobs.record(rows, where, *(to_host(a) for a in lps))
+      logprobs.record(rows, where, *lps)
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     self.scheduler.update(rows, sampled[where])
     if ro:
@@ -285,10 +288,21 @@ class ServingEngine:
     return [(row.request, row.request.output[-1]) for row, n in zip(rows, made)
             if n is not None and len(row.request.output) > n]
 
-  def step_mask(self, rows: list[Scheduled], where: list[int], b: int):
-    """The step's grammar bitmask [b, ceil(V/32)] int32 on the device, or None (no sampling row has a grammar)."""
-    mask = self.grammars.mask(rows, where, b, self.eos_id) if self.grammars is not None else None
-    return None if mask is None else jnp.asarray(mask)
+  def device_step(self, t: int, buf: np.ndarray, with_logprobs: bool, with_rollout: bool, mask, adjust):
+    """A step's device call, every process's (step_channel.CALLS' "step"): the step and write programs on
+    the step feed's buf [b, W] -> on the host: (sampled [b], lps or None, records or None) as `run` says.
+    mask: the grammar bitmask [b, ceil(V/32)] or None; adjust: penalties.step_arrays' or None."""
+    self.channel.send("step", int(t), buf, bool(with_logprobs), bool(with_rollout), mask, adjust)
+    mask = None if mask is None else jnp.asarray(mask)
+    adjust = None if adjust is None else tuple(jnp.asarray(a) for a in adjust)
+    self.pools, sampled, (lps, records) = self.run(t, {"buf": buf}, with_logprobs, with_rollout, mask, adjust)
+    sampled = to_host(sampled)  # these reads, in this order, are every process's (collective over processes)
+    records = None if records is None else tuple(to_host(a) for a in records)
+    return sampled, None if lps is None else tuple(to_host(a) for a in lps), records
+
+  def step_mask(self, rows: list[Scheduled], where: list[int], b: int) -> np.ndarray | None:
+    """The step's grammar bitmask [b, ceil(V/32)] int32 on the host, or None (no sampling row has a grammar)."""
+    return self.grammars.mask(rows, where, b, self.eos_id) if self.grammars is not None else None
 
   def end_complete(self, rows: list[Scheduled], made: list[int | None]) -> None:
     """After update: the new tokens advance their rows' grammars; a request whose grammar is complete ends ("stop")."""

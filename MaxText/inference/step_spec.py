@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText.inference import paged_cache, step_feed
@@ -92,7 +93,7 @@ class SpecStep:
     feed = step_feed.empty(b, t, pages)
     self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
-    got = to_host(self.run(t, feed, e.step_mask(rows, where, b)))[where]  # [rows, 2k+2]
+    got = self.device_step(t, feed["buf"], e.step_mask(rows, where, b))[where]  # [rows, 2k+2]
     out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
@@ -114,6 +115,12 @@ class SpecStep:
     e = self.engine
     return self._jit.lower(t, e.params, e.buffers, e.pools, self.mtp_pool, (e.absorbed, self.absorbed),
                            self.draft_q, buf).compile()
+
+  def device_step(self, t: int, buf, mask) -> np.ndarray:
+    """The speculative step's device call, every process's (step_channel "spec_step"): run on the step feed's
+    buf [b, W] and a grammar bitmask (numpy, or None) -> [b, 2k+2] on the host."""
+    self.engine.channel.send("spec_step", int(t), buf, mask)
+    return to_host(self.run(t, {"buf": buf}, None if mask is None else jnp.asarray(mask)))
 
   def run(self, t: int, feed: dict, mask=None) -> jax.Array:
     e = self.engine

@@ -19,6 +19,7 @@ its devices (on the CPU that aborts gloo: `settled`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -178,6 +179,61 @@ def _rendezvous_peer(host: str, port: int, n: int, pid: int, timeout: float, dea
                         f"start-up check ({e})") from None
   if answer.get("error"):
     raise ConfigError(answer["error"])
+
+
+_VERDICT_GRACE_S = 1.0  # process 0 outlives the others' config error by this much: the store they read is its
+
+
+def check_same_config(values: dict, timeout_s: float, own=("distributed_process_id",)) -> None:
+  """Several processes: raises ConfigError on every process (one line naming the keys) unless every
+  process's config `values` equals process 0's, every key but `own` (each process's own). Through
+  jax.distributed's key-value store: each process publishes its values; process 0 compares and publishes
+  its verdict; each other process reads it and says it has; process 0, on a difference, waits for those
+  acknowledgements (so every process prints the line before process 0, which hosts the store, exits).
+  Each wait is bounded by timeout_s. Called before anything compiles. One process: nothing."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # the store jax.distributed.initialize started
+  client, me, n = jax_distributed.global_state.client, jax.process_index(), jax.process_count()
+  ms = int(timeout_s * 1000)
+  text = json.dumps({k: v for k, v in values.items() if k not in own}, sort_keys=True, default=str)
+  client.key_value_set(f"maxtext_config/{me}", text)
+  if me == 0:
+    mine, verdict = json.loads(text), ""
+    for other in range(1, n):
+      try:
+        theirs = json.loads(client.blocking_key_value_get(f"maxtext_config/{other}", ms))
+      except Exception:  # noqa: BLE001 - the store's deadline: that process never got this far
+        verdict = (f"process {other} did not publish its config within distributed_initialization_timeout="
+                   f"{timeout_s:g} s (it failed earlier: see its output)")
+        break
+      differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+      if differ:
+        shown = ", ".join(f"{k}={_short(mine.get(k))} on process 0, {_short(theirs.get(k))} on process {other}"
+                          for k in differ[:4])
+        verdict = (f"the processes were started with different configs ({len(differ)} key(s) differ: {shown}"
+                   f"{', ...' if len(differ) > 4 else ''}): give every process the same command")
+        break
+    client.key_value_set("maxtext_config/verdict", verdict)
+    if verdict:
+      for other in range(1, n):
+        with contextlib.suppress(Exception):  # a process gone already: do not wait for it again
+          client.blocking_key_value_get(f"maxtext_config/seen/{other}", ms)
+      time.sleep(_VERDICT_GRACE_S)  # they print their line and exit; then the store may go
+  else:
+    try:
+      verdict = client.blocking_key_value_get("maxtext_config/verdict", ms)
+    except Exception:  # noqa: BLE001 - the store's deadline
+      verdict = f"process 0 did not compare the configs within distributed_initialization_timeout={timeout_s:g} s"
+    client.key_value_set(f"maxtext_config/seen/{me}", "1")
+  if verdict:
+    raise ConfigError(verdict)
+
+
+def _short(value, most: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= most else text[:most - 3] + "..."
 
 
 # ---------------------------------------------------------------- batches and host reads

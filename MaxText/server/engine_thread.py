@@ -15,7 +15,9 @@ the thread reads between steps, and one asyncio queue per request that the threa
 `loop.call_soon_threadsafe`. The thread drains the scheduler's finished list after every step
 (nothing accumulates over a server's life) and publishes `stats` (the engine's stats()) for the
 metrics. A step that raises fails the requests it ran (an error event each), resets the engine
-and goes on: one bad request never ends the server.
+and goes on: one bad request never ends the server. Over several processes (on_step_failure given) a
+failed step means a lost process: on_step_failure(why) decides (the server fails every request and
+exits); `fail` ends every open and queued request with an error from any thread.
 """
 
 from __future__ import annotations
@@ -82,10 +84,13 @@ class RequestStream:
 
 
 class EngineThread:
-  def __init__(self, make_engine: Callable[[], ContextManager], *, max_waiting: int, log=print):
+  def __init__(self, make_engine: Callable[[], ContextManager], *, max_waiting: int, log=print,
+               on_step_failure: Callable[[str], None] | None = None):
     """make_engine(): a context manager that yields the ServingEngine (entered in the engine thread,
-    so a mesh or sharding context it sets holds for every call)."""
+    so a mesh or sharding context it sets holds for every call). on_step_failure(why): called instead
+    of resetting the engine when a step raises (several processes: the step's peers are not all there)."""
     self._make_engine, self.max_waiting, self.log = make_engine, max_waiting, log
+    self._on_step_failure = on_step_failure
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.state = "starting"  # starting -> compiling -> ready | failed; stopped at the end
     self.stats: dict = {}
@@ -141,7 +146,8 @@ class EngineThread:
       self.state = "failed"
       self._refuse_all(ApiError(503, f"the engine failed: {self.failure}", None, "engine_failed"))
       return
-    self.state = "stopped"
+    if self.state != "failed":
+      self.state = "stopped"
 
   def _loop(self, engine) -> None:
     while True:
@@ -152,6 +158,8 @@ class EngineThread:
         return
       if not engine.idle:
         self._step(engine)
+      if self.state == "failed":  # fail(): a lost process; the server exits
+        return
       self.stats = engine.stats()
 
   def _read_inbox(self, engine, block: bool) -> bool:
@@ -196,6 +204,9 @@ class EngineThread:
     try:
       made = engine.step()
     except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
+      if self._on_step_failure is not None:
+        self._on_step_failure(f"an engine step failed ({type(e).__name__}: {str(e).strip()[:200]})")
+        return
       self.log(f"serve: an engine step failed; its requests end with an error\n{traceback.format_exc()}")
       error = ApiError(500, f"the engine step failed: {type(e).__name__}: {e}")
       for stream in self._streams.values():
@@ -227,8 +238,14 @@ class EngineThread:
         stream.put(_Event(finish_reason=request.finish_reason, prompt_logprobs=_prompt_logprobs(request) if unsent
                           else None))
 
+  def fail(self, error: ApiError) -> None:
+    """From any thread: the engine is gone (state failed, /health 503); every open request and every queued
+    one ends with `error` (an error event on a stream)."""
+    self.failure, self.state = error.message, "failed"
+    self._refuse_all(error)
+
   def _refuse_all(self, error: ApiError) -> None:
-    for stream in self._streams.values():
+    for stream in list(self._streams.values()):
       stream.put(_Event(error=error))
     self._streams.clear()
     while True:

@@ -93,3 +93,41 @@ def test_exactly_serve_max_waiting_requests_wait_beyond_the_free_slots_and_the_n
   refused, outs = asyncio.run(asyncio.wait_for(fill(), 10))
   assert refused.status == 429 and refused.code == "too_many_waiting" and "serve_max_waiting" in refused.message
   assert outs == [[102, 103]] * 6 and eng.allocator.used_pages == 0  # the accepted ones all run
+
+
+def test_over_several_processes_a_failing_step_is_a_lost_process_every_request_errors_and_the_engine_ends():
+  """on_step_failure (serve.py's, several processes) replaces reset-and-go-on: it calls fail(), every open
+  request gets its 503, new ones are refused, and the engine loop ends in state failed."""
+  eng = ScriptedEngine()
+  eng.paused = True  # requests stay waiting until the step that fails
+  why = []
+
+  def lost(reason):
+    why.append(reason)
+    t.fail(ApiError(503, f"lost: {reason}", None, "engine_failed"))
+
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None, on_step_failure=lost)
+  t.start()
+  for _ in range(200):
+    if t.ready:
+      break
+    time.sleep(0.01)
+
+  async def two():
+    streams = [await t.submit([1, 2], SamplingParams(max_tokens=3)) for _ in range(2)]
+    eng.fail_next, eng.paused = True, False
+    out = []
+    for s in streams:
+      with pytest.raises(ApiError) as e:
+        async for _ in s:
+          pass
+      out.append(e.value)
+    return out
+
+  errors = asyncio.run(asyncio.wait_for(two(), 10))
+  assert [e.status for e in errors] == [503, 503] and "boom" in errors[0].message and len(why) == 1
+  t._thread.join(5)
+  assert not t._thread.is_alive() and t.state == "failed"
+  with pytest.raises(ApiError) as e:
+    asyncio.run(t.submit([1], SamplingParams(max_tokens=1)))
+  assert e.value.status == 503

@@ -1,0 +1,97 @@
+"""What multi-process serving adds to a step: process 0's message to the other processes (step_channel.py).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_channel.py [--bytes 16384] [--n 200]
+
+Starts 2 processes on localhost (jax.distributed, 4 CPU devices each, gloo) and times, per message of
+--bytes: the channel's send (encode + a key-value store write), a send plus the follower's receive and an
+answer (the round trip a step could wait for), and jax.experimental.multihost_utils.broadcast_one_to_all of
+the same array (the collective alternative). Medians of --n. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _process(pid: int, port: int, size: int, n: int) -> None:
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", 2, pid)
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from MaxText.inference import step_channel
+  channel = step_channel.open_channel(60)
+  client = channel.client
+  feed = np.zeros(size // 4, np.int32)
+  send, round_trip, broadcast = [], [], []
+  for i in range(n):
+    if pid == 0:
+      t = time.perf_counter()
+      channel.send("step", 8, feed)
+      send.append(time.perf_counter() - t)
+      t = time.perf_counter()
+      channel.send("step", 8, feed)
+      client.blocking_key_value_get(f"bench/ack/{i}", 60_000)
+      round_trip.append(time.perf_counter() - t)
+    else:
+      channel.receive()
+      channel.receive()
+      client.key_value_set(f"bench/ack/{i}", "1")
+  multihost_utils.broadcast_one_to_all(feed)  # compiled once
+  for _ in range(n):
+    t = time.perf_counter()
+    multihost_utils.broadcast_one_to_all(feed)
+    broadcast.append(time.perf_counter() - t)
+  if pid == 0:
+    ms = {k: statistics.median(v) * 1e3 for k, v in (("send_ms", send), ("round_trip_ms", round_trip),
+                                                      ("broadcast_ms", broadcast))}
+    print(json.dumps({"bytes": size, "n": n} | {k: round(v, 3) for k, v in ms.items()}), flush=True)
+  channel.close()
+  if pid != 0:
+    channel.receive()
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--bytes", type=int, default=16384)
+  ap.add_argument("--n", type=int, default=200)
+  ap.add_argument("--role", type=int, default=-1, help=argparse.SUPPRESS)
+  ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.role >= 0:
+    _process(args.role, args.port, args.bytes, args.n)
+    return
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_ENABLE_COMPILATION_CACHE": "false"}
+  procs = [subprocess.Popen([sys.executable, __file__, "--role", str(i), "--port", str(port), "--bytes",
+                             str(args.bytes), "--n", str(args.n)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+  try:
+    out = procs[0].communicate(timeout=300)[0]
+    procs[1].wait(timeout=60)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  result = json.loads(out.strip().splitlines()[-1])
+  print(f"{'per message of ' + str(result['bytes']) + ' bytes (median of ' + str(result['n']) + ')':<44} ms")
+  for key, what in (("send_ms", "step_channel send (encode + store write)"),
+                    ("round_trip_ms", "send + follower receive + answer"),
+                    ("broadcast_ms", "multihost_utils.broadcast_one_to_all")):
+    print(f"{what:<44} {result[key]:.3f}")
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
