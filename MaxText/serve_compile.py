@@ -27,6 +27,13 @@ temp_bytes_per_device (the step's), the step's and the write's own memory analys
 requests_at_max_target_length (whole max_target_length sequences the pools hold: each lives in
 one page shard), rows, tokens_per_row, collectives (op -> count, step and write), mesh,
 page_shards, compile_seconds. Config mistakes exit 2 with one line. Keys: configs/base.yml.
+
+Many hosts: the program is the same SPMD step whatever the process count (memory per device does not
+change); `distributed_num_processes=P` (the key a multi-process run sets; only read here, nothing joins)
+says how the run's devices split into P processes of compile_num_devices / P, and the plan adds
+processes, devices_per_process and cross_process_axes: the mesh axes that span processes (the mesh is
+laid out process by process, as jax.devices() orders a multi-process run), whose collectives cross
+hosts (e.g. `expert`: the experts' all-to-all and the weights' all-gathers).
 """
 
 from __future__ import annotations
@@ -36,12 +43,11 @@ import math
 import sys
 import time
 
-# An XLA:CPU rewrite a GPU/TPU compile never makes, off for these virtual-device compiles: XLA:CPU has
-# no bf16 matmul: it converts a dot's bf16 operands to f32, and its while-loop invariant code motion
-# then hoists that convert of the stacked weights out of the layer loop: an f32 copy of every layer's
-# experts (2x the bf16 weights; 183 -> 14 GiB of temporaries on the 671B step). (The pools hold fp8 and
-# bf16 fields as integer bits, which XLA:CPU writes in place: kv_cache.storage_dtype.)
-CPU_FLAGS = ("--xla_disable_hlo_passes=while-loop-invariant-code-motion",)
+import numpy as np
+
+# The virtual-device compile turns off an XLA:CPU rewrite a GPU/TPU compile never makes (virtual_devices.CPU_FLAGS:
+# the hoisted wide copy of the stacked weights). (The pools hold fp8 and bf16 fields as integer bits, which
+# XLA:CPU writes in place: kv_cache.storage_dtype.)
 
 
 def build_engine(config):
@@ -71,6 +77,7 @@ def compile_report(config) -> dict:
   import jax
 
   from MaxText.runtime import aot, sharding
+  topology = hosts(config)  # a device count the processes do not divide: before any compile
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     engine = build_engine(config)
@@ -88,7 +95,6 @@ def compile_report(config) -> dict:
           + max(m_step["temp"], m_write["temp"]))
   cost = step.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  pages_per_shard = engine.num_pages // engine.shards
   collectives = aot.collective_counts(step.as_text() + "\n" + write.as_text())
   return {
       "peak_bytes_per_device": peak,
@@ -106,7 +112,7 @@ def compile_report(config) -> dict:
       "cache_pages": engine.num_pages,
       "page_size": engine.page_size,
       "cache_tokens": engine.num_pages * engine.page_size,
-      "requests_at_max_target_length": pages_per_shard // engine.pages_per_seq * engine.shards,
+      "requests_at_max_target_length": requests_that_fit(engine.num_pages, engine.shards, engine.pages_per_seq),
       "max_target_length": config.max_target_length,
       "rows": engine.max_seqs,
       "tokens_per_row": engine.chunk,
@@ -115,10 +121,34 @@ def compile_report(config) -> dict:
       "mesh": {a: config.mesh_shape[a] for a in config.mesh_axes},
       "num_devices": math.prod(config.mesh_shape.values()),
       "page_shards": engine.shards,
+      **topology,
       "weight_quantization": config.weight_quantization,
       "kv_cache_dtype": config.kv_cache_dtype,
       "compile_seconds": round(seconds, 2),
   }
+
+
+def requests_that_fit(num_pages: int, shards: int, pages_per_seq: int) -> int:
+  """Whole sequences of pages_per_seq pages the pools hold: a sequence lives in one page shard (its
+  rows' device), so each shard holds (num_pages / shards) // pages_per_seq of them."""
+  return num_pages // shards // pages_per_seq * shards
+
+
+def hosts(config) -> dict:
+  """The multi-host part of the plan: processes (distributed_num_processes; -1 = one), devices_per_process,
+  and cross_process_axes: the mesh axes along which the process changes (devices numbered process by
+  process, the mesh their row-major reshape: sharding.create_mesh). A device count the processes do not
+  divide is a ConfigError (one line)."""
+  from MaxText.config.types import ConfigError
+  n = math.prod(config.mesh_shape[a] for a in config.mesh_axes)
+  processes = max(config.distributed_num_processes, 1)
+  if n % processes:
+    raise ConfigError(f"distributed_num_processes={processes} does not divide the {n} devices of the mesh: "
+                      "every process holds as many devices")
+  per = n // processes
+  owner = np.arange(n).reshape([config.mesh_shape[a] for a in config.mesh_axes]) // per  # [*mesh] process of a device
+  crossing = [a for i, a in enumerate(config.mesh_axes) if (np.diff(owner, axis=i) != 0).any()]
+  return {"processes": processes, "devices_per_process": per, "cross_process_axes": crossing}
 
 
 def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
@@ -153,7 +183,9 @@ def _table(config, r: dict) -> str:
                        f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of "
                        f"{r['max_target_length']:,})"),
        ("temporaries", f"{gib(r['temp_bytes_per_device'])}  (the write of new entries: "
-                       f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)")],
+                       f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)"),
+       *([("hosts", f"{r['processes']} processes x {r['devices_per_process']} devices; across hosts: "
+                    f"{', '.join(r['cross_process_axes']) or 'none'}")] if r["processes"] > 1 else [])],
       r)
 
 
@@ -186,7 +218,7 @@ def main(argv) -> None:
   from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
-  virtual_devices.setup_or_exit(argv, CPU_FLAGS)
+  virtual_devices.setup_or_exit(argv)
   config = pyconfig.initialize_or_exit(argv, __doc__)
   from MaxText.inference import paged_cache
   from MaxText.runtime import sharding
