@@ -153,21 +153,20 @@ def hosts(config) -> dict:
 
 def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
   """Pages (a multiple of the page shards) that fill what hbm_gib leaves per device, from `probe` (a
-  report with a small pool). The pool's bytes grow per page; so may the write's temporaries (XLA:CPU
-  copies a bf16 pool it scatters into): given `last`, a report with a larger pool that did not fit,
-  they grow by the slope between the two reports, else they are taken as probe's (in place)."""
+  report with a small pool). The pool's bytes grow per page; so may each program's temporaries (XLA:CPU
+  copies a bf16 pool it scatters into; the 671B step's grew 0.04 GiB from the probe to 8K pages a
+  shard): given `last`, a report with a larger pool that did not fit, each grows by its slope between
+  the two reports, else each is taken as probe's."""
   shards = probe["page_shards"]
   per_shard = lambda r: r["cache_pages"] // shards
   page_bytes = probe["cache_bytes_per_device"] / per_shard(probe)  # one page in every shard
   fixed = (probe["weight_bytes_per_device"] + probe["draft_bytes_per_device"] + probe["row_input_bytes_per_device"]
            + probe["step_output_bytes_per_device"])  # the peak's parts that do not depend on the pool
   room = hbm_gib * 2**30 - fixed  # for the pools and the larger of the two programs' temporaries
-  temp = max(probe["temp_bytes_per_device"], probe["write_temp_bytes_per_device"])  # the step's does not grow
-  pages = (room - temp) / page_bytes
-  if last is not None:
-    slope = (last["write_temp_bytes_per_device"] - probe["write_temp_bytes_per_device"]) / (per_shard(last)
-                                                                                           - per_shard(probe))
-    base = probe["write_temp_bytes_per_device"] - slope * per_shard(probe)
+  pages = math.inf
+  for key in ("temp_bytes_per_device", "write_temp_bytes_per_device"):  # the step's, the write's
+    slope = 0.0 if last is None else (last[key] - probe[key]) / (per_shard(last) - per_shard(probe))
+    base = probe[key] - slope * per_shard(probe)  # this program's temporaries at 0 pages (linear in pages)
     pages = min(pages, (room - base) / (page_bytes + max(slope, 0.0)))
   return max(int(pages), 0) * shards
 

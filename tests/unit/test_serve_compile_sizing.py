@@ -67,3 +67,15 @@ def test_a_multi_host_plan_names_the_mesh_axes_whose_collectives_cross_hosts():
   assert serve_compile.hosts(one) == {"processes": 1, "devices_per_process": 8, "cross_process_axes": []}
   with pytest.raises(ConfigError, match="distributed_num_processes=3 does not divide the 16 devices"):
     serve_compile.hosts(make_config(num_devices=16, num_experts=16, global_batch_size=16, ici_expert_parallelism=16, distributed_num_processes=3))
+
+
+def test_resizing_after_an_overshoot_takes_the_growth_of_the_step_temporaries_too():
+  page = 2**20
+  probe = _probe(page)  # 4 pages a shard, step temporaries 0.5 GiB
+  last = {**probe, "cache_pages": 8 * 104, "cache_bytes_per_device": 104 * page,
+          "temp_bytes_per_device": 2**29 + 100 * 2**18}  # 100 pages more: the step's grew a quarter page a page
+  hbm = (2**30 + 2**29 + 4 * 2**18 + 4 * page + 80 * (page + 2**18)) / 2**30  # fits 84 pages a shard, not 85
+  pages = serve_compile.pages_within(probe, hbm, last=last)
+  assert pages == 84 * 8
+  grown = 2**29 + (pages // 8 - 4) * 2**18  # the step's temporaries at that pool (linear in pages)
+  assert 2**30 + pages // 8 * page + grown <= hbm * 2**30 < 2**30 + (pages // 8 + 1) * (page + 2**18) + grown
