@@ -23,7 +23,8 @@ temporaries (what is resident between steps, plus what one step adds), weight_by
 (params, buffers, the engine's head-major wkv_b copies; speculating, the MTP layer's too),
 cache_bytes_per_device (speculating, with the MTP layer's pool), draft_bytes_per_device (speculating:
 the drafts' distributions, [serve_max_num_seqs, k, vocab] fp32),
-temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages, cache_tokens (pages x page size),
+temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages,
+cache_tokens (pages x page size), tokens_per_page_shard (the longest request the pools hold),
 requests_at_max_target_length (whole max_target_length sequences the pools hold: each lives in
 one page shard), rows, tokens_per_row, collectives (op -> count, step and write), mesh,
 page_shards, compile_seconds. Config mistakes exit 2 with one line. Keys: configs/base.yml.
@@ -112,6 +113,7 @@ def compile_report(config) -> dict:
       "cache_pages": engine.num_pages,
       "page_size": engine.page_size,
       "cache_tokens": engine.num_pages * engine.page_size,
+      "tokens_per_page_shard": engine.num_pages // engine.shards * engine.page_size,  # the longest request that fits
       "requests_at_max_target_length": requests_that_fit(engine.num_pages, engine.shards, engine.pages_per_seq),
       "max_target_length": config.max_target_length,
       "rows": engine.max_seqs,
@@ -179,7 +181,8 @@ def _table(config, r: dict) -> str:
       f"{r['num_devices']} devices ({{mesh}}); weights {weights}, cache {r['kv_cache_dtype']}",
       [("weights", f"{gib(r['weight_bytes_per_device'])} per device"),
        ("cache pools", f"{gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
-                       f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of "
+                       f"{r['cache_tokens']:,} tokens, {r['tokens_per_page_shard']:,} a shard; "
+                       f"{r['requests_at_max_target_length']} requests of "
                        f"{r['max_target_length']:,})"),
        ("temporaries", f"{gib(r['temp_bytes_per_device'])}  (the write of new entries: "
                        f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)"),

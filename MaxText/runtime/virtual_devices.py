@@ -12,7 +12,8 @@ import sys
 # while-loop invariant code motion then hoists that convert of the stacked weights out of the layer loop:
 # a wider copy of every layer's weights at once (the serving step's 671B experts: 183 -> 14 GiB of
 # temporaries; the QLoRA train step's fp8 experts: an f16 copy, 2 bytes a weight, 190 -> see docs/lora.md).
-CPU_FLAGS = ("--xla_disable_hlo_passes=while-loop-invariant-code-motion",)
+CPU_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # as jax's compile(compiler_options)
+CPU_FLAGS = tuple(f"--{k}={v}" for k, v in CPU_OPTIONS.items())  # as XLA_FLAGS
 
 
 def num_devices_or_exit(argv) -> int:
