@@ -23,10 +23,18 @@ temporaries (what is resident between steps, plus what one step adds), weight_by
 (params, buffers, the engine's head-major wkv_b copies; speculating, the MTP layer's too),
 cache_bytes_per_device (speculating, with the MTP layer's pool), draft_bytes_per_device (speculating:
 the drafts' distributions, [serve_max_num_seqs, k, vocab] fp32),
-temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages, cache_tokens (pages x page size),
+temp_bytes_per_device (the step's), the step's and the write's own memory analyses, cache_pages,
+cache_tokens (pages x page size), tokens_per_page_shard (the longest request the pools hold),
 requests_at_max_target_length (whole max_target_length sequences the pools hold: each lives in
 one page shard), rows, tokens_per_row, collectives (op -> count, step and write), mesh,
 page_shards, compile_seconds. Config mistakes exit 2 with one line. Keys: configs/base.yml.
+
+Many hosts: the program is the same SPMD step whatever the process count (memory per device does not
+change); `distributed_num_processes=P` (the key a multi-process run sets; only read here, nothing joins)
+says how the run's devices split into P processes of compile_num_devices / P, and the plan adds
+processes, devices_per_process and cross_process_axes: the mesh axes that span processes (the mesh is
+laid out process by process, as jax.devices() orders a multi-process run), whose collectives cross
+hosts (e.g. `expert`: the experts' all-to-all and the weights' all-gathers).
 """
 
 from __future__ import annotations
@@ -36,12 +44,11 @@ import math
 import sys
 import time
 
-# An XLA:CPU rewrite a GPU/TPU compile never makes, off for these virtual-device compiles: XLA:CPU has
-# no bf16 matmul: it converts a dot's bf16 operands to f32, and its while-loop invariant code motion
-# then hoists that convert of the stacked weights out of the layer loop: an f32 copy of every layer's
-# experts (2x the bf16 weights; 183 -> 14 GiB of temporaries on the 671B step). (The pools hold fp8 and
-# bf16 fields as integer bits, which XLA:CPU writes in place: kv_cache.storage_dtype.)
-CPU_FLAGS = ("--xla_disable_hlo_passes=while-loop-invariant-code-motion",)
+import numpy as np
+
+# The virtual-device compile turns off an XLA:CPU rewrite a GPU/TPU compile never makes (virtual_devices.CPU_FLAGS:
+# the hoisted wide copy of the stacked weights). (The pools hold fp8 and bf16 fields as integer bits, which
+# XLA:CPU writes in place: kv_cache.storage_dtype.)
 
 
 def build_engine(config):
@@ -71,6 +78,7 @@ def compile_report(config) -> dict:
   import jax
 
   from MaxText.runtime import aot, sharding
+  topology = hosts(config)  # a device count the processes do not divide: before any compile
   mesh = sharding.create_mesh(config)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
     engine = build_engine(config)
@@ -88,7 +96,6 @@ def compile_report(config) -> dict:
           + max(m_step["temp"], m_write["temp"]))
   cost = step.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  pages_per_shard = engine.num_pages // engine.shards
   collectives = aot.collective_counts(step.as_text() + "\n" + write.as_text())
   return {
       "peak_bytes_per_device": peak,
@@ -106,7 +113,8 @@ def compile_report(config) -> dict:
       "cache_pages": engine.num_pages,
       "page_size": engine.page_size,
       "cache_tokens": engine.num_pages * engine.page_size,
-      "requests_at_max_target_length": pages_per_shard // engine.pages_per_seq * engine.shards,
+      "tokens_per_page_shard": engine.num_pages // engine.shards * engine.page_size,  # the longest request that fits
+      "requests_at_max_target_length": requests_that_fit(engine.num_pages, engine.shards, engine.pages_per_seq),
       "max_target_length": config.max_target_length,
       "rows": engine.max_seqs,
       "tokens_per_row": engine.chunk,
@@ -115,29 +123,52 @@ def compile_report(config) -> dict:
       "mesh": {a: config.mesh_shape[a] for a in config.mesh_axes},
       "num_devices": math.prod(config.mesh_shape.values()),
       "page_shards": engine.shards,
+      **topology,
       "weight_quantization": config.weight_quantization,
       "kv_cache_dtype": config.kv_cache_dtype,
       "compile_seconds": round(seconds, 2),
   }
 
 
+def requests_that_fit(num_pages: int, shards: int, pages_per_seq: int) -> int:
+  """Whole sequences of pages_per_seq pages the pools hold: a sequence lives in one page shard (its
+  rows' device), so each shard holds (num_pages / shards) // pages_per_seq of them."""
+  return num_pages // shards // pages_per_seq * shards
+
+
+def hosts(config) -> dict:
+  """The multi-host part of the plan: processes (distributed_num_processes; -1 = one), devices_per_process,
+  and cross_process_axes: the mesh axes along which the process changes (devices numbered process by
+  process, the mesh their row-major reshape: sharding.create_mesh). A device count the processes do not
+  divide is a ConfigError (one line)."""
+  from MaxText.config.types import ConfigError
+  n = math.prod(config.mesh_shape[a] for a in config.mesh_axes)
+  processes = max(config.distributed_num_processes, 1)
+  if n % processes:
+    raise ConfigError(f"distributed_num_processes={processes} does not divide the {n} devices of the mesh: "
+                      "every process holds as many devices")
+  per = n // processes
+  owner = np.arange(n).reshape([config.mesh_shape[a] for a in config.mesh_axes]) // per  # [*mesh] process of a device
+  crossing = [a for i, a in enumerate(config.mesh_axes) if (np.diff(owner, axis=i) != 0).any()]
+  return {"processes": processes, "devices_per_process": per, "cross_process_axes": crossing}
+
+
 def pages_within(probe: dict, hbm_gib: float, last: dict | None = None) -> int:
   """Pages (a multiple of the page shards) that fill what hbm_gib leaves per device, from `probe` (a
-  report with a small pool). The pool's bytes grow per page; so may the write's temporaries (XLA:CPU
-  copies a bf16 pool it scatters into): given `last`, a report with a larger pool that did not fit,
-  they grow by the slope between the two reports, else they are taken as probe's (in place)."""
+  report with a small pool). The pool's bytes grow per page; so may each program's temporaries (XLA:CPU
+  copies a bf16 pool it scatters into; the 671B step's grew 0.04 GiB from the probe to 8K pages a
+  shard): given `last`, a report with a larger pool that did not fit, each grows by its slope between
+  the two reports, else each is taken as probe's."""
   shards = probe["page_shards"]
   per_shard = lambda r: r["cache_pages"] // shards
   page_bytes = probe["cache_bytes_per_device"] / per_shard(probe)  # one page in every shard
   fixed = (probe["weight_bytes_per_device"] + probe["draft_bytes_per_device"] + probe["row_input_bytes_per_device"]
            + probe["step_output_bytes_per_device"])  # the peak's parts that do not depend on the pool
   room = hbm_gib * 2**30 - fixed  # for the pools and the larger of the two programs' temporaries
-  temp = max(probe["temp_bytes_per_device"], probe["write_temp_bytes_per_device"])  # the step's does not grow
-  pages = (room - temp) / page_bytes
-  if last is not None:
-    slope = (last["write_temp_bytes_per_device"] - probe["write_temp_bytes_per_device"]) / (per_shard(last)
-                                                                                           - per_shard(probe))
-    base = probe["write_temp_bytes_per_device"] - slope * per_shard(probe)
+  pages = math.inf
+  for key in ("temp_bytes_per_device", "write_temp_bytes_per_device"):  # the step's, the write's
+    slope = 0.0 if last is None else (last[key] - probe[key]) / (per_shard(last) - per_shard(probe))
+    base = probe[key] - slope * per_shard(probe)  # this program's temporaries at 0 pages (linear in pages)
     pages = min(pages, (room - base) / (page_bytes + max(slope, 0.0)))
   return max(int(pages), 0) * shards
 
@@ -150,10 +181,13 @@ def _table(config, r: dict) -> str:
       f"{r['num_devices']} devices ({{mesh}}); weights {weights}, cache {r['kv_cache_dtype']}",
       [("weights", f"{gib(r['weight_bytes_per_device'])} per device"),
        ("cache pools", f"{gib(r['cache_bytes_per_device'])}  ({r['cache_pages']:,} pages of {r['page_size']} = "
-                       f"{r['cache_tokens']:,} tokens; {r['requests_at_max_target_length']} requests of "
+                       f"{r['cache_tokens']:,} tokens, {r['tokens_per_page_shard']:,} a shard; "
+                       f"{r['requests_at_max_target_length']} requests of "
                        f"{r['max_target_length']:,})"),
        ("temporaries", f"{gib(r['temp_bytes_per_device'])}  (the write of new entries: "
-                       f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)")],
+                       f"{r['write_temp_bytes_per_device'] / 2**30:.2f} GiB)"),
+       *([("hosts", f"{r['processes']} processes x {r['devices_per_process']} devices; across hosts: "
+                    f"{', '.join(r['cross_process_axes']) or 'none'}")] if r["processes"] > 1 else [])],
       r)
 
 
@@ -186,7 +220,7 @@ def main(argv) -> None:
   from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
-  virtual_devices.setup_or_exit(argv, CPU_FLAGS)
+  virtual_devices.setup_or_exit(argv)
   config = pyconfig.initialize_or_exit(argv, __doc__)
   from MaxText.inference import paged_cache
   from MaxText.runtime import sharding

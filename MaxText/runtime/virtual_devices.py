@@ -7,6 +7,14 @@ from __future__ import annotations
 import os
 import sys
 
+# An XLA:CPU rewrite a GPU/TPU compile never makes, off for both compile tools' virtual-device compiles:
+# XLA:CPU has no bf16 or fp8 matmul: it converts a dot's operands up (bf16 -> f32, e4m3 -> f16), and its
+# while-loop invariant code motion then hoists that convert of the stacked weights out of the layer loop:
+# a wider copy of every layer's weights at once (the serving step's 671B experts: 183 -> 14 GiB of
+# temporaries; the QLoRA train step's fp8 experts: an f16 copy, 2 bytes a weight, 190 -> see docs/lora.md).
+CPU_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # as jax's compile(compiler_options)
+CPU_FLAGS = tuple(f"--{k}={v}" for k, v in CPU_OPTIONS.items())  # as XLA_FLAGS
+
 
 def num_devices_or_exit(argv) -> int:
   """compile_num_devices from the merged config (0: leave the devices as they are); a config mistake
@@ -33,8 +41,8 @@ def use_virtual_devices(n: int, extra_flags: tuple[str, ...] = ()) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def setup_or_exit(argv, extra_flags: tuple[str, ...] = ()) -> None:
-  """For a compile entry point's main: compile_num_devices virtual devices, when it is > 0."""
+def setup_or_exit(argv) -> None:
+  """For a compile entry point's main: compile_num_devices virtual devices (with CPU_FLAGS), when it is > 0."""
   n = num_devices_or_exit(argv)
   if n:
-    use_virtual_devices(n, extra_flags)
+    use_virtual_devices(n, CPU_FLAGS)

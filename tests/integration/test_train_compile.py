@@ -12,7 +12,7 @@ import pytest
 
 from MaxText import train
 from MaxText.data import input_pipeline
-from MaxText.runtime import aot, sharding
+from MaxText.runtime import aot, sharding, virtual_devices
 from tests.conftest import REPO_ROOT, make_config
 
 KEYS = dict(ici_data_parallelism=2, ici_expert_parallelism=4, num_decoder_layers=2, first_num_dense_layers=1,
@@ -51,7 +51,8 @@ def test_json_equals_the_analysis_of_the_step_train_py_compiles(printed):
     batch = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg)))
     batch_sharding = train.batch_shardings(cfg, mesh, batch)
     step_fn = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
-    compiled = step_fn.lower(state, jax.device_put(batch, batch_sharding)).compile()
+    # with the XLA:CPU options train_compile sets for its virtual devices (the pass a GPU/TPU compile never makes)
+    compiled = step_fn.lower(state, jax.device_put(batch, batch_sharding)).compile(virtual_devices.CPU_OPTIONS)
   mem = compiled.memory_analysis()
   assert got["temp_bytes_per_device"] == mem.temp_size_in_bytes
   assert got["argument_bytes_per_device"] == mem.argument_size_in_bytes
