@@ -155,7 +155,7 @@ def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], li
     modules.append(module)
     tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(flat[a_path], np.float32).T)
     tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(flat[b_path], np.float32).T)
-  rest = sorted("/".join(map(str, k[1:-1])) for k in flat.keys() - used)
+  rest = sorted({"/".join(map(str, k[1:-1])) for k in flat.keys() - used})
   if rest:
     raise ValueError(f"--lora peft: the adapters of {rest[0]} (and {len(rest) - 1} more) have no module in peft's "
                      "view of transformers' DeepseekV32ForCausalLM (the routed experts are fused parameters there); "

@@ -23,7 +23,8 @@ MESH = dict(num_devices=8, ici_fsdp_parallelism=2, ici_context_parallelism=2, ic
 
 
 def test_qlora_step_on_an_fsdp_context_expert_mesh_equals_one_device_and_shards_adapters_as_kernels():
-  kw = dict(weight_quantization="fp8_block", global_batch_size=4, matmul_precision="highest")
+  experts = f"{small_lora_config().lora_module_path}|.*/mlp/(wi_0|wi_1|wo)"  # the defaults + the routed experts
+  kw = dict(weight_quantization="fp8_block", global_batch_size=4, matmul_precision="highest", lora_module_path=experts)
   _, one, m1 = train_steps(small_lora_config(**kw), 1)
   cfg = small_lora_config(**kw, **MESH)
   _, eight, m8 = train_steps(cfg, 1)
@@ -40,6 +41,11 @@ def test_qlora_step_on_an_fsdp_context_expert_mesh_equals_one_device_and_shards_
   # B [L, r, out]: the rank takes the ZeRO-3 axes that divide it (r=4: fsdp x context), out what is left
   assert attn_b(params, "wq_b").sharding.spec == PartitionSpec(None, ("fsdp", "context"), None)  # out: q_heads
   assert attn_b(params, "wo").sharding.spec == PartitionSpec(None, ("fsdp", "context"), "expert")  # out: embed
+  mlp = params["moe_layers"]["layers"]["mlp"]
+  # routed experts: wi_0 [L, E, D, I], A [L, E, D, r], B [L, E, r, I] split over `expert` on E as the experts are
+  assert mlp["wi_0"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
+  assert mlp["wi_0_lora"]["lora_a"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
+  assert mlp["wi_0_lora"]["lora_b"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
 
 
 def attn_b(params, name):
