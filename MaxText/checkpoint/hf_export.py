@@ -83,9 +83,14 @@ def restore_raw(item: str) -> dict:
 
 def restore_parameters(path: str, cfg: Config) -> tuple[dict, dict]:
   """(params, buffers) of any checkpoint --checkpoint accepts, as numpy pure dicts in the layout and dtypes
-  of model_state.abstract_model(cfg) (stacked when cfg.scan_layers), ready for model_state.merge."""
+  of model_state.abstract_model(cfg) (stacked when cfg.scan_layers), ready for model_state.merge. A LoRA run's
+  (cfg.lora_rank > 0) comes merged into its base (`merged_parameters`), laid out as the model without adapters."""
   from MaxText.checkpoint import model_state
-  tree = unstacked_parameters(find_checkpoint(path), cfg)
+  if cfg.lora_rank:
+    tree = merged_parameters(find_checkpoint(path), cfg)
+    cfg = cfg.model_copy(update={"lora_rank": 0})
+  else:
+    tree = unstacked_parameters(find_checkpoint(path), cfg)
   if cfg.scan_layers:
     tree = hf_format.stack_layers(tree)
   _, abs_p, abs_b = model_state.abstract_model(cfg)
