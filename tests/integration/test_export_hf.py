@@ -237,7 +237,8 @@ def _lora_run(ours, tmp_path, **keys):
 def test_peft_adapter_over_transformers_gives_our_lora_logits(converted, tmp_path, capsys):
   """--lora peft: peft's PeftModel over transformers' DeepseekV32ForCausalLM (the HF folder the converter read)
   with our exported adapter_config.json + adapter_model.safetensors gives the adapted model's logits (1e-4);
-  the default modules and the indexer's, with the MTP layer's adapters left out."""
+  the default modules and the indexer's, with the MTP layer's adapters left out. The same adapters merged
+  (hf_export.restore_parameters of the LoRA run, what --lora merged writes) give those logits too."""
   peft = pytest.importorskip("peft")
   hf_dir, ours = converted
   regex = "'.*/attention/(wq_a|wq_b|wkv_a|wkv_b|wo)|.*/mlp(/shared_experts)?/(gate|up|down)|.*/indexer/(wq_b|wk)'"
@@ -262,6 +263,12 @@ def test_peft_adapter_over_transformers_gives_our_lora_logits(converted, tmp_pat
     theirs = model(torch.as_tensor(tokens)).logits.numpy()
   assert np.abs(ours_logits - base_logits).max() > 0.1  # the adapters matter
   np.testing.assert_allclose(theirs, ours_logits, rtol=1e-4, atol=1e-4)
+  # --lora merged's tree (restore_parameters of a LoRA run): the model without adapters gives the same logits
+  plain_cfg = cfg.model_copy(update={"lora_rank": 0})
+  merged_params, merged_buffers = hf_export.restore_parameters(str(tmp_path / "adapters"), cfg)
+  plain = jax.jit(lambda p, b, x: model_state.merge(model_state.abstract_model(plain_cfg)[0], p, b)(x)[0])
+  np.testing.assert_allclose(np.asarray(plain(merged_params, merged_buffers, jnp.asarray(tokens))), ours_logits,
+                             rtol=1e-4, atol=1e-4)
 
 
 def test_lora_export_refusals_are_one_line(converted, tmp_path, capsys):
