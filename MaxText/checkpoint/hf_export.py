@@ -109,7 +109,7 @@ def unstacked_parameters(item: str, cfg: Config) -> dict:
           for part, abstract in (("params", abs_p), ("buffers", abs_b))}
 
 
-def lora_adapters(item: str, cfg: Config) -> dict:
+def lora_adapters(item: str) -> dict:
   """The adapters of a LoRA run's checkpoint `item` (every lora_a / lora_b leaf, per layer), nested as params."""
   from MaxText.layers import lora
   adapters = hf_format.unstack_layers(restore_raw(item))["params"]
@@ -128,7 +128,7 @@ def merged_parameters(item: str, cfg: Config) -> dict:
   if not cfg.load_parameters_path:
     raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
                      "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
-  adapters = lora_adapters(item, cfg)
+  adapters = lora_adapters(item)
   base = unstacked_parameters(find_checkpoint(cfg.load_parameters_path), cfg.model_copy(update={"lora_rank": 0}))
   scale = cfg.lora_alpha / cfg.lora_rank
   return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
@@ -188,7 +188,7 @@ def peft_config(cfg: Config, modules: list[str], base_model: str | None) -> dict
 
 def write_peft(item: str, cfg: Config, output: str, base_model: str | None) -> tuple[list[str], list[str]]:
   """Writes OUTPUT/adapter_config.json + adapter_model.safetensors; returns (file names, modules left out)."""
-  tensors, modules, dropped = peft_tensors(lora_adapters(item, cfg), cfg)
+  tensors, modules, dropped = peft_tensors(lora_adapters(item), cfg)
   hf_format.write_safetensors(os.path.join(output, PEFT_WEIGHTS), tensors)
   with open(os.path.join(output, PEFT_CONFIG), "w") as f:
     json.dump(peft_config(cfg, modules, base_model), f, indent=2)
