@@ -10,8 +10,10 @@ state); the MoE routing bias becomes `e_score_correction_bias`. Scanned layer st
 layer. --config and key=value describe the model as for training; the layer layout (scanned or not)
 is read from the checkpoint itself. fp8 block-quantized weights (weight_quantization=fp8_block) are
 written as they are, with their weight_scale_inv and config.json's quantization_config; --dtype applies
-to the float weights. A LoRA run (lora_rank > 0, e.g. --config outputs/<run>/config.yml) is exported merged:
-the base from its load_parameters_path with the adapters of --checkpoint merged into their kernels (docs/lora.md).
+to the float weights. A LoRA run (lora_rank > 0, e.g. --config outputs/<run>/config.yml) is exported merged
+(--lora merged, the default): the base from its load_parameters_path with the adapters of --checkpoint merged into
+their kernels; or, with --lora peft, as peft's adapter_config.json + adapter_model.safetensors (transformers' module
+names; the adapters float32, as trained) to load over the base's own HF export (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import sys
 
 from MaxText.checkpoint import hf_format
-from MaxText.checkpoint.hf_export import DTYPES, export
+from MaxText.checkpoint.hf_export import DTYPES, LORA_FORMATS, export
 from MaxText.config import pyconfig
 
 
@@ -36,13 +38,23 @@ def main(argv=None) -> None:
                   help="weight dtype written (the routing bias stays float32, as in HF); default bfloat16")
   ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file before sharding with "
                   "model.safetensors.index.json (e.g. 5GB, 200MB, 100KiB); default 5GB")
+  ap.add_argument("--lora", default="merged", choices=LORA_FORMATS, help="a LoRA run's checkpoint: merged into "
+                  "the base (HF safetensors of the whole model), or peft's adapter files only; default merged")
+  ap.add_argument("--base-model", default=None, help="with --lora peft: adapter_config.json's base_model_name_or_path "
+                  "(the HF base the adapter is loaded over, e.g. its hub name or the folder of the base's export)")
   ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides over --config")
   args = ap.parse_args(argv)
   try:
-    cfg, files = export(args.checkpoint, args.output, args.config, args.overrides, args.dtype, args.max_shard_size)
+    cfg, files, dropped = export(args.checkpoint, args.output, args.config, args.overrides, args.dtype,
+                                 args.max_shard_size, args.lora, args.base_model)
   except (OSError, ValueError, pyconfig.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  if args.lora == "peft":
+    print(f"exported {args.checkpoint} -> {args.output}: peft LoRA adapter ({', '.join(files)}), rank {cfg.lora_rank}, "
+          f"lora_alpha {cfg.lora_alpha:g}, float32" + (f"; {len(dropped)} MTP module adapters left out (transformers "
+                                                       "has no MTP module)" if dropped else ""))
+    return
   print(f"exported {args.checkpoint} -> {args.output}: config.json + {len(files)} safetensors file(s), {args.dtype} "
         f"({cfg.num_decoder_layers} layers, {cfg.num_experts} experts, {cfg.mtp_num_layers} MTP)")
 

@@ -32,20 +32,23 @@ from MaxText.layers import lora  # noqa: E402
 from MaxText.layers.models import Transformer  # noqa: E402
 
 ATTENTION = ".*/attention/(wq_a|wq_b|wq|wkv_a|wkv_b|wo)"
-CHOICES = {
-    "default (MLA q/kv/o + dense and shared MLPs)": None,  # base.yml's lora_module_path
+INDEXER = ".*/indexer/(wq_b|wk|weights_proj)"
+EXPERTS = ".*/mlp/(wi_0|wi_1|wo)"  # the routed experts, as per-expert adapters
+CHOICES = {  # None: base.yml's lora_module_path (the default modules); "+X": the default and X
+    "default (MLA q/kv/o + dense and shared MLPs)": None,
     "MLA q/kv/o only": ATTENTION,
     "dense + shared-expert MLPs only": ".*/mlp(/shared_experts)?/(gate|up|down)",
-    "default + indexer (wq_b, wk, weights_proj)": None,
+    "default + indexer (wq_b, wk, weights_proj)": "+" + INDEXER,
+    "routed experts only (per-expert adapters)": EXPERTS,
+    "default + routed experts": "+" + EXPERTS,
 }
 
 
-def cost(model_name: str, rank: int, path: str | None, indexer: bool) -> dict:
+def cost(model_name: str, rank: int, path: str | None) -> dict:
   keys = dict(model_name=model_name, lora_rank=rank, ici_data_parallelism=1)
   base = pyconfig.initialize(["lora_cost", "base.yml"], num_devices=1, **keys)
-  path = path or base.lora_module_path
-  if indexer:
-    path += "|.*/indexer/(wq_b|wk|weights_proj)"
+  if path is None or path.startswith("+"):
+    path = base.lora_module_path + ("|" + path[1:] if path else "")
   cfg = base.model_copy(update={"lora_module_path": path})
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   adapters = lora.split(nnx.split(model, nnx.Param, ...)[1].to_pure_dict())[0]
@@ -54,6 +57,9 @@ def cost(model_name: str, rank: int, path: str | None, indexer: bool) -> dict:
   for _, m in lora.matched(model, cfg):
     *stack, n_in, n_out = m.kernel.shape
     flops += 2 * rank * (n_in + n_out) * (stack[0] if stack else 1)
+  for _, moe, name in lora.matched_experts(model, cfg):  # a token runs num_experts_per_tok experts' adapters
+    *stack, _, n_in, n_out = getattr(moe, name).shape  # [L, E, in, out]
+    flops += 2 * rank * (n_in + n_out) * cfg.num_experts_per_tok * (stack[0] if stack else 1)
   total = model_state.count_params(model_state.abstract_model(cfg.model_copy(update={"lora_rank": 0}))[1])
   base_flops = 2 * train.active_params(cfg, total)  # forward: 2 per active parameter
   return {"lora_module_path": path, "trained_parameters": n, "adapter_and_adam_gib": 12 * n / 2**30,
@@ -85,7 +91,7 @@ def main() -> None:
   ap.add_argument("--model", default="deepseek3.2-671b")
   ap.add_argument("--state", action="store_true", help="also the QLoRA train state per device on 8 and 16 devices")
   args = ap.parse_args()
-  rows = {name: cost(args.model, args.rank, path, "indexer" in name) for name, path in CHOICES.items()}
+  rows = {name: cost(args.model, args.rank, path) for name, path in CHOICES.items()}
   print(f"{args.model}, lora_rank={args.rank}")
   print(f"{'modules':48} {'trained params':>16} {'adapters+AdamW':>15} {'+fwd FLOPs':>11}")
   for name, r in rows.items():

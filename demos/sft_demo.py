@@ -16,7 +16,7 @@ after SFT.
    holds a few conversations: ~6x fewer tokens to train on.
 3. train.py trains the tiny model (configs/base.yml, model deepseek3.2-tiny, from its random init,
    seed fixed) with use_sft=true for --steps steps into <work>/sft; extra key=value go to train and serve
-   (default DEFAULT_KEYS: no MTP, no remat, use_indexer=false: dense MLA, about 2x faster a step on
+   after DEFAULT_KEYS (no MTP, no remat, use_indexer=false: dense MLA, about 2x faster a step on
    the CPU than the lightning indexer's sparse training at these lengths, with the same loss after
    150 steps; what the demo shows is SFT, not DSA: pass key=value to train with the indexer).
 4. The server starts twice on a free 127.0.0.1 port from the run's config.yml: without
@@ -25,6 +25,14 @@ after SFT.
 5. Each held-out conversation's first user turn is sent (temperature 0, thinking on, the record's
    tools): exact match = the reply's content is the sum; tool accuracy = a tool conversation's reply
    has parsed tool_calls calling add with {"a": a, "b": b}.
+
+With lora_rank=R (> 0) among the keys (LoRA, docs/lora.md) the random init that full fine-tuning starts from is
+saved first as <work>/base (the same keys and seed) and is the frozen base: train.py trains rank-R adapters
+over it (load_parameters_path=<work>/base; lora_module_path: the default modules and the output head unless
+given, see LORA_HEAD; learning rate 1e-2 unless given), "before" serves the base, and "after" serves the run's
+adapters merged into it (hf_export.restore_parameters, saved as <work>/merged; both with lora_rank=0). The JSON line then
+also gives the checkpointed train state's bytes (trained parameters + buffers + AdamW moments) of the LoRA run
+and of the full fine-tune of the same model, and their ratio.
 
 Prints a table and one JSON line (exact_match_before, exact_match_after, tool_call_accuracy, ...).
 Each SFT row holds whole conversations: --max_target_length must hold a tool conversation (~160
@@ -48,6 +56,10 @@ from demos.sft_tokenizer import rendered, train_tokenizer
 # The model keys when none are given: the tiny model with dense attention (see the module docstring).
 DEFAULT_KEYS = ("mtp_num_layers=0", "remat_policy=none", "use_indexer=false")
 QUICK = {"steps": 400, "score": 40}  # --quick
+LEARNING_RATE = {"full": 3e-3, "lora": 1e-2}  # --learning_rate's default: LoRA's B starts at 0 and moves ~lr a step
+# LORA_HEAD: with lora_rank and no lora_module_path the demo adapts the output head too. Its base is a random init
+# (std 0.02) with the final norm's scale 1: a frozen head caps every logit at |h| |w| = 8 x 0.16 = ~1.3, no token
+# above ~0.4% over 1024 (a loss floor near 5.7; 40 steps with the default modules: 6.67 -> 6.26).
 
 
 def run(cmd: list[str], env: dict, log_path: str) -> None:
@@ -108,6 +120,53 @@ def score(url: str, model: str, records: list[dict], max_tokens: int, workers: i
     return list(pool.map(one, records))
 
 
+def lora_rank_of(keys: list[str]) -> int:
+  """The last lora_rank=R among the model keys (0: none)."""
+  ranks = [int(k.split("=", 1)[1]) for k in keys if k.split("=", 1)[0] == "lora_rank"]
+  return ranks[-1] if ranks else 0
+
+
+def demo_config(argv: list[str]):
+  """The Config of a train.py / serve argument list (after the module), on this process's one CPU device."""
+  from MaxText.config import pyconfig
+  yml = argv[0] if os.path.isabs(argv[0]) else os.path.join(REPO, argv[0])
+  return pyconfig.initialize(["demo", yml, *argv[1:]], num_devices=1, ici_data_parallelism=1)
+
+
+def save_base(train_cmd: list[str], out: str) -> None:
+  """The random init the full fine-tune starts from (its keys and seed, lora_rank=0) as a parameter checkpoint."""
+  import jax
+
+  from MaxText.checkpoint import model_state
+  from MaxText.runtime import sharding
+  cfg = demo_config([*train_cmd[3:], "lora_rank=0"])
+  mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    _, params, buffers, _ = model_state.create(cfg, mesh)
+  model_state.save_parameters(out, params, buffers)
+
+
+def save_merged(config_yml: str, checkpoints: str, out: str) -> None:
+  """A LoRA run's newest adapters merged into its base (load_parameters_path of its config.yml), saved as a
+  parameter checkpoint of the model without adapters."""
+  from MaxText.checkpoint import hf_export, model_state
+  params, buffers = hf_export.restore_parameters(checkpoints, demo_config([config_yml]))
+  model_state.save_parameters(out, params, buffers)
+
+
+def checkpoint_bytes(cfg) -> int:
+  """Bytes of what a run's checkpoint holds of its train state: the trained parameters, the buffers and AdamW's
+  moments (under LoRA: the adapters and theirs, never the frozen base), from shapes alone."""
+  import jax
+
+  from MaxText import train
+  from MaxText.checkpoint import model_state, orbax_state
+  _, params, buffers = model_state.abstract_model(cfg)
+  parts = train.model_parts(cfg, params.to_pure_dict(), buffers.to_pure_dict())
+  opt = jax.eval_shape(train.make_optimizer(cfg, parts["params"]).init, parts["params"])
+  return model_state.param_bytes(orbax_state.checkpointed(dict(parts, opt_state=opt)))
+
+
 def serve_and_score(args, config_yml: str, extra: list[str], records: list[dict], name: str) -> list[dict]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   port = _free_port()
@@ -143,7 +202,9 @@ def parser() -> argparse.ArgumentParser:
                       "so --max_target_length 1088)")
   p.add_argument("--steps", type=int, default=600)
   p.add_argument("--batch", type=int, default=8, help="global_batch_size (rows of whole conversations)")
-  p.add_argument("--learning_rate", type=float, default=3e-3)
+  p.add_argument("--learning_rate", type=float, default=None,
+                 help=f"peak learning rate; default {LEARNING_RATE['full']} (full fine-tune), {LEARNING_RATE['lora']} "
+                      "with lora_rank")
   p.add_argument("--max_target_length", type=int, default=256)
   p.add_argument("--score", type=int, default=100, help="held-out conversations scored (the first of eval.jsonl)")
   p.add_argument("--max_tokens", type=int, default=96,
@@ -154,19 +215,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(p: argparse.ArgumentParser, argv, default_keys) -> tuple[argparse.Namespace, list[str]]:
-  """A demo's command line -> (its flags, the model keys key=value passed on to train and serve, default_keys
-  when none); anything else exits 2 in one line (argparse's error)."""
+  """A demo's command line -> (its flags, the model keys key=value passed on to train and serve: default_keys,
+  then the given ones, which override a default of the same key); anything else exits 2 in one line (argparse's
+  error). So `lora_rank=16` trains the same model as the defaults alone."""
   args, extra = p.parse_known_args(argv)
   bad = [x for x in extra if "=" not in x]
   if bad:
     p.error(f"unknown argument {bad[0]!r}: flags are --name value, model keys key=value")
-  return args, extra or list(default_keys)
+  return args, [*default_keys, *extra]
 
 
 def main(argv=None) -> None:
   args, extra = parse_args(parser(), argv, DEFAULT_KEYS)
   if args.quick:
     vars(args).update(QUICK)
+  if args.learning_rate is None:
+    args.learning_rate = LEARNING_RATE["lora" if lora_rank_of(extra) else "full"]
   data = os.path.join(args.work, "data")
   counts = write_sets(args, data)
   with open(os.path.join(data, "eval.jsonl")) as f:
@@ -174,24 +238,42 @@ def main(argv=None) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   t0 = time.perf_counter()
   tokenizer, vocab_size = demo_tokenizer(args, data)
-  run(train_command(args, data, tokenizer, vocab_size, extra), env, os.path.join(args.work, "train.log"))
+  cmd = train_command(args, data, tokenizer, vocab_size, extra)
+  rank, base, merged = lora_rank_of(extra), os.path.join(args.work, "base"), os.path.join(args.work, "merged")
+  if rank:
+    save_base(cmd, base)
+    cmd.append(f"load_parameters_path={base}")
+    if not any(k.startswith("lora_module_path=") for k in extra):  # see LORA_HEAD
+      cmd.append(f"lora_module_path='{demo_config(cmd[3:]).lora_module_path}|output_head'")
+  run(cmd, env, os.path.join(args.work, "train.log"))
   train_s = time.perf_counter() - t0
   print(f"trained {args.steps} steps in {train_s:.0f} s", file=sys.stderr, flush=True)
   config_yml = os.path.join(args.work, "sft", "config.yml")
-  before = serve_and_score(args, config_yml, [], records, "before")
-  after = serve_and_score(args, config_yml, [f"load_parameters_path={os.path.join(args.work, 'sft', 'checkpoints')}"],
-                          records, "after")
+  checkpoints = os.path.join(args.work, "sft", "checkpoints")
+  if rank:
+    save_merged(config_yml, checkpoints, merged)
+  before = serve_and_score(args, config_yml, [f"load_parameters_path={base}", "lora_rank=0"] if rank else [],
+                           records, "before")
+  after = serve_and_score(args, config_yml, [f"load_parameters_path={merged}", "lora_rank=0"] if rank else
+                          [f"load_parameters_path={checkpoints}"], records, "after")
   (em0, tool0), (em1, tool1) = rates(before), rates(after)
   with open(os.path.join(args.work, "replies.json"), "w") as f:
     json.dump({"before": before, "after": after}, f, indent=1)
   n_tool = sum(r["tool"] for r in after)
   print(f"\n| model | exact match ({len(after) - n_tool} conversations) | tool-call accuracy ({n_tool}) |\n|---|---|---|")
   print(f"| before SFT (random init) | {em0:.0%} | {tool0:.0%} |")
-  print(f"| after SFT ({args.steps} steps, {train_s / 60:.1f} min) | {em1:.0%} | {tool1:.0%} |")
+  how = f"LoRA rank {rank}, " if rank else ""
+  print(f"| after SFT ({how}{args.steps} steps, {train_s / 60:.1f} min) | {em1:.0%} | {tool1:.0%} |")
+  state = {}
+  if rank:
+    cfg = demo_config([config_yml])
+    lora_b, full_b = checkpoint_bytes(cfg), checkpoint_bytes(cfg.model_copy(update={"lora_rank": 0}))
+    state = {"lora_state_bytes": lora_b, "full_state_bytes": full_b, "state_ratio": round(lora_b / full_b, 4)}
+    print(f"checkpointed train state: LoRA {lora_b:,} bytes, full fine-tune {full_b:,} bytes ({lora_b / full_b:.1%})")
   print(json.dumps({"exact_match_before": round(em0, 3), "exact_match_after": round(em1, 3),
                     "tool_call_accuracy": round(tool1, 3), "tool_call_accuracy_before": round(tool0, 3),
                     "scored": len(after), "tool_conversations": n_tool, "train_conversations": counts["train"],
-                    "steps": args.steps, "train_s": round(train_s), "extra": extra}))
+                    "steps": args.steps, "train_s": round(train_s), "extra": extra, **state}))
 
 
 if __name__ == "__main__":

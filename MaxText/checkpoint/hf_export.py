@@ -83,9 +83,14 @@ def restore_raw(item: str) -> dict:
 
 def restore_parameters(path: str, cfg: Config) -> tuple[dict, dict]:
   """(params, buffers) of any checkpoint --checkpoint accepts, as numpy pure dicts in the layout and dtypes
-  of model_state.abstract_model(cfg) (stacked when cfg.scan_layers), ready for model_state.merge."""
+  of model_state.abstract_model(cfg) (stacked when cfg.scan_layers), ready for model_state.merge. A LoRA run's
+  (cfg.lora_rank > 0) comes merged into its base (`merged_parameters`), laid out as the model without adapters."""
   from MaxText.checkpoint import model_state
-  tree = unstacked_parameters(find_checkpoint(path), cfg)
+  if cfg.lora_rank:
+    tree = merged_parameters(find_checkpoint(path), cfg)
+    cfg = cfg.model_copy(update={"lora_rank": 0})
+  else:
+    tree = unstacked_parameters(find_checkpoint(path), cfg)
   if cfg.scan_layers:
     tree = hf_format.stack_layers(tree)
   _, abs_p, abs_b = model_state.abstract_model(cfg)
@@ -104,6 +109,16 @@ def unstacked_parameters(item: str, cfg: Config) -> dict:
           for part, abstract in (("params", abs_p), ("buffers", abs_b))}
 
 
+def lora_adapters(item: str) -> dict:
+  """The adapters of a LoRA run's checkpoint `item` (every lora_a / lora_b leaf, per layer), nested as params."""
+  from MaxText.layers import lora
+  adapters = hf_format.unstack_layers(restore_raw(item))["params"]
+  if not adapters or not all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)):
+    raise ValueError(f"--checkpoint {item}: not a LoRA run's checkpoint (its params are not only lora_a/lora_b); "
+                     "export it without lora_rank")
+  return adapters
+
+
 def merged_parameters(item: str, cfg: Config) -> dict:
   """{"params", "buffers"} per layer of a LoRA run: the base from cfg.load_parameters_path (the run's config.yml
   names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B; an fp8 base is
@@ -113,13 +128,71 @@ def merged_parameters(item: str, cfg: Config) -> dict:
   if not cfg.load_parameters_path:
     raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
                      "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
+  adapters = lora_adapters(item)
   base = unstacked_parameters(find_checkpoint(cfg.load_parameters_path), cfg.model_copy(update={"lora_rank": 0}))
-  adapters = hf_format.unstack_layers(restore_raw(item))["params"]
-  if not adapters or not all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)):
-    raise ValueError(f"--checkpoint {item}: not a LoRA run's checkpoint (its params are not only lora_a/lora_b); "
-                     "export it without lora_rank")
   scale = cfg.lora_alpha / cfg.lora_rank
   return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
+
+
+# ---------------------------------------------------------------- peft's format
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped transformers model in its saved state dict
+
+
+def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+  """Our adapters (per layer, nested as params) -> (peft's tensors, the adapted modules' transformers names,
+  the modules left out). Each adapted HF Linear `<module>.weight` [out, in] gets
+  `base_model.model.<module>.lora_A.weight` = A^T [r, in] and `.lora_B.weight` = B^T [out, r], float32, so that
+  peft's W x + (lora_alpha / r) B^T A^T x is ours. The MTP layer's adapters are left out (transformers'
+  DeepseekV32ForCausalLM has no MTP module for them); routed experts' adapters have no peft form here."""
+  flat = hf_format.flatten({"params": adapters})
+  tensors, modules, dropped, used = {}, [], [], set()
+  for t in hf_format.tensor_map(cfg):
+    a_path = (*t.ours[:-1], "lora_a")
+    if t.expert is not None or t.role == "copy" or a_path not in flat:
+      continue
+    b_path = (*t.ours[:-1], "lora_b")
+    used |= {a_path, b_path}
+    module = t.hf[:-len(".weight")]
+    if t.ours[1] == "mtp":
+      dropped.append(module)
+      continue
+    modules.append(module)
+    tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(flat[a_path], np.float32).T)
+    tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(flat[b_path], np.float32).T)
+  rest = sorted({"/".join(map(str, k[1:-1])) for k in flat.keys() - used})
+  if rest:
+    raise ValueError(f"--lora peft: the adapters of {rest[0]} (and {len(rest) - 1} more) have no module in peft's "
+                     "view of transformers' DeepseekV32ForCausalLM (the routed experts are fused parameters there); "
+                     "export with --lora merged")
+  return tensors, modules, dropped
+
+
+# peft on transformers v5 reads a target_modules entry ending in one of these as the routed experts (it converts
+# v4 adapters of the qwen2_moe family, deepseek_v32 included, to the fused expert parameters), so the dense and
+# shared-expert MLPs' linears are named by their weight in target_parameters: the same tensors, the same math.
+PEFT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def peft_config(cfg: Config, modules: list[str], base_model: str | None) -> dict:
+  """adapter_config.json: peft's LoraConfig for the adapters `peft_tensors` writes (exact module names, so a regex
+  of ours that adapts some stacks and not others is kept as it is; the MLPs' as target_parameters)."""
+  mlp = [m for m in modules if m.rsplit(".", 1)[-1] in PEFT_EXPERT_NAMES]
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+          "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+          "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+          "inference_mode": True, "target_modules": [m for m in modules if m not in mlp],
+          "target_parameters": [f"{m}.weight" for m in mlp], "modules_to_save": None,
+          "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def write_peft(item: str, cfg: Config, output: str, base_model: str | None) -> tuple[list[str], list[str]]:
+  """Writes OUTPUT/adapter_config.json + adapter_model.safetensors; returns (file names, modules left out)."""
+  tensors, modules, dropped = peft_tensors(lora_adapters(item), cfg)
+  hf_format.write_safetensors(os.path.join(output, PEFT_WEIGHTS), tensors)
+  with open(os.path.join(output, PEFT_CONFIG), "w") as f:
+    json.dump(peft_config(cfg, modules, base_model), f, indent=2)
+  return [PEFT_CONFIG, PEFT_WEIGHTS], dropped
 
 
 # ---------------------------------------------------------------- the config
@@ -165,19 +238,31 @@ def remove_earlier_export(output: str) -> None:
       os.remove(f)
 
 
+LORA_FORMATS = ("merged", "peft")  # --lora: how a LoRA run is exported (merged into the base, or peft's adapter)
+
+
 def export(checkpoint: str, output: str, config_path: str | None = None, overrides=(), dtype: str = "bfloat16",
-           max_shard_size: str = "5GB") -> tuple[Config, list[str]]:
-  """Writes OUTPUT/config.json and the safetensors shards; returns the Config and the file names."""
+           max_shard_size: str = "5GB", lora: str = "merged", base_model: str | None = None
+           ) -> tuple[Config, list[str], list[str]]:
+  """Writes OUTPUT/config.json and the safetensors shards (a LoRA run with lora="peft": peft's adapter files
+  only, base_model its base_model_name_or_path); returns the Config, the file names and the modules left out."""
   if dtype not in DTYPES:
     raise ValueError(f"--dtype {dtype}: give one of {sorted(DTYPES)}")
+  if lora not in LORA_FORMATS:
+    raise ValueError(f"--lora {lora}: give one of {list(LORA_FORMATS)}")
   max_bytes = parse_size(max_shard_size)
   item = find_checkpoint(checkpoint)
   cfg = export_config(checkpoint, config_path, overrides)
   hf_config = hf_format.config_to_hf(cfg, dtype)  # refuses a model HF cannot hold, before the restore
+  if lora == "peft" and not cfg.lora_rank:
+    raise ValueError("--lora peft: the model has lora_rank=0; give the LoRA run's config (--config "
+                     "outputs/<run>/config.yml) or lora_rank=R lora_alpha=A as it was trained")
   prepare_output(output)
+  if lora == "peft":
+    return (cfg, *write_peft(item, cfg, output, base_model))
   tree = merged_parameters(item, cfg) if cfg.lora_rank else unstacked_parameters(item, cfg)
   remove_earlier_export(output)
   files = hf_format.write_sharded(output, hf_format.to_hf(tree, cfg, DTYPES[dtype]), max_bytes)
   with open(os.path.join(output, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
-  return cfg, files
+  return cfg, files, []

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.kernels import backend
 from MaxText.kernels import moe_experts as experts_lib
 from MaxText.kernels.fp8_blocks import BlockFP8, block_of, shape_of
-from MaxText.kernels.moe_experts import ExpertWeights
+from MaxText.kernels.moe_experts import ExpertLoRA, ExpertWeights, base_of
 from MaxText.runtime.sharding import logical_to_spec
 
 EXCHANGES = ("all_to_all", "ragged_all_to_all")
@@ -164,11 +164,12 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   wi_0, wi_1, wo = experts
   if exchange not in EXCHANGES:
     raise ValueError(f"moe exchange={exchange!r}: expected one of {EXCHANGES}")
-  num_experts = shape_of(wi_0)[0]
-  pl = placement(x.shape, shape_of(wi_0), mesh, rules)
-  if isinstance(wi_0, BlockFP8) and pl.tensor_axis is not None:  # each hidden shard must hold whole blocks
-    hidden, tp = shape_of(wi_0)[2], mesh.shape[pl.tensor_axis]
-    block = block_of(wi_0.values.shape, wi_0.scale.shape)[1]
+  w0 = base_of(wi_0)
+  num_experts = shape_of(w0)[0]
+  pl = placement(x.shape, shape_of(w0), mesh, rules)
+  if isinstance(w0, BlockFP8) and pl.tensor_axis is not None:  # each hidden shard must hold whole blocks
+    hidden, tp = shape_of(w0)[2], mesh.shape[pl.tensor_axis]
+    block = block_of(w0.values.shape, w0.scale.shape)[1]
     if hidden % (tp * block):
       raise ValueError(f"moe_mlp_dim={hidden} over {tp} '{pl.tensor_axis}' shards is not a whole number of "
                        f"weight_block_size blocks ({block}) per shard: fp8 expert scales cannot be split so")
@@ -176,6 +177,13 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   batch_axes, length_axes = _axes_of(tok[0]), _axes_of(tok[1])
   w_in = P(pl.expert_axis, None, pl.tensor_axis)  # [E,D,I]
   w_out = P(pl.expert_axis, pl.tensor_axis, None)  # [E,I,D]
+
+  def spec_of(w, spec):
+    """An ExpertLoRA's parts as its base [E,K,N]: A [E,K,r] split as K, B [E,r,N] as N (a partial sum over a
+    split K, as the base's, is added by the psum over `tensor` below)."""
+    if not isinstance(w, ExpertLoRA):
+      return spec
+    return ExpertLoRA(spec, P(spec[0], spec[1], None), P(spec[0], None, spec[2]))
   exchange_fn = _exchange_ragged if exchange == "ragged_all_to_all" else _exchange_fixed
   tokens_over_experts = pl.expert_axis is not None and pl.expert_axis in pl.token_axes
 
@@ -183,7 +191,7 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
     # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E], routed_experts [b_l,t_l,k] | None,
     # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D] (float, or BlockFP8: the spec applies to values and scale)
     b_l, t_l, d = x.shape
-    e_l = shape_of(wi_0)[0]
+    e_l = shape_of(base_of(wi_0))[0]
     n = b_l * t_l
     xf = x.reshape(n, d)  # [T_l,D]
     extra = () if routed_experts is None else (routed_experts.reshape(n, -1),)  # [T_l,k]
@@ -233,7 +241,8 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
         terms = jax.lax.psum(terms, batch_axes)
     return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms, ids.reshape(b_l, t_l, k)
 
-  args, specs = (x, token_valid, gate, bias, wi_0, wi_1, wo), (tok, tok2, P(), P(), w_in, w_in, w_out)
+  args = (x, token_valid, gate, bias, wi_0, wi_1, wo)
+  specs = (tok, tok2, P(), P(), spec_of(wi_0, w_in), spec_of(wi_1, w_in), spec_of(wo, w_out))
   if routed_experts is not None:
     args, specs = args + (routed_experts,), specs + (tok,)  # routed_experts [b,t,k] lies as x [b,t,D]
   fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tok, P(), P(), (P(), P()), tok))

@@ -20,6 +20,11 @@ dequantized inside the grouped matmul, never all experts at once: the blocked pa
 gathered per-block copies (or one expert per loop step), ragged_dot runs over chunks of experts
 (`ragged_dot_fp8`), each chunk dequantized right before its matmul.
 
+With per-expert LoRA adapters (layers/lora.py, lora_module_path matching `.../mlp/wi_0`, `wi_1` or `wo`) a
+weight arrives as ExpertLoRA (the frozen base + A [E,K,r] and B [E,r,N]): the grouped matmul runs the base and,
+by the same plan, each row through its own expert's A then B (`grouped_matmul`), so the adapters are computed
+dropless, per expert, and sharded over the expert axis as the experts are.
+
 Also here: the expert counts and the per-sequence sums of the balance loss, which the
 expert-parallel dispatch (moe_dispatch.py) adds up over devices.
 """
@@ -38,10 +43,22 @@ from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, dequantize_if, shap
 
 class ExpertWeights(NamedTuple):
   """The routed experts' SwiGLU weights (on a mesh: this device's experts and hidden shard); each a
-  float array or a BlockFP8 (fp8 values of that shape + per-block scales)."""
+  float array or a BlockFP8 (fp8 values of that shape + per-block scales), or either as an ExpertLoRA's base."""
   wi_0: jax.Array | BlockFP8  # [E,D,I] gate
   wi_1: jax.Array | BlockFP8  # [E,D,I] up
   wo: jax.Array | BlockFP8  # [E,I,D] down
+
+
+class ExpertLoRA(NamedTuple):
+  """A routed-expert weight with its per-expert adapter: row x of expert e gives x W_e + (x A_e) B_e."""
+  base: jax.Array | BlockFP8  # [E,K,N] the frozen weight
+  a: jax.Array  # [E,K,r]
+  b: jax.Array  # [E,r,N], already times lora_alpha / r
+
+
+def base_of(w):
+  """The frozen weight of an ExpertLoRA; any other weight as it is."""
+  return w.base if isinstance(w, ExpertLoRA) else w
 
 
 def rank_within(keys: jax.Array, num_keys: int) -> jax.Array:
@@ -129,7 +146,11 @@ def ragged_dot_fp8(rows: jax.Array, w: BlockFP8, group_sizes: jax.Array, precisi
 def grouped_matmul(rows: jax.Array, w: jax.Array | BlockFP8, plan: DispatchPlan, *, impl: str,
                    precision=None) -> jax.Array:
   """rows [R,K] (expert-contiguous, per `plan`) x w [E,K,N] -> [R,N], each row by its expert.
-  w float (cast to rows.dtype) or BlockFP8 (dequantized to rows.dtype per expert / gathered block)."""
+  w float (cast to rows.dtype), BlockFP8 (dequantized to rows.dtype per expert / gathered block), or ExpertLoRA
+  (the base's product + the adapter's: rows by A [E,K,r] -> [R,r], by B [E,r,N] -> [R,N], the same plan)."""
+  if isinstance(w, ExpertLoRA):
+    mm = lambda a, v: grouped_matmul(a, v, plan, impl=impl, precision=precision)  # noqa: E731
+    return mm(rows, w.base) + mm(mm(rows, w.a), w.b)  # [R,N] + ([R,r] -> [R,N])
   _, k, n = shape_of(w)
   if impl == "ragged_dot":
     if isinstance(w, BlockFP8):
@@ -173,7 +194,7 @@ def expert_outputs(x: jax.Array, expert_ids: jax.Array, experts: ExpertWeights, 
   """
   wi_0, wi_1, wo = experts
   num_src, d = x.shape
-  j, num_experts = expert_ids.shape[1], shape_of(wi_0)[0]
+  j, num_experts = expert_ids.shape[1], shape_of(base_of(wi_0))[0]
   if impl == "ragged_dot":
     block_rows = 1
   elif block_rows is None:

@@ -17,8 +17,10 @@ once per array), so no adapter is whole on every device; its optimizer moments f
 
 The paths are the linears' module paths, e.g. `dense_layers/layers/attention/wq_a`,
 `moe_layers/layers/mlp/shared_experts/down`, `moe_layers/layers/attention/indexer/wk`,
-`mtp/0/layer/attention/wo`, `output_head`. The routed experts (`moe_layers/layers/mlp/wi_0`, `wi_1`, `wo`)
-are not Linears: per-expert adapters are not built yet (a regex matching them is a config error).
+`mtp/0/layer/attention/wo`, `output_head`. The routed experts (`moe_layers/layers/mlp/wi_0`, `wi_1`, `wo`,
+[E, in, out] each) are not Linears: where the regex matches one, moe.ExpertAdapter `<w>_lora` beside it holds
+per-expert A [E, in, r] (uniform as above) and B [E, r, out] (zeros), applied inside the experts' grouped matmul
+and sharded over the expert axis as the experts are (logical axes: the kernel's, the rank `lora_rank`).
 
 In the trainer the params pure dict is split by name: `adapters` (every `lora_a` / `lora_b` leaf: what
 the optimizer trains and a checkpoint holds) and `base` (everything else, frozen); `join` is the inverse.
@@ -37,7 +39,7 @@ from flax import nnx
 from MaxText.config.types import Config, ConfigError
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, quantize
 from MaxText.layers.linears import SCALE_SUFFIX, Linear
-from MaxText.layers.moe import DeepSeekMoE
+from MaxText.layers.moe import ADAPTER_SUFFIX, EXPERT_WEIGHTS, DeepSeekMoE, ExpertAdapter
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 
@@ -48,35 +50,49 @@ def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
           if isinstance(node, Linear)]
 
 
+def routed_experts(model: nnx.Module) -> list[tuple[str, DeepSeekMoE, str]]:
+  """(path 'a/b/wi_0', the MoE layer, weight name) of every routed-expert weight, in graph order."""
+  return [("/".join([*(str(p) for p in path), w]), node, w) for path, node in nnx.iter_graph(model)
+          if isinstance(node, DeepSeekMoE) for w in EXPERT_WEIGHTS]
+
+
+def _check_rank(config: Config, path: str, shape) -> None:
+  n_in, n_out = shape[-2:]
+  if config.lora_rank > min(n_in, n_out):
+    raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
+                      f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
+                      f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
+
+
+def matched_experts(model: nnx.Module, config: Config) -> list[tuple[str, DeepSeekMoE, str]]:
+  """The routed-expert weights lora_module_path fully matches (rank checked as for linears)."""
+  pattern = re.compile(config.lora_module_path)
+  hits = [(p, m, w) for p, m, w in routed_experts(model) if pattern.fullmatch(p)]
+  for path, m, w in hits:
+    _check_rank(config, path, getattr(m, w).shape)
+  return hits
+
+
 def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
-  """The linears lora_module_path fully matches; a ConfigError (one line) when none does, or when
-  lora_rank exceeds a matched kernel's smaller side."""
+  """The linears lora_module_path fully matches; a ConfigError (one line) when it matches neither a linear nor a
+  routed-expert weight, or when lora_rank exceeds a matched kernel's smaller side."""
   pattern = re.compile(config.lora_module_path)
   every = linears(model)
   hits = [(p, m) for p, m in every if pattern.fullmatch(p)]
-  experts = [f"{'/'.join(str(p) for p in path)}/{w}" for path, node in nnx.iter_graph(model)
-             if isinstance(node, DeepSeekMoE) for w in ("wi_0", "wi_1", "wo")]
-  if any(pattern.fullmatch(p) for p in experts):
-    raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches the routed experts "
-                      f"({next(p for p in experts if pattern.fullmatch(p))}): per-expert adapters are not built yet; "
-                      "adapt the shared experts (.*/mlp/shared_experts/(gate|up|down)) and attention instead")
-  if not hits:
-    names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every})
+  if not hits and not matched_experts(model, config):
+    names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every} | {p for p, _, _ in routed_experts(model)})
     raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches no linear of this model; its linears "
                       f"are: {', '.join(names)}")
   for path, m in hits:
-    n_in, n_out = m.kernel.shape[-2:]
-    if config.lora_rank > min(n_in, n_out):
-      raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
-                        f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
-                        f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
+    _check_rank(config, path, m.kernel.shape)
   return hits
 
 
 def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
-  """Gives every linear lora_module_path matches its A and B (a no-op at lora_rank=0). Called once the
-  base is built, so the base's random draws (and values) are the same with and without adapters. With
-  serve_lora_adapters (a served model): slot-stacked zeros, A [..., n, in, r], B [..., n, r, out], n = adapters + 1."""
+  """Gives every linear lora_module_path matches its A and B (a no-op at lora_rank=0), then every routed-expert
+  weight it matches its per-expert A and B. Called once the base is built, so the base's random draws (and
+  values) are the same with and without adapters. With serve_lora_adapters (a served model): slot-stacked zeros,
+  A [..., n, in, r], B [..., n, r, out], n = adapters + 1."""
   if not config.lora_rank:
     return
   r = config.lora_rank
@@ -95,6 +111,21 @@ def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:
     m.lora_a = nnx.Param(a.astype(dtype), logical_axes=(in_axis, "lora_rank"))
     m.lora_b = nnx.Param(jnp.zeros((*stack, r, n_out), dtype), logical_axes=("lora_rank", out_axis))  # [..., r, out]
     m.lora_scale = config.lora_alpha / r
+  experts = matched_experts(model, config)
+  if experts and config.serve_lora_adapters:
+    raise ConfigError(f"serve_lora_adapters: lora_module_path={config.lora_module_path!r} adapts the routed experts "
+                      f"({experts[0][0]}, ...): per-row expert adapters are not served; serve such an adapter merged "
+                      "into its base (export_hf_checkpoint --lora merged)")
+  for _, moe, name in experts:
+    w = getattr(moe, name)
+    *stack, e, n_in, n_out = w.shape  # [.., E, in, out]
+    exp_axis, in_axis, out_axis = w.get_metadata()["logical_axes"][-3:]
+    bound = 1.0 / math.sqrt(n_in)
+    a = jax.random.uniform(rngs.params(), (*stack, e, n_in, r), jnp.float32, -bound, bound)  # [.., E, in, r]
+    setattr(moe, name + ADAPTER_SUFFIX, ExpertAdapter(
+        nnx.Param(a, logical_axes=(exp_axis, in_axis, "lora_rank")),
+        nnx.Param(jnp.zeros((*stack, e, r, n_out), dtype), logical_axes=(exp_axis, "lora_rank", out_axis)),
+        config.lora_alpha / r))
 
 
 def is_adapter(path) -> bool:
@@ -131,9 +162,10 @@ def join(a: dict, b: dict) -> dict:
 
 def merged(base: dict, adapters: dict, scale: float, block: tuple[int, int]) -> dict:
   """The base params pure dict (stacked or per layer, float or fp8 with `kernel_scale` beside the kernel) with
-  each adapter merged into its kernel: W + scale * A B, in fp32 (A [..., in, r], B [..., r, out]). An fp8
-  kernel is dequantized, merged and quantized again per (in, out) `block`: the merged weight rounds to e4m3.
-  A float kernel keeps its dtype. `adapters` is nested as `base` (what `split` gives)."""
+  each adapter merged into its kernel: W + scale * A B, in fp32 (A [..., in, r], B [..., r, out]); a routed-expert
+  adapter `<w>_lora` into the expert weight `<w>` [..., E, in, out] beside it, expert by expert. An fp8 kernel is
+  dequantized, merged and quantized again per (in, out) `block`: the merged weight rounds to e4m3. A float kernel
+  keeps its dtype. `adapters` is nested as `base` (what `split` gives)."""
   out = dict(base)
   for k, sub in adapters.items():
     if not isinstance(sub, dict):
@@ -141,19 +173,23 @@ def merged(base: dict, adapters: dict, scale: float, block: tuple[int, int]) -> 
     if "lora_a" not in sub:
       out[k] = merged(base[k], sub, scale, block)
       continue
-    node = dict(base[k])
-    scales = node.get("kernel" + SCALE_SUFFIX)
-    w = np.asarray(node["kernel"] if scales is None else dequantize(BlockFP8(jnp.asarray(node["kernel"]),
-                                                                             jnp.asarray(scales))), np.float32)
+    if k in base:  # a Linear: {"kernel", "kernel_scale"?}
+      node, name = dict(base[k]), "kernel"
+    else:  # a routed-expert weight's adapter: the weight is `k` without the suffix, in this same dict
+      node, name = out, k[:-len(ADAPTER_SUFFIX)]
+    scales = node.get(name + SCALE_SUFFIX)
+    w = np.asarray(node[name] if scales is None else dequantize(BlockFP8(jnp.asarray(node[name]),
+                                                                         jnp.asarray(scales))), np.float32)
     ab = np.einsum("...ir,...ro->...io", np.asarray(sub["lora_a"], np.float32), np.asarray(sub["lora_b"], np.float32))
     if ab.shape != w.shape:
       raise ValueError(f"the adapter of {k} gives a [{', '.join(map(str, ab.shape))}] update to a kernel of "
                        f"[{', '.join(map(str, w.shape))}]: are lora_rank and the model keys the run's?")
     w = w + np.float32(scale) * ab  # [..., in, out]
     if scales is None:
-      node["kernel"] = w.astype(np.asarray(node["kernel"]).dtype)
+      node[name] = w.astype(np.asarray(node[name]).dtype)
     else:
       q = quantize(jnp.asarray(w), block)
-      node["kernel"], node["kernel" + SCALE_SUFFIX] = np.asarray(q.values), np.asarray(q.scale)
-    out[k] = node
+      node[name], node[name + SCALE_SUFFIX] = np.asarray(q.values), np.asarray(q.scale)
+    if node is not out:
+      out[k] = node
   return out

@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.config.types import Config
 from MaxText.kernels.moe_dispatch import exchange_impl, moe_on_mesh
 from MaxText.kernels.moe_experts import (
+  ExpertLoRA,
   ExpertWeights,
   balance_loss_terms,
   balance_stats,
@@ -46,6 +47,22 @@ from MaxText.kernels.moe_experts import (
 )
 from MaxText.layers.linears import MLP, PRECISION, dtype_of, param, stored, weight_params
 from MaxText.runtime.sharding import active_mesh
+
+EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")  # the routed experts' [E,D,I] gate, [E,D,I] up, [E,I,D] down
+ADAPTER_SUFFIX = "_lora"  # the per-expert adapter of routed-expert weight `w` is the module `<w>_lora` beside it
+
+
+class ExpertAdapter(nnx.Module):
+  """Per-expert LoRA of one routed-expert weight W [E, in, out] (layers/lora.py adds it where lora_module_path
+  matches `.../mlp/wi_0`, `wi_1` or `wo`): lora_a [E, in, r], lora_b [E, r, out] (zeros at init), and
+  W_e x + (lora_alpha / r) B_e A_e x for each expert e, inside the grouped matmul (kernels/moe_experts.py)."""
+
+  def __init__(self, lora_a: nnx.Param, lora_b: nnx.Param, scale: float):
+    self.lora_a, self.lora_b, self.lora_scale = lora_a, lora_b, scale
+
+  def on(self, w) -> ExpertLoRA:
+    """The stored base weight w [E,in,out] (float or BlockFP8) with this adapter: B pre-scaled by alpha / r."""
+    return ExpertLoRA(w, self.lora_a[...], self.lora_b[...] * self.lora_scale)
 
 
 class RoutingBias(nnx.Variable):
@@ -180,6 +197,16 @@ class DeepSeekMoE(nnx.Module):
                                            block_quantized=True)  # down
     self.shared_experts = MLP(config, config.moe_mlp_dim * config.shared_experts, rngs=rngs) \
         if config.shared_experts else None
+    # per-expert adapters, set by lora.add_adapters where lora_module_path matches the weight's path
+    self.wi_0_lora: ExpertAdapter | None = nnx.data(None)
+    self.wi_1_lora: ExpertAdapter | None = nnx.data(None)
+    self.wo_lora: ExpertAdapter | None = nnx.data(None)
+
+  def expert_weight(self, name: str):
+    """Routed-expert weight `name` as the grouped matmul takes it: float, BlockFP8, or ExpertLoRA over either."""
+    w = stored(getattr(self, name), getattr(self, name + "_scale"))
+    adapter = getattr(self, name + ADAPTER_SUFFIX)
+    return w if adapter is None else adapter.on(w)
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
                routed_experts: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -197,8 +224,7 @@ class DeepSeekMoE(nnx.Module):
     xc = x.astype(self.dtype)  # [b,t,D]
     weight = cfg.load_balance_loss_weight
     mesh = active_mesh()
-    experts = ExpertWeights(stored(self.wi_0, self.wi_0_scale), stored(self.wi_1, self.wi_1_scale),
-                            stored(self.wo, self.wo_scale))  # [E,D,I] x2, [E,I,D]: float, or fp8 + scales
+    experts = ExpertWeights(*(self.expert_weight(n) for n in EXPERT_WEIGHTS))  # [E,D,I] x2, [E,I,D] (+ adapters)
     if mesh is not None and mesh[0].size > 1:  # expert parallelism: routing and experts per device
       r = moe_on_mesh(xc, token_valid, gate, bias, experts, route_fn=self.route, mesh=mesh[0], rules=mesh[1],
                       capacity_factor=cfg.moe_capacity_factor, exchange=self.exchange, impl=self.dispatch,

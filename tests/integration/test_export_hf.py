@@ -214,3 +214,64 @@ def test_help_gives_usage_the_key_value_convention_and_where_keys_are_documented
   out = capsys.readouterr().out
   assert out.startswith(f"usage: python -m {module.__name__}")
   assert "key=value" in out and "configs/base.yml" in out
+
+
+def _lora_run(ours, tmp_path, **keys):
+  """(config, base params, adapters, buffers) of a LoRA run over the converter output `ours` whose adapters are
+  saved as a checkpoint in tmp_path/adapters: A as initialized, B random (B = 0 would export a no-op)."""
+  from MaxText.layers import lora
+  overrides = [f"{k}={v}" for k, v in dict(lora_rank=4, lora_alpha=8.0, load_parameters_path=ours,
+                                           matmul_precision="highest", **keys).items()]
+  cfg = hf_export.export_config(ours, None, overrides)
+  base, buffers = hf_export.restore_parameters(ours, cfg.model_copy(update={"lora_rank": 0}))
+  graphdef, abstract, _ = model_state.abstract_model(cfg)
+  adapters = lora.split(abstract.to_pure_dict())[0]
+  leaves, treedef = jax.tree.flatten(adapters)
+  keys_ = jax.random.split(jax.random.key(3), len(leaves))
+  adapters = jax.tree.unflatten(treedef, [np.asarray(0.3 * jax.random.normal(k, a.shape), np.float32)
+                                          for k, a in zip(keys_, leaves)])
+  model_state.save_parameters(str(tmp_path / "adapters"), adapters, {})
+  return cfg, graphdef, base, adapters, buffers, overrides
+
+
+def test_peft_adapter_over_transformers_gives_our_lora_logits(converted, tmp_path, capsys):
+  """--lora peft: peft's PeftModel over transformers' DeepseekV32ForCausalLM (the HF folder the converter read)
+  with our exported adapter_config.json + adapter_model.safetensors gives the adapted model's logits (1e-4);
+  the default modules and the indexer's, with the MTP layer's adapters left out. The same adapters merged
+  (hf_export.restore_parameters of the LoRA run, what --lora merged writes) give those logits too."""
+  peft = pytest.importorskip("peft")
+  hf_dir, ours = converted
+  regex = "'.*/attention/(wq_a|wq_b|wkv_a|wkv_b|wo)|.*/mlp(/shared_experts)?/(gate|up|down)|.*/indexer/(wq_b|wk)'"
+  cfg, graphdef, base, adapters, buffers, overrides = _lora_run(ours, tmp_path, lora_module_path=regex)
+  _export(capsys, "--checkpoint", tmp_path / "adapters", "--output", tmp_path / "peft", "--lora", "peft",
+          "--config", os.path.join(ours, hf_export.CONFIG_FILE), *overrides)
+  assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
+  conf = json.load(open(tmp_path / "peft" / "adapter_config.json"))
+  assert conf["r"] == 4 and conf["lora_alpha"] == 8.0 and "model.layers.1.self_attn.indexer.wk" in conf["target_modules"]
+  assert not any(m.startswith("model.layers.3.") for m in conf["target_modules"])  # the MTP layer: no HF module
+
+  tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, size=(2, 24))
+  from MaxText.layers import lora
+  forward = jax.jit(lambda p, b, x: model_state.merge(graphdef, p, b)(x)[0])  # [b,t,V]
+  ours_logits = np.asarray(forward(lora.join(adapters, base), buffers, jnp.asarray(tokens)))
+  base_logits = np.asarray(forward(lora.join(jax.tree.map(np.zeros_like, adapters), base), buffers,
+                                   jnp.asarray(tokens)))
+  model = transformers.DeepseekV32ForCausalLM.from_pretrained(hf_dir)
+  model.config._attn_implementation = "eager"
+  model = peft.PeftModel.from_pretrained(model, str(tmp_path / "peft")).eval()
+  with torch.no_grad():
+    theirs = model(torch.as_tensor(tokens)).logits.numpy()
+  assert np.abs(ours_logits - base_logits).max() > 0.1  # the adapters matter
+  np.testing.assert_allclose(theirs, ours_logits, rtol=1e-4, atol=1e-4)
+  # --lora merged's tree (restore_parameters of a LoRA run): the model without adapters gives the same logits
+  plain_cfg = cfg.model_copy(update={"lora_rank": 0})
+  merged_params, merged_buffers = hf_export.restore_parameters(str(tmp_path / "adapters"), cfg)
+  plain = jax.jit(lambda p, b, x: model_state.merge(model_state.abstract_model(plain_cfg)[0], p, b)(x)[0])
+  np.testing.assert_allclose(np.asarray(plain(merged_params, merged_buffers, jnp.asarray(tokens))), ours_logits,
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_lora_export_refusals_are_one_line(converted, tmp_path, capsys):
+  _, ours = converted
+  err = _error_line(capsys, "--checkpoint", ours, "--output", tmp_path / "o", "--lora", "peft")
+  assert "--lora peft: the model has lora_rank=0" in err

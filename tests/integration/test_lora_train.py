@@ -1,30 +1,30 @@
 """LoRA through the trainer: on an 8-device mesh (fsdp x context x expert) one QLoRA step equals the
 single-device step and the adapters are sharded as their kernels; SFT with LoRA through train.py from a
 base checkpoint (load_parameters_path) writes checkpoints holding the adapters and their optimizer state
-only, and a resume from one of them reaches the same state bit for bit."""
+only, and a run killed with -9 after a checkpoint resumes to the uninterrupted run's bits."""
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from MaxText import train
-from MaxText.checkpoint import model_state, orbax_state
+from MaxText.checkpoint import hf_export, model_state, orbax_state
 from MaxText.layers import lora
 from MaxText.runtime import sharding
 from tests.conftest import REPO_ROOT
-from tests.support.lora import small_lora_config, train_steps
+from tests.support import train_processes as procs
+from tests.support.lora import small_lora_args, small_lora_config, train_steps
 
 HF_JSON = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
 MESH = dict(num_devices=8, ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_expert_parallelism=2)
 
 
 def test_qlora_step_on_an_fsdp_context_expert_mesh_equals_one_device_and_shards_adapters_as_kernels():
-  kw = dict(weight_quantization="fp8_block", global_batch_size=4, matmul_precision="highest")
+  experts = f"{small_lora_config().lora_module_path}|.*/mlp/(wi_0|wi_1|wo)"  # the defaults + the routed experts
+  kw = dict(weight_quantization="fp8_block", global_batch_size=4, matmul_precision="highest", lora_module_path=experts)
   _, one, m1 = train_steps(small_lora_config(**kw), 1)
   cfg = small_lora_config(**kw, **MESH)
   _, eight, m8 = train_steps(cfg, 1)
@@ -41,6 +41,11 @@ def test_qlora_step_on_an_fsdp_context_expert_mesh_equals_one_device_and_shards_
   # B [L, r, out]: the rank takes the ZeRO-3 axes that divide it (r=4: fsdp x context), out what is left
   assert attn_b(params, "wq_b").sharding.spec == PartitionSpec(None, ("fsdp", "context"), None)  # out: q_heads
   assert attn_b(params, "wo").sharding.spec == PartitionSpec(None, ("fsdp", "context"), "expert")  # out: embed
+  mlp = params["moe_layers"]["layers"]["mlp"]
+  # routed experts: wi_0 [L, E, D, I], A [L, E, D, r], B [L, E, r, I] split over `expert` on E as the experts are
+  assert mlp["wi_0"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
+  assert mlp["wi_0_lora"]["lora_a"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
+  assert mlp["wi_0_lora"]["lora_b"].sharding.spec == PartitionSpec(None, "expert", ("fsdp", "context"), None)
 
 
 def attn_b(params, name):
@@ -52,30 +57,42 @@ CHATS = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
          for a in range(6) for b in range(3)]
 
 
-def test_sft_with_lora_checkpoints_adapters_only_and_resumes_exactly(tmp_path):
+STEPS = 12
+
+
+def test_sft_with_lora_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_bits(tmp_path):
+  """train.py with LoRA over an fp8 base (SFT data), as a subprocess: an uninterrupted run, and one killed with -9
+  once a checkpoint is complete then started again with the same command. The rerun resumes from the newest
+  checkpoint (adapters + their AdamW moments + step + data position, never the base) and ends on the
+  uninterrupted run's bits: the same state fingerprint, the same adapters byte for byte, the same losses."""
   data = tmp_path / "chats.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
-  keys = dict(base_output_directory=str(tmp_path), run_name="run", max_target_length=32, max_prefill_length=32,
-              log_period=1, enable_tensorboard=False, dataset_type="file", dataset_path=str(data),
-              tokenizer_type="hf", tokenizer_path=HF_JSON, use_sft=True, train_data_columns=["messages"],
-              weight_quantization="fp8_block")
-  base_cfg = small_lora_config(lora_rank=0, **keys)
+  keys = dict(max_target_length=32, max_prefill_length=32, log_period=1, enable_tensorboard=False,
+              dataset_type="file", dataset_path=str(data), tokenizer_type="hf", tokenizer_path=HF_JSON, use_sft=True,
+              train_data_columns="[messages]", weight_quantization="fp8_block")
+  base_cfg = small_lora_config(lora_rank=0, **{**keys, "train_data_columns": ["messages"]})
   mesh = sharding.create_mesh(base_cfg)
   with jax.set_mesh(mesh):
     _, params, buffers, _ = model_state.create(base_cfg, mesh)
   model_state.save_parameters(str(tmp_path / "base"), params, buffers)
-  cfg = small_lora_config(**keys, steps=4, enable_checkpointing=True, checkpoint_period=2,
-                          async_checkpointing=False, load_parameters_path=str(tmp_path / "base"))
-  first = train.train(cfg)
-  ckpt = os.path.join(cfg.checkpoint_dir, "4")
-  with open(os.path.join(ckpt, "meta", "metadata")) as f:
-    want = json.load(f)["fingerprint"]
-  stored = orbax_state._stored_tree(os.path.join(ckpt, "state"))
+  args = small_lora_args(**keys, steps=STEPS, checkpoint_period=2, async_checkpointing=False,
+                         load_parameters_path=tmp_path / "base", base_output_directory=tmp_path)
+  run = lambda name: procs.launch("train.py", [*args, f"run_name={name}"], processes=1, devices=1,  # noqa: E731
+                                  cache=os.environ["JAX_COMPILATION_CACHE_DIR"])
+  (_, whole, _), = procs.ok(procs.finish(run("whole")))
+  _, latest = procs.kill_after_checkpoint(run("killed"), tmp_path / "killed" / "checkpoints", 2, STEPS)
+  (_, rerun, _), = procs.ok(procs.finish(run("killed")))
+  assert f"resumed from checkpoint step {latest}" in rerun
+
+  final = [tmp_path / name / "checkpoints" / str(STEPS) for name in ("whole", "killed")]
+  stored = orbax_state._stored_tree(str(final[0] / "state"))
   assert set(stored) == {"params", "buffers", "opt_state", "step"} and not jax.tree.leaves(stored["buffers"])
-  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored["params"])]
-  assert names and all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored["params"])), names
-  shutil.rmtree(ckpt)  # as if killed after step 2's checkpoint: the same command resumes from it
-  second = train.train(cfg)
-  with open(os.path.join(ckpt, "meta", "metadata")) as f:
-    assert json.load(f)["fingerprint"] == want  # every bit of adapters, moments, step
-  assert second["loss"] == first["loss"] and np.isfinite(first["loss"])
+  adapters = [hf_export.restore_raw(str(f / "state"))["params"] for f in final]
+  leaves = jax.tree_util.tree_leaves_with_path(adapters[0])
+  assert leaves and all(lora.is_adapter(p) for p, _ in leaves)  # never the base
+  for (path, a), b in zip(leaves, jax.tree.leaves(adapters[1])):
+    assert a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
+  fingerprints = [json.load(open(f / "meta" / "metadata"))["fingerprint"] for f in final]
+  assert fingerprints[0] == fingerprints[1]  # every bit of adapters, moments, step
+  want, got = procs.losses(whole), procs.losses(rerun)
+  assert sorted(got) == list(range(latest + 1, STEPS + 1)) and got == {s: want[s] for s in got}

@@ -15,17 +15,17 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.support.train_processes import finish as _finish
+from tests.support.train_processes import kill_after_checkpoint
+from tests.support.train_processes import launch as _launch
+from tests.support.train_processes import losses as _losses
+from tests.support.train_processes import ok as _ok
 
-TIMEOUT = 420  # seconds a run may take (compile included) before it counts as hung
 STEPS = 20
 TRAIN = ["configs/base.yml", f"steps={STEPS}", "log_period=1", "checkpoint_period=4", "async_checkpointing=false",
          "enable_tensorboard=false", "num_decoder_layers=2", "mtp_num_layers=0", "max_target_length=32",
@@ -77,61 +77,6 @@ def cache_dir(tmp_path_factory):
   return str(path)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _launch(script, args, *, processes, devices, cache, per_process=None, port=None, timeout_s=60):
-  """Starts `processes` copies of `python MaxText/<script> args` (each with `devices` CPU devices,
-  joined through jax.distributed when several); per_process[i]: extra args of process i."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT,
-         # not FAST_COMPILE_FLAGS' elemental emitters: with them an 8-device process stalls in a
-         # collective (its 40 s rendezvous timeout)
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
-         "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  if processes > 1:
-    # No persistent cache for a multi-process run: JAX writes entries from process 0 only and the processes'
-    # keys differ, so process 0 loaded its programs while process 1 compiled them, ran ahead, and timed out
-    # in gloo's 30 s context rendezvous (GetKeyValue DEADLINE_EXCEEDED at step 1) on a loaded host.
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-  port = port or _free_port()
-  procs = []
-  for i in range(processes):
-    dist = [] if processes == 1 else [f"distributed_coordinator_address=localhost:{port}",
-                                      f"distributed_num_processes={processes}", f"distributed_process_id={i}",
-                                      f"distributed_initialization_timeout={timeout_s}"]
-    extra = (per_process or {}).get(i, [])
-    procs.append(subprocess.Popen([sys.executable, f"MaxText/{script}", *args, *dist, *extra], cwd=REPO_ROOT,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  return procs
-
-
-def _finish(procs, timeout=TIMEOUT):
-  """[(returncode, stdout, stderr)] of every process; all are killed if one outlives the timeout."""
-  deadline, out = time.time() + timeout, []
-  try:
-    for p in procs:
-      o, e = p.communicate(timeout=max(deadline - time.time(), 1))
-      out.append((p.returncode, o, e))
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail(f"a process ran past {timeout} s (hung peer?): " + " | ".join(p.communicate()[1][-800:] for p in procs))
-  return out
-
-
-def _ok(results):
-  for i, (rc, o, e) in enumerate(results):
-    assert rc == 0, f"process {i} exited {rc}:\n{o[-2000:]}\n{e[-3000:]}"
-  return results
-
-
-def _losses(out: str) -> dict[int, float]:
-  return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", out)}
-
-
 def _int_keys(d: dict) -> dict[int, float]:
   return {int(k): v for k, v in d.items()}
 
@@ -163,17 +108,8 @@ def _kill_and_resume(cache_dir, grain_data):
 def _kill_and_resume_in(base, cache_dir, grain_data):
   args = TRAIN + EP_MESH + grain_data + [f"base_output_directory={base}", "run_name=run"]
   ckpt = base / "run" / "checkpoints"
-  procs = _launch("train.py", args, processes=2, devices=4, cache=cache_dir)
-  deadline = time.time() + TIMEOUT
-  while time.time() < deadline and all(p.poll() is None for p in procs):
-    if (ckpt / "8").is_dir() and not any("tmp" in n for n in os.listdir(ckpt)):
-      break
-    time.sleep(0.05)
-  for p in procs:
-    p.send_signal(signal.SIGKILL)
-  first = [p.communicate()[0] for p in procs]
-  latest = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
-  assert 8 <= latest < STEPS, f"checkpoint {latest}: the run ended before the kill"
+  first, latest = kill_after_checkpoint(_launch("train.py", args, processes=2, devices=4, cache=cache_dir), ckpt, 8,
+                                        STEPS)
   (_, rerun, _), (_, silent, _) = _ok(_finish(_launch("train.py", args, processes=2, devices=4, cache=cache_dir)))
   assert silent.strip() == "", "process 1 printed to stdout: only process 0 speaks"
   return _losses(first[0]), rerun, latest, str(base / "run")

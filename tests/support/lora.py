@@ -24,11 +24,26 @@ def train_steps(cfg, steps: int):
     return first, jax.tree.map(np.asarray, state), metrics
 
 
+# 2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time.
+SMALL_LORA = dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
+                  global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
+                  first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none")
+
+
 def small_lora_config(**kw):
-  """2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time."""
-  return make_config(**{**dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
-                               global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
-                               first_num_dense_layers=1, mtp_num_layers=0, remat_policy="none"), **kw})
+  """SMALL_LORA's Config with `kw` over it (make_config: one device)."""
+  return make_config(**{**SMALL_LORA, **kw})
+
+
+def small_lora_args(**kw) -> list[str]:
+  """SMALL_LORA with `kw` over it as train.py's key=value arguments (one device), after configs/base.yml."""
+  def text(v):
+    if isinstance(v, bool):
+      return str(v).lower()
+    if isinstance(v, (tuple, list)):
+      return "[" + ",".join(map(str, v)) + "]"
+    return str(v)
+  return ["configs/base.yml", "ici_data_parallelism=1", *(f"{k}={text(v)}" for k, v in {**SMALL_LORA, **kw}.items())]
 
 
 def write_adapter_run(out_dir: str, name: str, seed: int, **keys) -> dict:

@@ -55,14 +55,67 @@ def test_indexer_is_selectable():
     (dict(lora_rank=40, lora_module_path=".*/attention/wkv_b"),
      r"lora_rank=40 exceeds the smaller side of dense_layers/layers/attention/wkv_b's kernel \[32, 128\] \(matched by "
      r"lora_module_path='.\*/attention/wkv_b'\): use lora_rank <= 32"),
-    (dict(lora_rank=4, lora_module_path=".*/mlp/(wi_0|wi_1|wo)"),
-     "matches the routed experts \\(moe_layers/layers/mlp/wi_0\\): per-expert adapters are not built yet"),
+    (dict(lora_rank=40, lora_module_path=".*/mlp/wo"),
+     r"lora_rank=40 exceeds the smaller side of moe_layers/layers/mlp/wo's kernel \[32, 64\]"),
+    (dict(lora_rank=4, lora_module_path=".*/mlp/(wi_0|wi_1|wo)", serve_lora_adapters=("a=/tmp/a",)),
+     r"serve_lora_adapters: lora_module_path='.\*/mlp/\(wi_0\|wi_1\|wo\)' adapts the routed experts \(moe_layers"),
 ])
 def test_a_bad_lora_key_is_one_line_naming_the_key_and_what_it_matched(keys, said):
   cfg = make_config(**keys)
   with pytest.raises(ConfigError, match=said) as e:
     nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   assert "\n" not in str(e.value)
+
+
+EXPERTS = ".*/mlp/(wi_0|wi_1|wo)"
+
+
+def test_routed_experts_are_selectable_as_per_expert_adapters_sharded_as_the_experts():
+  cfg = make_config(lora_rank=4, lora_module_path=EXPERTS)
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  assert not _adapted(model)  # no linear
+  mlp = model.moe_layers.layers.mlp
+  assert mlp.wi_0_lora.lora_a.shape == (3, 8, 64, 4) and mlp.wi_0_lora.lora_b.shape == (3, 8, 4, 32)  # [L,E,D,r] [L,E,r,I]
+  assert mlp.wo_lora.lora_a.shape == (3, 8, 32, 4) and mlp.wo_lora.lora_b.shape == (3, 8, 4, 64)  # [L,E,I,r] [L,E,r,D]
+  assert mlp.wi_1_lora.lora_a.get_metadata()["logical_axes"] == ("exp", "embed", "lora_rank")
+  assert mlp.wo_lora.lora_b.get_metadata()["logical_axes"] == ("exp", "lora_rank", "embed")
+  assert mlp.wo_lora.lora_scale == 16.0 / 4 and model.mtp[0].layer.mlp.wi_0_lora is not None
+
+
+def _moe_pair(impl, **kw):
+  """(a DeepSeekMoE with per-expert adapters on wi_0, wi_1, wo, the same layer without them), one input x."""
+  from MaxText.layers.moe import DeepSeekMoE
+  cfg = make_config(lora_rank=4, lora_module_path="(wi_0|wi_1|wo)", matmul_precision="highest",
+                    weight_block_size=(16, 16), **kw)
+  adapted, plain = DeepSeekMoE(cfg, rngs=nnx.Rngs(0)), DeepSeekMoE(cfg, rngs=nnx.Rngs(0))
+  lora.add_adapters(adapted, cfg, nnx.Rngs(1))
+  adapted.dispatch = plain.dispatch = impl
+  return cfg, adapted, plain, jax.random.normal(jax.random.key(2), (2, 8, cfg.emb_dim))  # x [b,t,D]
+
+
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+@pytest.mark.parametrize("quant", ["none", "fp8_block"])
+def test_routed_expert_adapters_leave_the_output_at_step_0_and_then_change_it(impl, quant):
+  _, adapted, plain, x = _moe_pair(impl, weight_quantization=quant)
+  np.testing.assert_array_equal(np.asarray(adapted(x)[0]), np.asarray(plain(x)[0]))
+  b = adapted.wo_lora.lora_b
+  b[...] = jnp.full(b.shape, 0.05, b.dtype)
+  assert not np.allclose(np.asarray(adapted(x)[0]), np.asarray(plain(x)[0]), atol=1e-3)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+def test_routed_expert_adapters_equal_their_merged_weights_expert_by_expert(impl):
+  cfg, adapted, plain, x = _moe_pair(impl)
+  for name in ("wi_0", "wi_1", "wo"):
+    b = getattr(adapted, name + "_lora").lora_b
+    b[...] = 0.1 * jax.random.normal(jax.random.key(len(name)), b.shape)
+  _, params, _ = nnx.split(adapted, nnx.Param, ...)
+  adapters, base = lora.split(jax.tree.map(np.asarray, params.to_pure_dict()))
+  assert set(adapters) == {"wi_0_lora", "wi_1_lora", "wo_lora"}
+  g, _, rest = nnx.split(plain, nnx.Param, ...)
+  merged = nnx.merge(g, lora.merged(base, adapters, cfg.lora_alpha / cfg.lora_rank, (16, 16)), rest.to_pure_dict())
+  np.testing.assert_allclose(np.asarray(adapted(x)[0]), np.asarray(merged(x)[0]), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(adapted(x)[0]), np.asarray(plain(x)[0]), atol=1e-3)
 
 
 def test_a_regex_that_does_not_compile_is_a_config_error():
@@ -122,6 +175,7 @@ def test_merged_kernel_equals_the_unmerged_linear():
 @pytest.mark.parametrize("quant", ["fp8_block"])  # the QLoRA base; its norms, router and head are float leaves
 def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   cfg = small_lora_config(weight_quantization=quant)
+  cfg = small_lora_config(weight_quantization=quant, lora_module_path=f"{cfg.lora_module_path}|{EXPERTS}")
   first, last, metrics = train_steps(cfg, 2)
   adapters = jax.tree_util.tree_leaves_with_path(last["params"])
   assert adapters and all(lora.is_adapter(p) for p, _ in adapters)
@@ -134,8 +188,9 @@ def test_training_moves_only_the_adapters_and_leaves_the_base_bits(quant):
   assert any(x.dtype == fp8_blocks.FP8 for _, x in base) == (quant == "fp8_block")
   for (path, x), y in zip(base, jax.tree.leaves(first[orbax_state.FROZEN])):
     assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
-  b = last["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]
-  assert np.abs(first["params"]["moe_layers"]["layers"]["attention"]["wo"]["lora_b"]).max() == 0 < np.abs(b).max()
+  for layer in ("attention", "wo"), ("mlp", "wi_1_lora"):  # a linear's adapter, an expert weight's
+    b = last["params"]["moe_layers"]["layers"][layer[0]][layer[1]]["lora_b"]
+    assert np.abs(first["params"]["moe_layers"]["layers"][layer[0]][layer[1]]["lora_b"]).max() == 0 < np.abs(b).max()
   assert np.isfinite(float(metrics["loss"]))
 
 

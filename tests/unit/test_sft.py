@@ -352,7 +352,8 @@ def test_chat_thinking_is_the_mode_of_records_without_reasoning_or_thinking(tok)
 def test_the_demos_pass_model_keys_on_and_refuse_anything_else_in_one_line(capsys):
   from demos import sft_demo
   args, keys = sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank=16"], ["mtp_num_layers=0"])
-  assert args.work == "w" and keys == ["lora_rank=16"]  # given keys replace the defaults
+  assert args.work == "w" and keys == ["mtp_num_layers=0", "lora_rank=16"]  # given keys after (over) the defaults
+  assert sft_demo.lora_rank_of(keys) == 16 and sft_demo.lora_rank_of(["mtp_num_layers=0"]) == 0
   assert sft_demo.parse_args(sft_demo.parser(), ["--work", "w"], ("mtp_num_layers=0",))[1] == ["mtp_num_layers=0"]
   with pytest.raises(SystemExit) as e:
     sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank"], [])
