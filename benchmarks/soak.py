@@ -19,7 +19,8 @@ Checks, once the load ends and the engine is idle:
   pages_leaked  maxtext_pages_used once idle: every page back in the free pool (the cached prefix pages
                 within the pool: pages_cached <= pages_total)
   rss_growth    the server's resident memory growth after warm-up (the first max(60 s, 10%)), counted only
-                between samples (every 10 s) with the same number of compiled step programs, over its size
+                between samples (every 10 s) with the same number of compiled step programs as the next
+                sample (a compile in flight is not counted yet, its memory already is), over its size
                 after warm-up: within 0.10. A step variant (logprobs, a grammar mask, penalties) compiles on
                 first use and each program adds ~35 MiB to XLA:CPU's resident memory, which is not a leak: the
                 total growth (rss_growth_total) and the programs compiled after warm-up are reported beside it
@@ -99,14 +100,17 @@ def _by_minute(samples: list) -> dict:
 
 
 def growth_without_compiles(samples: list, warm_index: int) -> float:
-  """Net resident-memory growth from samples[warm_index] on, summed over consecutive samples that saw the
-  same number of compiled step programs (a compile's memory is not a leak), over the warm sample's size.
+  """Net resident-memory growth from samples[warm_index] on, summed over consecutive samples a, b that saw the
+  same number of compiled step programs as the sample after b (a compile's memory is not a leak: XLA's compile
+  peaks while the program is not yet counted, and the allocator keeps that memory), over the warm sample's size.
   samples: (minute, rss MiB, step programs or None) in time order; a pair with a None count is skipped."""
-  if not samples[warm_index:]:
+  tail = samples[warm_index:]
+  if not tail:
     return 0.0
-  grown = sum(b[1] - a[1] for a, b in zip(samples[warm_index:], samples[warm_index + 1:])
-              if a[2] is not None and a[2] == b[2])
-  return grown / samples[warm_index][1]
+  counts = [p for _, _, p in tail]
+  grown = sum(tail[i + 1][1] - tail[i][1] for i in range(len(tail) - 1)
+              if counts[i] is not None and counts[i] == counts[i + 1] == counts[min(i + 2, len(tail) - 1)])
+  return grown / tail[0][1]
 
 
 def _rss_mib(pid: int) -> float:

@@ -88,11 +88,12 @@ def test_each_check_passes_at_its_bound_and_fails_just_past_it():
 
 
 def test_memory_growth_counts_only_the_intervals_without_a_compile():
-  # minute, rss, programs: +50 at a compile (18 -> 19) is not counted, +10 and -5 between equal counts are
-  samples = [(0, 90.0, 17), (1, 100.0, 18), (2, 110.0, 18), (3, 160.0, 19), (4, 155.0, 19), (5, 170.0, None),
-             (6, 171.0, 19)]
+  # minute, rss, programs: +50 at a compile (18 -> 19) is not counted, nor +30 in the interval before it (the
+  # compile in flight); +10 and -5 between equal counts are
+  samples = [(0, 90.0, 17), (1, 100.0, 18), (2, 110.0, 18), (3, 140.0, 18), (4, 190.0, 19), (5, 185.0, 19),
+             (6, 185.0, 19), (7, 170.0, None), (8, 171.0, 19)]  # a missed count: the pairs beside it skipped
   assert growth_without_compiles(samples, 1) == (10.0 - 5.0) / 100.0
   assert growth_without_compiles(samples, 0) == (10.0 - 5.0) / 90.0  # 90 -> 100 came with a compile
   leak = [(m, 100.0 + 2 * m, 18) for m in range(10)]  # a steady leak with no compile: all of it counts
   assert growth_without_compiles(leak, 0) == 18.0 / 100.0
-  assert growth_without_compiles([], 0) == 0.0
+  assert growth_without_compiles(leak, 9) == 0.0 and growth_without_compiles([], 0) == 0.0
