@@ -225,12 +225,18 @@ def parse_args(p: argparse.ArgumentParser, argv, default_keys) -> tuple[argparse
   return args, [*default_keys, *extra]
 
 
-def main(argv=None) -> None:
-  args, extra = parse_args(parser(), argv, DEFAULT_KEYS)
+def settle(args: argparse.Namespace, extra: list[str]) -> argparse.Namespace:
+  """The flags' defaults that depend on others: --quick's sizes, --learning_rate's by full / LoRA training."""
   if args.quick:
     vars(args).update(QUICK)
   if args.learning_rate is None:
     args.learning_rate = LEARNING_RATE["lora" if lora_rank_of(extra) else "full"]
+  return args
+
+
+def main(argv=None) -> None:
+  args, extra = parse_args(parser(), argv, DEFAULT_KEYS)
+  settle(args, extra)
   data = os.path.join(args.work, "data")
   counts = write_sets(args, data)
   with open(os.path.join(data, "eval.jsonl")) as f:

@@ -320,6 +320,7 @@ def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in
   from demos import sft_demo
   from MaxText.config import pyconfig
   args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "200", "--eval", "20"])
+  args = sft_demo.settle(args, [])
   sft_demo.write_sets(args, str(tmp_path))
   path, vocab_size = sft_demo.demo_tokenizer(args, str(tmp_path))
   tok = load_tokenizer(tokenizer_type="hf", tokenizer_path=path)
@@ -327,6 +328,9 @@ def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in
   cmd = sft_demo.train_command(args, str(tmp_path), path, vocab_size, ["mtp_num_layers=0"])
   cfg = pyconfig.initialize(cmd[2:], num_devices=1, ici_data_parallelism=1)
   assert cfg.use_sft and cfg.steps == args.steps and cfg.max_target_length == 256
+  assert cfg.learning_rate == sft_demo.LEARNING_RATE["full"]
+  lora_args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path)])
+  assert sft_demo.settle(lora_args, ["lora_rank=16"]).learning_rate == sft_demo.LEARNING_RATE["lora"]
   assert tok.vocab_size <= cfg.vocab_size
   enc = ConversationEncoder.from_config(cfg, tok)
   for split in ("train", "eval"):
