@@ -149,7 +149,7 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
 
   @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))
   def put(a, key, start, n, ones):  # a [L, N, w] or [N, w]: slots start .. start+n drawn (ones: a scale field)
-    shape = a.shape[:-2] + (n, a.shape[-1])
+    shape = a.shape[:-2] + (n, kv_cache.value_width(a))  # values (fp8 latent: 4 a uint32 word)
     values = jnp.ones(shape, jnp.float32) if ones else jax.random.normal(jax.random.fold_in(key, start), shape)
     return jax.lax.dynamic_update_slice_in_dim(a, kv_cache.to_storage(values, a.dtype), start, axis=a.ndim - 2)
 

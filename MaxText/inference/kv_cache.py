@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config.types import Config
+from MaxText.kernels.fp8_blocks import WORD_CODES, from_words, to_words
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -126,30 +127,52 @@ def bytes_per_token_per_layer(config: Config) -> int:
 
 
 _BITS = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
-_VALUES = {bits: value for value, bits in _BITS.items()}
+_VALUES = {**{bits: value for value, bits in _BITS.items()}, jnp.dtype(jnp.uint32): jnp.dtype(FP8)}
+WORD_ROW = 512  # fp8 values a pool row must be a multiple of to be held as uint32 words (one 128-lane row)
 
 
-def storage_dtype(dtype) -> jnp.dtype:
+def storage_dtype(dtype, width: int | None = None) -> jnp.dtype:
   """The dtype a paged pool (paged_cache.py) holds for values of `dtype`: fp8 / bf16 as uint8 / uint16
   (their bits; XLA:CPU rewrites a whole float8/bfloat16 array to update it, an integer one it updates
-  in place), else itself. The contiguous LayerCache holds the values' dtypes themselves."""
+  in place), else itself. fp8 of a `width` that fills whole 512-byte rows (the 512-wide latent) as uint32
+  words, 4 codes each (fp8_blocks.to_words: a TPU gathers and scatters rows of a lane-dense 32-bit array
+  in place, not of an 8-bit [N, 512] one). The contiguous LayerCache holds the values' dtypes themselves."""
+  if jnp.dtype(dtype) == FP8 and width is not None and width % WORD_ROW == 0:
+    return jnp.dtype(jnp.uint32)
   return _BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
+def storage_width(dtype, width: int) -> int:
+  """A pool row's width for `width` values of `dtype` (storage_dtype's: width / 4 as uint32 words)."""
+  return width // WORD_CODES if storage_dtype(dtype, width) == jnp.uint32 else width
+
+
+def value_width(a: jax.Array) -> int:
+  """The values a pool row of `a` holds (storage_width's inverse: 4 a uint32 word)."""
+  return a.shape[-1] * (WORD_CODES if a.dtype == jnp.uint32 else 1)
+
+
 def value_dtype(dtype) -> jnp.dtype:
-  """The values' dtype of a field held in `dtype` (storage_dtype's inverse; any dtype but uint8/16: itself)."""
+  """The values' dtype of a field held in `dtype` (storage_dtype's inverse: uint32 words hold fp8; any
+  dtype but uint8/16/32: itself)."""
   return _VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
 def as_values(a: jax.Array) -> jax.Array:
-  """A field's (or a block read from it) values: fp8 / bf16 bits reinterpreted, never converted."""
+  """A field's (or a block read from it) values: fp8 / bf16 bits reinterpreted, never converted; uint32
+  words [..., w] unpacked to their fp8 values [..., 4w]."""
+  if a.dtype == jnp.uint32:
+    a = from_words(a)
   value = value_dtype(a.dtype)
   return a if value == a.dtype else jax.lax.bitcast_convert_type(a, value)
 
 
 def to_storage(x: jax.Array, dtype) -> jax.Array:
-  """Values x as a field held in `dtype` holds them: cast to its values' dtype, then as bits where it holds bits."""
+  """Values x as a field held in `dtype` holds them: cast to its values' dtype, then as bits where it holds
+  bits (uint32: packed 4 codes a word, [..., n] -> [..., n/4])."""
   x = x.astype(value_dtype(dtype))
+  if jnp.dtype(dtype) == jnp.uint32:
+    return to_words(x)
   return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 

@@ -16,6 +16,9 @@ fp8 and bf16 fields are held as their bits, in same-width unsigned ints (kv_cach
 uint8 / uint16), read back as values where a block is gathered (kv_cache.as_values): XLA:CPU
 updates a float8 or bfloat16 array through an f16/f32 copy of all of it (float normalization), so
 every write of an fp8 pool rewrote the whole pool (29 ms a step at 8K slots; 0.06 ms as uint8).
+The fp8 latent (512 codes a slot) is held as 128 uint32 words a slot (kv_cache.storage_dtype,
+fp8_blocks.to_words): a TPU tiles an 8-bit [N, 512] array (32, 128), its row gather and scatter want
+(8, 128), and XLA copied the whole pool between the two twice a step (docs/kernels.md).
 
 Writes go through a slot mapping (`slots`): a padding token's slot is N, dropped by the
 scatter, so fixed-shape steps write only real tokens. Reads come in three kinds, every one of
@@ -62,7 +65,7 @@ from MaxText.runtime import sharding
 
 class PagedLayerCache(NamedTuple):
   """One layer's pools ([N, n] leaves) or a scanned stack's ([L, N, n]); None leaves are absent."""
-  c_kv: jax.Array                       # [(L,) N, kv_lora]
+  c_kv: jax.Array                       # [(L,) N, kv_lora] (fp8: uint32 words [(L,) N, kv_lora/4])
   k_pe: jax.Array                       # [(L,) N, rope]
   idx_k: jax.Array | None = None        # [(L,) N, indexer_head_dim]; None without the indexer
   c_kv_scale: jax.Array | None = None   # [(L,) N, ceil(kv_lora/128)] fp32; fp8 only
@@ -70,12 +73,13 @@ class PagedLayerCache(NamedTuple):
 
 
 def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = None) -> PagedLayerCache:
-  """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits)."""
+  """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits;
+  an fp8 field of 512-multiple width as uint32 words, n/4: kv_cache.storage_dtype)."""
   latent, rotary = kv_cache.field_dtypes(config.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
-  dt = {name: kv_cache.storage_dtype(d) for name, d in dt.items()}
   layers = () if num_layers is None else (num_layers,)
-  return PagedLayerCache(**{name: jnp.zeros(layers + (num_slots, w), dt[name]) if w else None
+  return PagedLayerCache(**{name: jnp.zeros(layers + (num_slots, kv_cache.storage_width(dt[name], w)),
+                                            kv_cache.storage_dtype(dt[name], w)) if w else None
                             for name, w in kv_cache.field_widths(config).items()})
 
 

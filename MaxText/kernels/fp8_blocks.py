@@ -112,3 +112,23 @@ def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
                       preferred_element_type=jnp.float32)  # [..., N] fp32
     y = part if y is None else y + part
   return y.astype(dtype)
+
+
+# ---- fp8 codes packed 4 to a 32-bit word (paged pools: inference/paged_cache.py)
+
+WORD_CODES = 4  # e4m3 codes a uint32 word holds
+
+
+def to_words(codes: jax.Array) -> jax.Array:
+  """e4m3 codes [..., n] (float8_e4m3fn or their uint8 bits; n a multiple of 4) -> uint32 words [..., n/4].
+  A TPU tiles an 8-bit [N, 512] array (32, 128) and a row gather or scatter wants (8, 128): XLA copied the
+  whole fp8 latent pool into the other tiling twice a decode step (docs/kernels.md); as 32-bit words the
+  rows are lane-dense (8, 128) tiles that a row gather reads and a scatter writes in place."""
+  bits = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes.astype(FP8), jnp.uint8)
+  return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, WORD_CODES), jnp.uint32)  # [..., n/4]
+
+
+def from_words(words: jax.Array) -> jax.Array:
+  """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in to_words' order."""
+  bits = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., w, 4]
+  return bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_CODES)

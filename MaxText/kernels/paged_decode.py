@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.fp8_blocks import quantize
+from MaxText.kernels.fp8_blocks import from_words, quantize
 
 NEG_INF = float("-inf")
 FP8_BLOCK = 128  # elements per fp8 scale (kv_cache.FP8_BLOCK: kernels sit below inference)
@@ -52,9 +52,15 @@ _VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.uint16): jnp.b
 
 def as_values(a: jax.Array) -> jax.Array:
   """The reference's decoding of a pool field (kv_cache.as_values): bits reinterpreted by XLA, not by
-  the kernels' integer arithmetic, so the tests compare two decodings."""
+  the kernels' integer arithmetic, so the tests compare two decodings. uint32: fp8 codes 4 a word."""
+  a = _bytes(a)
   value = _VALUES.get(jnp.dtype(a.dtype))
   return a if value is None else jax.lax.bitcast_convert_type(a, value)
+
+
+def _bytes(a: jax.Array) -> jax.Array:
+  """A pool field's rows with uint32 words (fp8 codes, 4 a word: fp8_blocks.to_words) as their uint8 codes."""
+  return from_words(a) if a.dtype == jnp.uint32 else a
 
 
 # ---- bit decoding (the pools' integer storage -> f32), shared by both kernels
@@ -296,12 +302,12 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   the tiled (second-minor) dimension aligned to the tile (8 rows in fp32, 32 in fp8), and one slot
   is one row (docs/kernels.md)."""
   fp8 = c_kv_scale is not None
-  b, h, c = q_abs.shape
+  b, h, c = q_abs.shape  # c_kv [N,c] (or uint32 words [N,c/4])
   r, k = q_pe.shape[-1], ids.shape[1]
   if k % block:
     raise ValueError(f"sparse_mla_decode: {k} slots is not a multiple of block={block}")
   ids = jnp.clip(ids, 0, c_kv.shape[0] - 1).astype(jnp.int32)
-  gathered = [jnp.take(c_kv, ids, axis=0), jnp.take(k_pe, ids, axis=0)]  # [B,K,c], [B,K,r] as stored
+  gathered = [_bytes(jnp.take(c_kv, ids, axis=0)), jnp.take(k_pe, ids, axis=0)]  # [B,K,c], [B,K,r] as stored
   ins = [valid.astype(jnp.int32)[:, None], q_abs.astype(jnp.float32), q_pe.astype(jnp.float32), *gathered]
   in_specs = [pl.BlockSpec((1, 1, block), lambda i, j: (i, 0, j)), pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
               pl.BlockSpec((1, h, r), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, block, c), lambda i, j: (i, j, 0)),

@@ -193,3 +193,50 @@ def test_a_write_into_bf16_or_fp8_pools_updates_them_in_place(dtype):
   c_kv, _ = kv_cache.read_latents(got)
   want = kv_cache.as_stored(kv_cache.init_layer_cache(cfg, 1, length=8), "c_kv", e["c_kv"][0, 0])
   np.testing.assert_array_equal(np.asarray(c_kv)[0, 1], np.asarray(want))
+
+
+IN_PLACE = ("parameter", "scatter", "dynamic-update-slice", "get-tuple-element", "tuple", "bitcast", "while")
+
+
+def _pool_sized(hlo: str, elements: int) -> list[str]:
+  """HLO lines whose result holds >= `elements` elements (a whole pool's), but for ops that pass an array
+  on or update it in place (IN_PLACE): a copy, convert or relayout of a pool."""
+  out = []
+  for line in hlo.split("\n"):
+    head = line.split(" = ", 1)
+    if len(head) < 2 or head[1].startswith("(") or "[" not in head[1].split(" ", 1)[0]:  # tuples: no array
+      continue
+    op = head[1].split("(", 1)[0].split(" ")[-1]
+    if op in IN_PLACE or (op == "fusion" and any(kind in head[0] for kind in IN_PLACE[1:3])):  # an in-place update's
+      continue
+    dims = head[1].split("[", 1)[1].split("]", 1)[0]
+    if dims and np.prod([int(d) for d in dims.split(",")]) >= elements:
+      out.append(line.strip()[:140])
+  return out
+
+
+def test_the_fp8_latent_pool_is_32bit_words_gathered_and_written_without_a_pool_copy():
+  """A TPU tiles an 8-bit [N, 512] array (32, 128) and its row gather / scatter wants (8, 128): XLA
+  copied the whole fp8 latent pool twice a decode step (7.8 of 19.6 ms at 16 rows x 128K,
+  docs/kernels.md). The pool holds the 512 codes a slot as 128 uint32 words; its selected rows
+  gather and its new rows scatter with no pool-sized op but the in-place scatter, and read back
+  exactly what the contiguous cache holds."""
+  cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512)
+  n = 64 * PAGE
+  pools = paged_cache.init_layer_pools(cfg, n)
+  assert pools.c_kv.dtype == jnp.uint32 and pools.c_kv.shape == (n, 128)
+  assert pools.idx_k.dtype == jnp.uint8  # 128 codes: a row of its own (the scoring kernel's page DMAs)
+  e = _entries(cfg, 2, 3, seed=4)
+  table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
+  ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)  # row 1's last: padding
+  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  wrote = _pool_sized(write.lower(pools, ids, **e).compile().as_text(), n * 128)
+  assert not wrote, wrote
+  pools = write(pools, ids, **e)
+  idx = jnp.asarray([[2, 0, 1], [1, 0, 0]], jnp.int32)
+  gather = jax.jit(lambda p, t, i: paged_cache.gather_selected(p, t, i, PAGE))
+  read = _pool_sized(gather.lower(pools, table, idx).compile().as_text(), n * 128)
+  assert not read, read
+  contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, 2, length=2 * PAGE), jnp.zeros((2,), jnp.int32), **e)
+  for g, w in zip(gather(pools, table, idx), kv_cache.gather_latents(contiguous, idx)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -1,0 +1,87 @@
+"""The row gather of a decode step's selected slots from a paged pool, by the pool's storage dtype.
+
+    python benchmarks/pool_gather.py                          # 16 rows x 128K slots, k = 2048 (TPU)
+    python benchmarks/pool_gather.py --slots 65536 --rows 2 --k 256 --iters 2     # CPU smoke run
+
+A decode step gathers k rows a sequence from pools of N slots (paged_cache.gather_selected: jnp.take
+of [N, n] rows). On a TPU the fp8 latent pool (uint8 [N, 512]) and the bf16 k_pe pool (uint16 [N, 64])
+are held in a packed tiling ((32, 128)(4, 1) for 8-bit) that a row gather does not read: XLA copies
+the WHOLE pool into another layout first, every step (docs/kernels.md, 7.8 ms of a 19.6 ms 16-row 128K
+step). Per storage form of the same bytes: the gather's median time, and the copies of a pool-sized
+array in the compiled program (each copy's HLO line), so one run tells which form gathers in place.
+
+Prints a table, then one JSON line. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+# (name, width n of a row in its dtype, dtype, what it is): the same bytes a slot holds, stored differently
+FORMS = (
+    ("c_kv u8[N,512]", 512, jnp.uint8, "fp8 latent as today"),
+    ("c_kv u32[N,128]", 128, jnp.uint32, "fp8 latent, 4 codes a 32-bit word"),
+    ("k_pe u16[N,64]", 64, jnp.uint16, "bf16 rope key as today"),
+    ("k_pe u32[N,32]", 32, jnp.uint32, "bf16 rope key, 2 a word"),
+    ("k_pe f32[N,64]", 64, jnp.float32, "rope key widened to f32"),
+    ("scale f32[N,4]", 4, jnp.float32, "fp8 latent scales as today"),
+)
+
+
+def pool_copies(hlo: str, elements: int) -> list[str]:
+  """The HLO lines of ops (copies, fusions; not parameters) whose result holds >= elements/2 elements."""
+  out = []
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\w+)\[([\d,]*)\]", line)
+    if not m or " parameter(" in line:
+      continue
+    n = 1
+    for d in filter(None, m.group(3).split(",")):
+      n *= int(d)
+    if n * 2 >= elements:
+      out.append(line.strip()[:200])
+  return out
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--slots", type=int, default=16 * 131072)
+  ap.add_argument("--rows", type=int, default=16)
+  ap.add_argument("--k", type=int, default=2048)
+  ap.add_argument("--iters", type=int, default=7)
+  args = ap.parse_args(argv)
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); {args.slots} slots, {args.rows} x {args.k} "
+        f"rows gathered; median of {args.iters}")
+  ids = jax.random.randint(jax.random.key(0), (args.rows, args.k), 0, args.slots, jnp.int32)  # [B,k]
+  rows = []
+  print(f"{'form':>18} {'pool MB':>8} {'gather ms':>10} {'pool-sized ops':>12}")
+  for name, n, dtype, what in FORMS:
+    pool = jnp.zeros((args.slots, n), dtype)  # [N, n]
+    fn = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=0, mode="clip"))  # [B,k,n]
+    compiled = fn.lower(pool, ids).compile()
+    copies = pool_copies(compiled.as_text(), args.slots * n)
+    jax.block_until_ready(compiled(pool, ids))
+    times = []
+    for _ in range(args.iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(pool, ids))
+      times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    print(f"{name:>18} {pool.nbytes / 1e6:>8.0f} {ms:>10.3f} {len(copies):>14}   {what}", flush=True)
+    for c in copies:
+      print(f"{'':>20}{c}")
+    rows.append(dict(form=name, pool_bytes=pool.nbytes, ms=round(ms, 4), copies=copies))
+    del pool
+  print(json.dumps(dict(benchmark="pool_gather", backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                        slots=args.slots, rows=args.rows, k=args.k, forms=rows)))
+
+
+if __name__ == "__main__":
+  main()
