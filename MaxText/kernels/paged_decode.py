@@ -14,7 +14,9 @@ the first axis, a block of pages or slots per step of the second:
                        fp8 keys and queries decoded to bf16 (exact: e4m3 is a subset of bf16) and
                        multiplied on the MXU with fp32 accumulation, so fp8 x fp8 products are exact
                        and the scales apply after the dot (as DeepGEMM's fp8 MQA logits); fp32
-                       queries meet the keys decoded to fp32 instead. The
+                       queries (the engine's) split into 3 bf16 parts, each one MXU pass against the
+                       bf16-exact keys (fp32-accurate: half of HIGHEST's 6 passes). logits [H, width],
+                       the head sum a sublane reduction on the VPU (no second matmul). The
                        [B, S] scores go to HBM (4 bytes a key against the 128 + 4 the key costs to
                        read in fp8: 3%) and the selection (selection.py, binned) runs on them.
   sparse_mla_decode    absorbed MLA of one decode query per row over its k selected slots: q_abs
@@ -67,13 +69,17 @@ def _bytes(a: jax.Array) -> jax.Array:
 
 def e4m3_to_f32(bits: jax.Array) -> jax.Array:
   """float8_e4m3fn bits (any int dtype, values 0..255) -> f32 values, exactly (NaN -> NaN; the pools
-  never hold one). Normal: (-1)^s 2^(e-7) (1 + m/8); e = 0: (-1)^s 2^-6 m/8."""
-  b = bits.astype(jnp.int32) & 0xFF
-  sign, e, m = b >> 7, (b >> 3) & 0xF, b & 0x7
-  normal = jax.lax.bitcast_convert_type((sign << 31) | ((e + 120) << 23) | (m << 20), jnp.float32)
-  sub = m.astype(jnp.float32) * (2.0 ** -9) * (1 - 2 * sign).astype(jnp.float32)
-  nan = (e == 15) & (m == 7)
-  return jnp.where(nan, jnp.nan, jnp.where(e == 0, sub, normal))
+  never hold one). t = the 7 bits of exponent e and mantissa m: normal (e >= 1) 2^(e-7) (1 + m/8) is t
+  shifted into an f32's exponent and mantissa with the bias moved by 120; e = 0 (t < 8): 2^-6 m/8 = t 2^-9;
+  the sign OR'd in last. 13 integer/float ops an element (the VPU's work in the scoring kernel)."""
+  b = bits.astype(jnp.int32)
+  if jnp.dtype(bits.dtype) != jnp.uint8:
+    b = b & 0xFF
+  t = b & 0x7F
+  normal = jax.lax.bitcast_convert_type((t << 20) + (120 << 23), jnp.float32)
+  mag = jnp.where(t < 8, t.astype(jnp.float32) * (2.0 ** -9), normal)
+  mag = jnp.where(t == 0x7F, jnp.nan, mag)
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(mag, jnp.int32) | ((b & 0x80) << 24), jnp.float32)
 
 
 def _bf16_bits_to_f32(bits: jax.Array) -> jax.Array:
@@ -170,20 +176,32 @@ def index_weights(w: jax.Array, d: int) -> jax.Array:
   return w.astype(jnp.float32) * d ** -0.5
 
 
+def _split_bf16(x: jax.Array, parts: int = 3) -> list[jax.Array]:
+  """f32 x -> bf16 parts whose sum is x to ~2^-24 relative (each the rounding of what the ones before
+  left): a product with a bf16-exact operand (an fp8 key) is fp32-accurate in `parts` single MXU passes
+  with an f32 accumulator, half of Precision.HIGHEST's six."""
+  out = []
+  for _ in range(parts):
+    hi = x.astype(jnp.bfloat16)
+    out.append(hi)
+    x = x - hi.astype(jnp.float32)
+  return out
+
+
 def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf, sems, *, pages: int, page: int,
                   fp8: bool):
   slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages)
   b, j = pl.program_id(0), pl.program_id(1)
   width, d = pages * page, kbuf.shape[-1]
   keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
-  if fp8 and q.dtype == jnp.uint8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
-    logits_t = jax.lax.dot_general(_decode(keys).astype(jnp.bfloat16), _decode(q).astype(jnp.bfloat16), _NT,
-                                   preferred_element_type=jnp.float32)  # [width, H]
-  else:  # fp32 queries: the keys' values (fp8 decoded) in fp32
-    logits_t = jax.lax.dot_general(_decode(keys), q.astype(jnp.float32), _NT, preferred_element_type=jnp.float32,
-                                   precision=_HI)  # [width, H]
-  scores = jax.lax.dot_general(w_ref[0], jnp.maximum(logits_t, 0.0), _NT, preferred_element_type=jnp.float32,
-                               precision=_HI)  # w [1,H] (the queries' scales folded in) -> [1, width]
+  if fp8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
+    k16 = _decode(keys).astype(jnp.bfloat16)
+    qs = [_decode(q).astype(jnp.bfloat16)] if q.dtype == jnp.uint8 else _split_bf16(q.astype(jnp.float32))
+    logits = sum(jax.lax.dot_general(part, k16, _NT, preferred_element_type=jnp.float32) for part in qs)  # [H,width]
+  else:  # fp32 keys and queries
+    logits = jax.lax.dot_general(q.astype(jnp.float32), keys.astype(jnp.float32), _NT,
+                                 preferred_element_type=jnp.float32, precision=_HI)  # [H, width]
+  scores = jnp.sum(w_ref[0] * jnp.maximum(logits, 0.0), axis=0, keepdims=True)  # w [H,1] (q scales folded in) -> [1,width]
   slots = j * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
   out_ref[0] = jnp.where(slots <= pos_ref[b], scores, NEG_INF)
 
@@ -212,10 +230,10 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   table = jnp.maximum(table, 0).astype(jnp.int32)
   w = w.astype(jnp.float32) * (1.0 if q_scale is None else q_scale)  # relu(qs x) = qs relu(x): the q scale joins w
   ids = _blocked_ids(table, pages_per_block)  # [B*n_blocks, 1, pages_per_block]
-  ins = [pos.astype(jnp.int32), ids, ids, q, w[:, None, :], idx_k.reshape(-1, page, d)]  # keys [N/page,page,d]
+  ins = [pos.astype(jnp.int32), ids, ids, q, w[:, :, None], idx_k.reshape(-1, page, d)]  # w [B,H,1]; keys [N/page,page,d]
   any_ = pl.BlockSpec(memory_space=pl.ANY)
   in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), *_ids_specs(pages_per_block, n_blocks),
-              pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, 1, h), lambda i, j: (i, 0, 0)), any_]
+              pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, h, 1), lambda i, j: (i, 0, 0)), any_]
   scratch = [pltpu.VMEM((2, pages_per_block, page, d), idx_k.dtype), pltpu.SemaphoreType.DMA((2, 1))]
   kernel = functools.partial(_score_kernel, pages=pages_per_block, page=page, fp8=fp8)
   scores = pl.pallas_call(
