@@ -154,6 +154,11 @@ def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
     entries = step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[0]
     write = engine._write_jit.lower(feed["t"], engine.pools, entries, buf).compile()
   texts = [step.as_text(), write.as_text()]
+  if args.hlo_out:  # the compiled programs' text, to read what an op is (its operands, layouts)
+    os.makedirs(args.hlo_out, exist_ok=True)
+    for name, text in zip(("step", "write"), texts):
+      with open(os.path.join(args.hlo_out, f"{name}_{args.rows}.hlo.txt"), "w") as f:
+        f.write(text)
   trace = os.path.join(args.out, "trace")
   jax.block_until_ready(run())
   with jax.profiler.trace(trace):
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--hlo-chars", type=int, default=240, help="characters of each top op's HLO line printed")
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
+  ap.add_argument("--hlo-out", default=None, help="folder for the compiled step's and write's HLO text (traced runs)")
   ap.add_argument("--no-pieces", action="store_true")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (decode.py's)")
   ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",

@@ -17,6 +17,7 @@ XLA reference (relative to the reference's largest magnitude). Prints a table, t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -66,11 +67,19 @@ def inputs(rows: int, context: int, fp8: bool, seed: int = 0) -> dict:
   return d
 
 
-def scoring_fns(d: dict, interpret: bool) -> dict:
+def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False) -> dict:
+  """kernel (at blocks[0] pages a grid step; kernel@n at the others), xla, engine. f32_queries: fp8 keys
+  scored with fp32 queries (the engine's arithmetic) instead of fp8 queries."""
   w = pd.index_weights(d["w"], D_I)
-  args = (d["q"], d["q_scale"], w, d["idx_k"], d["idx_k_scale"], d["table"], d["pos"])
-  ppb = min(8, d["table"].shape[1])
-  kernel = jax.jit(lambda *a: pd.paged_index_scores(*a, PAGE, pages_per_block=ppb, interpret=interpret))
+  q, q_scale = d["q"], d["q_scale"]
+  if f32_queries and q_scale is not None:
+    q, q_scale = pd.as_values(q).astype(jnp.float32) * q_scale[..., None], None
+  args = (q, q_scale, w, d["idx_k"], d["idx_k_scale"], d["table"], d["pos"])
+  kernels = {}
+  for i, n in enumerate(blocks):
+    ppb = min(n, d["table"].shape[1])
+    fn = jax.jit(functools.partial(pd.paged_index_scores, page=PAGE, pages_per_block=ppb, interpret=interpret))
+    kernels["kernel" if i == 0 else f"kernel@{n}"] = lambda fn=fn: fn(*args)
   xla = jax.jit(lambda *a: pd.paged_index_scores_xla(*a, PAGE))
 
   @jax.jit
@@ -79,7 +88,7 @@ def scoring_fns(d: dict, interpret: bool) -> dict:
     keys = PagedKeys(idx_k, idx_k_scale, table, PAGE)
     return keys.scores(qv[:, None], d["w"][:, None], pos[:, None], head_chunk=H_I)[:, 0]
 
-  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args), "engine": lambda: engine(*args)}
+  return {**kernels, "xla": lambda: xla(*args), "engine": lambda: engine(*args)}
 
 
 def mla_fns(d: dict, interpret: bool) -> dict:
@@ -100,7 +109,11 @@ def bytes_moved(kind: str, rows: int, context: int, fp8: bool) -> int:
 
 
 def timed(fns: dict, iters: int) -> tuple[dict, dict]:
-  out = {name: np.asarray(fn()) for name, fn in fns.items()}  # compile + first call
+  out = {}
+  for name, fn in fns.items():  # compile + first call
+    t0 = time.perf_counter()
+    out[name] = np.asarray(fn())
+    print(f"  {name}: compiled and ran once in {time.perf_counter() - t0:.1f} s", flush=True)
   ms = {name: [] for name in fns}
   for _ in range(iters):
     for name, fn in fns.items():
@@ -129,20 +142,29 @@ def main(argv=None) -> None:
   ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
                   choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")
   ap.add_argument("--kernels", nargs="+", default=["scoring", "mla"], choices=["scoring", "mla"])
+  ap.add_argument("--pages-per-block", type=int, nargs="+", default=[8],
+                  help="scoring: pages a grid step reads; the first is `kernel`, the others `kernel@n`")
+  ap.add_argument("--f32-queries", action="store_true", help="scoring over fp8 keys with fp32 queries (the engine's)")
   args = ap.parse_args(argv)
+  variants = args.variants + [f"kernel@{n}" for n in args.pages_per_block[1:] if "kernel" in args.variants]
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); roofline at {args.bandwidth} GB/s; "
         f"median of {args.iters}; interpret={args.interpret}")
   print(f"{'kernel':>8} {'dtype':>7} {'rows':>4} {'context':>7} {'MB':>8} {'bound ms':>8}  "
-        + "  ".join(f"{v + ' ms':>12}" for v in args.variants) + f"  {'kernel/bound':>12} {'max rel diff':>12}")
+        + "  ".join(f"{v + ' ms':>12}" for v in variants) + f"  {'kernel/bound':>12} {'max rel diff':>12}")
   results = []
   for dtype in args.dtypes:
     for rows in args.rows:
       for context in args.contexts:
+        t0 = time.perf_counter()
         d = inputs(rows, context, dtype == "fp8")
+        jax.block_until_ready(d)
+        print(f"  inputs: {rows} rows x {context} in {time.perf_counter() - t0:.1f} s", flush=True)
         for kind, make in (("scoring", scoring_fns), ("mla", mla_fns)):
           if kind not in args.kernels:
             continue
-          fns = {name: fn for name, fn in make(d, args.interpret).items() if name in args.variants}
+          made = make(d, args.interpret, args.pages_per_block, args.f32_queries) if kind == "scoring" else \
+              make(d, args.interpret)
+          fns = {name: fn for name, fn in made.items() if name.split("@")[0] in args.variants}
           nbytes = bytes_moved(kind, rows, context, dtype == "fp8")
           bound = nbytes / args.bandwidth / 1e6  # ms
           row = dict(kernel=kind, dtype=dtype, rows=rows, context=context, bytes=nbytes, bound_ms=round(bound, 4))
@@ -161,7 +183,7 @@ def main(argv=None) -> None:
             row["roofline_fraction"] = round(bound / ms["kernel"], 3)
           first = next(iter(row["max_rel_diff"].values()), float("nan"))
           print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} {nbytes / 1e6:>8.1f} {bound:>8.3f}  "
-                + "  ".join(f"{ms.get(v, float('nan')):>12.3f}" for v in args.variants)
+                + "  ".join(f"{ms.get(v, float('nan')):>12.3f}" for v in variants)
                 + f"  {row.get('roofline_fraction', float('nan')):>12.3f} {first:>12.2e}", flush=True)
           results.append(row)
           del fns

@@ -11,6 +11,14 @@
 #                                                    for one of them
 #   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
 #                                                    train step (remat none, else full), MFU and its profile
+#   bash benchmarks/tpu_decode_check.sh probe OUT     what the 16-row step's whole-pool copies are: benchmarks/pool_gather.py
+#                                                    (a row gather per pool storage form), the step's and write's
+#                                                    compiled HLO scanned and unscanned (OUT/hlo.tgz), and the scoring
+#                                                    kernel at 8-64 pages a grid step (fp32 and fp8 queries)
+#   BASE=DIR bash benchmarks/tpu_decode_check.sh step OUT   the 16-row 128K fp8 step of the checkout in DIR (before:
+#                                                    untraced) then of this one (traced, its HLO in OUT/hlo.tgz),
+#                                                    this one's 1- and 4-row steps, and the scoring kernel at 8 and
+#                                                    16 pages a grid step (fp32 queries, as the engine) beside XLA
 #   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
 #                                                    with index_placement=search (the row before), then unscanned
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
@@ -33,6 +41,31 @@ case "$part" in
     done ;;
   mfu)
     python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full 2>&1 | tee "$out/mfu.log" ;;
+  probe)
+    { timeout 120 python3 benchmarks/pool_gather.py
+      timeout 150 python3 benchmarks/paged_decode_kernels.py --rows 16 --dtypes fp8 --kernels scoring --variants kernel \
+        --pages-per-block 8 16 32 64 --f32-queries --iters 5
+      timeout 100 python3 benchmarks/paged_decode_kernels.py --rows 16 --dtypes fp8 --kernels scoring --variants kernel \
+        --pages-per-block 8 32 --iters 5
+      for scan in true false; do
+        timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 5 --top 12 \
+          --no-pieces --set scan_layers=$scan --out "/tmp/decode_profile_$scan" --hlo-out "/tmp/hlo/scan_$scan"
+      done; } 2>&1 | tee "$out/probe.log"
+    tar czf "$out/hlo.tgz" -C /tmp hlo ;;
+  step)
+    { if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 \
+          --iters 7 --no-trace --no-pieces)
+      fi
+      timeout 180 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 12 \
+        --no-pieces --out /tmp/decode_profile_16 --hlo-out /tmp/hlo/after
+      for rows in 1 4; do
+        timeout 100 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
+          --no-trace --no-pieces
+      done
+      timeout 150 python3 benchmarks/paged_decode_kernels.py --rows 16 --dtypes fp8 --kernels scoring \
+        --variants kernel xla --pages-per-block 8 16 --f32-queries --iters 5; } 2>&1 | tee "$out/step.log"
+    tar czf "$out/hlo.tgz" -C /tmp hlo ;;
   fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before, then unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
       --out /tmp/decode_profile_after 2>&1 | tee "$out/after_16.log"
@@ -41,5 +74,5 @@ case "$part" in
     # do the whole-pool relayout copies come from the scanned stack's [L, N, n] pools? the same step unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 12 --no-pieces \
       --set scan_layers=false --out /tmp/decode_profile_unscanned 2>&1 | tee "$out/unscanned_16.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu or fixes, got '$part'" >&2; exit 2 ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step or fixes, got '$part'" >&2; exit 2 ;;
 esac

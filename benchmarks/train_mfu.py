@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--compile-only", action="store_true",
+                  help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
   args = ap.parse_args(argv)
   rungs = args.set or [[]]
   tried = []
@@ -75,13 +77,17 @@ def main(argv: list[str] | None = None) -> None:
     if bad := [a for a in rung if "=" not in a]:
       ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
     overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
-    r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out)
+    r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
+    if args.compile_only:
+      print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, compile_only=True, **r)), flush=True)
+      continue
     if r["fits"]:
       break
     tried.append(f"{' '.join(rung) or '(the model as configured)'}: {r.get('peak_gib')} GiB > {r.get('limit_gib')} GiB")
     print(f"does not fit: {tried[-1]}", flush=True)
   else:
-    print(json.dumps(dict(benchmark="train_mfu", model=args.model, fits=False, tried=tried)))
+    if not args.compile_only:
+      print(json.dumps(dict(benchmark="train_mfu", model=args.model, fits=False, tried=tried)))
     return
   hlo = r.pop("hlo", None)
   print(f"model {args.model} {' '.join(rung)}: {r['params'] / 1e9:.3f}B parameters, {r['tokens']} tokens a step, "

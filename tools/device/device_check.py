@@ -96,10 +96,10 @@ def probe() -> dict:
               jax=jax.__version__, memory_bytes=stats.get("bytes_limit"))
 
 
-def _train_step(overrides: dict, steps: int, trace_dir: str | None = None) -> dict:
+def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, compile_only: bool = False) -> dict:
   """Compile the train step of train.py (from abstract inputs), check it fits, then run it. trace_dir:
   2 more steps under jax.profiler.trace there, and the compiled step's HLO text under "hlo" (for
-  benchmarks/profile_ops.summarize)."""
+  benchmarks/profile_ops.summarize). compile_only: the memory figures alone (nothing allocated)."""
   import jax
   import numpy as np
 
@@ -132,6 +132,9 @@ def _train_step(overrides: dict, steps: int, trace_dir: str | None = None) -> di
                peak_gib=round(peak_bytes / 2**30, 2), limit_gib=round(limit / 2**30, 2) if limit else None)
     if limit and peak_bytes > limit:
       return dict(out, fits=False)
+    if compile_only:
+      return dict(out, fits=True, temp_gib=round(mem.temp_size_in_bytes / 2**30, 2),
+                  argument_gib=round(mem.argument_size_in_bytes / 2**30, 2))
     cost = compiled.cost_analysis()
     flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
     _, state, _, _ = train.init_state(cfg, mesh)
