@@ -91,6 +91,8 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # stays portable (not measured there).
 # The paged decode scoring through the Pallas kernel: 1.14 / 2.39 / 7.03 ms at 1 / 4 / 16 rows of 128K fp8 keys
 # against the XLA page-block loop's 1.15 / 7.84 / 98.4 ms (benchmarks/paged_decode_kernels.py, docs/kernels.md).
+# Its arithmetic reworked (fp8 decode, 3 bf16 passes, the head sum on the VPU): 5.58 -> 2.98 ms of device time in
+# the 16-row 128K step (benchmarks/decode_profile.py, docs/kernels.md).
 # mask_to_indices' slots placed by counting (index_placement "compare"): the binary search is a while loop of
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
