@@ -122,14 +122,19 @@ def lora_adapters(item: str) -> dict:
 def merged_parameters(item: str, cfg: Config) -> dict:
   """{"params", "buffers"} per layer of a LoRA run: the base from cfg.load_parameters_path (the run's config.yml
   names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B; an fp8 base is
-  quantized again per block after the merge)."""
+  quantized again per block after the merge). A base other than the one `item` records is a ConfigError."""
   from MaxText.layers import lora
   from MaxText.layers.linears import kernel_block
   if not cfg.load_parameters_path:
     raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
                      "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
+  from MaxText.checkpoint import orbax_state
   adapters = lora_adapters(item)
   base = unstacked_parameters(find_checkpoint(cfg.load_parameters_path), cfg.model_copy(update={"lora_rank": 0}))
+  held = hf_format.stack_layers(base) if cfg.scan_layers else base  # as the run's train state held it
+  orbax_state.check_base(orbax_state.step_base_record(os.path.dirname(item)),
+                         int(orbax_state.base_fingerprint(lora.join(held["params"], held["buffers"]))),
+                         cfg.load_parameters_path, f"--checkpoint {item}")
   scale = cfg.lora_alpha / cfg.lora_rank
   return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
 
