@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import train
+from MaxText import export_hf_checkpoint, train
 from MaxText.checkpoint import hf_export, lora_adapters, model_state, orbax_state
 from MaxText.config.types import ConfigError
 from MaxText.layers import lora
@@ -119,7 +119,7 @@ def test_a_resume_over_another_base_is_one_line_and_loses_nothing(runs, capsys):
   assert record["fingerprint"] == orbax_state.step_base_record(str(tmp / "sft" / "checkpoints" / "2"))["fingerprint"]
 
 
-def test_serving_or_exporting_adapters_over_another_base_is_one_line(runs, tmp_path):
+def test_serving_or_exporting_adapters_over_another_base_is_one_line(runs, tmp_path, capsys):
   tmp, sft = runs
   cfg = sft.model_copy(update={"lora_rank": 0, "load_parameters_path": str(tmp / "b2"),
                                "serve_lora_adapters": (f"a={tmp / 'sft'}",)})
@@ -130,11 +130,14 @@ def test_serving_or_exporting_adapters_over_another_base_is_one_line(runs, tmp_p
     lora_adapters.load_or_create(cfg, mesh)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):  # over its own base: served
     lora_adapters.load_or_create(cfg.model_copy(update={"load_parameters_path": str(tmp / "b1")}), mesh)
-  run_config = str(tmp / "sft" / "config.yml")
-  with pytest.raises(ConfigError, match=f"load_parameters_path={tmp / 'b2'} is not the base --checkpoint "):
-    hf_export.export(str(tmp / "sft" / "checkpoints"), str(tmp_path / "merged"), run_config,
-                     [f"load_parameters_path={tmp / 'b2'}"])
-  hf_export.export(str(tmp / "sft" / "checkpoints"), str(tmp_path / "merged"), run_config)  # its own base
+  args = ["--checkpoint", str(tmp / "sft" / "checkpoints"), "--output", str(tmp_path / "merged"), "--config",
+          str(tmp / "sft" / "config.yml")]
+  with pytest.raises(SystemExit) as e:  # the command line: one line, exit 2
+    export_hf_checkpoint.main([*args, f"load_parameters_path={tmp / 'b2'}"])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and "\n" not in err and err.startswith(
+      f"error: load_parameters_path={tmp / 'b2'} is not the base --checkpoint "), err
+  export_hf_checkpoint.main(args)  # over its own base
   assert os.path.isfile(tmp_path / "merged" / "config.json")
 
 
