@@ -198,7 +198,8 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
   """The adapters a LoRA run starts from (train.init_state; `like`: its fresh adapters on the mesh, B = 0; `frozen`:
   its base as loaded). Its own checkpoints hold a base record: the base must be that one (check_base), and the resume
   (orbax_state.restore_newest_good) replaces the adapters, so `like` comes back (lora_restore_path is MaxText's: for a
-  fresh run only). Else with lora_restore_path: that run's adapters on `like`'s shardings, after one ConfigError
+  fresh run only; a refused resume leaves the run's config.yml naming the run's base, as before it). Else with
+  lora_restore_path: that run's adapters on `like`'s shardings, after one ConfigError
   line naming the key for a lora_rank, lora_alpha or lora_module_path other than its run's, or another base."""
   latest = orbax_state.latest_step_on_disk(config) if config.enable_checkpointing else None
   if latest is None and not config.lora_restore_path:
@@ -206,8 +207,15 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
   fingerprint = int(orbax_state.base_fingerprint(frozen))
   if latest is not None:
     step_dir = os.path.join(config.checkpoint_dir, str(latest))
-    orbax_state.check_base(orbax_state.step_base_record(step_dir), fingerprint, config.load_parameters_path,
-                           f"run_name={config.run_name}'s checkpoint step {latest} ({step_dir})")
+    record = orbax_state.step_base_record(step_dir)
+    try:
+      orbax_state.check_base(record, fingerprint, config.load_parameters_path,
+                             f"run_name={config.run_name}'s checkpoint step {latest} ({step_dir})")
+    except ConfigError:  # this start wrote config.yml (RunFolder.open): let it name the run's base again
+      if jax.process_index() == 0:
+        run_folder.RunFolder(config.model_copy(update={"load_parameters_path": record["load_parameters_path"]})
+                             ).write_config()
+      raise
     if config.lora_restore_path:
       report(f"lora_restore_path={config.lora_restore_path} is not read: the run resumes from its own checkpoints")
     return like

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from MaxText import export_hf_checkpoint, train
 from MaxText.checkpoint import hf_export, lora_adapters, model_state, orbax_state
@@ -109,6 +110,8 @@ def test_a_resume_over_another_base_is_one_line_and_loses_nothing(runs, capsys):
   assert err.startswith(f"error: load_parameters_path={tmp / 'b2'} is not the base run_name=resumed's checkpoint "
                         f"step 2 ") and f"trained over: load_parameters_path={tmp / 'b1'} (base fingerprint" in err
   assert sorted(os.listdir(tmp / "resumed" / "checkpoints")) == ["2"]  # nothing set aside or written
+  saved = yaml.safe_load(open(tmp / "resumed" / "config.yml"))
+  assert saved["load_parameters_path"] == str(tmp / "b1")  # the run's config.yml still names its base (export reads it)
   # the same base copied elsewhere is the same base: the run resumes from step 2 and trains on
   shutil.copytree(tmp / "b1", tmp / "b1_copy")
   last = train.train(sft.model_copy(update={**more, "load_parameters_path": str(tmp / "b1_copy")}))
