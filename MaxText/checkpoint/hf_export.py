@@ -135,7 +135,7 @@ def merged_parameters(item: str, cfg: Config) -> dict:
   held = hf_format.stack_layers(base) if cfg.scan_layers else base  # as the run's train state held it
   orbax_state.check_base(orbax_state.step_base_record(os.path.dirname(item)),
                          int(orbax_state.base_fingerprint(lora.join(held["params"], held["buffers"]))),
-                         cfg.load_parameters_path, f"--checkpoint {item}")
+                         cfg.load_parameters_path, f"--checkpoint {item}", cfg.lora_check_base)
   scale = cfg.lora_alpha / cfg.lora_rank
   return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
 

@@ -187,7 +187,7 @@ def load_or_create(config: Config, mesh, report=print):
   base = lora.split(params)[1]
   fingerprint = int(orbax_state.base_fingerprint(lora.join(base, buffers)))  # as train.py's FROZEN: base + buffers
   for a in adapters:
-    orbax_state.check_base(a.base, fingerprint, config.load_parameters_path, a.where)
+    orbax_state.check_base(a.base, fingerprint, config.load_parameters_path, a.where, config.lora_check_base)
   params = lora.join(slots, base)
   ranks = ", ".join(f"{a.name} (rank {a.rank}, alpha {a.alpha:g})" for a in adapters)
   return cfg, graphdef, params, buffers, (f"{source}; LoRA adapters {ranks} on {len(_linears(adapters[0]))} "
@@ -210,7 +210,7 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
     record = orbax_state.step_base_record(step_dir)
     try:
       orbax_state.check_base(record, fingerprint, config.load_parameters_path,
-                             f"run_name={config.run_name}'s checkpoint step {latest} ({step_dir})")
+                             f"run_name={config.run_name}'s checkpoint step {latest} ({step_dir})", config.lora_check_base)
     except ConfigError:  # this start wrote config.yml (RunFolder.open): let it name the run's base again
       if jax.process_index() == 0:
         run_folder.RunFolder(config.model_copy(update={"load_parameters_path": record["load_parameters_path"]})
@@ -231,7 +231,7 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
   if extra or missing:
     raise _bad(key, f"adapts other linears than lora_module_path={config.lora_module_path!r} ({_differ(extra, missing)})"
                f": set lora_module_path={a.saved.get('lora_module_path')!r}, its run's")
-  orbax_state.check_base(a.base, fingerprint, config.load_parameters_path, key)
+  orbax_state.check_base(a.base, fingerprint, config.load_parameters_path, key, config.lora_check_base)
   out = {}
   for path, spec in want.items():
     got = np.asarray(a.leaves[path], spec.dtype)

@@ -29,6 +29,7 @@ from MaxText.checkpoint import read_scope, run_folder
 from MaxText.config.types import Config, ConfigError
 from MaxText.runtime.cli import RunError
 from MaxText.runtime.distributed import settled
+from MaxText.runtime.metrics import warn
 
 UNUSABLE_DIR = "checkpoints_unusable"
 
@@ -115,15 +116,22 @@ def step_base_record(step_dir: str) -> dict | None:
   return None if meta is None else meta.get("base")
 
 
-def check_base(record: dict | None, fingerprint: int, load_parameters_path: str, whose: str) -> None:
+def check_base(record: dict | None, fingerprint: int, load_parameters_path: str, whose: str,
+               enforce: bool = True) -> None:
   """A ConfigError (one line) when a LoRA checkpoint's base `record` is not the base loaded now (`fingerprint` from
-  load_parameters_path): adapters over another base compute garbage. No record (older checkpoints): no check."""
+  load_parameters_path): adapters over another base compute garbage. No record (older checkpoints): no check.
+  enforce=False (lora_check_base=false): the same line as a warning, and the adapters are used."""
   if record is None or int(record["fingerprint"]) == int(fingerprint):
     return
   was = record.get("load_parameters_path") or "(random init)"
-  raise ConfigError(f"load_parameters_path={load_parameters_path or '(random init)'} is not the base {whose} was "
-                    f"trained over: load_parameters_path={was} (base fingerprint {int(record['fingerprint']):#010x}; "
-                    f"this one {int(fingerprint):#010x}); give load_parameters_path={was}, or the same base's copy")
+  said = (f"load_parameters_path={load_parameters_path or '(random init)'} is not the base {whose} was trained "
+          f"over: load_parameters_path={was} (base fingerprint {int(record['fingerprint']):#010x}; this one "
+          f"{int(fingerprint):#010x})")
+  if not enforce:
+    warn(f"{said}; used anyway (lora_check_base=false)")
+    return
+  raise ConfigError(f"{said}; give load_parameters_path={was}, or the same base's copy (lora_check_base=false uses "
+                    "the adapters over this one anyway)")
 
 
 def checkpointed(state: dict) -> dict:

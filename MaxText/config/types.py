@@ -131,7 +131,8 @@ class Lora(_Section):
   lora_rank: NonNegInt
   lora_alpha: Annotated[float, Field(gt=0)]
   lora_module_path: Annotated[str, Field(min_length=1)]
-  lora_restore_path: str  # a LoRA run's adapters to start from (checkpoint/lora_adapters.py restored_adapters)
+  lora_restore_path: str  # a LoRA run's adapters to start from (checkpoint/lora_adapters.py restored)
+  lora_check_base: bool  # false: adapters over a base other than the one their checkpoint records (a warning)
 
   @field_validator("lora_module_path")
   @classmethod

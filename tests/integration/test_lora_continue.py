@@ -133,6 +133,11 @@ def test_serving_or_exporting_adapters_over_another_base_is_one_line(runs, tmp_p
     lora_adapters.load_or_create(cfg, mesh)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):  # over its own base: served
     lora_adapters.load_or_create(cfg.model_copy(update={"load_parameters_path": str(tmp / "b1")}), mesh)
+    capsys.readouterr()
+    lora_adapters.load_or_create(cfg.model_copy(update={"lora_check_base": False}), mesh)  # the override: a warning
+  warned = capsys.readouterr().err.strip()
+  assert warned.startswith(f"warning: load_parameters_path={tmp / 'b2'} is not the base serve_lora_adapters entry")
+  assert warned.endswith("used anyway (lora_check_base=false)") and "\n" not in warned
   args = ["--checkpoint", str(tmp / "sft" / "checkpoints"), "--output", str(tmp_path / "merged"), "--config",
           str(tmp / "sft" / "config.yml")]
   with pytest.raises(SystemExit) as e:  # the command line: one line, exit 2
