@@ -15,7 +15,8 @@ post_train/reference.py).
 lora_rank > 0 (docs/lora.md): only adapters train, over the frozen base of load_parameters_path (fp8_block
 allowed); the engine serves base + the current adapters, swapped in after each update with the compiled
 programs kept; the reference is the base with the adapters off (no second copy of the weights); checkpoints
-hold the adapters and their optimizer state, as train.py's.
+hold the adapters and their optimizer state, as train.py's. lora_restore_path=<a LoRA SFT run> starts the policy
+from that run's adapters (train.init_state; the reference stays the base with the adapters off).
 This file is the loop; its pieces are tested alone under post_train/: rollout_batch.py (rollouts -> the
 loss's arrays, the trainer's logprobs, the routing agreement, the loss_fn), evaluator.py (the held-out
 reward), grpo.py (the loss), prompts.py, rewards.py.

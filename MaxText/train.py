@@ -16,7 +16,8 @@ give a non-finite loss is set aside: the error names the newest good checkpoint 
 eval_interval > 0: the loss on held-out data (eval_dataset_path, or a held-out synthetic stream).
 profiler=xplane: a jax.profiler trace under <run>/profile.
 lora_rank > 0: only LoRA adapters train, over the frozen base of load_parameters_path (fp8_block allowed);
-checkpoints hold the adapters and their optimizer state (docs/lora.md).
+checkpoints hold the adapters and their optimizer state, and record the base (a resume over another is refused);
+lora_restore_path starts a new run from a LoRA run's adapters instead of B = 0 (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from MaxText.checkpoint import model_state, orbax_state
+from MaxText.checkpoint import lora_adapters, model_state, orbax_state
 from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config.types import Config, ConfigError
 from MaxText.data import input_pipeline
@@ -273,7 +274,8 @@ def _non_finite(config: Config, manager, step: int, metrics: dict, pending: int 
 
 def init_state(config: Config, mesh):
   """graphdef, the train state (params from load_parameters_path or random, a fresh optimizer at step
-  0), its shardings, and the optimizer."""
+  0), its shardings, and the optimizer. Under LoRA the adapters are B = 0, or lora_restore_path's, over a base
+  checked against the one the run's own checkpoints record (lora_adapters.restored)."""
   if config.load_parameters_path:
     graphdef, params, buffers, _ = model_state.load_parameters(config.load_parameters_path, config, mesh)
     print(f"parameters from load_parameters_path={config.load_parameters_path} (a new run: step 0, fresh "
@@ -281,6 +283,8 @@ def init_state(config: Config, mesh):
   else:
     graphdef, params, buffers, _ = model_state.create(config, mesh)
   parts = model_parts(config, params, buffers)
+  if config.lora_rank:
+    parts["params"] = lora_adapters.restored(config, parts["params"], parts[orbax_state.FROZEN])
   tx = make_optimizer(config, parts["params"])
   opt_state = model_state.init_optimizer(tx, parts["params"], mesh)
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())

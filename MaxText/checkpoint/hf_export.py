@@ -20,6 +20,7 @@ import numpy as np
 from MaxText.checkpoint import hf_format, read_scope
 from MaxText.config import pyconfig
 from MaxText.config.types import Config
+from MaxText.layers.moe import ADAPTER_SUFFIX
 
 CONFIG_FILE = "model.yml"  # what convert_hf_checkpoint writes next to its checkpoint
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -122,14 +123,19 @@ def lora_adapters(item: str) -> dict:
 def merged_parameters(item: str, cfg: Config) -> dict:
   """{"params", "buffers"} per layer of a LoRA run: the base from cfg.load_parameters_path (the run's config.yml
   names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B; an fp8 base is
-  quantized again per block after the merge)."""
+  quantized again per block after the merge). A base other than the one `item` records is a ConfigError."""
   from MaxText.layers import lora
   from MaxText.layers.linears import kernel_block
   if not cfg.load_parameters_path:
     raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
                      "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
+  from MaxText.checkpoint import orbax_state
   adapters = lora_adapters(item)
   base = unstacked_parameters(find_checkpoint(cfg.load_parameters_path), cfg.model_copy(update={"lora_rank": 0}))
+  held = hf_format.stack_layers(base) if cfg.scan_layers else base  # as the run's train state held it
+  orbax_state.check_base(orbax_state.step_base_record(os.path.dirname(item)),
+                         int(orbax_state.base_fingerprint(lora.join(held["params"], held["buffers"]))),
+                         cfg.load_parameters_path, f"--checkpoint {item}", cfg.lora_check_base)
   scale = cfg.lora_alpha / cfg.lora_rank
   return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
 
@@ -139,23 +145,29 @@ PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped transformers model in its saved state dict
 
 
-def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
-  """Our adapters (per layer, nested as params) -> (peft's tensors, the adapted modules' transformers names,
-  the modules left out). Each adapted HF Linear `<module>.weight` [out, in] gets
-  `base_model.model.<module>.lora_A.weight` = A^T [r, in] and `.lora_B.weight` = B^T [out, r], float32, so that
-  peft's W x + (lora_alpha / r) B^T A^T x is ours. The MTP layer's adapters are left out (transformers'
-  DeepseekV32ForCausalLM has no MTP module for them); routed experts' adapters have no peft form here."""
+def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], list[str], list[str], dict[str, int]]:
+  """Our adapters (per layer, nested as params) -> (peft's tensors, the adapted modules' or expert parameters'
+  transformers names, the ones left out, {expert parameter: its peft rank}). Each adapted HF Linear
+  `<module>.weight` [out, in] gets `base_model.model.<module>.lora_A.weight` = A^T [r, in] and `.lora_B.weight` =
+  B^T [out, r], float32, so that peft's W x + (lora_alpha / r) B^T A^T x is ours. Routed-expert adapters become
+  peft's ParamWrapper over the fused expert parameters (`peft_expert_tensors`). The MTP layer's adapters are left
+  out (transformers' DeepseekV32ForCausalLM has no MTP module for them)."""
   flat = hf_format.flatten({"params": adapters})
-  tensors, modules, dropped, used = {}, [], [], set()
+  tensors, modules, dropped, used, experts = {}, [], [], set(), {}
   for t in hf_format.tensor_map(cfg):
-    a_path = (*t.ours[:-1], "lora_a")
-    if t.expert is not None or t.role == "copy" or a_path not in flat:
+    if t.role == "copy" or t.expert not in (None, 0):
       continue
-    b_path = (*t.ours[:-1], "lora_b")
+    weight = (*t.ours[:-1], t.ours[-1] + ADAPTER_SUFFIX) if t.expert == 0 else t.ours[:-1]  # ours: wi_0 | kernel
+    a_path, b_path = (*weight, "lora_a"), (*weight, "lora_b")
+    if a_path not in flat:
+      continue
     used |= {a_path, b_path}
-    module = t.hf[:-len(".weight")]
+    module = t.hf[:-len(".weight")] if t.expert is None else t.hf.rsplit(".", 3)[0]  # `<layer>.mlp.experts`
     if t.ours[1] == "mtp":
-      dropped.append(module)
+      dropped.append(module if t.expert is None else f"{module}.{t.hf.rsplit('.', 2)[-2]}")
+      continue
+    if t.expert == 0:  # [E, in, r], [E, r, out] per HF weight name (gate_proj | up_proj | down_proj)
+      experts.setdefault(module, {})[t.hf.rsplit(".", 2)[-2]] = (flat[a_path], flat[b_path])
       continue
     modules.append(module)
     tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(flat[a_path], np.float32).T)
@@ -163,9 +175,58 @@ def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], li
   rest = sorted({"/".join(map(str, k[1:-1])) for k in flat.keys() - used})
   if rest:
     raise ValueError(f"--lora peft: the adapters of {rest[0]} (and {len(rest) - 1} more) have no module in peft's "
-                     "view of transformers' DeepseekV32ForCausalLM (the routed experts are fused parameters there); "
-                     "export with --lora merged")
-  return tensors, modules, dropped
+                     "view of transformers' DeepseekV32ForCausalLM; export with --lora merged")
+  ranks = {}
+  for module, got in experts.items():
+    more, names = peft_expert_tensors(module, got)
+    tensors.update(more)
+    ranks.update(names)
+  return tensors, modules + sorted(ranks), dropped, ranks
+
+
+def _expert_lora(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per-expert A [E, in, r], B [E, r, out] -> peft ParamWrapper's lora_A.weight [E*r, in] (row e*r + k: A_e's
+  column k) and lora_B.weight [out, r*E] (column k*E + e: B_e's row k), as its get_delta_weight reshapes them
+  (A -> (E, r, in), B -> (out, r, E)): expert e's delta is (A_e B_e)^T [out, in], transformers' layout."""
+  e, n_in, r = a.shape
+  lora_a = np.asarray(a, np.float32).transpose(0, 2, 1).reshape(e * r, n_in)  # [E*r, in]
+  lora_b = np.asarray(b, np.float32).transpose(2, 1, 0).reshape(b.shape[-1], r * e)  # [out, r*E]
+  return np.ascontiguousarray(lora_a), np.ascontiguousarray(lora_b)
+
+
+def peft_expert_tensors(module: str, got: dict) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+  """One MoE layer's routed-expert adapters {"gate_proj" | "up_proj" | "down_proj": (A [E, in, r], B [E, r, out])}
+  -> (peft's tensors, {"<module>.gate_up_proj" | "<module>.down_proj": rank}) over transformers' fused
+  gate_up_proj [E, 2I, D] ([gate; up] on the out axis) and down_proj [E, D, I]. gate and up share the input, so
+  one adapter of rank r_gate + r_up holds both exactly: A = [A_gate | A_up] [E, D, r_g + r_u], B block-diagonal
+  [[B_gate, 0], [0, B_up]] [E, r_g + r_u, 2I] (a zero block for a weight without an adapter): x A B = [x A_g B_g,
+  x A_u B_u]. Its lora_alpha is scaled with its rank (alpha_pattern) so that alpha / r is the run's.
+  peft nests two ParamWrappers on one module in parameter order: gate_up_proj's is the inner one, so its keys
+  carry `.base_layer.` when down_proj is adapted too."""
+  tensors, ranks = {}, {}
+  inner = ".base_layer" if "down_proj" in got and ("gate_proj" in got or "up_proj" in got) else ""
+  parts = [(n, got[n]) for n in ("gate_proj", "up_proj") if n in got]
+  if parts:
+    e, d, _ = parts[0][1][0].shape
+    i = parts[0][1][1].shape[-1]
+    ranks_of = [a.shape[-1] for _, (a, _) in parts]
+    a = np.concatenate([a for _, (a, _) in parts], axis=-1)  # [E, D, R]
+    b = np.zeros((e, sum(ranks_of), 2 * i), np.float32)  # [E, R, 2I]
+    row = 0
+    for (name, (_, b_w)), r in zip(parts, ranks_of):
+      col = 0 if name == "gate_proj" else i
+      b[:, row:row + r, col:col + i] = b_w
+      row += r
+    lora_a, lora_b = _expert_lora(a, b)
+    tensors[f"{PEFT_PREFIX}{module}{inner}.lora_A.weight"] = lora_a
+    tensors[f"{PEFT_PREFIX}{module}{inner}.lora_B.weight"] = lora_b
+    ranks[f"{module}.gate_up_proj"] = sum(ranks_of)
+  if "down_proj" in got:
+    lora_a, lora_b = _expert_lora(*got["down_proj"])
+    tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = lora_a
+    tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = lora_b
+    ranks[f"{module}.down_proj"] = got["down_proj"][0].shape[-1]
+  return tensors, ranks
 
 
 # peft on transformers v5 reads a target_modules entry ending in one of these as the routed experts (it converts
@@ -174,24 +235,29 @@ def peft_tensors(adapters: dict, cfg: Config) -> tuple[dict[str, np.ndarray], li
 PEFT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-def peft_config(cfg: Config, modules: list[str], base_model: str | None) -> dict:
+def peft_config(cfg: Config, modules: list[str], base_model: str | None, experts: dict[str, int] | None = None) -> dict:
   """adapter_config.json: peft's LoraConfig for the adapters `peft_tensors` writes (exact module names, so a regex
-  of ours that adapts some stacks and not others is kept as it is; the MLPs' as target_parameters)."""
-  mlp = [m for m in modules if m.rsplit(".", 1)[-1] in PEFT_EXPERT_NAMES]
+  of ours that adapts some stacks and not others is kept as it is; the MLPs' and the routed experts' fused parameters
+  as target_parameters, an expert parameter of another rank than lora_rank with its rank and alpha in
+  rank_pattern / alpha_pattern: the same alpha / r)."""
+  experts = experts or {}
+  mlp = [m for m in modules if m.rsplit(".", 1)[-1] in PEFT_EXPERT_NAMES and m not in experts]
+  other = {m: r for m, r in experts.items() if r != cfg.lora_rank}
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
           "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
           "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
-          "inference_mode": True, "target_modules": [m for m in modules if m not in mlp],
-          "target_parameters": [f"{m}.weight" for m in mlp], "modules_to_save": None,
-          "rank_pattern": {}, "alpha_pattern": {}}
+          "inference_mode": True, "target_modules": [m for m in modules if m not in mlp and m not in experts],
+          "target_parameters": [f"{m}.weight" for m in mlp] + sorted(experts), "modules_to_save": None,
+          "rank_pattern": {re.escape(m): r for m, r in other.items()},
+          "alpha_pattern": {re.escape(m): cfg.lora_alpha * r / cfg.lora_rank for m, r in other.items()}}
 
 
 def write_peft(item: str, cfg: Config, output: str, base_model: str | None) -> tuple[list[str], list[str]]:
   """Writes OUTPUT/adapter_config.json + adapter_model.safetensors; returns (file names, modules left out)."""
-  tensors, modules, dropped = peft_tensors(lora_adapters(item), cfg)
+  tensors, modules, dropped, experts = peft_tensors(lora_adapters(item), cfg)
   hf_format.write_safetensors(os.path.join(output, PEFT_WEIGHTS), tensors)
   with open(os.path.join(output, PEFT_CONFIG), "w") as f:
-    json.dump(peft_config(cfg, modules, base_model), f, indent=2)
+    json.dump(peft_config(cfg, modules, base_model, experts), f, indent=2)
   return [PEFT_CONFIG, PEFT_WEIGHTS], dropped
 
 

@@ -5,6 +5,10 @@ iterator's JSON state) and `meta` (fingerprints of the state's bits: the whole s
 buffers' for a parameter-only load). Restoring checks the fingerprint and that every value is finite; a checkpoint that fails either, or fails to read, is
 reported in one line, moved to `<run>/checkpoints_unusable/` and the one before it is used.
 
+A LoRA run's checkpoint holds adapters only; its meta also records the base they were trained over
+(`base_record`: the run's load_parameters_path and `base_fingerprint` of the frozen base), so that adapters
+are never resumed, continued, served or merged over another base (`check_base`).
+
 `restore_parameters` reads params + buffers from any checkpoint this project writes: a converter
 output (a parameter-only tree), a run's `checkpoints` folder (its newest usable step), one step
 folder, or its `state` subfolder (a run folder itself works too). A run's step is checked against its
@@ -21,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from MaxText.checkpoint import read_scope
+from MaxText.checkpoint import read_scope, run_folder
 from MaxText.config.types import Config, ConfigError
 from MaxText.runtime.cli import RunError
 from MaxText.runtime.distributed import settled
+from MaxText.runtime.metrics import warn
 
 UNUSABLE_DIR = "checkpoints_unusable"
 
@@ -83,6 +88,52 @@ def parameters_of(state: dict) -> dict:
 FROZEN = "frozen"  # a train state's frozen part (LoRA's base, from load_parameters_path): never checkpointed
 
 
+@jax.jit
+def base_fingerprint(frozen) -> jax.Array:
+  """uint32: state_check's fingerprint of a LoRA base (its params and routing biases, nested and stacked as the
+  train state's FROZEN entry holds them) with every float wider than 16 bits rounded to bfloat16 first.
+  Invariant: the same checkpoint loaded with the same model keys gives the same fingerprint on any mesh (an
+  integer sum), whether weight_dtype is float32 or bfloat16 (both round to the same bf16 bits); another base (other
+  weights, another step of a run, another seed) gives another one but for a 2**-32 chance. Cost: one read of the
+  base's bytes (no copy: the cast fuses into the sum)."""
+  def narrow(x):
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 2 else x
+  return state_check(jax.tree.map(narrow, frozen))[0]
+
+
+def base_record(frozen, checkpoint_dir: str) -> dict:
+  """What a LoRA checkpoint's meta says of its base: {"fingerprint": base_fingerprint(frozen), "load_parameters_path":
+  as the run's config.yml beside `checkpoint_dir` names it (absolute), "" when it has none}."""
+  source = run_folder.source_config(checkpoint_dir)
+  path = (source[1].get("load_parameters_path") or "") if source is not None else ""
+  return {"fingerprint": int(settled(base_fingerprint(frozen))), "load_parameters_path": path}
+
+
+def step_base_record(step_dir: str) -> dict | None:
+  """The base record saved with a LoRA checkpoint step (<step>/meta), or None (not a LoRA run's, or written before
+  base records)."""
+  meta = _step_meta(os.path.join(step_dir, "state"))
+  return None if meta is None else meta.get("base")
+
+
+def check_base(record: dict | None, fingerprint: int, load_parameters_path: str, whose: str,
+               enforce: bool = True) -> None:
+  """A ConfigError (one line) when a LoRA checkpoint's base `record` is not the base loaded now (`fingerprint` from
+  load_parameters_path): adapters over another base compute garbage. No record (older checkpoints): no check.
+  enforce=False (lora_check_base=false): the same line as a warning, and the adapters are used."""
+  if record is None or int(record["fingerprint"]) == int(fingerprint):
+    return
+  was = record.get("load_parameters_path") or "(random init)"
+  said = (f"load_parameters_path={load_parameters_path or '(random init)'} is not the base {whose} was trained "
+          f"over: load_parameters_path={was} (base fingerprint {int(record['fingerprint']):#010x}; this one "
+          f"{int(fingerprint):#010x})")
+  if not enforce:
+    warn(f"{said}; used anyway (lora_check_base=false)")
+    return
+  raise ConfigError(f"{said}; give load_parameters_path={was}, or the same base's copy (lora_check_base=false uses "
+                    "the adapters over this one anyway)")
+
+
 def checkpointed(state: dict) -> dict:
   """The part of a train state a checkpoint holds: all of it but FROZEN."""
   return {k: v for k, v in state.items() if k != FROZEN}
@@ -91,10 +142,13 @@ def checkpointed(state: dict) -> dict:
 def save(manager: ocp.CheckpointManager, step: int, state: dict, data_state: dict) -> None:
   """Writes `state` (the data iterator's JSON beside it) as `step`, with meta = {"fingerprint": the whole state's,
   "parameters_fingerprint": parameters_of(state)'s}: a resume checks the first, load_parameters_path the second.
-  A FROZEN entry is left out (`checkpointed`)."""
+  A FROZEN entry (a LoRA run's base) is left out (`checkpointed`), recorded as meta["base"] (`base_record`)."""
+  base = base_record(state[FROZEN], str(manager.directory)) if FROZEN in state else None
   state = checkpointed(state)
   fingerprint, _ = settled(state_check(state))  # settled: one collective program at a time (distributed.settled)
   meta = {"fingerprint": int(fingerprint)}
+  if base is not None:
+    meta["base"] = base
   if "params" in state:
     meta["parameters_fingerprint"] = int(settled(state_check(parameters_of(state)))[0])
   try:

@@ -32,7 +32,7 @@ RESUME_KEYS = (
     "dataset_type", "dataset_path", "jsonl_text_field", "tokenizer_type", "tokenizer_path", "add_bos", "add_eos",
     "pad_id", "bos_id", "eos_id", "seed", "global_batch_size", "max_target_length",
     "grain_train_files", "grain_file_type", "hf_path", "train_data_columns", "tokenize_train_data", "use_sft",
-    "sft_train_on_completion_only",
+    "sft_train_on_completion_only", "lora_rank", "lora_alpha", "lora_module_path",
 )
 # Data keys of dataset_type=synthetic_retrieval alone (other data ignores them).
 RETRIEVAL_RESUME_KEYS = ("retrieval_pairs", "retrieval_queries", "retrieval_keys", "retrieval_values",

@@ -219,7 +219,7 @@ def initialize_or_exit(argv: Sequence[str], doc: str | None = None,
 # relative to the directory a command runs in; a run folder's config.yml holds them absolute.
 PATH_KEYS = ("base_output_directory", "jax_cache_dir", "dataset_path", "grain_train_files", "grain_eval_files",
              "hf_path", "hf_eval_files", "eval_dataset_path", "tokenizer_path", "load_parameters_path",
-             "chat_template_path")
+             "chat_template_path", "lora_restore_path")
 
 
 def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:

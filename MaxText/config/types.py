@@ -131,6 +131,8 @@ class Lora(_Section):
   lora_rank: NonNegInt
   lora_alpha: Annotated[float, Field(gt=0)]
   lora_module_path: Annotated[str, Field(min_length=1)]
+  lora_restore_path: str  # a LoRA run's adapters to start from (checkpoint/lora_adapters.py restored)
+  lora_check_base: bool  # false: adapters over a base other than the one their checkpoint records (a warning)
 
   @field_validator("lora_module_path")
   @classmethod
@@ -421,6 +423,9 @@ class Config(*SECTIONS):
     if self.serve_speculative_tokens and self.mtp_num_layers < 1:
       bad(f"serve_speculative_tokens={self.serve_speculative_tokens} needs mtp_num_layers >= 1 (got "
           f"{self.mtp_num_layers}): the MTP module drafts the tokens; or set serve_speculative_tokens=0")
+    if self.lora_restore_path and not self.lora_rank:
+      bad(f"lora_restore_path={self.lora_restore_path} needs lora_rank > 0 (the rank its run trained at): adapters "
+          "continue over a frozen base")
     if self.serve_lora_adapters and self.serve_speculative_tokens:
       bad(f"serve_lora_adapters with serve_speculative_tokens={self.serve_speculative_tokens}: the MTP drafter does not "
           "apply adapters yet; set serve_speculative_tokens=0 to serve adapters")

@@ -234,21 +234,29 @@ def _lora_run(ours, tmp_path, **keys):
   return cfg, graphdef, base, adapters, buffers, overrides
 
 
-def test_peft_adapter_over_transformers_gives_our_lora_logits(converted, tmp_path, capsys):
+@pytest.mark.parametrize("experts", ["wi_0|wi_1|wo", "wi_1"])
+def test_peft_adapter_over_transformers_gives_our_lora_logits(converted, tmp_path, capsys, experts):
   """--lora peft: peft's PeftModel over transformers' DeepseekV32ForCausalLM (the HF folder the converter read)
   with our exported adapter_config.json + adapter_model.safetensors gives the adapted model's logits (1e-4);
-  the default modules and the indexer's, with the MTP layer's adapters left out. The same adapters merged
-  (hf_export.restore_parameters of the LoRA run, what --lora merged writes) give those logits too."""
+  the default modules, the indexer's and the routed experts' (all three weights: gate and up as one rank-2r
+  ParamWrapper over the fused gate_up_proj, down_proj nested outside it; or up alone), with the MTP layer's adapters
+  left out. The same adapters merged (hf_export.restore_parameters of the LoRA run, what --lora merged writes) give
+  those logits too."""
   peft = pytest.importorskip("peft")
   hf_dir, ours = converted
-  regex = "'.*/attention/(wq_a|wq_b|wkv_a|wkv_b|wo)|.*/mlp(/shared_experts)?/(gate|up|down)|.*/indexer/(wq_b|wk)'"
+  regex = ("'.*/attention/(wq_a|wq_b|wkv_a|wkv_b|wo)|.*/mlp(/shared_experts)?/(gate|up|down)|.*/indexer/(wq_b|wk)"
+           f"|.*/mlp/({experts})'")
   cfg, graphdef, base, adapters, buffers, overrides = _lora_run(ours, tmp_path, lora_module_path=regex)
   _export(capsys, "--checkpoint", tmp_path / "adapters", "--output", tmp_path / "peft", "--lora", "peft",
           "--config", os.path.join(ours, hf_export.CONFIG_FILE), *overrides)
   assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
   conf = json.load(open(tmp_path / "peft" / "adapter_config.json"))
   assert conf["r"] == 4 and conf["lora_alpha"] == 8.0 and "model.layers.1.self_attn.indexer.wk" in conf["target_modules"]
-  assert not any(m.startswith("model.layers.3.") for m in conf["target_modules"])  # the MTP layer: no HF module
+  assert not any(m.startswith("model.layers.3.") for m in conf["target_modules"] + conf["target_parameters"])  # MTP
+  fused = "model.layers.1.mlp.experts.gate_up_proj" in conf["target_parameters"]
+  assert fused and ("model.layers.1.mlp.experts.down_proj" in conf["target_parameters"]) == (experts != "wi_1")
+  fused_2r = {rf"model\.layers\.{i}\.mlp\.experts\.gate_up_proj": 8 for i in (1, 2)}  # gate and up: rank 2r
+  assert conf["rank_pattern"] == (fused_2r if experts != "wi_1" else {})
 
   tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, size=(2, 24))
   from MaxText.layers import lora

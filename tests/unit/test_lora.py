@@ -123,6 +123,11 @@ def test_a_regex_that_does_not_compile_is_a_config_error():
     make_config(lora_rank=4, lora_module_path="(wq_a")
 
 
+def test_lora_restore_path_without_lora_rank_is_a_config_error():
+  with pytest.raises(ConfigError, match="lora_restore_path=/runs/sft needs lora_rank > 0"):
+    make_config(lora_restore_path="/runs/sft")
+
+
 @pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 @pytest.mark.parametrize("quant", ["none", "fp8_block"])
 def test_output_at_step_0_equals_the_base_exactly(quant):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from MaxText import rl
-from MaxText.checkpoint import orbax_state
+from MaxText.checkpoint import hf_export, orbax_state
 from MaxText.config.types import ConfigError
 from MaxText.data.records import DataError
 from MaxText.data.tokenizer import load_tokenizer
@@ -257,6 +257,18 @@ def test_grpo_with_lora_moves_only_the_adapters_swaps_them_in_without_recompilin
   stored = orbax_state._stored_tree(os.path.join(tmp_path, "r", "checkpoints", "3", "state"))
   assert set(stored) == {"params", "buffers", "opt_state", "step"} and not jax.tree.leaves(stored["buffers"])
   assert all(lora.is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored["params"]))
+  # a new RL run from run r's adapters (lora_restore_path): its first rollout's policy holds them bit for bit over
+  # the same base, and its reference is still the base with the adapters off (step 1's KL is no longer 0)
+  loads.clear()
+  logged = []
+  monkeypatch.setattr(rl, "_log", lambda logger, config, step, m: logged.append(dict(m)))
+  rl.rl(make_config(**dict(keys, run_name="r2", steps=1, lora_restore_path=str(tmp_path / "r"))))
+  (a_new, base_new), = loads[:1]
+  jax.tree.map(np.testing.assert_array_equal, base_new, base1)
+  saved = hf_export.restore_raw(os.path.join(tmp_path, "r", "checkpoints", "3", "state"))["params"]
+  for x, y in zip(jax.tree.leaves(a_new), jax.tree.leaves(saved)):
+    assert x.tobytes() == y.tobytes()
+  assert logged[0]["kl"] > 0 and "LoRA adapters from lora_restore_path=" in capsys.readouterr().out
 
 
 def test_the_rl_demo_writes_disjoint_sets_and_its_keys_are_a_valid_rl_config(tmp_path):
