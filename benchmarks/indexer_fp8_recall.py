@@ -251,13 +251,15 @@ def trained(args) -> None:
             per.setdefault((li, k, name), []).extend(np.asarray(v).tolist())
   rows = [dict(layer=li, topk=k, **{name: round(float(np.mean(per[(li, k, name)])), 4) for name, _ in COLUMNS})
           for li in range(len(mlas)) for k in ks]
+  chance = {k: round(float(np.mean(k / (np.asarray(qpos) + 1))), 4) for k in ks}  # a random k of the p + 1 keys
   print(f"{args.run}: {len(ids)} held-out document(s) of {t} tokens, {args.queries} decode queries each "
-        f"(positions {t // 2}..{t - 1}); indexer {config.indexer_n_heads} heads x {config.indexer_head_dim}")
+        f"(positions {t // 2}..{t - 1}); indexer {config.indexer_n_heads} heads x {config.indexer_head_dim}; "
+        f"a random selection's idx~attn: {chance}")
   print(" ".join(f"{h:>10}" for h in ("layer", "k", *(c for _, c in COLUMNS))))
   for r in rows:
     print(" ".join(f"{v:>10}" for v in (r["layer"], r["topk"], *(f"{r[n]:.4f}" for n, _ in COLUMNS))))
   print(json.dumps(dict(benchmark="indexer_fp8_recall", data="trained", run=args.run, context=t, docs=len(ids),
-                        queries=args.queries, indexer_heads=config.indexer_n_heads,
+                        queries=args.queries, indexer_heads=config.indexer_n_heads, chance=chance,
                         indexer_head_dim=config.indexer_head_dim, rows=rows)))
 
 

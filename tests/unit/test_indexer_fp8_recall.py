@@ -11,6 +11,8 @@ from flax import nnx
 
 from benchmarks import indexer_fp8_recall as bench
 from MaxText.config import pyconfig
+from MaxText.inference.cache_view import stack_views
+from MaxText.inference.kv_cache import init_layer_cache
 from MaxText.layers.models import Transformer
 
 
@@ -66,12 +68,20 @@ def tiny():
   return cfg, model, tokens
 
 
-def test_layer_inputs_run_the_models_own_forward(tiny):
+def test_layer_inputs_run_the_models_own_forward_and_give_the_keys_a_cache_stores(tiny):
   cfg, model, tokens = tiny
   inputs, x = nnx.jit(bench.layer_inputs)(model, tokens)
   assert len(inputs) == cfg.num_decoder_layers  # the dense layer, then the MoE layer
   want, _ = nnx.jit(lambda m, t: m(t))(model, tokens)
   np.testing.assert_allclose(model.logits(model.final_norm(x)), want, rtol=1e-5, atol=1e-5)
+  # the inference prefill (MLA.attend_cached over an empty contiguous cache) stores these indexer keys
+  views = stack_views({"dense_layers": [init_layer_cache(cfg, 1)], "moe_layers": [init_layer_cache(cfg, 1)]}, None,
+                      mode="sparse", index_head_chunk=cfg.indexer_head_chunk)
+  _, aux = nnx.jit(lambda m, t, v: m(t, cache=v))(model, tokens, views)
+  stored = [e["idx_k"] for name in ("dense_layers", "moe_layers") for e in aux["cache_entries"][name]]  # [1,T,d]
+  pos = jnp.arange(tokens.shape[1])[None]
+  for layer, x_in, k in zip(bench.decoder_layers(model), inputs, stored):
+    np.testing.assert_allclose(layer.attention.indexer.keys(x_in, pos), k, rtol=1e-5, atol=1e-5)
 
 
 def test_layer_figures_on_a_tiny_model(tiny):
