@@ -281,8 +281,9 @@ def main(argv=None) -> None:
   if args.make_corpus:
     print(json.dumps(dict(corpus=args.make_corpus, files=make_corpus(args.make_corpus))))
   elif args.run:
+    from MaxText.runtime import cli
     args.queries, args.topk = args.queries or 32, args.topk or [32, 256]
-    trained(args)
+    cli.run(lambda: trained(args))  # a config, data or checkpoint mistake: one line, no traceback
   else:
     args.queries, args.topk = args.queries or 8, args.topk or [2048]
     synthetic(args)

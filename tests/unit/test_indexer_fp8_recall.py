@@ -3,6 +3,7 @@ the trained-cache mode reads (it must be the model's own forward), and the per-l
 
 import json
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +127,15 @@ def test_make_corpus_writes_whole_files_as_jsonl_documents(tmp_path):
   assert [r["file"] for r in train] == ["docs/a.md", os.path.join("MaxText", "sub", "m.py")]
   assert train[0]["text"] == "# A\n\npara one\n\npara two\n"  # one document per file, blank lines kept
   assert json.loads((out / "eval" / "eval.jsonl").read_text())["text"] == "y = 2\n"
+
+
+def test_run_mode_names_what_is_wrong_in_one_line(tmp_path):
+  def error(*argv):
+    with pytest.raises(SystemExit) as e:
+      bench.main(["--run", str(tmp_path), *argv])
+    return str(e.value.code)
+
+  assert "has no config.yml" in error()
+  shutil.copy(os.path.join(bench.REPO, "configs", "base.yml"), tmp_path / "config.yml")  # scanned layers
+  assert "scan_layers=false" in error()
+  assert "needs --context >= 128" in error("--set", "scan_layers=false", "--topk", "64")  # max_target_length 64
