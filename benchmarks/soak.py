@@ -168,12 +168,12 @@ async def _send(client, url: str, kind: str, path: str, body, tally: Tally) -> N
 
 
 async def drive(url: str, seconds: float, clients: int, burst_every: float, burst: int, seed: int,
-                tally: Tally, on_tick, keep_alive: float = 5.0) -> None:
+                tally: Tally, on_tick, keep_alive: float) -> None:
   import httpx
   words = open(os.path.join(DATA, "corpus.txt"), encoding="utf-8").read().split()
   deadline = time.monotonic() + seconds
   headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-  # an idle pooled connection is dropped before the server's keep-alive (serve_keep_alive, 5 s) closes it: at equal
+  # an idle pooled connection is dropped before the server's keep-alive (serve_keep_alive) closes it: at equal
   # timeouts a request can go out on a connection the server is closing (a ReadError, no answer)
   limits = httpx.Limits(max_connections=clients + burst + 4, keepalive_expiry=keep_alive / 2)
   async with httpx.AsyncClient(headers=headers, timeout=120, limits=limits) as client:
@@ -212,6 +212,23 @@ def soak_checks(result: dict, tally: Tally) -> dict[str, bool]:
           "400s for the malformed bodies": tally.status[400] >= tally.kinds["malformed"]}
 
 
+def server_args(port: int, max_waiting: int, max_seqs: int, overrides) -> list[str]:
+  """The server's config arguments (after `python -m MaxText.serve`): the soak's settings, then the user's
+  key=value (the later wins)."""
+  return [os.path.join(REPO, "configs", "base.yml"), "tokenizer_type=hf", f"tokenizer_path={os.path.join(DATA, 'tokenizer.json')}",
+          "add_bos=false", "serve_host=127.0.0.1", f"serve_port={port}", f"serve_max_waiting={max_waiting}",
+          f"serve_max_num_seqs={max_seqs}", "max_target_length=1024", "serve_request_timeout=60", *overrides]
+
+
+def server_config(serve_args: list[str]):
+  """The Config the server resolves from serve_args (pyconfig, the loader MaxText.serve uses: base.yml, the
+  model's yml, key=value), on one device and a mesh of ones: the soak reads serving keys (serve_keep_alive),
+  which no mesh changes, and imports no jax. A config mistake raises ConfigError before the server starts."""
+  from MaxText.config import pyconfig
+  ones = {f"ici_{a}_parallelism": 1 for a in pyconfig.merged_values(["soak", *serve_args])["mesh_axes"]}
+  return pyconfig.initialize(["soak", *serve_args], num_devices=1, **ones)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--minutes", type=float, required=True, help="how long the load runs (the run ends by itself)")
@@ -224,10 +241,14 @@ def main(argv=None) -> int:
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   max_waiting, max_seqs = 4, 4
-  cmd = [sys.executable, "-m", "MaxText.serve", "configs/base.yml", "tokenizer_type=hf",
-         f"tokenizer_path={os.path.join(DATA, 'tokenizer.json')}", "add_bos=false", "serve_host=127.0.0.1",
-         f"serve_port={port}", f"serve_max_waiting={max_waiting}", f"serve_max_num_seqs={max_seqs}",
-         "max_target_length=1024", "serve_request_timeout=60", *args.overrides]
+  serve_args = server_args(port, max_waiting, max_seqs, args.overrides)
+  from MaxText.config.types import ConfigError
+  try:
+    keep_alive = server_config(serve_args).serve_keep_alive
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  cmd = [sys.executable, "-m", "MaxText.serve", *serve_args]
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MAXTEXT_API_KEY": KEY,
          "PYTHONPATH": REPO}
   log_path = os.path.join(tempfile.mkdtemp(prefix="soak_"), "server.log")
@@ -250,7 +271,6 @@ def main(argv=None) -> int:
 
   try:
     t0 = time.monotonic()
-    keep_alive = float(dict(o.split("=", 1) for o in args.overrides if "=" in o).get("serve_keep_alive", 5.0))
     asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), args.seed,
                       tally, tick, keep_alive))
     wall = time.monotonic() - t0

@@ -1,7 +1,19 @@
 """benchmarks/soak.py's bookkeeping, without a server: which statuses count against the server, what
-/metrics parses to, the per-minute series, and each check at its boundary."""
+/metrics parses to, the per-minute series, each check at its boundary, and the server config the soak reads."""
 
-from benchmarks.soak import Tally, _by_minute, _metrics, growth_without_compiles, soak_checks
+import os
+
+import pytest
+
+from benchmarks.soak import (
+  Tally,
+  _by_minute,
+  _metrics,
+  growth_without_compiles,
+  server_args,
+  server_config,
+  soak_checks,
+)
 
 METRICS = """# HELP maxtext_requests_total finished requests by finish reason
 maxtext_requests_total{finish_reason="length"} 7.0
@@ -97,3 +109,26 @@ def test_memory_growth_counts_only_the_intervals_without_a_compile():
   leak = [(m, 100.0 + 2 * m, 18) for m in range(10)]  # a steady leak with no compile: all of it counts
   assert growth_without_compiles(leak, 0) == 18.0 / 100.0
   assert growth_without_compiles(leak, 9) == 0.0 and growth_without_compiles([], 0) == 0.0
+
+
+def test_the_soak_reads_serve_keep_alive_as_the_server_resolves_it(monkeypatch):
+  from MaxText.config import pyconfig
+  from MaxText.config.types import ConfigError
+
+  def served(overrides):  # what `python -m MaxText.serve` resolves from the soak's arguments (one device)
+    return pyconfig.initialize(["serve", *server_args(8000, 4, 4, overrides)], num_devices=1).serve_keep_alive
+
+  def soaked(overrides):
+    return server_config(server_args(8000, 4, 4, overrides)).serve_keep_alive
+
+  assert soaked([]) == served([]) == pyconfig._load_yaml(pyconfig.BASE_YML)["serve_keep_alive"]
+  assert soaked(["serve_keep_alive=7.5"]) == served(["serve_keep_alive=7.5"]) == 7.5
+  assert soaked(["serve_keep_alive=12"]) == 12.0
+  assert soaked(["serve_keep_alive=3", "ici_data_parallelism=2"]) == 3.0  # a mesh for more devices than here
+  with pytest.raises(ConfigError, match="serve_keep_alive"):
+    soaked(["serve_keep_alive=0"])
+  # base.yml's default, whatever it is, not a copy of it: move the default and the soak follows
+  load = pyconfig._load_yaml
+  monkeypatch.setattr(pyconfig, "_load_yaml", lambda p: {**load(p), "serve_keep_alive": 9.0}
+                      if os.path.samefile(p, pyconfig.BASE_YML) else load(p))
+  assert soaked([]) == served([]) == 9.0
