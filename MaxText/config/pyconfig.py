@@ -147,6 +147,7 @@ def merged_values(argv: Sequence[str], **overrides: Any) -> dict[str, Any]:
   if len(argv) < 2:
     raise ConfigError("usage: <program> <config.yml | base.yml> [key=value ...]")
   values = _load_yaml(BASE_YML)
+  known_names = [rule[0] for rule in values["logical_axis_rules"]]
   path = resolve_config_path(argv[1])
   extra = {}
   if os.path.abspath(path) != os.path.abspath(BASE_YML):
@@ -161,7 +162,20 @@ def merged_values(argv: Sequence[str], **overrides: Any) -> dict[str, Any]:
   values.update(cli)
   values.update(overrides)
   values["model_name"] = model_name
+  _check_logical_names(values["logical_axis_rules"], known_names)
   return values
+
+
+def _check_logical_names(rules: Any, known: list[str]) -> None:
+  """Every logical name a rule maps is one the layers use (base.yml's rules list them all): a
+  misspelt name would otherwise leave its axis replicated without a word."""
+  if not isinstance(rules, (list, tuple)):
+    return  # the schema names the shape it wants
+  for rule in rules:
+    name = rule[0] if isinstance(rule, (list, tuple)) and rule else rule
+    if isinstance(name, str) and name not in known:
+      raise ConfigError(f"logical_axis_rules maps '{name}', a logical axis no layer uses; "
+                        f"the known names (configs/base.yml): {', '.join(known)}")
 
 
 def initialize(argv: Sequence[str], num_devices: int | Callable[[Distributed], int] | None = None,

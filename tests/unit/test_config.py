@@ -97,6 +97,17 @@ def test_unknown_key_names_the_nearest_valid_key():
     init("base.yml", zzzz=1)
 
 
+def test_a_logical_axis_rule_for_a_name_no_layer_uses_is_refused():
+  rules = [list(r) for r in yaml.safe_load(open(pyconfig.BASE_YML))["logical_axis_rules"]]
+  vocab = [r for r in rules if r[0] == "vocab"][0]
+  vocab[1] = ["tensor", "expert"]
+  assert dict(init("base.yml", f"logical_axis_rules={rules}").logical_axis_rules)["vocab"] == ("tensor", "expert")
+  vocab[0] = "vocabx"
+  with pytest.raises(ConfigError, match="logical_axis_rules maps 'vocabx'.*known names.*vocab"):
+    init("base.yml", f"logical_axis_rules={rules}")
+  assert init("base.yml", f"logical_axis_rules={rules[:3]}").logical_axis_rules[0][0] == "activation_batch"
+
+
 def test_malformed_override_is_refused():
   with pytest.raises(ConfigError, match="'indexer_topk' is not of the form key=value"):
     init("base.yml", "indexer_topk")
