@@ -35,9 +35,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from MaxText.config.types import Config
+from MaxText.kernels import backend
 from MaxText.kernels.fp8_blocks import WORD_CODES, from_words, to_words
+from MaxText.kernels.paged_decode import e4m3_to_f32
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -72,10 +75,27 @@ def quantize_fp8(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.A
   return q.reshape(*x.shape[:-1], nb * block)[..., :n], scale
 
 
+E4M3_TABLE = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)  # code -> value (0x7F, 0xFF: NaN)
+
+
+def e4m3_values(q: jax.Array) -> jax.Array:
+  """q float8_e4m3fn (or its uint8 bits) -> f32, exactly (NaN codes 0x7F / 0xFF -> NaN), by backend.py's
+  fp8_decode: XLA's convert ("convert"), integer ops ("bits": paged_decode.e4m3_to_f32) or a gather from
+  the 256 values (E4M3_TABLE). All three give the same values for every code (tests/unit/test_kv_cache.py);
+  they differ only in speed (benchmarks/decode_fp8.py)."""
+  how = backend.choice("fp8_decode")
+  if how == "convert":
+    return as_values(q).astype(jnp.float32)
+  bits = q if q.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(as_values(q), jnp.uint8)  # words unpacked
+  if how == "bits":
+    return e4m3_to_f32(bits)
+  return jnp.take(jnp.asarray(E4M3_TABLE), bits.astype(jnp.int32), axis=0)  # [...]
+
+
 def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
-  """(q [..., n] float8_e4m3fn, scale [..., ceil(n/block)]) -> [..., n] in dtype."""
+  """(q [..., n] float8_e4m3fn (or its uint8 bits), scale [..., ceil(n/block)]) -> [..., n] in dtype."""
   n, nb = q.shape[-1], scale.shape[-1]
-  qb = jnp.pad(q.astype(jnp.float32), [(0, 0)] * (q.ndim - 1) + [(0, nb * block - n)])
+  qb = jnp.pad(e4m3_values(q), [(0, 0)] * (q.ndim - 1) + [(0, nb * block - n)])
   x = qb.reshape(*q.shape[:-1], nb, block) * scale[..., None]  # [..., nb, block]
   return x.reshape(*q.shape[:-1], nb * block)[..., :n].astype(dtype)
 

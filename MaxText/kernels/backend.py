@@ -25,6 +25,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      k=2048 (sparse_attention_impl=auto)   on these backends
   index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
                      a binary search over prefix counts    counting (no while loop of gathers)
+  fp8_decode         "convert": XLA's float8 -> f32 convert "convert" (not measured there; the TPU's
+                     (kv_cache.e4m3_values; "bits" and     Pallas kernels decode their bits
+                     "table" measured no faster in the     themselves)
+                     step: benchmarks/decode_fp8.py)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -66,6 +70,7 @@ class Choices:
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
+  fp8_decode: str = "convert"  # "convert" | "bits" | "table": e4m3 -> f32 wherever a cache's fp8 is read (kv_cache)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -79,6 +84,7 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
 KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
+    "fp8_decode": ("convert", "bits", "table"),  # kv_cache.e4m3_values: XLA's convert, integer ops, a 256-entry table
 }
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",

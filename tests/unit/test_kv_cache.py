@@ -4,10 +4,12 @@ pools really allocate), the fp8 block format, ragged per-row writes into the con
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels import backend
 from tests.conftest import make_config
 
 
@@ -93,6 +95,24 @@ def test_fp8_of_zeros_and_of_the_block_maximum_is_exact():
   x = jnp.asarray([[-3.0, 1.5, 0.0, 3.0]])
   y = kv_cache.dequantize_fp8(*kv_cache.quantize_fp8(x))
   assert float(y[0, 0]) == -3.0 and float(y[0, 3]) == 3.0  # amax maps to 448 exactly: no NaN overflow
+
+
+@pytest.mark.parametrize("how", backend.KERNELS["fp8_decode"])
+def test_every_fp8_decode_gives_each_of_the_256_codes_its_e4m3_value(how):
+  codes = np.arange(256, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # ml_dtypes' (the release's torch) values
+  assert np.isnan(want).sum() == 2  # 0x7F and 0xFF: e4m3fn has NaN, no infinity
+  scale = jnp.asarray([[0.5, 2.0]], jnp.float32)  # two 128-blocks: each code once per block
+  with backend.forced(fp8_decode=how):
+    for q in (jnp.asarray(codes), jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)):
+      got = np.asarray(jax.jit(lambda q: kv_cache.e4m3_values(q))(q))  # a fresh jit: traced here
+      assert got.dtype == np.float32
+      ok = ~np.isnan(want)
+      np.testing.assert_array_equal(np.isnan(got), ~ok)
+      np.testing.assert_array_equal(got[ok], want[ok])  # exact: subnormals, +-448
+      assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0.0 (0x80) keeps its sign
+      deq = np.asarray(jax.jit(lambda q, s: kv_cache.dequantize_fp8(q, s))(q[None], scale))[0]  # [256]
+      np.testing.assert_array_equal(deq, np.asarray(got) * np.repeat([0.5, 2.0], 128).astype(np.float32))
 
 
 # ---------------------------------------------------------------- write and read
