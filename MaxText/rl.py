@@ -28,6 +28,22 @@ starts from an SFT run's checkpoints. eval_interval > 0: the held-out reward of 
 the eval records (eval_dataset_path / grain_eval_files / hf_eval_files) at step 0 and every
 eval_interval steps. Metrics per step (console every log_period steps, tensorboard every step):
 reward mean / std, kl, clip_fraction, masked_fraction (the mean over the step's updates), routing_agreement, rollout_s, train_s.
+
+Several processes (the distributed_* keys, or a detected cluster; docs/multihost.md, RL over several processes):
+the same command on every process, as train.py. Every process runs this whole loop, the engine's host logic
+included: the scheduler and page allocator are deterministic functions of the requests (the same prompts and
+seeds everywhere) and of the sampled tokens (read by every process alike), so no process replays another's
+decisions (the server's step channel would have process 0 decide and the others follow; here every process needs
+the rollouts anyway, to build the batch). inference/step_channel.Lockstep proves the lockstep instead of trusting
+it: each engine device call and each step's batch is checked against process 0's before it is made (a difference
+is one error line, exit 1, before a divergent program starts). The reward runs on process 0 only and its values
+reach the others (channel.from_main: user code runs once, and one that is not a pure function of the text cannot
+split the processes). Each process places its own devices' rows of the batch (distributed.from_host_copy); the
+update is train.py's jitted step over the global mesh; the new weights reach every process's engine by
+engine.load_weights with the step's global arrays, called at the same point of the same program on every
+process (no message); checkpoints are orbax's cooperative ones; console and tensorboard are process 0's. A lost
+process ends the others at once (the channel's connections: exit 1); processes started with different configs
+fail with one line, exit 2, before anything compiles.
 """
 
 from __future__ import annotations
