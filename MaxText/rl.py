@@ -176,7 +176,9 @@ def rl(config: Config) -> list[dict]:
       if evaluate is not None and start == 0:
         history.append(_log_eval(logger, 0, evaluate(engine)))
       for step in range(start + 1, config.steps + 1):
-        engine.load_weights(*policy_weights(state))  # the policy's weights (LoRA: its adapters), no recompile
+        # the policy's weights (LoRA: its adapters), no recompile; several processes: the step's global arrays, at
+        # this same point of the same program on every process (nothing to send)
+        engine.load_weights(*policy_weights(state))
         t0 = time.perf_counter()
         rows = source.step(step)
         prompts = [ids for _, _, ids in rows for _ in range(g)]

@@ -4,7 +4,8 @@ processes started with different configs fail with one line before compiling; a 
 the other at once.
 
 Equal how: the rollouts bit for bit (every process runs the engine's host logic, Lockstep-checked, and reads the
-same sampled tokens): rewards, completion lengths, advantages, routing agreement are the same floats. The
+same sampled tokens): rewards, completion lengths, advantages, routing agreement and the held-out reward before
+any update are the same floats. The
 losses, KL, gradient norms and parameters differ by float32 rounding only: the sums over the 8 data shards (the
 loss's mean, the gradient) are reduced in another order across 2 processes (gloo) than inside one, and Adam
 passes that on (measured: step 1's loss -3.7e-9 vs 0.0, step 2's 9e-9 apart; parameters 1.4e-6 apart at most
@@ -37,8 +38,14 @@ def runs(tmp_path_factory):
   cache = str(root / "jax_cache")
   one = launch("rl.py", rl_args(root / "one"), processes=1, devices=8, cache=cache)
   two = launch("rl.py", rl_args(root / "two"), processes=2, devices=4, cache=cache, timeout_s=120)
-  ok(finish(one))
-  return root / "one", root / "two", ok(finish(two))
+  try:
+    results = finish(one), finish(two)
+  finally:
+    for p in one + two:  # the other run too, when one failed or timed out
+      if p.poll() is None:
+        p.kill()
+  ok(results[0])
+  return root / "one", root / "two", ok(results[1])
 
 
 def test_two_processes_run_grpo_exactly_like_one_process_with_all_devices(runs):
@@ -48,6 +55,8 @@ def test_two_processes_run_grpo_exactly_like_one_process_with_all_devices(runs):
   want, got = scalars(one), scalars(two)
   for k in ROLLOUT:
     assert got[k] == want[k], k
+  # the held-out reward (greedy completions; the reward shared by process 0): before any update, the same
+  assert got["eval_reward"][0] == want["eval_reward"][0] and sorted(got["eval_reward"]) == [0, STEPS]
   assert want["kl"][1] == 0 and want["kl"][STEPS] > 0 and want["loss"][STEPS] != 0  # the policy moved
   for k in UPDATE:
     for s in range(1, STEPS + 1):

@@ -19,14 +19,17 @@ def checksum(completion: str, record: dict) -> float:
 def rl_args(folder) -> list[str]:
   """A tiny GRPO run in `folder` (run r): 2 prompts x 4 samples a step (8 rows: one per device of a data=8
   mesh, a multiple of its 8 page shards), 2 layers, no indexer, a KL reference, a checkpoint at the last step,
-  tensorboard on (the full-precision metrics), 4 prompts in folder/p.jsonl."""
+  tensorboard on (the full-precision metrics), 4 prompts in folder/p.jsonl; the held-out reward of 2 others
+  (folder/eval.jsonl) at steps 0 and STEPS."""
   os.makedirs(folder, exist_ok=True)
-  with open(os.path.join(folder, "p.jsonl"), "w") as f:
-    for i in range(4):
-      f.write(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) + "\n")
+  for name, first, n in (("p.jsonl", 0, 4), ("eval.jsonl", 4, 2)):
+    with open(os.path.join(folder, name), "w") as f:
+      for i in range(first, first + n):
+        f.write(json.dumps({"prompt": f"{i}+1=?", "answer": str(i + 1)}) + "\n")
   return ["configs/base.yml", "tokenizer_type=hf", "tokenizer_path=tests/data/tokenizer.json", "chat_thinking=false",
           "decode_sampling_strategy=temperature", "max_target_length=32", "max_prefill_length=32",
           "rl_max_completion_tokens=4", "dataset_type=file", f"dataset_path={folder}/p.jsonl", f"steps={STEPS}",
+          f"eval_dataset_path={folder}/eval.jsonl", f"eval_interval={STEPS}",
           "rl_prompts_per_step=2", "rl_num_generations=4", "rl_beta=0.1", f"checkpoint_period={STEPS}",
           "async_checkpointing=false", f"base_output_directory={folder}", "run_name=r", "serve_max_num_seqs=8",
           "serve_width_buckets=1", "serve_context_buckets=1", "mtp_num_layers=0", "num_decoder_layers=2",
