@@ -26,9 +26,10 @@ import pytest
 from tests.support.rl_processes import STEPS, final_params, rl_args, scalars
 from tests.support.train_processes import finish, launch, ok
 
-ROLLOUT = ("reward_mean", "reward_std", "completion_tokens", "advantage_abs_mean", "routing_agreement", "ratio_mean",
-           "learning_rate")  # computed from the rollouts: bit-equal
-UPDATE = ("loss", "kl", "grad_norm", "param_norm")  # through the gradient's all-reduce: float32 rounding
+ROLLOUT = ("reward_mean", "reward_std", "completion_tokens", "advantage_abs_mean", "routing_agreement",
+           "learning_rate")  # computed from the rollouts (sums of quarters and counts: exact): bit-equal
+# through the parameters the gradient's all-reduce made: float32 rounding (ratio_mean too: 0.99999994 vs 1.0 seen)
+UPDATE = ("loss", "kl", "grad_norm", "param_norm", "ratio_mean")
 
 
 @pytest.fixture(scope="module")
