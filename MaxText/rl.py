@@ -29,6 +29,22 @@ starts from an SFT run's checkpoints. eval_interval > 0: the held-out reward of 
 the eval records (eval_dataset_path / grain_eval_files / hf_eval_files) at step 0 and every
 eval_interval steps. Metrics per step (console every log_period steps, tensorboard every step):
 reward mean / std, kl, clip_fraction, masked_fraction (the mean over the step's updates), routing_agreement, rollout_s, train_s.
+
+Several processes (the distributed_* keys, or a detected cluster; docs/multihost.md, RL over several processes):
+the same command on every process, as train.py. Every process runs this whole loop, the engine's host logic
+included: the scheduler and page allocator are deterministic functions of the requests (the same prompts and
+seeds everywhere) and of the sampled tokens (read by every process alike), so no process replays another's
+decisions (the server's step channel would have process 0 decide and the others follow; here every process needs
+the rollouts anyway, to build the batch). inference/step_channel.Lockstep proves the lockstep instead of trusting
+it: each engine device call and each step's batch is checked against process 0's before it is made (a difference
+is one error line, exit 1, before a divergent program starts). The reward runs on process 0 only and its values
+reach the others (channel.from_main: user code runs once, and one that is not a pure function of the text cannot
+split the processes). Each process places its own devices' rows of the batch (distributed.from_host_copy); the
+update is train.py's jitted step over the global mesh; the new weights reach every process's engine by
+engine.load_weights with the step's global arrays, called at the same point of the same program on every
+process (no message); checkpoints are orbax's cooperative ones; console and tensorboard are process 0's. A lost
+process ends the others at once (the channel's connections: exit 1); processes started with different configs
+fail with one line, exit 2, before anything compiles.
 """
 
 from __future__ import annotations
@@ -50,6 +66,7 @@ from MaxText.checkpoint.run_folder import RunFolder
 from MaxText.config.types import Config, ConfigError
 from MaxText.data.chat_template import chat_format
 from MaxText.data.tokenizer import load_tokenizer
+from MaxText.inference import step_channel
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.post_train import grpo
@@ -100,6 +117,12 @@ def policy_weights(state: dict) -> tuple[dict, dict]:
   return state["params"], trainer.model_buffers(state)
 
 
+def shared_reward(channel, reward):
+  """The reward every process uses: process 0's (user code runs once; channel.from_main gives its values,
+  bit for bit, to the others)."""
+  return lambda texts, records, wheres: np.asarray(channel.from_main(lambda: reward(texts, records, wheres)))
+
+
 def _batch_sharding(mesh, config: Config, arrays: dict) -> dict:
   """Each array's rows (axis 0) over the batch axes; the rest replicated."""
   rules = sharding.rules_of(config)
@@ -110,15 +133,20 @@ def _batch_sharding(mesh, config: Config, arrays: dict) -> dict:
 def rl(config: Config) -> list[dict]:
   """Runs (or resumes) RL; returns each step's metrics (and eval_reward where evaluated) as floats."""
   check_config(config)
+  timeout = config.distributed_initialization_timeout
+  distributed.check_same_config(config.model_dump(), timeout)  # several processes: one command, before any compile
   tokenizer = load_tokenizer(config)
   reward = load_reward(config)
   source = PromptSource(config, tokenizer)  # a bad record or prompt fails before any compile
+  channel = step_channel.open_channel(timeout, lockstep=True)  # LOCAL on one process
+  reward = shared_reward(channel, reward)
   evaluate = Evaluator(config, tokenizer, reward) if config.eval_interval else None
   options = grpo.GrpoOptions.from_config(config)
   g, n = config.rl_num_generations, config.rl_prompts_per_step * config.rl_num_generations
   run = RunFolder(config)
   latest = orbax_state.latest_step_on_disk(config) if config.enable_checkpointing else None
   if not run.open(latest):
+    channel.close()
     return []
   print(run.describe(), flush=True)
   t_start = time.perf_counter()
@@ -141,6 +169,7 @@ def rl(config: Config) -> list[dict]:
       print(f"resumed from checkpoint step {start} in {config.checkpoint_dir}", flush=True)
     engine = ServingEngine(config, graphdef, *policy_weights(state), sample_vocab=vocab,
                            eos_id=source.eos_id, log=lambda line: print(line, flush=True))
+    engine.channel = channel  # several processes: each device call checked against process 0's
     agreement_jit = jax.jit(lambda p, b, batch, rec: routing_agreement(model_state.merge(graphdef, p, b), batch, rec))
     step_fn = None
     logger = MetricsLogger(config, start_step=start) if distributed.is_main_process() else distributed.Silent()
@@ -148,7 +177,9 @@ def rl(config: Config) -> list[dict]:
       if evaluate is not None and start == 0:
         history.append(_log_eval(logger, 0, evaluate(engine)))
       for step in range(start + 1, config.steps + 1):
-        engine.load_weights(*policy_weights(state))  # the policy's weights (LoRA: its adapters), no recompile
+        # the policy's weights (LoRA: its adapters), no recompile; several processes: the step's global arrays, at
+        # this same point of the same program on every process (nothing to send)
+        engine.load_weights(*policy_weights(state))
         t0 = time.perf_counter()
         rows = source.step(step)
         prompts = [ids for _, _, ids in rows for _ in range(g)]
@@ -159,10 +190,14 @@ def rl(config: Config) -> list[dict]:
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         arrays = dict(batch.arrays)
-        shardings = _batch_sharding(mesh, config, {**arrays, "logp_ref": arrays["tokens"]})
-        dev = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
-        agreement = None if batch.routed_experts is None else \
-            agreement_jit(*policy_weights(state), dev, batch.routed_experts)  # before the update
+        # several processes: what the host computed from the rollouts is the same on each (a check, nothing moves)
+        channel.send("batch", *(arrays[k] for k in ("tokens", "segment_ids", "mask", "advantages")))
+        recorded = {} if batch.routed_experts is None else {"recorded": batch.routed_experts}
+        shardings = _batch_sharding(mesh, config, {**arrays, **recorded, "logp_ref": arrays["tokens"]})
+        dev = distributed.from_host_copy({**arrays, **recorded}, shardings)
+        recorded = dev.pop("recorded", None)
+        agreement = None if recorded is None else \
+            agreement_jit(*policy_weights(state), dev, recorded)  # before the update
         if reference is not None:
           dev["logp_ref"] = reference(state, dev)
         if step_fn is None:
@@ -172,6 +207,8 @@ def rl(config: Config) -> list[dict]:
         for _ in range(config.rl_num_iterations):
           state, metrics = step_fn(state, dev)
           updates.append(metrics)
+        # every local device done before the host reads (distributed.settled) and the engine's next programs
+        state, updates, agreement = distributed.settled((state, updates, agreement))
         updates = [{k: float(v) for k, v in jax.device_get(m).items()} for m in updates]
         if not all(u.pop("finite") for u in updates):
           raise trainer.TrainingError(f"step {step}: the GRPO loss or the updated parameters are not finite "
@@ -196,6 +233,7 @@ def rl(config: Config) -> list[dict]:
     finally:
       logger.close()
       orbax_state.finish(manager)
+  channel.close()  # the normal end only: after an error the others see this process end and exit 1
   if distributed.is_main_process():
     print(summary(config, history, start, time.perf_counter() - t_start, manager is not None), flush=True)
   return history
@@ -223,8 +261,13 @@ CONSOLE = ("reward_mean", "reward_std", "kl", "clip_fraction", "masked_fraction"
            "rollout_s", "train_s")
 
 
+def _writer(logger):
+  """The tensorboard writer: process 0's MetricsLogger's (None when off); the others' logger is Silent."""
+  return logger.writer if isinstance(logger, MetricsLogger) else None
+
+
 def _log(logger, config: Config, step: int, m: dict) -> None:
-  if getattr(logger, "writer", None) is not None:
+  if _writer(logger) is not None:
     for k, v in m.items():
       logger.writer.add_scalar(f"rl/{k}", v, step)
   if step % config.log_period == 0 or step in (1, config.steps):
@@ -232,7 +275,7 @@ def _log(logger, config: Config, step: int, m: dict) -> None:
 
 
 def _log_eval(logger, step: int, value: float) -> dict:
-  if getattr(logger, "writer", None) is not None:
+  if _writer(logger) is not None:
     logger.writer.add_scalar("rl/eval_reward", value, step)
   print(f"eval step {step} | held-out reward (greedy) {value:.4f}", flush=True)
   return {"step": step, "eval_reward": value}

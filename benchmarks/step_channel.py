@@ -1,11 +1,13 @@
 """What multi-process serving adds to a step: process 0's message to the other processes (step_channel.py).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/step_channel.py [--bytes 16384] [--n 200]
+    PYTHONPATH=. .venv/bin/python benchmarks/step_channel.py [--bytes 16384] [--n 200] [--lockstep]
 
 Starts 2 processes on localhost (jax.distributed, 4 CPU devices each, gloo) and times, per message of
 --bytes: the channel's send (encode + a key-value store write), a send plus the follower's receive and an
 answer (the round trip a step could wait for), and jax.experimental.multihost_utils.broadcast_one_to_all of
-the same array (the collective alternative). Medians of --n. Prints a table and one JSON line.
+the same array (the collective alternative). --lockstep (RL: every process runs the host logic): instead, each
+process's Lockstep check of a call of --bytes (process 0: encode + digest + store write; process 1: encode +
+digest + the store read of process 0's + compare). Medians of --n. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -20,10 +22,29 @@ import sys
 import time
 
 
-def _process(pid: int, port: int, size: int, n: int) -> None:
+def _lockstep(pid: int, size: int, n: int) -> None:
+  """Each process times its Lockstep check of the same call n times; prints {"lockstep_<pid>_ms": median}."""
+  import numpy as np
+
+  from MaxText.inference import step_channel
+  channel = step_channel.open_channel(60, lockstep=True)
+  feed = np.zeros(size // 4, np.int32)
+  times = []
+  for _ in range(n):
+    t = time.perf_counter()
+    channel.send("step", 8, feed)
+    times.append(time.perf_counter() - t)
+  print(json.dumps({f"lockstep_{pid}_ms": round(statistics.median(times) * 1e3, 3)}), flush=True)
+  channel.close()
+
+
+def _process(pid: int, port: int, size: int, n: int, lockstep: bool = False) -> None:
   import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", 2, pid)
+  if lockstep:
+    _lockstep(pid, size, n)
+    return
   import numpy as np
   from jax.experimental import multihost_utils
 
@@ -63,11 +84,12 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--bytes", type=int, default=16384)
   ap.add_argument("--n", type=int, default=200)
+  ap.add_argument("--lockstep", action="store_true", help="time RL's Lockstep check instead")
   ap.add_argument("--role", type=int, default=-1, help=argparse.SUPPRESS)
   ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.role >= 0:
-    _process(args.role, args.port, args.bytes, args.n)
+    _process(args.role, args.port, args.bytes, args.n, args.lockstep)
     return
   with socket.socket() as s:
     s.bind(("localhost", 0))
@@ -75,16 +97,25 @@ def main() -> None:
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_ENABLE_COMPILATION_CACHE": "false"}
   procs = [subprocess.Popen([sys.executable, __file__, "--role", str(i), "--port", str(port), "--bytes",
-                             str(args.bytes), "--n", str(args.n)], env=env, stdout=subprocess.PIPE,
+                             str(args.bytes), "--n", str(args.n)] + ["--lockstep"] * args.lockstep, env=env,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True) for i in range(2)]
   try:
-    out = procs[0].communicate(timeout=300)[0]
-    procs[1].wait(timeout=60)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  result = json.loads(out.strip().splitlines()[-1])
+  if args.lockstep:
+    result = {"bytes": args.bytes, "n": args.n}
+    for out in outs:
+      result |= json.loads(out.strip().splitlines()[-1])
+    print(f"{'Lockstep check of a ' + str(args.bytes) + '-byte call (median of ' + str(args.n) + ')':<60} ms")
+    print(f"{'process 0: encode + digest + store write':<60} {result['lockstep_0_ms']:.3f}")
+    print(f"{'process 1: encode + digest + read of process 0s + compare':<60} {result['lockstep_1_ms']:.3f}")
+    print(json.dumps(result))
+    return
+  result = json.loads(outs[0].strip().splitlines()[-1])
   print(f"{'per message of ' + str(result['bytes']) + ' bytes (median of ' + str(result['n']) + ')':<44} ms")
   for key, what in (("send_ms", "step_channel send (encode + store write)"),
                     ("round_trip_ms", "send + follower receive + answer"),

@@ -42,10 +42,27 @@ other side, whatever the cause (SIGKILL included): process 0 calls `on_lost` (th
 open request and exits non-zero), a follower exits with code 1 (`lost`). After "stop" the ends are the
 normal shutdown and are ignored. A process that hangs without dying is ended by JAX's coordination
 service (heartbeat_timeout_seconds, 100 s by default), which terminates every process.
+
+Lockstep (RL, MaxText/rl.py: every process runs the same Python program, the rollouts included): nothing is
+replayed. Each process runs the engine's host logic itself (scheduler, allocator, prefix cache: pure functions
+of the requests added and the tokens sampled, no clock, no id(), no process-local randomness in an RL request:
+seeds are given) on the same prompts and seeds, and the sampled tokens are read by every process alike; so
+the device calls are the same on every process by construction. Lockstep.send proves it instead of trusting
+it: each process hashes the call's arguments (blake2b of the message encode() makes); process 0 writes its
+digest as message i, and every other process compares its own before it makes call i. A difference (the
+prompts files differ between hosts, a nondeterminism planted in the scheduler) is Diverged on that process,
+raised before any divergent program is launched, one line, exit 1; process 0 sees it end (its connection)
+and exits 1 too. Cost per call: one store write on process 0, one store read on the others (the RL step
+keeps the processes together anyway: every engine step ends with a host read they all join).
+`from_main(fn)`: fn runs on process 0 only and its numpy result reaches every process as the next message
+(RL's rewards: user code, run once, so a reward that is not a pure function of the text cannot split the
+processes). `close()` is a barrier: each process says it is done, process 0 waits for them all, so no
+process reads another's normal exit as a loss.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -54,6 +71,8 @@ import threading
 from typing import Callable
 
 import numpy as np
+
+from MaxText.runtime.cli import RunError
 
 PREFIX = "maxtext_serve"
 WINDOW = 64  # messages kept in the store behind the newest (a follower is at most one step behind)
@@ -68,6 +87,9 @@ class Local:
 
   def send(self, op: str, *args) -> None:
     pass
+
+  def from_main(self, fn: Callable[[], object]):
+    return fn()
 
   def close(self) -> None:
     pass
@@ -85,8 +107,8 @@ def encode(op: str, args: tuple) -> bytes:
       return {"v": a}
     if isinstance(a, (tuple, list)):
       return {"items": [spec(x) for x in a]}
-    arr = np.ascontiguousarray(np.asarray(a))  # a numpy array, or a fully addressable jax.Array (process 0's)
-    blobs.append(arr.tobytes())
+    arr = np.asarray(a)  # a numpy array, or a fully addressable jax.Array (process 0's)
+    blobs.append(arr.tobytes())  # C order whatever its strides (np.ascontiguousarray would make a 0-d array 1-d)
     return {"dtype": arr.dtype.str, "shape": list(arr.shape)}
 
   header = json.dumps({"op": op, "args": [spec(a) for a in args]}).encode()
@@ -118,6 +140,8 @@ class Channel:
   """Several processes: process 0 sends, the others receive (see the module docstring)."""
   multi = True
 
+  program = "serve"  # the entry point named in a lost process's error line
+
   def __init__(self, client, process: int, processes: int, coordinator_host: str, timeout_s: float,
                on_lost: Callable[[str], None] | None = None):
     self.client, self.process, self.processes = client, process, processes
@@ -126,7 +150,8 @@ class Channel:
     self.stopping = False  # after "stop": a closed connection is the normal shutdown
     self.failed = False  # process 0 lost a follower: no "stop" (the others see process 0 end, exit 1)
     self._timeout_ms = int(timeout_s * 1000)
-    self.on_lost = on_lost or lost  # process 0: its reaction to a lost follower (the server sets it); default exit 1
+    # process 0: its reaction to a lost follower (the server sets it); default exit 1
+    self.on_lost = on_lost or (lambda why: lost(f"{self.program}: {why}"))
     self._conns: list[socket.socket] = []
     if self.main:
       self._listen(timeout_s)
@@ -169,35 +194,42 @@ class Channel:
       self.failed = True
       self.on_lost(why)
     else:
-      lost(why)
+      lost(f"{self.program}: {why}")
 
   # ---- messages
   def send(self, op: str, *args) -> None:
     """Process 0, before making call `op` itself: every follower will make it with these arguments."""
     if not self.main:
       return
-    self.client.key_value_set_bytes(f"{PREFIX}/msg/{self.seq}", encode(op, args))
-    if self.seq >= WINDOW:
-      self.client.key_value_delete(f"{PREFIX}/msg/{self.seq - WINDOW}")
+    self._write(encode(op, args))
     self.seq += 1
     if op == "stop":
       self.stopping = True
 
   def receive(self) -> tuple[str, tuple]:
     """A follower: the next message (waits as long as process 0 is idle; its connection says if it died)."""
-    key = f"{PREFIX}/msg/{self.seq}"
-    while True:
-      try:
-        data = self.client.blocking_key_value_get_bytes(key, _POLL_MS)
-        break
-      except Exception as e:  # noqa: BLE001 - the store's timeout (DEADLINE_EXCEEDED): process 0 is idle
-        if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
-          raise
+    data = self._get(f"{PREFIX}/msg/{self.seq}")
     self.seq += 1
     op, args = decode(data)
     if op == "stop":
       self.stopping = True
     return op, args
+
+  def _get(self, key: str) -> bytes:
+    """A follower: the value of `key` once process 0 wrote it (waits as long as process 0 is busy or idle;
+    its connection says if it died)."""
+    while True:
+      try:
+        return self.client.blocking_key_value_get_bytes(key, _POLL_MS)
+      except Exception as e:  # noqa: BLE001 - the store's timeout (DEADLINE_EXCEEDED): process 0 is idle
+        if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+          raise
+
+  def _write(self, data: bytes) -> None:
+    """Process 0: message `seq` (the oldest kept one deleted: see WINDOW)."""
+    self.client.key_value_set_bytes(f"{PREFIX}/msg/{self.seq}", data)
+    if self.seq >= WINDOW:
+      self.client.key_value_delete(f"{PREFIX}/msg/{self.seq - WINDOW}")
 
   def close(self) -> None:
     """Process 0: the followers return from follow(); then every connection closes."""
@@ -206,22 +238,69 @@ class Channel:
     self.stopping = True
 
 
+class Diverged(RunError):
+  """A process's call differs from process 0's under Lockstep: one line, exit 1."""
+
+
+class Lockstep(Channel):
+  """Several processes that all run the host logic (RL): send() checks each call against process 0's,
+  from_main() gives process 0's value to every process, close() is a barrier (the module docstring)."""
+  program = "rl"
+
+  def send(self, op: str, *args) -> None:
+    """Every process, before making call `op`: raises Diverged unless process 0 makes it with the same args."""
+    self._exchange(op, b"D" + hashlib.blake2b(encode(op, args), digest_size=16).digest())
+
+  def from_main(self, fn: Callable[[], object]):
+    """fn() on process 0 (a numpy array or a number); its value, bit for bit, on every process."""
+    value = np.asarray(fn()) if self.main else None
+    data = self._exchange("from_main", None if value is None else b"V" + encode("value", (value,)))
+    return value if self.main else decode(data[1:])[1][0]
+
+  def _exchange(self, op: str, mine: bytes | None) -> bytes:
+    """Message `seq`: process 0 writes `mine`; another process reads process 0's and, when it has its own
+    (a digest), compares. The first byte is the kind (D: a call's digest, V: a value), so two processes at
+    different calls also differ."""
+    if self.main:
+      self._write(mine)
+      theirs = mine
+    else:
+      theirs = self._get(f"{PREFIX}/msg/{self.seq}")
+      if theirs[:1] != (mine or b"V")[:1] or (mine is not None and theirs != mine):
+        raise Diverged(f"{self.program}: process {self.process}'s call {self.seq} ({op}) is not process 0's: the "
+                       "processes' inputs differ (give every host the same data files, tokenizer and code)")
+    self.seq += 1
+    return theirs
+
+  def close(self) -> None:
+    """Every process at its normal end (not after an error: the others see it end and exit 1): each says it is
+    done; process 0 waits for every other (timeout_s each) before any connection closes."""
+    self.stopping = True
+    if self.main:
+      for p in range(1, self.processes):
+        self.client.blocking_key_value_get(f"{PREFIX}/done/{p}", self._timeout_ms)
+    else:
+      self.client.key_value_set(f"{PREFIX}/done/{self.process}", "1")
+
+
 def lost(why: str) -> None:
   """A follower whose process 0 is gone: nothing to serve; exit now (no shutdown barrier to wait in)."""
-  print(f"error: serve: {why}; exiting", file=sys.stderr, flush=True)
+  print(f"error: {why}; exiting", file=sys.stderr, flush=True)
   os._exit(1)
 
 
-def open_channel(timeout_s: float, on_lost: Callable[[str], None] | None = None) -> Local | Channel:
+def open_channel(timeout_s: float, on_lost: Callable[[str], None] | None = None, *,
+                 lockstep: bool = False) -> Local | Channel:
   """LOCAL on one process; else the Channel joining every process (within timeout_s; on_lost: process 0's
-  reaction to a follower's death, called from a watcher thread)."""
+  reaction to a follower's death, called from a watcher thread): a Lockstep one when every process runs the
+  host logic (RL), else process 0 sends and the others follow (the server)."""
   import jax
   if jax.process_count() == 1:
     return LOCAL
   from jax._src import distributed  # the store jax.distributed.initialize started
   host = distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
-  return Channel(distributed.global_state.client, jax.process_index(), jax.process_count(), host, timeout_s,
-                 on_lost)
+  kind = Lockstep if lockstep else Channel
+  return kind(distributed.global_state.client, jax.process_index(), jax.process_count(), host, timeout_s, on_lost)
 
 
 def follow(engine, channel: Channel) -> int:
@@ -238,4 +317,5 @@ def follow(engine, channel: Channel) -> int:
     made += 1
 
 
-__all__ = ["CALLS", "LOCAL", "Channel", "Local", "decode", "encode", "follow", "lost", "open_channel"]
+__all__ = ["CALLS", "LOCAL", "Channel", "Diverged", "Local", "Lockstep", "decode", "encode", "follow", "lost",
+           "open_channel"]

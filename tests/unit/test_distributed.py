@@ -122,3 +122,20 @@ def test_process_allgather_on_one_process_stacks_or_keeps_the_rows_and_settled_r
   assert process_allgather(np.int32(5)).tolist() == [5]
   tree = {"a": jnp.ones(3)}
   assert settled(tree) is tree
+
+
+def test_from_host_copy_places_each_devices_block_of_the_host_value():
+  """Every device holds exactly its block of the whole host copy (rows over data, the rest replicated), as
+  jax.device_put would place it; on several processes each places only its own devices' blocks."""
+  import numpy as np
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+  tokens = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+  scores = np.linspace(0, 1, 8, dtype=np.float32)
+  shardings = {"tokens": NamedSharding(mesh, PartitionSpec("data", None)),
+               "scores": NamedSharding(mesh, PartitionSpec())}
+  got = distributed.from_host_copy({"tokens": tokens, "scores": scores}, shardings)
+  for k, want in (("tokens", tokens), ("scores", scores)):
+    assert got[k].sharding == shardings[k] and got[k].dtype == want.dtype
+    for shard in got[k].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+  assert got["tokens"].addressable_shards[0].data.shape == (2, 3)  # a block, not the whole

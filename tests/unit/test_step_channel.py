@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import step_channel
-from MaxText.inference.step_channel import Channel, decode, encode
+from MaxText.inference.step_channel import Channel, Diverged, Lockstep, decode, encode
 
 
 class Store:
@@ -72,14 +72,14 @@ def ended(monkeypatch):
   _OPEN.clear()
 
 
-def _pair(store, processes=2):
+def _pair(store, processes=2, kind=Channel, timeout_s=10):
   """(process 0's Channel, process 1's), joined over the stand-in store and a localhost connection."""
   lost = []
   out = {}
-  t = threading.Thread(target=lambda: out.setdefault(0, Channel(store, 0, processes, "127.0.0.1", 10,
-                                                                 on_lost=lost.append)))
+  t = threading.Thread(target=lambda: out.setdefault(0, kind(store, 0, processes, "127.0.0.1", timeout_s,
+                                                              on_lost=lost.append)))
   t.start()
-  follower = Channel(store, 1, processes, "127.0.0.1", 10)
+  follower = kind(store, 1, processes, "127.0.0.1", timeout_s)
   t.join(10)
   _OPEN.extend([out[0], follower])
   return out[0], follower, lost
@@ -134,6 +134,61 @@ def test_after_stop_a_closed_connection_is_the_normal_shutdown(ended):
 def test_one_process_sends_nothing():
   assert step_channel.open_channel(1) is step_channel.LOCAL
   assert not step_channel.LOCAL.multi and step_channel.LOCAL.main
+
+
+# ---------------------------------------------------------------- Lockstep: every process runs the host logic (RL)
+
+
+def test_lockstep_passes_equal_calls_and_stops_the_first_differing_one_on_its_process():
+  main, follower, lost = _pair(Store(), kind=Lockstep)
+  buf = np.arange(12, dtype=np.int32).reshape(3, 4)
+  for i in range(3):
+    main.send("step", 16, buf + i, True, None)
+    follower.send("step", 16, buf + i, True, None)  # the same call: passes
+  main.send("step", 16, buf, True, None)
+  other = buf.copy()
+  other[2, 3] += 1  # one int of the step feed
+  with pytest.raises(Diverged, match=r"process 1's call 3 \(step\) is not process 0's"):
+    follower.send("step", 16, other, True, None)
+  follower.send("step", 16, buf, True, None)  # (a Diverged process exits; here it goes on, at call 3 still)
+  main.send("reset")
+  with pytest.raises(Diverged, match="call 4"):
+    follower.send("step", 16, buf, True, None)  # another call than process 0's at the same point
+  assert not lost
+
+
+def test_from_main_runs_on_process_0_only_and_gives_every_process_its_value_bit_for_bit():
+  main, follower, _ = _pair(Store(), kind=Lockstep)
+  calls = []
+  rewards = np.array([0.1, 1 / 3, -2.5], np.float32)
+  assert main.from_main(lambda: calls.append(0) or rewards) is not None
+  got = follower.from_main(lambda: calls.append(1) or np.zeros(3, np.float32))
+  assert calls == [0] and got.dtype == np.float32 and got.tobytes() == rewards.tobytes()
+  assert float(main.from_main(lambda: 0.25)) == float(follower.from_main(lambda: 1.0)) == 0.25
+  main.send("reset")
+  with pytest.raises(Diverged, match=r"call 2 \(from_main\)"):
+    follower.from_main(lambda: 1.0)  # process 0 made a call here, not a value
+
+
+def test_lockstep_close_waits_for_every_process_and_no_end_after_it_is_a_loss(ended):
+  main, follower, lost = _pair(Store(), kind=Lockstep, timeout_s=1)
+  with pytest.raises(RuntimeError, match="DEADLINE_EXCEEDED"):
+    main.close()  # process 1 never said it is done: a bounded wait (timeout_s), then an error
+  follower.close()
+  main.close()
+  follower._conns[0].shutdown(socket.SHUT_WR)
+  main._conns[0].shutdown(socket.SHUT_WR)
+  time.sleep(0.3)
+  assert not lost and not ended
+
+
+def test_a_lost_process_under_lockstep_ends_the_other_naming_rl(ended):
+  main, follower, _ = _pair(Store(), kind=Lockstep)
+  main._conns[0].shutdown(socket.SHUT_WR)
+  deadline = time.monotonic() + 5
+  while not ended and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert ended and ended[0].startswith("rl: process 0 of 2 is gone")
 
 
 class Recorder:
