@@ -58,18 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--low", type=int, default=10, help="smallest operand")
   p.add_argument("--high", type=int, default=100, help="operands are below this")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--ops", default="+", help=f"the operations asked, each conversation one at random, of {''.join(OPS)}; "
-                                            "only the first one's conversations call its tool")
 
 
-def write_sets(args, out: str) -> dict:
-  """Writes <out>/train.jsonl and <out>/eval.jsonl -> {split: {conversations, with_tools}}. A --tool_share of the
-  conversations of args.ops[0] (the first op) call its tool; the other ops' never do. With one op (the default "+")
-  no random draw picks it, so the sets are those of the demo before --ops existed."""
+def write_sets(args, out: str, ops: str = "+") -> dict:
+  """Writes <out>/train.jsonl and <out>/eval.jsonl -> {split: {conversations, with_tools}}: each conversation asks
+  one of `ops` at random. A --tool_share of the conversations of ops[0] (the first op) call its tool; the other ops'
+  never do. With one op (the default "+") no random draw picks it, so the sets are those of the demo before `ops`."""
   rng = random.Random(args.seed)
   os.makedirs(out, exist_ok=True)
   counts = {}
-  ops = args.ops
   if not ops or set(ops) - set(OPS):
     raise SystemExit(f"error: --ops {ops!r}: one or more of {''.join(OPS)}")
   eval_share = args.tool_share if args.eval_tool_share is None else args.eval_tool_share
@@ -88,8 +85,10 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
   add_arguments(p)
+  p.add_argument("--ops", default="+", help=f"the operations asked, each conversation one at random, of {''.join(OPS)}; "
+                                            "only the first one's conversations call its tool")
   args = p.parse_args()
-  counts = write_sets(args, args.out)
+  counts = write_sets(args, args.out, args.ops)
   print(f"{'split':<8}{'conversations':>15}{'with tools':>12}")
   for split, c in counts.items():
     print(f"{split:<8}{c['conversations']:>15}{c['with_tools']:>12}")

@@ -70,10 +70,11 @@ WIDE_KEYS = ("emb_dim=256", "mlp_dim=1024", "q_lora_rank=128", "kv_lora_rank=128
              "num_decoder_layers=2")
 # --base trained: the base's task (sft_conversations.py flags): products and differences, 30% of the products
 # calling `mul` (15% of the set): the format and the tool-call syntax, neither additions nor the `add` tool.
-BASE_TASK = {"ops": "*-", "tool_share": 0.3, "eval_tool_share": 0.3}
+BASE_OPS, BASE_TASK = "*-", {"tool_share": 0.3, "eval_tool_share": 0.3}
 LORA_KEYS = ("lora_rank=", "lora_alpha=", "lora_module_path=")  # the adapters' keys: never the base's
 QUICK = {"steps": 400, "score": 40}  # --quick
 LEARNING_RATE = {"full": 3e-3, "lora": 1e-2}  # --learning_rate's default: LoRA's B starts at 0 and moves ~lr a step
+STEPS = {"full": 600, "lora": 300}  # --steps' default: the full fine-tune from the random init; LoRA over the base
 
 
 def run(cmd: list[str], env: dict, log_path: str) -> None:
@@ -147,6 +148,11 @@ def demo_config(argv: list[str]):
   from MaxText.config import pyconfig
   yml = argv[0] if os.path.isabs(argv[0]) else os.path.join(REPO, argv[0])
   return pyconfig.initialize(["demo", yml, *argv[1:]], num_devices=1, ici_data_parallelism=1)
+
+
+def write_base_sets(args, out: str) -> dict:
+  """The base's conversations (BASE_OPS, BASE_TASK; the task's other flags: operands, counts, seed) under `out`."""
+  return write_sets(argparse.Namespace(**{**vars(args), **BASE_TASK}), out, BASE_OPS)
 
 
 def base_command(args, tokenizer: str, vocab_size: int, keys: list[str]) -> list[str]:
@@ -230,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
                       "(demos/sft_tokenizer.py; a tool conversation is ~160 tokens), or a tokenizer.json holding "
                       "V3.2's markers (tests/data/tokenizer.json: byte-level, a tool conversation is ~1050 tokens, "
                       "so --max_target_length 1088)")
-  p.add_argument("--steps", type=int, default=600)
+  p.add_argument("--steps", type=int, default=None, help=f"default {STEPS['full']}, {STEPS['lora']} with lora_rank")
   p.add_argument("--batch", type=int, default=8, help="global_batch_size (rows of whole conversations)")
   p.add_argument("--learning_rate", type=float, default=None,
                  help=f"peak learning rate; default {LEARNING_RATE['full']} (full fine-tune), {LEARNING_RATE['lora']} "
@@ -262,7 +268,7 @@ def parse_args(p: argparse.ArgumentParser, argv, default_keys) -> tuple[argparse
 
 
 def settle(args: argparse.Namespace, given: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  """The flags' defaults that depend on others (--quick's sizes; --base, --width and --learning_rate by full /
+  """The flags' defaults that depend on others (--quick's sizes; --base, --width, --learning_rate, --steps by full /
   LoRA training) -> (args, the model keys: DEFAULT_KEYS, WIDE_KEYS with --width wide, then the given ones).
   LoRA over the random init (--base init) is one line, exit 2: adapters adapt a model that knows the format."""
   rank = lora_rank_of(given)
@@ -278,6 +284,8 @@ def settle(args: argparse.Namespace, given: list[str]) -> tuple[argparse.Namespa
     raise SystemExit(2)
   if args.learning_rate is None:
     args.learning_rate = LEARNING_RATE["lora" if rank else "full"]
+  if args.steps is None:
+    args.steps = STEPS["lora" if rank else "full"]
   return args, [*DEFAULT_KEYS, *(WIDE_KEYS if args.width == "wide" else ()), *given]
 
 
@@ -288,7 +296,7 @@ def main(argv=None) -> None:
   counts = write_sets(args, data)
   trained_base = args.base == "trained"
   if trained_base:
-    write_sets(argparse.Namespace(**{**vars(args), **BASE_TASK}), base_data)
+    write_base_sets(args, base_data)
   with open(os.path.join(data, "eval.jsonl")) as f:
     records = [json.loads(line) for line in f][:args.score]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)

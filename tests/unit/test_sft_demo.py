@@ -26,7 +26,7 @@ def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in
   args, keys = demo_args(tmp_path, "--train", "200", "--eval", "20", "--base", "trained")
   data, base_data = str(tmp_path / "data"), str(tmp_path / "base_data")
   sft_demo.write_sets(args, data)
-  sft_demo.write_sets(type(args)(**{**vars(args), **sft_demo.BASE_TASK}), base_data)
+  sft_demo.write_base_sets(args, base_data)
   path, vocab_size = sft_demo.demo_tokenizer(args, data, base_data)
   tok = load_tokenizer(tokenizer_type="hf", tokenizer_path=path)
   assert all(len(tok.encode(m)) == 1 for m in fmt.SPECIAL_TOKENS)
@@ -49,7 +49,7 @@ def test_the_base_task_asks_no_addition_and_calls_only_mul(tmp_path):
   tool conversations products calling `mul`; never a "+" question nor the `add` tool (the "before" score's
   honesty). The task's set is additions calling `add`."""
   args, _ = demo_args(tmp_path, "--train", "300", "--eval", "10", "lora_rank=16")
-  sft_demo.write_sets(type(args)(**{**vars(args), **sft_demo.BASE_TASK}), str(tmp_path / "base"))
+  sft_demo.write_base_sets(args, str(tmp_path / "base"))
   sft_demo.write_sets(args, str(tmp_path / "task"))
   ops, tools = set(), set()
   for line in open(tmp_path / "base" / "train.jsonl"):
@@ -70,7 +70,8 @@ def test_the_base_task_asks_no_addition_and_calls_only_mul(tmp_path):
 
 def test_lora_defaults_to_a_trained_wide_base_whose_adapters_are_at_most_5_percent_of_the_full_state(tmp_path):
   args, keys = demo_args(tmp_path, "lora_rank=16")
-  assert (args.base, args.width, args.learning_rate) == ("trained", "wide", sft_demo.LEARNING_RATE["lora"])
+  assert (args.base, args.width, args.learning_rate, args.steps) == ("trained", "wide", sft_demo.LEARNING_RATE["lora"],
+                                                                    sft_demo.STEPS["lora"])
   assert keys == [*sft_demo.DEFAULT_KEYS, *sft_demo.WIDE_KEYS, "lora_rank=16"]
   base = sft_demo.base_command(args, "tok.json", 1024, [*keys, "lora_alpha=32", "lora_module_path=.*/wo"])
   assert "run_name=base" in base and f"dataset_path={tmp_path}/base_data/train.jsonl" in base
@@ -80,7 +81,8 @@ def test_lora_defaults_to_a_trained_wide_base_whose_adapters_are_at_most_5_perce
   lora, full = sft_demo.checkpoint_bytes(cfg), sft_demo.checkpoint_bytes(cfg.model_copy(update={"lora_rank": 0}))
   assert 0.03 < lora / full <= 0.05, (lora, full)
   full_args, full_keys = demo_args(tmp_path)
-  assert (full_args.base, full_args.width, full_keys) == ("init", "tiny", list(sft_demo.DEFAULT_KEYS))
+  assert (full_args.base, full_args.width, full_args.steps) == ("init", "tiny", sft_demo.STEPS["full"])
+  assert full_keys == list(sft_demo.DEFAULT_KEYS) and demo_args(tmp_path, "--quick")[0].steps == sft_demo.QUICK["steps"]
 
 
 def test_the_base_is_trained_once_and_again_only_for_another_command_or_tokenizer(tmp_path, monkeypatch):
