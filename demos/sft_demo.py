@@ -3,6 +3,7 @@ r"""The SFT demo, end to end: synthetic conversations -> train.py use_sft=true -
 after SFT.
 
     PYTHONPATH=. .venv/bin/python demos/sft_demo.py --work /tmp/sft_demo [--quick] [--steps 600 ...] [key=value ...]
+    PYTHONPATH=. .venv/bin/python demos/sft_demo.py --work /tmp/t52sft lora_rank=16   # --base trained --width wide
 
 1. demos/sft_conversations.py writes <work>/data/{train,eval}.jsonl (single-digit additions with a
    one-line thinking trace; 15% of the training set, 30% of the held-out one, where the assistant calls
@@ -14,13 +15,13 @@ after SFT.
    Why: with the byte-level test tokenizer the format's tools block alone is ~800 tokens, so a tool
    conversation fills a 1088-token row by itself; with the BPE one it is ~160 tokens and a row of 256
    holds a few conversations: ~6x fewer tokens to train on.
-3. train.py trains the tiny model (configs/base.yml, model deepseek3.2-tiny, from its random init,
+3. train.py trains the tiny model (configs/base.yml, model deepseek3.2-tiny, from its random init or the base,
    seed fixed) with use_sft=true for --steps steps into <work>/sft; extra key=value go to train and serve
    after DEFAULT_KEYS (no MTP, no remat, use_indexer=false: dense MLA, about 2x faster a step on
    the CPU than the lightning indexer's sparse training at these lengths, with the same loss after
    150 steps; what the demo shows is SFT, not DSA: pass key=value to train with the indexer).
-4. The server starts twice on a free 127.0.0.1 port from the run's config.yml: without
-   load_parameters_path (the same random init: "before") and with <work>/sft/checkpoints ("after");
+4. The server starts twice on a free 127.0.0.1 port from the run's config.yml: as it is (what SFT
+   started from: the random init, or the base of --base trained; "before") and with <work>/sft/checkpoints ("after");
    both share a JAX compilation cache under <work>, so the second start reads the programs back.
 5. Each held-out conversation's first user turn is sent (temperature 0, thinking on, the record's
    tools): exact match = the reply's content is the sum; tool accuracy = a tool conversation's reply
