@@ -32,7 +32,7 @@ import sys
 import time
 
 from benchmarks.serve_load import REPO
-from demos.sft_demo import demo_tokenizer, parse_args, run, train_command
+from demos.sft_demo import LORA_KEYS, demo_tokenizer, parse_args, run, train_command
 
 
 def write_data(args, out: str) -> dict:
@@ -122,7 +122,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 DEFAULT_KEYS = ("mtp_num_layers=0", "remat_policy=none")
-LORA_KEYS = ("lora_rank=", "lora_alpha=", "lora_module_path=")  # RL's only: SFT makes the base they adapt
 
 
 def split_keys(extra: list[str]) -> tuple[list[str], list[str]]:

@@ -312,35 +312,6 @@ def test_sft_server_and_rl_take_the_chat_format_from_one_decision(tmp_path, tok)
   rl.check_config(v32)
 
 
-def test_the_demos_tokenizer_and_training_config_hold_its_conversations_whole_in_short_rows(tmp_path):
-  """demos/sft_demo.py's plumbing without training or serving: the BPE tokenizer it trains keeps
-  V3.2's markers and every digit one token each, its train.py command is a valid config whose vocab holds
-  the tokenizer, and every conversation it generates (a tool one is ~1050 bytes-tokens) fits a
-  max_target_length=256 row, neither cut nor dropped."""
-  from demos import sft_demo
-  from MaxText.config import pyconfig
-  args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path), "--train", "200", "--eval", "20"])
-  args = sft_demo.settle(args, [])
-  sft_demo.write_sets(args, str(tmp_path))
-  path, vocab_size = sft_demo.demo_tokenizer(args, str(tmp_path))
-  tok = load_tokenizer(tokenizer_type="hf", tokenizer_path=path)
-  assert all(len(tok.encode(m)) == 1 for m in fmt.SPECIAL_TOKENS)
-  cmd = sft_demo.train_command(args, str(tmp_path), path, vocab_size, ["mtp_num_layers=0"])
-  cfg = pyconfig.initialize(cmd[2:], num_devices=1, ici_data_parallelism=1)
-  assert cfg.use_sft and cfg.steps == args.steps and cfg.max_target_length == 256
-  assert cfg.learning_rate == sft_demo.LEARNING_RATE["full"]
-  lora_args, _ = sft_demo.parser().parse_known_args(["--work", str(tmp_path)])
-  assert sft_demo.settle(lora_args, ["lora_rank=16"]).learning_rate == sft_demo.LEARNING_RATE["lora"]
-  assert tok.vocab_size <= cfg.vocab_size
-  enc = ConversationEncoder.from_config(cfg, tok)
-  for split in ("train", "eval"):
-    for n, line in enumerate(open(tmp_path / f"{split}.jsonl")):
-      ids, _ = enc(json.loads(line), f"{split}.jsonl:{n + 1}")
-      texts = [tok.decode([i]) for i in ids.tolist()]
-      assert all(len(t) == 1 for t in texts if any(c.isdigit() for c in t)), texts  # a digit is a token alone
-  assert (enc.cut, enc.dropped) == (0, 0)
-
-
 def test_chat_thinking_is_the_mode_of_records_without_reasoning_or_thinking(tok):
   msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
   for default in (False, True):
@@ -351,14 +322,3 @@ def test_chat_thinking_is_the_mode_of_records_without_reasoning_or_thinking(tok)
     assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=default))
     ids, _ = enc({"messages": msgs, "thinking": not default}, "x.jsonl:1")  # the record's own word wins
     assert ids.tolist() == tok.encode(fmt.render(msgs, thinking=not default))
-
-
-def test_the_demos_pass_model_keys_on_and_refuse_anything_else_in_one_line(capsys):
-  from demos import sft_demo
-  args, keys = sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank=16"], ["mtp_num_layers=0"])
-  assert args.work == "w" and keys == ["mtp_num_layers=0", "lora_rank=16"]  # given keys after (over) the defaults
-  assert sft_demo.lora_rank_of(keys) == 16 and sft_demo.lora_rank_of(["mtp_num_layers=0"]) == 0
-  assert sft_demo.parse_args(sft_demo.parser(), ["--work", "w"], ("mtp_num_layers=0",))[1] == ["mtp_num_layers=0"]
-  with pytest.raises(SystemExit) as e:
-    sft_demo.parse_args(sft_demo.parser(), ["--work", "w", "lora_rank"], [])
-  assert e.value.code == 2 and "unknown argument 'lora_rank'" in capsys.readouterr().err
