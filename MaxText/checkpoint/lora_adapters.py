@@ -97,8 +97,9 @@ def read(name: str, path: str, where: str = "") -> Adapter:
   return adapter
 
 
-def _linears(adapter: Adapter) -> set[str]:
-  return {p.rsplit("/", 1)[0] for p in adapter.leaves}
+def _linears(adapter: Adapter | dict) -> set[str]:
+  """The linears an adapter (or a flat dict of adapter leaves, "linear/path/lora_a" -> ...) adapts."""
+  return {p.rsplit("/", 1)[0] for p in (adapter.leaves if isinstance(adapter, Adapter) else adapter)}
 
 
 def _differ(extra: list[str], missing: list[str]) -> str:
@@ -125,7 +126,7 @@ def stacked(adapters: list[Adapter], like: dict) -> dict:
   A [.., n, in, R], B [.., n, R, out]): slot 0 zeros, slot k adapter k-1 (rank padded, alpha/r folded into B).
   An adapter whose shapes do not fit the served kernels is a ConfigError naming the entry and the linear."""
   want = _flat(like)
-  unknown = sorted(_linears(adapters[0]) - {p.rsplit("/", 1)[0] for p in want})
+  unknown = sorted(_linears(adapters[0]) - _linears(want))
   if unknown:
     raise _bad(adapters[0].where, f"adapts {unknown[0]}, not a linear of the served model: trained "
                "over another model (check model_name and the model keys)")
@@ -226,8 +227,7 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
       raise _bad(key, f"its run trained at {name}={theirs:g}, this config has {name}={ours:g}: set {name}={theirs:g} "
                  "(adapters continue as they trained)")
   want = _flat(like)
-  extra, missing = sorted(_linears(a) - {p.rsplit("/", 1)[0] for p in want}), \
-      sorted({p.rsplit("/", 1)[0] for p in want} - _linears(a))
+  extra, missing = sorted(_linears(a) - _linears(want)), sorted(_linears(want) - _linears(a))
   if extra or missing:
     raise _bad(key, f"adapts other linears than lora_module_path={config.lora_module_path!r} ({_differ(extra, missing)})"
                f": set lora_module_path={a.saved.get('lora_module_path')!r}, its run's")
