@@ -194,7 +194,8 @@ def rl(config: Config) -> list[dict]:
         channel.send("batch", *(arrays[k] for k in ("tokens", "segment_ids", "mask", "advantages")))
         recorded = {} if batch.routed_experts is None else {"recorded": batch.routed_experts}
         shardings = _batch_sharding(mesh, config, {**arrays, **recorded, "logp_ref": arrays["tokens"]})
-        dev = distributed.from_host_copy({**arrays, **recorded}, shardings)
+        host = {**arrays, **recorded}
+        dev = distributed.from_host_copy(host, {k: shardings[k] for k in host})
         recorded = dev.pop("recorded", None)
         agreement = None if recorded is None else \
             agreement_jit(*policy_weights(state), dev, recorded)  # before the update

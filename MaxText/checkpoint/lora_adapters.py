@@ -31,6 +31,7 @@ import numpy as np
 from MaxText.checkpoint import hf_export, model_state, orbax_state, run_folder
 from MaxText.config.types import Config, ConfigError
 from MaxText.layers import lora
+from MaxText.runtime import distributed
 
 
 @dataclasses.dataclass
@@ -173,7 +174,7 @@ def slots_on_mesh(config: Config, adapters: list[Adapter], mesh) -> tuple[Config
     raise _bad(adapters[0].where, f"does not fit the served model: {e}") from None
   host = stacked(adapters, lora.split(abs_params.to_pure_dict())[0])
   shardings = lora.split(model_state.shardings_of(cfg, mesh, abs_params, abs_buffers)[0])[0]
-  return cfg, jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, shardings)
+  return cfg, distributed.from_host_copy(host, shardings)
 
 
 def load_or_create(config: Config, mesh, report=print):
@@ -232,13 +233,13 @@ def restored(config: Config, like: dict, frozen: dict, report=print) -> dict:
     raise _bad(key, f"adapts other linears than lora_module_path={config.lora_module_path!r} ({_differ(extra, missing)})"
                f": set lora_module_path={a.saved.get('lora_module_path')!r}, its run's")
   orbax_state.check_base(a.base, fingerprint, config.load_parameters_path, key, config.lora_check_base)
-  out = {}
+  host = {}
   for path, spec in want.items():
-    got = np.asarray(a.leaves[path], spec.dtype)
-    if got.shape != spec.shape:
-      raise _bad(key, f"its {path} is {list(got.shape)}, this model's is {list(spec.shape)}: trained over another "
-                 "model (check model_name, the model keys and load_parameters_path)")
-    out[path] = jax.make_array_from_callback(spec.shape, spec.sharding, lambda i, g=got: g[i])
+    host[path] = np.asarray(a.leaves[path], spec.dtype)
+    if host[path].shape != spec.shape:
+      raise _bad(key, f"its {path} is {list(host[path].shape)}, this model's is {list(spec.shape)}: trained over "
+                 "another model (check model_name, the model keys and load_parameters_path)")
+  out = distributed.from_host_copy(host, {path: spec.sharding for path, spec in want.items()})
   report(f"LoRA adapters from {key} ({len(_linears(a))} linears, rank {a.rank}, alpha {a.alpha:g}): a new run (step "
          "0, fresh optimizer)")
   return _nest(out)

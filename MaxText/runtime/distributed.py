@@ -279,14 +279,14 @@ def global_batch(local: dict, shardings: dict, global_batch_size: int) -> dict:
           for k, v in local.items()}
 
 
-def from_host_copy(arrays: dict, shardings: dict) -> dict:
-  """Global jax.Arrays [B, ...] from a host copy of the WHOLE value that every process holds alike (RL's batch:
-  each process assembles it from the same rollouts): each process places only its own devices' blocks. No
-  transfer between processes and no check (jax.device_put of a numpy array onto a multi-process sharding
-  would allgather it to compare): the caller proves the copies equal (step_channel.Lockstep)."""
+def from_host_copy(arrays, shardings):
+  """Global jax.Arrays (a pytree, `shardings` a matching one) from a host copy of the WHOLE value that every
+  process holds alike (RL's batch: each process assembles it from the same rollouts; LoRA adapters read from a
+  checkpoint): each process places only its own devices' blocks. No transfer between processes and no check
+  (jax.device_put of a numpy array onto a multi-process sharding would allgather it to compare): the caller
+  proves the copies equal (step_channel.Lockstep) or read them from one file."""
   import jax
-  return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
-          for k, v in arrays.items()}
+  return jax.tree.map(lambda v, s: jax.make_array_from_callback(v.shape, s, lambda index: v[index]), arrays, shardings)
 
 
 def settled(tree):
