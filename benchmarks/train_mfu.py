@@ -5,6 +5,7 @@
     python benchmarks/train_mfu.py --set emb_dim=256 mlp_dim=256 moe_mlp_dim=64 num_query_heads=4 \
         q_lora_rank=32 kv_lora_rank=32 indexer_n_heads=4 indexer_topk=64 vocab_size=512 max_target_length=256 \
         --steps 2                                                    # a CPU smoke run
+    python benchmarks/train_mfu.py --no-trace --force mask_attention=xla   # before: the XLA mask path on a TPU
 
 The train step is train.py's (tools/device/device_check.py `_train_step`: compiled from abstract
 inputs, unscanned layers, its memory analysis checked against the device before anything is
@@ -19,7 +20,9 @@ TPU v5e 197 TFLOP/s):
                 train.py logs as mfu); active params = all but the unrouted experts' (train.active_params)
   compiled    = the compiled step's cost-analysis FLOPs (rematerialized recompute, the indexer and
                 the optimizer counted) over the same
-then 2 steps under jax.profiler (benchmarks/profile_ops.py): device time per part of the model
+--force NAME=VALUE takes a kernels/backend.py choice other than the device's row (backend.forced: e.g.
+mask_attention=xla, the mask path's [b,h,t,s] tensors, for a before/after in one session). Then 2 steps
+under jax.profiler (benchmarks/profile_ops.py): device time per part of the model
 (PARTS), per source line and per op. Prints one JSON line. Asserts nothing about time.
 """
 
@@ -38,6 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
 import profile_ops  # noqa: E402
 
+from MaxText.kernels import backend  # noqa: E402
+
 PARTS = (  # (part, file suffix, functions or None): the first match over an op's MaxText frames
     ("attention: indexer", "layers/indexer.py", None),
     ("attention: indexer", "kernels/index_scores.py", None),
@@ -49,6 +54,7 @@ PARTS = (  # (part, file suffix, functions or None): the first match over an op'
     ("MoE: dispatch", "kernels/moe_dispatch.py", None),
     ("MoE: experts", "kernels/moe_experts.py", None),
     ("MoE: router, shared", "layers/moe.py", None),
+    ("attention: flash kernel", "kernels/flash_attention.py", None),
     ("attention: MLA", "layers/attention_mla.py", None),
     ("embeddings, RoPE", "layers/embeddings.py", None),
     ("norms", "layers/normalizations.py", None),
@@ -68,16 +74,26 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
+                  help="kernels/backend.py choices other than the device's row (backend.forced)")
   ap.add_argument("--compile-only", action="store_true",
                   help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
   args = ap.parse_args(argv)
+  if bad := [a for a in args.force if "=" not in a]:
+    ap.error(f"--force takes NAME=VALUE pairs (kernels/backend.py choices), got {bad[0]!r}")
+  force = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.force)}
+  try:
+    backend.forced(**force).__enter__()  # checks the names and values now (one line on a bad one)
+  except ValueError as e:
+    ap.error(str(e))
   rungs = args.set or [[]]
   tried = []
   for rung in rungs:
     if bad := [a for a in rung if "=" not in a]:
       ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
     overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
-    r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
+    with backend.forced(**force):
+      r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
     if args.compile_only:
       print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, compile_only=True, **r)), flush=True)
       continue
@@ -97,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
   parts = None
   if hlo is not None:
     parts = profile_ops.summarize(args.out, [hlo], PARTS, 2, args.top)
-  print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, tried=tried, parts=parts, **r)))
+  print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, forced=args.force, tried=tried,
+                        parts=parts, **r)))
 
 
 if __name__ == "__main__":

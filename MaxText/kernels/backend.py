@@ -29,6 +29,9 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      (kv_cache.e4m3_values; "bits" and     Pallas kernels decode their bits
                      "table" measured no faster in the     themselves)
                      step: benchmarks/decode_fp8.py)
+  mask_attention     "xla": MLA.attend's dense logits and     "xla" (gpu, others); tpu: "splash", JAX's Pallas
+                     probabilities [b,h,t,s] in memory      splash kernel (kernels/flash_attention.py) where
+                                                           the support is the validity mask (MLA.use_flash)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -71,6 +74,7 @@ class Choices:
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
   fp8_decode: str = "convert"  # "convert" | "bits" | "table": e4m3 -> f32 wherever a cache's fp8 is read (kv_cache)
+  mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -85,6 +89,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "fp8_decode": ("convert", "bits", "table"),  # kv_cache.e4m3_values: XLA's convert, integer ops, a 256-entry table
+  "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
 }
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
@@ -101,8 +106,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # the 16-row 128K step (benchmarks/decode_profile.py, docs/kernels.md).
 # mask_to_indices' slots placed by counting (index_placement "compare"): the binary search is a while loop of
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
+# The mask path's attention over every valid key through splash (mask_attention "splash"): the train step of
+# configs/models/deepseek3.2-v5e.yml (docs/accelerators.md, 2026-12-06).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare")
+                          index_placement="compare", mask_attention="splash")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

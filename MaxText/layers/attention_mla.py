@@ -31,7 +31,10 @@ Two implementations of the sparse attention (sparse_attention_impl):
           [b,t,k] (-1 on invalid slots) instead of a mask.
   auto    mask below sparse_attention_gather_min_length keys, gather from there on (0: the
           backend's gather_min_length, kernels/backend.py).
-A stage with dense attention and use_indexer=false always run the mask path.
+A stage with dense attention and use_indexer=false always run the mask path. Where the mask path's
+support is every valid key (no indexer, dense attention, or exact top-k >= the key count) and the backend
+row says so (mask_attention "splash": the TPU), it runs in JAX's Pallas splash kernel instead
+(`use_flash`, kernels/flash_attention.py): the same values, no [b,h,t,s] tensor in memory.
 
 Context parallelism: queries stay sharded over `context` ([b,t/cp,...] per device: indexer
 scores [b,t/cp,s]); the keys each query needs (c_kv, k_pe, the indexer key, their positions and
@@ -55,6 +58,7 @@ from MaxText.kernels.cached_attention import (
   merge_selected,
   value_kernel,
 )
+from MaxText.kernels.flash_attention import flash_attention, head_summed_probs, supports_length
 from MaxText.kernels.index_scores import indexer_kl_loss
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
@@ -73,7 +77,7 @@ from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope
 from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.runtime.sharding import constrain, gather_sequence
+from MaxText.runtime.sharding import active_mesh, constrain, gather_sequence
 
 LATENT_NORM_EPS = 1e-6  # q_norm, kv_norm: the official RMSNorm default, not normalization_layer_epsilon
 
@@ -144,6 +148,17 @@ class MLA(nnx.Module):
     return k_nope, v
 
   # ---- attention
+  def joint_qk(self, q_nope: jax.Array, q_pe: jax.Array, k_nope: jax.Array, k_pe: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """-> q [b,t,h,nope+rope], k [b,s,h,nope+rope] in the compute dtype: one contraction over [nope | rope],
+    the shared k_pe [b,s,rope] broadcast to every head. Two einsums (one with k_pe shared) cost more on
+    the CPU: a [t,h,s] -> [h,t,s] transpose."""
+    q_nope, q_pe, k_nope, k_pe = (a.astype(self.dtype) for a in (q_nope, q_pe, k_nope, k_pe))
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [b,t,h,nope+rope]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])],
+                        axis=-1)  # [b,s,h,nope+rope]
+    return q, k
+
   def attend(self, q_nope: jax.Array, q_pe: jax.Array, k_nope: jax.Array, k_pe: jax.Array, v: jax.Array,
              mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dense attention under a boolean mask [b,t,s] (True = attend) -> out [b,t,h,v], probs [b,h,t,s] fp32.
@@ -152,12 +167,7 @@ class MLA(nnx.Module):
     finite (uniform) softmax instead of NaN; its probabilities and output are then zeroed.
     """
     f32, p = jnp.float32, self.precision
-    q_nope, q_pe, k_nope, k_pe = (a.astype(self.dtype) for a in (q_nope, q_pe, k_nope, k_pe))
-    # One contraction over [nope | rope]: the shared k_pe broadcast to every head. Two einsums
-    # (one with k_pe [b,s,r] shared) cost more on the CPU: a [t,h,s] -> [h,t,s] transpose.
-    q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [b,t,h,nope+rope]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])],
-                        axis=-1)  # [b,s,h,nope+rope]
+    q, k = self.joint_qk(q_nope, q_pe, k_nope, k_pe)  # [b,t,h,nope+rope], [b,s,h,nope+rope]
     logits = jnp.einsum("bthd,bshd->bhts", q, k, precision=p, preferred_element_type=f32)  # [b,h,t,s]
     logits = logits * self.config.softmax_scale + additive_mask(mask, f32)[:, None]  # [b,h,t,s]
     probs = jax.nn.softmax(logits, axis=-1)  # fp32 [b,h,t,s]
@@ -184,6 +194,37 @@ class MLA(nnx.Module):
       return False  # nothing selected, or attention is dense by definition
     min_length = cfg.sparse_attention_gather_min_length or backend.choice("gather_min_length")
     return cfg.sparse_attention_impl == "gather" or (cfg.sparse_attention_impl == "auto" and s >= min_length)
+
+  def use_flash(self, s: int) -> bool:
+    """Whether the mask path's attention over s keys runs in the flash kernel (kernels/flash_attention.py,
+    backend choice mask_attention "splash"): only where its support IS the validity mask, decided from the
+    shapes and the stage alone: no indexer, or dense attention (dense_warmup), or exact top-k with
+    indexer_topk >= s (every valid key selected: at most s are valid; an approximate top-k need not take
+    them all). Also needed: splash's causal mask is validity's (no context parallelism: its keys are the
+    queries, in order; positions the in-segment token order, the module invariant of flash_attention), a
+    one-device mesh (the kernel is not partitioned), s a multiple of splash's 128, and no recording (capture_selection reads the probabilities)."""
+    cfg = self.config
+    if backend.choice("mask_attention") != "splash" or self.record_selection:
+      return False
+    mesh = active_mesh()  # None: not under the train step's mesh rules, a one-device program
+    if cfg.ici_context_parallelism != 1 or (mesh is not None and mesh[0].size != 1) or not supports_length(s):
+      return False
+    return self.indexer is None or indexer_stage(cfg).dense_attention or (
+        cfg.indexer_topk >= s and not cfg.indexer_use_approx_top_k)
+
+  def attend_flash(self, x: jax.Array, q_nope: jax.Array, q_pe: jax.Array, q_lat: jax.Array | None, k_nope: jax.Array,
+                   k_pe: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array,
+                   segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The mask path where its support is `valid` (use_flash), no [b,h,t,s] tensor kept -> out [b,t,h,v],
+    indexer loss (f32): the same values as attend(..., valid) and indexer_kl_loss(probs, scores, valid)."""
+    q, k = self.joint_qk(q_nope, q_pe, k_nope, k_pe)  # [b,t,h,nope+rope], [b,s,h,nope+rope]
+    out = flash_attention(q, k, v.astype(self.dtype), segment_ids, self.config.softmax_scale)  # [b,t,h,v]
+    indexer_loss = jnp.zeros((), jnp.float32)
+    if self.indexer is not None and indexer_stage(self.config).indexer_loss:
+      scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
+      p = head_summed_probs(q, k, valid, self.config.softmax_scale, precision=self.precision)  # [b,t,s], detached
+      indexer_loss = indexer_kl_loss(p[:, None], scores, valid)
+    return checkpoint_name(out, "attention_out"), indexer_loss
 
   def sparse_spec(self) -> SparseSpec:
     """The gather kernel's static arguments, from the config."""
@@ -283,7 +324,9 @@ class MLA(nnx.Module):
       c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)  # s keys, original order
       k_nope, v = self.expand_kv(c_kv)  # [b,s,h,nope], [b,s,h,v]
       valid = attention_validity(positions, k_pos, segment_ids, k_seg)  # [b,t,s]
-      if self.indexer is None:
+      if self.use_flash(t):
+        out, indexer_loss = self.attend_flash(x, q_nope, q_pe, q_lat, k_nope, k_pe, v, positions, valid, segment_ids)
+      elif self.indexer is None:
         out, _ = self.attend(q_nope, q_pe, k_nope, k_pe, v, valid)
       else:
         scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid

@@ -1,0 +1,87 @@
+"""MLA's mask path through the splash kernel (kernels/flash_attention.py, Pallas interpret mode on the CPU)
+against the XLA mask path: outputs, the indexer KL loss and every parameter's gradient; and the dispatch
+(MLA.use_flash): the kernel only where the support is the validity mask."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from MaxText.kernels import backend
+from tests.support.attention_reference import make_mla, mla_inputs, rel_err
+
+T_FLASH = 128  # splash's smallest block (128 lanes); tiny model dims otherwise
+TOL = 2e-5  # fp32: the kernel's online softmax and the head-chunked KL target sum in another order
+
+
+def _loss_and_grads(m, x, pos, seg, r, choice):
+  """(out, indexer loss, grads of sum(out * r) + indexer loss per parameter) with mask_attention=choice."""
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+  with backend.forced(mask_attention=choice):
+    def f(p):
+      out, aux = nnx.merge(graphdef, p, rest)(x, pos, seg)
+      return jnp.sum(out * r) + aux["indexer_loss"], (out, aux["indexer_loss"])
+    (_, (out, il)), g = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  return out, il, {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+                   for path, v in jax.tree_util.tree_leaves_with_path(g)}
+
+
+def _segments(b, t):
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 2:] = 2  # row 0: two packed sequences
+  seg[1, t - 5:] = 0  # row 1: padding at the end
+  pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(b, 0)
+  pos[1] = np.arange(t)
+  return jnp.asarray(seg), jnp.asarray(pos, jnp.int32)
+
+
+@pytest.mark.parametrize("stage,segments", [("dense_warmup", False), ("sparse", True), ("none", False)])
+def test_splash_equals_the_xla_mask_path_values_loss_and_gradients(stage, segments):
+  cfg, m = make_mla(3, indexer_topk=T_FLASH, indexer_training_stage=stage)
+  x, pos = mla_inputs(cfg, t=T_FLASH, seed=3)
+  seg = None
+  if segments:
+    seg, pos = _segments(*pos.shape)
+  with backend.forced(mask_attention="splash"):
+    assert m.use_flash(T_FLASH)
+  r = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
+  out_x, il_x, g_x = _loss_and_grads(m, x, pos, seg, r, "xla")
+  out_s, il_s, g_s = _loss_and_grads(m, x, pos, seg, r, "splash")
+  assert rel_err(out_s, out_x) < TOL
+  if seg is not None:  # padding queries: 0 on both paths
+    assert np.all(np.asarray(out_s)[1, -5:] == 0) and np.all(np.asarray(out_x)[1, -5:] == 0)
+  if stage == "none":
+    assert float(il_x) == 0 and float(il_s) == 0
+  else:
+    assert float(il_x) > 1e-3 and abs(float(il_s) - float(il_x)) < TOL * abs(float(il_x))
+  assert set(g_s) == set(g_x) and len(g_x) >= 10
+  for name in g_x:
+    if np.abs(g_x[name]).max() == 0:
+      assert np.abs(g_s[name]).max() == 0, name
+    else:
+      assert rel_err(g_s[name], g_x[name]) < TOL, name
+
+
+def test_kernel_taken_only_where_the_support_is_every_valid_key():
+  t = T_FLASH
+  cases = {  # (overrides, t) -> whether the kernel may run
+      "dense warm-up, top-k < t": (dict(indexer_topk=t // 2, indexer_training_stage="dense_warmup"), True),
+      "sparse, top-k = t": (dict(indexer_topk=t, indexer_training_stage="sparse"), True),
+      "sparse, top-k < t": (dict(indexer_topk=t - 1, indexer_training_stage="sparse"), False),
+      "stage none, top-k < t": (dict(indexer_topk=t - 1, indexer_training_stage="none"), False),
+      "sparse, approximate top-k = t": (dict(indexer_topk=t, indexer_use_approx_top_k=True), False),
+      "no indexer": (dict(use_indexer=False), True),
+  }
+  for what, (overrides, want) in cases.items():
+    _, m = make_mla(0, **overrides)
+    with backend.forced(mask_attention="splash"):
+      assert m.use_flash(t) is want, what
+    with backend.forced(mask_attention="xla"):
+      assert m.use_flash(t) is False, what
+  _, m = make_mla(0, indexer_topk=t, indexer_training_stage="dense_warmup")
+  m.record_selection = True  # capture_selection reads the probabilities
+  with backend.forced(mask_attention="splash"):
+    assert m.use_flash(t) is False
+  assert backend.row("tpu").mask_attention == "splash" and backend.row("cpu").mask_attention == "xla"
+  assert backend.row("gpu").mask_attention == "xla"
