@@ -42,10 +42,10 @@ case "$part" in
         --out "/tmp/decode_profile_$rows" 2>&1 | tee "$out/profile_$rows.log"
     done ;;
   mfu)
-    { timeout 220 python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full
-      timeout 170 python3 benchmarks/train_mfu.py --no-trace --set global_batch_size=2 remat_policy=none \
+    { timeout 200 python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full
+      timeout 160 python3 benchmarks/train_mfu.py --no-trace --set global_batch_size=2 remat_policy=none \
         --set global_batch_size=2 remat_policy=full
-      timeout 150 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=xla --set remat_policy=none
+      timeout 130 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=xla --set remat_policy=none
     } 2>&1 | tee "$out/mfu.log" ;;
   probe)
     { timeout 120 python3 benchmarks/pool_gather.py
