@@ -10,9 +10,9 @@
 #                                                    pieces timed alone (docs/kernels.md's breakdown); ROWS="16"
 #                                                    for one of them
 #   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
-#                                                    train step (remat none, else full), MFU and its profile (the
-#                                                    tpu row: the mask path in splash); 2 x 2048 tokens a step;
-#                                                    before: the XLA mask path (--force mask_attention=xla)
+#                                                    train step (remat none, else full), MFU and its profile with
+#                                                    the mask path in splash (--force mask_attention=splash), then
+#                                                    2 x 2048 tokens a step; before: the tpu row (the XLA path)
 #   bash benchmarks/tpu_decode_check.sh probe OUT     what the 16-row step's whole-pool copies are: benchmarks/pool_gather.py
 #                                                    (a row gather per pool storage form), the step's and write's
 #                                                    compiled HLO scanned and unscanned (OUT/hlo.tgz), and the scoring
@@ -42,10 +42,11 @@ case "$part" in
         --out "/tmp/decode_profile_$rows" 2>&1 | tee "$out/profile_$rows.log"
     done ;;
   mfu)
-    { timeout 200 python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full
-      timeout 160 python3 benchmarks/train_mfu.py --no-trace --set global_batch_size=2 remat_policy=none \
-        --set global_batch_size=2 remat_policy=full
-      timeout 130 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=xla --set remat_policy=none
+    { timeout 200 python3 benchmarks/train_mfu.py --force mask_attention=splash --set remat_policy=none \
+        --set remat_policy=full
+      timeout 160 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=splash \
+        --set global_batch_size=2 remat_policy=none --set global_batch_size=2 remat_policy=full
+      timeout 130 python3 benchmarks/train_mfu.py --no-trace --set remat_policy=none
     } 2>&1 | tee "$out/mfu.log" ;;
   probe)
     { timeout 120 python3 benchmarks/pool_gather.py

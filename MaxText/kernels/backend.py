@@ -29,9 +29,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      (kv_cache.e4m3_values; "bits" and     Pallas kernels decode their bits
                      "table" measured no faster in the     themselves)
                      step: benchmarks/decode_fp8.py)
-  mask_attention     "xla": MLA.attend's dense logits and     "xla" (gpu, others); tpu: "splash", JAX's Pallas
-                     probabilities [b,h,t,s] in memory      splash kernel (kernels/flash_attention.py) where
-                                                           the support is the validity mask (MLA.use_flash)
+  mask_attention     "xla": MLA.attend's dense logits and     "xla" (tpu too, until measured there); "splash":
+                     probabilities [b,h,t,s] in memory      JAX's Pallas splash kernel (kernels/flash_attention
+                                                           .py) where the support is the validity mask
+                                                           (MLA.use_flash; TPU only: Mosaic)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -106,10 +107,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # the 16-row 128K step (benchmarks/decode_profile.py, docs/kernels.md).
 # mask_to_indices' slots placed by counting (index_placement "compare"): the binary search is a while loop of
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
-# The mask path's attention over every valid key through splash (mask_attention "splash"): the train step of
-# configs/models/deepseek3.2-v5e.yml (docs/accelerators.md, 2026-12-06).
+# mask_attention stays "xla" until splash is measured there: benchmarks/tpu_decode_check.sh mfu times the train
+# step both ways (docs/accelerators.md: no device was lent when the kernel was written, 2026-12-06).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare", mask_attention="splash")
+                          index_placement="compare")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

@@ -33,7 +33,7 @@ Two implementations of the sparse attention (sparse_attention_impl):
           backend's gather_min_length, kernels/backend.py).
 A stage with dense attention and use_indexer=false always run the mask path. Where the mask path's
 support is every valid key (no indexer, dense attention, or exact top-k >= the key count) and the backend
-row says so (mask_attention "splash": the TPU), it runs in JAX's Pallas splash kernel instead
+choice mask_attention is "splash" (kernels/backend.py), it runs in JAX's Pallas splash kernel instead
 (`use_flash`, kernels/flash_attention.py): the same values, no [b,h,t,s] tensor in memory.
 
 Context parallelism: queries stay sharded over `context` ([b,t/cp,...] per device: indexer
