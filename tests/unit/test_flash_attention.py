@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 
 from MaxText.kernels import backend
+from MaxText.kernels.flash_attention import flash_attention, head_summed_probs
+from MaxText.kernels.masks import attention_validity
 from tests.support.attention_reference import make_mla, mla_inputs, rel_err
 
 T_FLASH = 128  # splash's smallest block (128 lanes); tiny model dims otherwise
@@ -36,7 +38,8 @@ def _segments(b, t):
   return jnp.asarray(seg), jnp.asarray(pos, jnp.int32)
 
 
-@pytest.mark.parametrize("stage,segments", [("dense_warmup", False), ("sparse", True), ("none", False)])
+@pytest.mark.parametrize("stage,segments", [pytest.param("dense_warmup", False, marks=pytest.mark.slow),
+                                            ("sparse", True), pytest.param("none", False, marks=pytest.mark.slow)])
 def test_splash_equals_the_xla_mask_path_values_loss_and_gradients(stage, segments):
   cfg, m = make_mla(3, indexer_topk=T_FLASH, indexer_training_stage=stage)
   x, pos = mla_inputs(cfg, t=T_FLASH, seed=3)
@@ -84,3 +87,36 @@ def test_kernel_taken_only_where_the_support_is_every_valid_key():
   with backend.forced(mask_attention="splash"):
     assert m.use_flash(t) is False
   assert backend.row("cpu").mask_attention == "xla" and backend.row("gpu").mask_attention == "xla"
+
+
+def test_head_summed_probs_in_head_chunks_equals_float64_softmax_sum():
+  rng = np.random.default_rng(5)
+  b, t, h, d, scale = 2, 12, 6, 8, 0.3
+  q, k = (rng.standard_normal((b, t, h, d)).astype(np.float32) for _ in range(2))
+  seg = np.array([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3], np.int32)
+  pos = np.array([list(range(7)) + list(range(5)), list(range(12))], np.int32)
+  valid = np.asarray(attention_validity(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg)))
+  logits = np.einsum("bthd,bshd->bhts", q.astype(np.float64), k.astype(np.float64)) * scale
+  logits = np.where(valid[:, None], logits, -np.inf)
+  with np.errstate(invalid="ignore"):
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.nan_to_num((e / e.sum(-1, keepdims=True)).sum(1))  # [b,t,s]; a padding row: 0
+  for chunk in (1, 2, 6):  # 3 chunks of 2 heads, and one chunk of all
+    got = np.asarray(head_summed_probs(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid), scale, head_chunk=chunk))
+    np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"head_chunk={chunk}")
+  assert np.all(got[1, 9:] == 0) and np.allclose(got[0, :, :].sum(-1), h)
+
+
+def test_splash_lowers_to_mosaic_at_mla_head_dims():
+  """The kernel compiled for the TPU (Mosaic custom calls: forward, dq, dkv) at qk 192 / v 128, from the CPU."""
+  b, t, h = 1, 256, 2
+  qk = jax.ShapeDtypeStruct((b, t, h, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((b, t, h, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+  def loss(q, k, v, seg):
+    return jnp.sum(flash_attention(q, k, v, seg, 0.1, interpret=False).astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qk, qk, v, seg).lower(
+      lowering_platforms=("tpu",)).as_text()
+  assert text.count("tpu_custom_call") == 3
