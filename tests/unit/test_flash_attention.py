@@ -11,6 +11,7 @@ from flax import nnx
 from MaxText.kernels import backend
 from MaxText.kernels.flash_attention import flash_attention, head_summed_probs
 from MaxText.kernels.masks import attention_validity
+from MaxText.runtime import sharding
 from tests.support.attention_reference import make_mla, mla_inputs, rel_err
 
 T_FLASH = 128  # splash's smallest block (128 lanes); tiny model dims otherwise
@@ -86,6 +87,15 @@ def test_kernel_taken_only_where_the_support_is_every_valid_key():
   m.record_selection = True  # capture_selection reads the probabilities
   with backend.forced(mask_attention="splash"):
     assert m.use_flash(t) is False
+  # several devices: context parallelism (splash's causal mask is not its zig-zag order) or any mesh over 2+
+  cfg_cp, m_cp = make_mla(0, indexer_topk=t, num_devices=2, ici_context_parallelism=2)
+  cfg_dp, m_dp = make_mla(0, indexer_topk=t, num_devices=2, ici_data_parallelism=2)
+  with backend.forced(mask_attention="splash"):
+    assert m_cp.use_flash(t) is False
+    assert m_dp.use_flash(t) is True  # outside the mesh's rules: a one-device program
+    with sharding.logical_rules(cfg_dp, sharding.create_mesh(cfg_dp)):
+      assert m_dp.use_flash(t) is False
+    assert m_dp.use_flash(t + 64) is False  # not a multiple of splash's 128
   assert backend.row("cpu").mask_attention == "xla" and backend.row("gpu").mask_attention == "xla"
 
 
