@@ -24,12 +24,16 @@ tests/unit/test_flash_attention.py holds it to the mask path on the CPU. Block s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels.selection import additive_mask
+from MaxText.runtime.sharding import active_mesh, logical_to_spec
 
 BLOCKS = (512, 256, 128)  # splash's query / key block (forward and backward): the largest that divides t (512:
 # MaxText's TPU default); splash needs a multiple of 128 lanes
@@ -65,9 +69,29 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 
   Equals attend(..., attention_validity(pos, pos, seg, seg)) under the module's invariants; a padding query's
   output is 0. The scale goes onto q in f32 before the cast back to q's dtype (splash takes no scale).
+  Under a mesh of several devices (sharding.logical_rules) the kernel runs per shard in a jax.shard_map: rows
+  split as activation_batch, heads as activation_heads, the sequence whole (no collective: each shard's
+  queries attend to its own rows' keys).
   """
+  interpret = _interpret(interpret)
+  active = active_mesh()
+  if active is None or active[0].size == 1:
+    return _flash_local(q, k, v, segment_ids, scale, interpret)
+  mesh, rules = active
+  spec = logical_to_spec(("activation_batch", None, "activation_heads", None), rules, mesh, q.shape)  # q, k, v, out
+  local = functools.partial(_flash_local, scale=scale, interpret=interpret)
+  if segment_ids is None:
+    return jax.shard_map(lambda q_, k_, v_: local(q_, k_, v_, None), mesh=mesh, in_specs=(spec, spec, spec),
+                         out_specs=spec, check_vma=False)(q, k, v)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(spec[0], None)), out_specs=spec,
+                       check_vma=False)(q, k, v, segment_ids)
+
+
+def _flash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float,
+                 interpret: bool) -> jax.Array:
+  """flash_attention on one device's arrays (shapes as there)."""
   b, t, h, _ = q.shape
-  kernel = _kernel(h, t, _interpret(interpret))
+  kernel = _kernel(h, t, interpret)
   qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
   qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (qs, k, v))  # [b,h,t,d], [b,h,t,d], [b,h,t,dv]
   if segment_ids is None:

@@ -77,7 +77,7 @@ from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope
 from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
 from MaxText.layers.normalizations import RMSNorm
-from MaxText.runtime.sharding import active_mesh, constrain, gather_sequence
+from MaxText.runtime.sharding import constrain, gather_sequence
 
 LATENT_NORM_EPS = 1e-6  # q_norm, kv_norm: the official RMSNorm default, not normalization_layer_epsilon
 
@@ -201,13 +201,13 @@ class MLA(nnx.Module):
     shapes and the stage alone: no indexer, or dense attention (dense_warmup), or exact top-k with
     indexer_topk >= s (every valid key selected: at most s are valid; an approximate top-k need not take
     them all). Also needed: splash's causal mask is validity's (no context parallelism: its keys are the
-    queries, in order; positions the in-segment token order, the module invariant of flash_attention), a
-    one-device mesh (the kernel is not partitioned), s a multiple of splash's 128, and no recording (capture_selection reads the probabilities)."""
+    queries, in order; positions the in-segment token order, the module invariant of flash_attention;
+    rows and heads may be sharded: the kernel runs per shard), s a multiple of splash's 128, and no
+    recording (capture_selection reads the probabilities)."""
     cfg = self.config
     if backend.choice("mask_attention") != "splash" or self.record_selection:
       return False
-    mesh = active_mesh()  # None: not under the train step's mesh rules, a one-device program
-    if cfg.ici_context_parallelism != 1 or (mesh is not None and mesh[0].size != 1) or not supports_length(s):
+    if cfg.ici_context_parallelism != 1 or not supports_length(s):
       return False
     return self.indexer is None or indexer_stage(cfg).dense_attention or (
         cfg.indexer_topk >= s and not cfg.indexer_use_approx_top_k)

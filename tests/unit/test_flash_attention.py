@@ -2,6 +2,8 @@
 against the XLA mask path: outputs, the indexer KL loss and every parameter's gradient; and the dispatch
 (MLA.use_flash): the kernel only where the support is the validity mask."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +20,12 @@ T_FLASH = 128  # splash's smallest block (128 lanes); tiny model dims otherwise
 TOL = 2e-5  # fp32: the kernel's online softmax and the head-chunked KL target sum in another order
 
 
-def _loss_and_grads(m, x, pos, seg, r, choice):
-  """(out, indexer loss, grads of sum(out * r) + indexer loss per parameter) with mask_attention=choice."""
+def _loss_and_grads(m, x, pos, seg, r, choice, mesh_cfg=None):
+  """(out, indexer loss, grads of sum(out * r) + indexer loss per parameter) with mask_attention=choice; under
+  mesh_cfg's mesh and rules when given."""
   graphdef, params, rest = nnx.split(m, nnx.Param, ...)
-  with backend.forced(mask_attention=choice):
+  rules = sharding.logical_rules(mesh_cfg, sharding.create_mesh(mesh_cfg)) if mesh_cfg else contextlib.nullcontext()
+  with backend.forced(mask_attention=choice), rules:
     def f(p):
       out, aux = nnx.merge(graphdef, p, rest)(x, pos, seg)
       return jnp.sum(out * r) + aux["indexer_loss"], (out, aux["indexer_loss"])
@@ -39,10 +43,14 @@ def _segments(b, t):
   return jnp.asarray(seg), jnp.asarray(pos, jnp.int32)
 
 
-@pytest.mark.parametrize("stage,segments", [pytest.param("dense_warmup", False, marks=pytest.mark.slow),
-                                            ("sparse", True), pytest.param("none", False, marks=pytest.mark.slow)])
-def test_splash_equals_the_xla_mask_path_values_loss_and_gradients(stage, segments):
-  cfg, m = make_mla(3, indexer_topk=T_FLASH, indexer_training_stage=stage)
+@pytest.mark.parametrize("stage,segments,mesh", [
+    pytest.param("dense_warmup", False, None, marks=pytest.mark.slow), ("sparse", True, None),
+    pytest.param("none", False, None, marks=pytest.mark.slow),
+    pytest.param("sparse", True, dict(ici_data_parallelism=2, ici_tensor_parallelism=2), marks=pytest.mark.slow)])
+def test_splash_equals_the_xla_mask_path_values_loss_and_gradients(stage, segments, mesh):
+  """mesh: rows over data, heads over tensor (4 of the 8 host devices): splash per shard in a shard_map."""
+  mesh_overrides = dict(num_devices=4, **mesh) if mesh else {}
+  cfg, m = make_mla(3, indexer_topk=T_FLASH, indexer_training_stage=stage, **mesh_overrides)
   x, pos = mla_inputs(cfg, t=T_FLASH, seed=3)
   seg = None
   if segments:
@@ -50,8 +58,9 @@ def test_splash_equals_the_xla_mask_path_values_loss_and_gradients(stage, segmen
   with backend.forced(mask_attention="splash"):
     assert m.use_flash(T_FLASH)
   r = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape), jnp.float32)
-  out_x, il_x, g_x = _loss_and_grads(m, x, pos, seg, r, "xla")
-  out_s, il_s, g_s = _loss_and_grads(m, x, pos, seg, r, "splash")
+  mesh_cfg = cfg if mesh else None
+  out_x, il_x, g_x = _loss_and_grads(m, x, pos, seg, r, "xla", mesh_cfg)
+  out_s, il_s, g_s = _loss_and_grads(m, x, pos, seg, r, "splash", mesh_cfg)
   assert rel_err(out_s, out_x) < TOL
   if seg is not None:  # padding queries: 0 on both paths
     assert np.all(np.asarray(out_s)[1, -5:] == 0) and np.all(np.asarray(out_x)[1, -5:] == 0)
@@ -87,15 +96,11 @@ def test_kernel_taken_only_where_the_support_is_every_valid_key():
   m.record_selection = True  # capture_selection reads the probabilities
   with backend.forced(mask_attention="splash"):
     assert m.use_flash(t) is False
-  # several devices: context parallelism (splash's causal mask is not its zig-zag order) or any mesh over 2+
-  cfg_cp, m_cp = make_mla(0, indexer_topk=t, num_devices=2, ici_context_parallelism=2)
-  cfg_dp, m_dp = make_mla(0, indexer_topk=t, num_devices=2, ici_data_parallelism=2)
+  # context parallelism: splash's causal mask is not its zig-zag order over [t/cp, s] blocks
+  _, m_cp = make_mla(0, indexer_topk=t, num_devices=2, ici_context_parallelism=2)
   with backend.forced(mask_attention="splash"):
     assert m_cp.use_flash(t) is False
-    assert m_dp.use_flash(t) is True  # outside the mesh's rules: a one-device program
-    with sharding.logical_rules(cfg_dp, sharding.create_mesh(cfg_dp)):
-      assert m_dp.use_flash(t) is False
-    assert m_dp.use_flash(t + 64) is False  # not a multiple of splash's 128
+    assert m.use_flash(t + 64) is False  # not a multiple of splash's 128
   assert backend.row("cpu").mask_attention == "xla" and backend.row("gpu").mask_attention == "xla"
 
 
