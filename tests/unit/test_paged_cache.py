@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels import backend
 from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
@@ -239,4 +240,74 @@ def test_the_fp8_latent_pool_is_32bit_words_gathered_and_written_without_a_pool_
   assert not read, read
   contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, 2, length=2 * PAGE), jnp.zeros((2,), jnp.int32), **e)
   for g, w in zip(gather(pools, table, idx), kv_cache.gather_latents(contiguous, idx)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _rows_and_bits(cfg, n, num_layers=None):
+  """The same config's pools under rope_storage "rows" (the tpu row) and "bits" (the cpu row)."""
+  with backend.forced(rope_storage="rows"):
+    rows = paged_cache.init_layer_pools(cfg, n, num_layers)
+  with backend.forced(rope_storage="bits"):
+    bits = paged_cache.init_layer_pools(cfg, n, num_layers)
+  return rows, bits
+
+
+def test_a_k_pe_pool_of_int32_rows_reads_back_what_the_bits_pool_does(monkeypatch):
+  """rope_storage "rows": k_pe as int32 pairs, R slots a pool row (here rope 8: 4 words a slot, R = 4 slots a
+  page). Written through a page table (ragged rows, a padding token, a stack of 2 layers), every reader gives
+  exactly what the uint16 pool gives: sequence_view, gather_selected, dense_over_pages (a page a block)."""
+  cfg = make_config(kv_cache_dtype="fp8", serve_page_size=PAGE)
+  n, b, s = PAGES * PAGE, 2, 3 * PAGE
+  rows, bits = _rows_and_bits(cfg, n, num_layers=2)
+  assert rows.k_pe.dtype == jnp.int32 and rows.k_pe.shape == (2, n // PAGE, PAGE * cfg.qk_rope_head_dim // 2)
+  assert bits.k_pe.dtype == jnp.uint16 and bits.k_pe.shape == (2, n, cfg.qk_rope_head_dim)
+  table = jnp.asarray([[3, 7, 1], [2, 0, 9]], jnp.int32)  # [B,P]
+  positions = jnp.where(jnp.arange(s)[None] < jnp.asarray([[s], [s - 3]]), jnp.arange(s)[None], -1)  # row 1: padding
+  e = {k: jnp.stack([v, -2 * v]) for k, v in _entries(cfg, b, s, seed=7).items()}  # [2,B,S,n]: two layers
+  ids = paged_cache.slots(table, positions, PAGE, n)
+  rows, bits = (paged_cache.write(p, ids, **e) for p in (rows, bits))
+  assert np.asarray(rows.k_pe).any()
+  idx = jnp.asarray([[0, 11, 5, 4], [8, 1, 2, 0]], jnp.int32)
+  rng = np.random.default_rng(8)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  r = cfg.qk_rope_head_dim
+  q = (f(b, 1, 4, cfg.kv_lora_rank), f(b, 1, 4, r), f(b, 1, cfg.kv_lora_rank), f(b, 1, r))
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 1)  # a page a block
+  for layer in range(2):
+    got, want = (jax.tree.map(lambda a: a[layer], p) for p in (rows, bits))
+    for g, w in zip(paged_cache.sequence_view(got, table, PAGE), paged_cache.sequence_view(want, table, PAGE)):
+      if w is not None:
+        np.testing.assert_array_equal(np.asarray(kv_cache.as_values(g)), np.asarray(kv_cache.as_values(w)))
+    for g, w in zip(paged_cache.gather_selected(got, table, idx, PAGE), paged_cache.gather_selected(want, table, idx, PAGE)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _, pe = paged_cache.gather_selected(got, table, idx, PAGE)
+    np.testing.assert_array_equal(np.asarray(pe)[1, 1], np.asarray(e["k_pe"][layer, 1, 1].astype(jnp.bfloat16)))
+    dense = [paged_cache.dense_over_pages(p, table, PAGE, *q, jnp.asarray([s - 1, s - 4]), 0.3) for p in (got, want)]
+    np.testing.assert_array_equal(np.asarray(dense[0]), np.asarray(dense[1]))
+
+
+def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a_pool_copy():
+  """At the official sizes (rope 64, page 64 here 4) the tpu row holds k_pe as int32 [N/4, 128]: whole 128-word
+  rows that a TPU gathers and scatters where they lie (as uint16 [N, 64] it was laid out column-major and
+  copied whole each 16-row 128K step: 1.27 of 10.3 ms, docs/kernels.md). Its write and the selected rows'
+  gather have no pool-sized op but the in-place scatter, and the rows read back the bits pool's values."""
+  cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128,
+                    serve_page_size=PAGE)
+  n = 64 * PAGE
+  with backend.forced("tpu"):
+    pools = paged_cache.init_layer_pools(cfg, n)
+  _, bits = _rows_and_bits(cfg, n)
+  assert pools.k_pe.dtype == jnp.int32 and pools.k_pe.shape == (n // 4, 128)
+  e = _entries(cfg, 2, 3, seed=9)
+  table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
+  ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)
+  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  wrote = _pool_sized(write.lower(pools, ids, **e).compile().as_text(), n * 32)  # k_pe: n x 32 words
+  assert not wrote, wrote
+  pools, bits = write(pools, ids, **e), write(bits, ids, **e)
+  idx = jnp.asarray([[2, 0, 1], [1, 0, 0]], jnp.int32)
+  gather = jax.jit(lambda p, t, i: paged_cache.gather_selected(p, t, i, PAGE))
+  read = _pool_sized(gather.lower(pools, table, idx).compile().as_text(), n * 32)
+  assert not read, read
+  for g, w in zip(gather(pools, table, idx), gather(bits, table, idx)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
