@@ -2,6 +2,8 @@
 written through a page table read back the same, the selected latents gather the same, and the
 indexer's selection over a paged sequence is the contiguous one."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,7 +213,7 @@ def _pool_sized(hlo: str, elements: int) -> list[str]:
     if op in IN_PLACE or (op == "fusion" and any(kind in head[0] for kind in IN_PLACE[1:3])):  # an in-place update's
       continue
     dims = head[1].split("[", 1)[1].split("]", 1)[0]
-    if dims and np.prod([int(d) for d in dims.split(",")]) >= elements:
+    if re.fullmatch(r"[\d,]+", dims) and np.prod([int(d) for d in dims.split(",")]) >= elements:
       out.append(line.strip()[:140])
   return out
 
@@ -311,3 +313,27 @@ def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a
   assert not read, read
   for g, w in zip(gather(pools, table, idx), gather(bits, table, idx)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow  # ~6 s of CPU: a compile of the engine's step and write
+def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_array():
+  """The fp8 engine's compiled decode step and write (rows x 1 token) with the tpu row's pools (latent as uint32
+  words, k_pe as int32 rows): no op makes an array as large as a layer's k_pe pool (the smallest pool field
+  checked) but the in-place updates. A reader that decoded or relaid a whole pool before picking its rows
+  would (on a TPU the uint16 k_pe and uint8 latent pools were copied whole each step: docs/kernels.md)."""
+  from MaxText import serve_compile
+  from MaxText.runtime import sharding
+  pages, page = 512, 8
+  cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128,
+                    serve_page_size=page, serve_num_pages=pages, max_target_length=64, serve_max_num_seqs=2,
+                    max_prefill_length=16, num_decoder_layers=1)
+  mesh = sharding.create_mesh(cfg)
+  with backend.forced(rope_storage="rows"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    engine = serve_compile.build_engine(cfg)  # abstract: nothing allocated
+    step, write, _ = engine.compile_step(2, 1)
+  pool = engine.pools["dense_layers"]
+  assert pool.k_pe.shape == (1, pages * page // 4, 128) and pool.k_pe.dtype == jnp.int32
+  assert pool.c_kv.shape == (1, pages * page, 128) and pool.c_kv.dtype == jnp.uint32
+  for program in (step, write):
+    big = _pool_sized(program.as_text(), pages * page * 32)  # one layer's k_pe: N x 32 words
+    assert not big, big
