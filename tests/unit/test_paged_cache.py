@@ -11,7 +11,7 @@ import pytest
 
 from MaxText.inference import kv_cache, paged_cache
 from MaxText.kernels import backend
-from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense
+from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense, merge_selected
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
 from tests.conftest import make_config
@@ -320,7 +320,8 @@ def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_ar
   """The fp8 engine's compiled decode step and write (rows x 1 token) with the tpu row's pools (latent as uint32
   words, k_pe as int32 rows): no op makes an array as large as a layer's k_pe pool (the smallest pool field
   checked) but the in-place updates. A reader that decoded or relaid a whole pool before picking its rows
-  would (on a TPU the uint16 k_pe and uint8 latent pools were copied whole each step: docs/kernels.md)."""
+  would (on a TPU the uint16 k_pe and uint8 latent pools were copied whole each step: docs/kernels.md). And the
+  selected latents are gathered from the pool once, not again as f32 rows."""
   from MaxText import serve_compile
   from MaxText.runtime import sharding
   pages, page = 512, 8
@@ -337,3 +338,27 @@ def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_ar
   for program in (step, write):
     big = _pool_sized(program.as_text(), pages * page * 32)  # one layer's k_pe: N x 32 words
     assert not big, big
+  # the selected latents are gathered once, as stored (uint32 words): no f32 gather of 512-wide rows after it (the
+  # merge's per-slot take of the new token, gather_attend's identity gather: 67 MB each at 16 rows x 2048)
+  again = [line.strip()[:120] for line in step.as_text().split("\n")
+           if " gather(" in line and "= f32[" in line and re.search(r"slice_sizes=\{[\d,]*,512\}", line)]
+  assert not again, again
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_merge_selected_takes_each_new_tokens_row_where_selected(t):
+  """Selected positions that are this step's new tokens (start .. start+t-1) get the new rows, the rest keep the
+  cache's; t = 1 (a decode step) broadcasts the one new row instead of gathering it per slot."""
+  rng = np.random.default_rng(10)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  c_sel, pe_sel, c_new, pe_new = f(2, 5, 6), f(2, 5, 4), f(2, t, 6), f(2, t, 4)
+  start = jnp.asarray([7, 2], jnp.int32)
+  flat = jnp.asarray([[7, 0, 7 + t - 1, 3, 6], [1, 2 + t - 1, 2, 9, 0]], jnp.int32)  # [b,n] positions
+  c, pe = merge_selected(c_sel, pe_sel, c_new, pe_new, flat, start, jnp.float32)
+  for got, sel, new in ((c, c_sel, c_new), (pe, pe_sel, pe_new)):
+    want = np.array(sel)
+    for r in range(2):
+      for i, p in enumerate(np.asarray(flat[r])):
+        if 0 <= p - int(start[r]) < t:
+          want[r, i] = np.asarray(new)[r, p - int(start[r])]
+    np.testing.assert_array_equal(np.asarray(got), want)
