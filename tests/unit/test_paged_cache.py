@@ -181,13 +181,13 @@ def test_a_write_into_bf16_or_fp8_pools_updates_them_in_place(dtype):
   cfg = make_config(kv_cache_dtype=dtype)
   n = 4096  # slots: the pool fields (128-256 KiB) outweigh the write's own temporaries
   pools = paged_cache.init_layer_pools(cfg, n)
-  assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32)}
+  assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(t) for t in (jnp.uint8, jnp.uint16, jnp.int32, jnp.float32)}
   e = _entries(cfg, 2, 1, seed=3)
   ids = jnp.asarray([[5], [n]], jnp.int32)  # row 1: padding, dropped
   write = jax.jit(paged_cache.write, donate_argnums=(0,))
   compiled = write.lower(pools, ids, **e).compile()
   hlo = compiled.as_text()
-  pool_shapes = {f"[{n},{a.shape[-1]}]" for a in pools if a is not None}
+  pool_shapes = {f"[{a.shape[0]},{a.shape[-1]}]" for a in pools if a is not None}  # k_pe as int32 rows: [n/R, R*w]
   converts = [line.strip()[:120] for line in hlo.split("\n")
               if " convert(" in line and any(shape in line.split(" = ", 1)[-1].split(" ", 1)[0] for shape in pool_shapes)]
   assert not converts, converts
