@@ -315,7 +315,6 @@ def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.slow  # ~6 s of CPU: a compile of the engine's step and write
 def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_array():
   """The fp8 engine's compiled decode step and write (rows x 1 token) with the tpu row's pools (latent as uint32
   words, k_pe as int32 rows): no op makes an array as large as a layer's k_pe pool (the smallest pool field
