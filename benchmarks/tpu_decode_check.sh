@@ -73,12 +73,12 @@ case "$part" in
     { timeout 230 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
         --out /tmp/decode_profile_16 --hlo-out /tmp/hlo/after
       if [ -n "${BASE:-}" ]; then
-        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 benchmarks/decode_profile.py --rows 16 \
+        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 170 python3 benchmarks/decode_profile.py --rows 16 \
           --context 131072 --cache-dtype fp8 --iters 7 --no-trace)
       fi
       timeout 90 python3 benchmarks/decode_profile.py --rows 1 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
         --no-pieces --out /tmp/decode_profile_1
-      timeout 80 python3 benchmarks/decode_profile.py --rows 4 --context 131072 --cache-dtype fp8 --iters 7 \
+      timeout 70 python3 benchmarks/decode_profile.py --rows 4 --context 131072 --cache-dtype fp8 --iters 7 \
         --no-trace --no-pieces; } 2>&1 | tee "$out/rows.log"
     tar czf "$out/hlo.tgz" -C /tmp hlo ;;
   fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before, then unscanned
