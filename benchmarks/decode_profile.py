@@ -122,9 +122,8 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   nh, c, r = cfg.num_query_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
   q_abs = jax.random.normal(jax.random.fold_in(key, 2), (b, 1, nh, c), jnp.float32)
   q_pe = jax.random.normal(jax.random.fold_in(key, 3), (b, 1, nh, r), jnp.float32)
-  local = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None, None], (b, 1, k))
-  attend = jax.jit(lambda q_abs, q_pe, c_sel, pe_sel, valid: gather_attend(q_abs, q_pe, c_sel, pe_sel, local, valid,
-                                                                           cfg.softmax_scale)[0])
+  attend = jax.jit(lambda q_abs, q_pe, c_sel, pe_sel, valid: gather_attend(q_abs, q_pe, c_sel, pe_sel, None, valid,
+                                                                           cfg.softmax_scale)[0])  # rows in order
   fns["attention (gather_attend)"] = (attend, (q_abs, q_pe, c_sel, pe_sel, valid))
   slot_ids = jnp.take_along_axis(table, idx[:, 0] // engine.page_size, axis=1) * engine.page_size \
       + idx[:, 0] % engine.page_size  # [B,k]

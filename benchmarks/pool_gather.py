@@ -24,14 +24,18 @@ import time
 import jax
 import jax.numpy as jnp
 
-# (name, width n of a row in its dtype, dtype, what it is): the same bytes a slot holds, stored differently
+from MaxText.kernels.fp8_blocks import take_slots
+
+# (name, width n of a slot in its dtype, dtype, slots a pool row, what it is): the same bytes a slot holds,
+# stored differently; several slots a row: fp8_blocks.take_slots (a row gather, then the slot picked out)
 FORMS = (
-    ("c_kv u8[N,512]", 512, jnp.uint8, "fp8 latent as today"),
-    ("c_kv u32[N,128]", 128, jnp.uint32, "fp8 latent, 4 codes a 32-bit word"),
-    ("k_pe u16[N,64]", 64, jnp.uint16, "bf16 rope key as today"),
-    ("k_pe u32[N,32]", 32, jnp.uint32, "bf16 rope key, 2 a word"),
-    ("k_pe f32[N,64]", 64, jnp.float32, "rope key widened to f32"),
-    ("scale f32[N,4]", 4, jnp.float32, "fp8 latent scales as today"),
+    ("c_kv u8[N,512]", 512, jnp.uint8, 1, "fp8 latent before 2026-12-06"),
+    ("c_kv u32[N,128]", 128, jnp.uint32, 1, "fp8 latent, 4 codes a 32-bit word (the pools now)"),
+    ("k_pe u16[N,64]", 64, jnp.uint16, 1, "bf16 rope key (the cpu row's pool)"),
+    ("k_pe u32[N,32]", 32, jnp.uint32, 1, "bf16 rope key, 2 a word"),
+    ("k_pe i32[N/4,128]", 32, jnp.int32, 4, "bf16 rope key, 2 a word, 4 slots a row (the tpu row's pool)"),
+    ("k_pe f32[N,64]", 64, jnp.float32, 1, "rope key widened to f32"),
+    ("scale f32[N,4]", 4, jnp.float32, 1, "fp8 latent scales"),
 )
 
 
@@ -62,9 +66,9 @@ def main(argv=None) -> None:
   ids = jax.random.randint(jax.random.key(0), (args.rows, args.k), 0, args.slots, jnp.int32)  # [B,k]
   rows = []
   print(f"{'form':>18} {'pool MB':>8} {'gather ms':>10} {'pool-sized ops':>12}")
-  for name, n, dtype, what in FORMS:
-    pool = jnp.zeros((args.slots, n), dtype)  # [N, n]
-    fn = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=0, mode="clip"))  # [B,k,n]
+  for name, n, dtype, per_row, what in FORMS:
+    pool = jnp.zeros((args.slots // per_row, n * per_row), dtype)  # [N/R, R*n]
+    fn = jax.jit(lambda pool, ids, per_row=per_row: take_slots(pool, ids, per_row))  # [B,k,n]
     compiled = fn.lower(pool, ids).compile()
     copies = pool_copies(compiled.as_text(), args.slots * n)
     jax.block_until_ready(compiled(pool, ids))

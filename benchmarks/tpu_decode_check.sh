@@ -21,6 +21,9 @@
 #                                                    untraced) then of this one (traced, its HLO in OUT/hlo.tgz),
 #                                                    this one's 1- and 4-row steps, and the scoring kernel at 8 and
 #                                                    16 pages a grid step (fp32 queries, as the engine) beside XLA
+#   BASE=DIR bash benchmarks/tpu_decode_check.sh rows OUT   the 16-row 128K fp8 step of this checkout (traced, pieces
+#                                                    alone, HLO in OUT/hlo.tgz), then of DIR's (untraced, pieces),
+#                                                    this one's 1-row step traced (the per-call floor) and 4-row step
 #   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
 #                                                    with index_placement=search (the row before), then unscanned
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
@@ -73,6 +76,18 @@ case "$part" in
       timeout 150 python3 benchmarks/paged_decode_kernels.py --rows 16 --dtypes fp8 --kernels scoring \
         --variants kernel xla --pages-per-block 8 16 --f32-queries --iters 5; } 2>&1 | tee "$out/step.log"
     tar czf "$out/hlo.tgz" -C /tmp hlo ;;
+  rows)  # issue 54: the k_pe pool as int32 rows, the scoring kernel's stacked query parts, the latents gathered once
+    { timeout 230 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
+        --out /tmp/decode_profile_16 --hlo-out /tmp/hlo/after
+      if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 170 python3 benchmarks/decode_profile.py --rows 16 \
+          --context 131072 --cache-dtype fp8 --iters 7 --no-trace)
+      fi
+      timeout 90 python3 benchmarks/decode_profile.py --rows 1 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
+        --no-pieces --out /tmp/decode_profile_1
+      timeout 70 python3 benchmarks/decode_profile.py --rows 4 --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces; } 2>&1 | tee "$out/rows.log"
+    tar czf "$out/hlo.tgz" -C /tmp hlo ;;
   fixes)  # the 16-row step with the tpu row as it is, then with index_placement as before, then unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
       --out /tmp/decode_profile_after 2>&1 | tee "$out/after_16.log"
@@ -81,5 +96,5 @@ case "$part" in
     # do the whole-pool relayout copies come from the scanned stack's [L, N, n] pools? the same step unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 12 --no-pieces \
       --set scan_layers=false --out /tmp/decode_profile_unscanned 2>&1 | tee "$out/unscanned_16.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step or fixes, got '$part'" >&2; exit 2 ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows or fixes, got '$part'" >&2; exit 2 ;;
 esac

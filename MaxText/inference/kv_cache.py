@@ -39,7 +39,7 @@ import numpy as np
 
 from MaxText.config.types import Config
 from MaxText.kernels import backend
-from MaxText.kernels.fp8_blocks import WORD_CODES, from_words, to_words
+from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words
 from MaxText.kernels.paged_decode import e4m3_to_f32
 
 FP8 = jnp.float8_e4m3fn
@@ -147,29 +147,36 @@ def bytes_per_token_per_layer(config: Config) -> int:
 
 
 _BITS = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
-_VALUES = {**{bits: value for value, bits in _BITS.items()}, jnp.dtype(jnp.uint32): jnp.dtype(FP8)}
+_VALUES = {**{bits: value for value, bits in _BITS.items()}, jnp.dtype(jnp.uint32): jnp.dtype(FP8),
+           jnp.dtype(jnp.int32): jnp.dtype(jnp.bfloat16)}
+_PER_WORD = {jnp.dtype(jnp.uint32): WORD_CODES, jnp.dtype(jnp.int32): PAIR_VALUES}  # values a 32-bit word holds
 WORD_ROW = 512  # fp8 values a pool row must be a multiple of to be held as uint32 words (one 128-lane row)
 
 
-def storage_dtype(dtype, width: int | None = None) -> jnp.dtype:
+def storage_dtype(dtype, width: int | None = None, pairs: bool = False) -> jnp.dtype:
   """The dtype a paged pool (paged_cache.py) holds for values of `dtype`: fp8 / bf16 as uint8 / uint16
   (their bits; XLA:CPU rewrites a whole float8/bfloat16 array to update it, an integer one it updates
   in place), else itself. fp8 of a `width` that fills whole 512-byte rows (the 512-wide latent) as uint32
   words, 4 codes each (fp8_blocks.to_words: a TPU gathers and scatters rows of a lane-dense 32-bit array
-  in place, not of an 8-bit [N, 512] one). The contiguous LayerCache holds the values' dtypes themselves."""
+  in place, not of an 8-bit [N, 512] one). bf16 of an even `width` with `pairs` (paged_cache's k_pe under
+  backend.py's rope_storage "rows") as int32 words, 2 values each (fp8_blocks.to_pairs). The contiguous
+  LayerCache holds the values' dtypes themselves."""
   if jnp.dtype(dtype) == FP8 and width is not None and width % WORD_ROW == 0:
     return jnp.dtype(jnp.uint32)
+  if pairs and jnp.dtype(dtype) == jnp.bfloat16 and width is not None and width % PAIR_VALUES == 0:
+    return jnp.dtype(jnp.int32)
   return _BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
-def storage_width(dtype, width: int) -> int:
-  """A pool row's width for `width` values of `dtype` (storage_dtype's: width / 4 as uint32 words)."""
-  return width // WORD_CODES if storage_dtype(dtype, width) == jnp.uint32 else width
+def storage_width(dtype, width: int, pairs: bool = False) -> int:
+  """A slot's width in the pool for `width` values of `dtype` (storage_dtype's: width / 4 as uint32 words,
+  width / 2 as int32 pairs)."""
+  return width // _PER_WORD.get(storage_dtype(dtype, width, pairs), 1)
 
 
 def value_width(a: jax.Array) -> int:
-  """The values a pool row of `a` holds (storage_width's inverse: 4 a uint32 word)."""
-  return a.shape[-1] * (WORD_CODES if a.dtype == jnp.uint32 else 1)
+  """The values a pool row of `a` holds (storage_width's inverse: 4 a uint32 word, 2 an int32 one)."""
+  return a.shape[-1] * _PER_WORD.get(jnp.dtype(a.dtype), 1)
 
 
 def value_dtype(dtype) -> jnp.dtype:
@@ -180,19 +187,23 @@ def value_dtype(dtype) -> jnp.dtype:
 
 def as_values(a: jax.Array) -> jax.Array:
   """A field's (or a block read from it) values: fp8 / bf16 bits reinterpreted, never converted; uint32
-  words [..., w] unpacked to their fp8 values [..., 4w]."""
+  words [..., w] unpacked to their fp8 values [..., 4w], int32 words to their bf16 values [..., 2w]."""
   if a.dtype == jnp.uint32:
     a = from_words(a)
+  elif a.dtype == jnp.int32:
+    a = from_pairs(a)
   value = value_dtype(a.dtype)
   return a if value == a.dtype else jax.lax.bitcast_convert_type(a, value)
 
 
 def to_storage(x: jax.Array, dtype) -> jax.Array:
   """Values x as a field held in `dtype` holds them: cast to its values' dtype, then as bits where it holds
-  bits (uint32: packed 4 codes a word, [..., n] -> [..., n/4])."""
+  bits (uint32: packed 4 codes a word, [..., n] -> [..., n/4]; int32: 2 bf16 a word, [..., n/2])."""
   x = x.astype(value_dtype(dtype))
   if jnp.dtype(dtype) == jnp.uint32:
     return to_words(x)
+  if jnp.dtype(dtype) == jnp.int32:
+    return to_pairs(jax.lax.bitcast_convert_type(x, jnp.uint16))
   return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 

@@ -19,6 +19,11 @@ every write of an fp8 pool rewrote the whole pool (29 ms a step at 8K slots; 0.0
 The fp8 latent (512 codes a slot) is held as 128 uint32 words a slot (kv_cache.storage_dtype,
 fp8_blocks.to_words): a TPU tiles an 8-bit [N, 512] array (32, 128), its row gather and scatter want
 (8, 128), and XLA copied the whole pool between the two twice a step (docs/kernels.md).
+Under backend.py's rope_storage "rows" (the tpu row) the bf16 k_pe (64 values a slot) is held as int32
+words, 2 values each, R slots a pool row: [N / R, R * 32] with R = 4 (ROW_WORDS = 128 lanes) at the
+official sizes (slot s in row s // R, words (s % R) * 32 ..); as uint16 [N, 64] a TPU laid it out
+column-major and copied it whole for every step's row gather. Every reader takes R from the pools'
+shapes (`_per_row`: the slots of the unpacked fields over this one's rows), so nothing else records it.
 
 Writes go through a slot mapping (`slots`): a padding token's slot is N, dropped by the
 scatter, so fixed-shape steps write only real tokens. Reads come in three kinds, every one of
@@ -59,6 +64,7 @@ from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
+from MaxText.kernels.fp8_blocks import take_slots
 from MaxText.kernels.index_scores import row_index_scores
 from MaxText.runtime import sharding
 
@@ -66,21 +72,51 @@ from MaxText.runtime import sharding
 class PagedLayerCache(NamedTuple):
   """One layer's pools ([N, n] leaves) or a scanned stack's ([L, N, n]); None leaves are absent."""
   c_kv: jax.Array                       # [(L,) N, kv_lora] (fp8: uint32 words [(L,) N, kv_lora/4])
-  k_pe: jax.Array                       # [(L,) N, rope]
+  k_pe: jax.Array                       # [(L,) N, rope] (rope_storage "rows": int32 words [(L,) N/R, R*rope/2])
   idx_k: jax.Array | None = None        # [(L,) N, indexer_head_dim]; None without the indexer
   c_kv_scale: jax.Array | None = None   # [(L,) N, ceil(kv_lora/128)] fp32; fp8 only
   idx_k_scale: jax.Array | None = None  # [(L,) N, ceil(indexer_head_dim/128)] fp32; fp8 only
 
 
+ROW_WORDS = 128  # 32-bit words a packed pool row holds (one lane-dense TPU row)
+
+
+def _rope_rows(config: Config, num_slots: int) -> int:
+  """Slots a k_pe pool row holds under rope_storage "rows" with a bf16 k_pe: R = ROW_WORDS / (rope / 2), or
+  the largest divisor of it that divides serve_page_size (pages, and so page shards, are whole rows: 4 for the
+  official rope 64 and page 64); 1 where it does not divide the pool; 0: held as uint16 bits (the "bits" way)."""
+  _, rotary = kv_cache.field_dtypes(config.kv_cache_dtype)
+  words = config.qk_rope_head_dim // 2
+  if (backend.choice("rope_storage") != "rows" or jnp.dtype(rotary) != jnp.bfloat16 or config.qk_rope_head_dim % 2
+          or ROW_WORDS % words):
+    return 0
+  per_row = math.gcd(ROW_WORDS // words, config.serve_page_size)
+  return per_row if num_slots % per_row == 0 else 1
+
+
 def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = None) -> PagedLayerCache:
   """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits;
-  an fp8 field of 512-multiple width as uint32 words, n/4: kv_cache.storage_dtype)."""
+  an fp8 field of 512-multiple width as uint32 words, n/4: kv_cache.storage_dtype; k_pe under rope_storage
+  "rows" as int32 pairs, R slots a row: [N/R, R * rope/2], ROW_WORDS wide at the official sizes)."""
   latent, rotary = kv_cache.field_dtypes(config.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
   layers = () if num_layers is None else (num_layers,)
-  return PagedLayerCache(**{name: jnp.zeros(layers + (num_slots, kv_cache.storage_width(dt[name], w)),
-                                            kv_cache.storage_dtype(dt[name], w)) if w else None
-                            for name, w in kv_cache.field_widths(config).items()})
+  per_row = _rope_rows(config, num_slots)
+
+  def zeros(name, w):
+    pairs = name == "k_pe" and per_row > 0
+    store = kv_cache.storage_dtype(dt[name], w, pairs)
+    words = kv_cache.storage_width(dt[name], w, pairs)
+    shape = (num_slots // per_row, per_row * words) if pairs else (num_slots, words)
+    return jnp.zeros(layers + shape, store)
+
+  return PagedLayerCache(**{name: zeros(name, w) if w else None for name, w in kv_cache.field_widths(config).items()})
+
+
+def _per_row(stores: dict, name: str) -> int:
+  """Slots a row of stores[name] holds (module doc): the most rows any field has (the slots: c_kv, scales and
+  idx_k are never packed) over this field's rows."""
+  return max(a.shape[-2] for a in stores.values()) // stores[name].shape[-2]
 
 
 def placed(config: Config, make, mesh=None, *, abstract: bool = False):
@@ -170,7 +206,7 @@ def _on_shards(fn, pools, rows, pool_out: bool, check_vma: bool = True):
   row_specs = tuple(_spec(a.ndim, d, axes) for a, d in rows)
 
   def body(pools, arrays):
-    n_local = jax.tree.leaves(pools)[0].shape[-2]
+    n_local = max(a.shape[-2] for a in jax.tree.leaves(pools))  # slots (a packed k_pe has fewer rows)
     return fn(pools, arrays, _shard_index(mesh, axes) * n_local)
 
   out_specs = pool_specs if pool_out else P(axes)
@@ -196,13 +232,20 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
 
   def put_all(dsts, arrays, first):  # on a page shard: dsts [(L,) N_l, n], slot_ids [B_l,t], upd [(L,) B_l, t, n]
     ids, upds = arrays[0], arrays[1:]
-    n_local = dsts[0].shape[-2]
+    n_local = max(d.shape[-2] for d in dsts)  # slots (a packed k_pe has fewer rows; it is written with c_kv)
     flat = ids.reshape(-1) - first  # [B_l*t] local slots
     flat = jnp.where((flat >= 0) & (flat < n_local), flat, n_local)  # padding (and any other shard's): dropped
     out = []
     for dst, upd in zip(dsts, upds):
-      upd = kv_cache.to_storage(upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]), dst.dtype)  # [(L,) B_l*t, n]
-      out.append(dst.at[:, flat].set(upd, mode="drop") if dst.ndim == 3 else dst.at[flat].set(upd, mode="drop"))
+      upd = kv_cache.to_storage(upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]), dst.dtype)  # [(L,) B_l*t, w]
+      lead = (slice(None),) * (dst.ndim - 2)
+      per_row = n_local // dst.shape[-2]
+      if per_row == 1:
+        at = lead + (flat,)
+      else:  # slot s: row s // R, words (s % R) * w .. + w; padding's row N_l / R: dropped
+        w = upd.shape[-1]
+        at = lead + ((flat // per_row)[:, None], (flat % per_row)[:, None] * w + jnp.arange(w, dtype=jnp.int32))
+      out.append(dst.at[at].set(upd, mode="drop"))
     return tuple(out)
 
   dsts = tuple(getattr(pools, name) for name in names)
@@ -210,16 +253,21 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
   return pools._replace(**dict(zip(names, _on_shards(put_all, dsts, rows, pool_out=True))))
 
 
-def _rows(a: jax.Array, ids: jax.Array) -> jax.Array:
-  """a [N, n], ids [B, m] slot ids -> [B, m, n] values."""
-  return kv_cache.as_values(jnp.take(a, ids, axis=0, mode="clip"))
+def _rows(a: jax.Array, ids: jax.Array, per_row: int = 1) -> jax.Array:
+  """a [N / per_row, per_row * n], ids [B, m] slot ids -> [B, m, n'] values (fp8_blocks.take_slots)."""
+  return kv_cache.as_values(take_slots(a, ids, per_row))
 
 
-def page_values(a: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
-  """a [N, n] (slots), pages [B, G] page ids -> [B, G * page_size, n] values: whole pages, one gather
-  slice of [page_size, n] each (never one per token)."""
-  by_page = a.reshape(a.shape[0] // page_size, page_size, a.shape[-1])  # [N/page, page, n]
-  return kv_cache.as_values(jnp.take(by_page, pages, axis=0, mode="clip").reshape(pages.shape[0], -1, a.shape[-1]))  # [B,G*page,n]
+def page_values(a: jax.Array, pages: jax.Array, page_size: int, per_row: int = 1) -> jax.Array:
+  """a [N / per_row, per_row * n] (slots, per_row a row), pages [B, G] page ids -> [B, G * page_size, n']
+  values: whole pages, one gather slice of [page_size / per_row, per_row * n] each (never one per token)."""
+  if page_size % per_row:  # pools made for another serve_page_size (tests): slot by slot
+    ids = pages[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [B, G, page]
+    return _rows(a, ids.reshape(pages.shape[0], -1), per_row)  # [B, G*page, n]
+  rows = page_size // per_row  # pool rows a page
+  by_page = a.reshape(a.shape[0] // rows, rows, a.shape[-1])  # [N/page, page/R, R*n]
+  got = jnp.take(by_page, pages, axis=0, mode="clip")  # [B, G, page/R, R*n]
+  return kv_cache.as_values(got.reshape(pages.shape[0], -1, a.shape[-1] // per_row))  # [B,G*page,n] words -> values
 
 
 KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (one row) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
@@ -329,7 +377,7 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
         cc = page_values(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
         if "c_kv_scale" in stores:
           cc = dequantize_fp8(cc, page_values(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
-        return cc, page_values(stores["k_pe"], pages, page_size)
+        return cc, page_values(stores["k_pe"], pages, page_size, _per_row(stores, "k_pe"))
 
       return latent_attention_blocks(*(a[None] for a in rest[:2]), read_block, n, per_block * page_size,
                                      *(a[None] for a in rest[2:]), scale, precision)[0]  # [t,h,c]
@@ -350,7 +398,7 @@ def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int)
 
   def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P]
     pages = jnp.maximum(arrays[0], 0) - first // page_size  # [B_l,P] local pages
-    return {name: page_values(a, pages, page_size) for name, a in stores.items()}  # [B_l,S,n]
+    return {name: page_values(a, pages, page_size, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,S,n]
 
   got = _on_shards(read, present, ((page_table, 0),), pool_out=False)
   view = {name: got.get(name) for name in pools._fields}  # [B,S,n]
@@ -371,7 +419,7 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
     table, idx = arrays
     page = jnp.take_along_axis(jnp.maximum(table, 0), idx // page_size, axis=1)  # [B_l,m]
     ids = page * page_size + idx % page_size - first  # [B_l,m] local slots
-    return {name: _rows(a, ids) for name, a in stores.items()}  # [B_l,m,n]
+    return {name: _rows(a, ids, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,m,n]
 
   got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False)
   c = got["c_kv"]

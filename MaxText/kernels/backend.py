@@ -37,6 +37,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
                                                            v5e: 7.0 vs 98 ms at 16 rows of 128K fp8)
+  rope_storage       "bits": a paged pool's bf16 k_pe as    "bits" (gpu, others); tpu: "rows", int32
+                     uint16 [N, r] (paged_cache.py)         words of 2, several slots a 128-word row
+                                                           (a v5e copied the [N, 64] uint16 pool whole
+                                                           each step: 1.27 of 10.3 ms at 16 x 128K)
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -76,6 +80,7 @@ class Choices:
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
   fp8_decode: str = "convert"  # "convert" | "bits" | "table": e4m3 -> f32 wherever a cache's fp8 is read (kv_cache)
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
+  rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -91,6 +96,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "fp8_decode": ("convert", "bits", "table"),  # kv_cache.e4m3_values: XLA's convert, integer ops, a 256-entry table
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
+    "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
 }
 
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
@@ -109,8 +115,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
 # mask_attention stays "xla" until splash is measured there: benchmarks/tpu_decode_check.sh mfu times the train
 # step both ways (docs/accelerators.md: no device was lent when the kernel was written, 2026-12-06).
+# The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
+# column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare")
+                          index_placement="compare", rope_storage="rows")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

@@ -240,7 +240,10 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
   t = c_new.shape[1]
   j = flat_idx - start[:, None]  # [b,n]
   fresh = ((j >= 0) & (j < t))[..., None]
-  take = lambda a: jnp.take_along_axis(a.astype(dtype), jnp.clip(j, 0, t - 1)[..., None], axis=1)
+  if t == 1:  # a decode step: the new row broadcast into the select (a take_along_axis wrote a [b,n,c] gather first)
+    take = lambda a: a.astype(dtype)  # [b,1,c] broadcasts over n
+  else:
+    take = lambda a: jnp.take_along_axis(a.astype(dtype), jnp.clip(j, 0, t - 1)[..., None], axis=1)  # [b,n,c]
   return jnp.where(fresh, take(c_new), c_sel.astype(dtype)), jnp.where(fresh, take(pe_new), pe_sel.astype(dtype))
 
 

@@ -132,3 +132,35 @@ def from_words(words: jax.Array) -> jax.Array:
   """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in to_words' order."""
   bits = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., w, 4]
   return bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_CODES)
+
+
+# ---- bf16 values packed 2 to a 32-bit word, and pools whose 128-word rows hold several slots
+
+PAIR_VALUES = 2  # bf16 values an int32 word holds
+
+
+def to_pairs(bits: jax.Array) -> jax.Array:
+  """bf16 bits uint16 [..., n] (n even) -> int32 words [..., n/2] (the dtype says "bf16 pairs", as uint32 says
+  "fp8 codes"). A TPU lays a narrow 16-bit [N, 64] pool out column-major and copied it whole into rows for
+  each decode step's row gather (1.27 of 10.3 ms at 16 rows x 128K, docs/kernels.md); as words in lane-dense
+  rows (`take_slots`) it is gathered where it lies."""
+  return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, PAIR_VALUES), jnp.int32)  # [..., n/2]
+
+
+def from_pairs(words: jax.Array) -> jax.Array:
+  """int32 words [..., w] (to_pairs') -> their bf16 bits uint16 [..., 2w], in to_pairs' order."""
+  bits = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., w, 2]
+  return bits.reshape(*words.shape[:-1], words.shape[-1] * PAIR_VALUES)
+
+
+def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
+  """pool [N / per_row, per_row * w] (per_row slots of w words a row, slot s in row s // per_row at words
+  (s % per_row) * w ..), ids [...] slot ids (clipped into the pool) -> [..., w] as stored. per_row 1: a
+  plain row gather. Rows are gathered whole (lane-dense: no relayout of the pool), then each id's slot
+  is picked out of its gathered row."""
+  if per_row == 1:
+    return jnp.take(pool, ids, axis=0, mode="clip")  # [..., w]
+  ids = jnp.clip(ids, 0, pool.shape[0] * per_row - 1)
+  rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [..., per_row * w]
+  rows = rows.reshape(*ids.shape, per_row, pool.shape[-1] // per_row)  # [..., per_row, w]
+  return jnp.take_along_axis(rows, (ids % per_row)[..., None, None], axis=-2)[..., 0, :]  # [..., w]

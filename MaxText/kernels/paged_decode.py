@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.fp8_blocks import from_words, quantize
+from MaxText.kernels.fp8_blocks import from_pairs, from_words, quantize, take_slots
 
 NEG_INF = float("-inf")
 FP8_BLOCK = 128  # elements per fp8 scale (kv_cache.FP8_BLOCK: kernels sit below inference)
@@ -61,7 +61,10 @@ def as_values(a: jax.Array) -> jax.Array:
 
 
 def _bytes(a: jax.Array) -> jax.Array:
-  """A pool field's rows with uint32 words (fp8 codes, 4 a word: fp8_blocks.to_words) as their uint8 codes."""
+  """A pool field's rows with uint32 words (fp8 codes, 4 a word: fp8_blocks.to_words) as their uint8 codes,
+  int32 words (bf16, 2 a word: fp8_blocks.to_pairs) as their uint16 bits."""
+  if a.dtype == jnp.int32:
+    return from_pairs(a)
   return from_words(a) if a.dtype == jnp.uint32 else a
 
 
@@ -197,7 +200,9 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf
   if fp8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
     k16 = _decode(keys).astype(jnp.bfloat16)
     qs = [_decode(q).astype(jnp.bfloat16)] if q.dtype == jnp.uint8 else _split_bf16(q.astype(jnp.float32))
-    logits = sum(jax.lax.dot_general(part, k16, _NT, preferred_element_type=jnp.float32) for part in qs)  # [H,width]
+    h = q.shape[0]  # the parts stacked [3H, d]: ONE dot, each key tile loaded into the MXU once for all three
+    both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32)  # [3H,width]
+    logits = sum(both[i * h:(i + 1) * h] for i in range(len(qs)))  # [H, width]: the parts' products summed in order
   else:  # fp32 keys and queries
     logits = jax.lax.dot_general(q.astype(jnp.float32), keys.astype(jnp.float32), _NT,
                                  preferred_element_type=jnp.float32, precision=_HI)  # [H, width]
@@ -310,7 +315,8 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   """o_lat [B,H,c] fp32 = softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale,
   times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (K a
   multiple of block; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
-  it (uint8 fp8 bits with c_kv_scale [N, c/128], or f32), k_pe [N,r] (f32, or uint16 bf16 bits). A
+  it (uint8 fp8 bits with c_kv_scale [N, c/128], or f32), k_pe [N,r] (f32, or uint16 bf16 bits, or int32 pairs
+  [N/R, R*r/2]: paged_cache's rows). A
   row with no valid slot gets 0.
 
   The K selected rows are gathered AS STORED by XLA (B*K*(c + 2r + 16) bytes in fp8: 2048 rows of
@@ -325,7 +331,8 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   if k % block:
     raise ValueError(f"sparse_mla_decode: {k} slots is not a multiple of block={block}")
   ids = jnp.clip(ids, 0, c_kv.shape[0] - 1).astype(jnp.int32)
-  gathered = [_bytes(jnp.take(c_kv, ids, axis=0)), jnp.take(k_pe, ids, axis=0)]  # [B,K,c], [B,K,r] as stored
+  pe = take_slots(k_pe, ids, c_kv.shape[0] // k_pe.shape[0])  # [B,K,r] (a packed pool: R slots a row)
+  gathered = [_bytes(jnp.take(c_kv, ids, axis=0)), _bytes(pe)]  # [B,K,c], [B,K,r] as stored
   ins = [valid.astype(jnp.int32)[:, None], q_abs.astype(jnp.float32), q_pe.astype(jnp.float32), *gathered]
   in_specs = [pl.BlockSpec((1, 1, block), lambda i, j: (i, 0, j)), pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
               pl.BlockSpec((1, h, r), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, block, c), lambda i, j: (i, j, 0)),
@@ -351,7 +358,7 @@ def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale
   if c_kv_scale is not None:
     s = jnp.take(c_kv_scale, ids, axis=0)  # [B,K,c/128]
     c = (c.reshape(*c.shape[:2], -1, FP8_BLOCK) * s[..., None]).reshape(c.shape)
-  pe = as_values(jnp.take(k_pe, ids, axis=0)).astype(jnp.float32)  # [B,K,r]
+  pe = as_values(take_slots(k_pe, ids, c_kv.shape[0] // k_pe.shape[0])).astype(jnp.float32)  # [B,K,r]
   hi = jax.lax.Precision.HIGHEST
   logits = (jnp.einsum("bhc,bkc->bhk", q_abs, c, precision=hi)
             + jnp.einsum("bhr,bkr->bhk", q_pe, pe, precision=hi)) * scale  # [B,H,K]

@@ -103,20 +103,25 @@ def _masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
   return jnp.where(jnp.any(valid, axis=-1, keepdims=True), probs, 0.0)
 
 
-def gather_attend(q_lat: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, idx: jax.Array,
+def gather_attend(q_lat: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, idx: jax.Array | None,
                   idx_valid: jax.Array, scale: float, *, precision=None) -> tuple[jax.Array, jax.Array]:
   """Attention of each query over its k gathered latent keys (absorbed MLA), e.g. one decode step.
 
   q_lat [b,t,h,c] (absorb_q), q_pe [b,t,h,r] (RoPE'd), c_kv [b,s,c], k_pe [b,s,r] (a cache or
-  the whole sequence), idx [b,t,k] int32 key positions in [0, s), idx_valid [b,t,k] bool (False
+  the whole sequence), idx [b,t,k] int32 key positions in [0, s) (None: c_kv / k_pe are already each query's
+  k rows in order, [b, t*k, .]: no gather), idx_valid [b,t,k] bool (False
   slots are masked out), scale the softmax scale -> o_lat [b,t,h,c] (in q_lat's dtype;
   unabsorb_out maps it to [b,t,h,v]) and probs [b,h,t,k] fp32. A row with no valid slot gives
   o_lat 0 and probs 0. Work and memory O(t*k*(c+r) + t*h*k), independent of s. Plain autodiff
   (sparse_mla_attention has the memory-lean VJP for training).
   """
   f32, dt = jnp.float32, q_lat.dtype
-  c_g = gather_rows(c_kv, idx).astype(dt)  # [b,t,k,c]; cast after the gather: O(k), not O(s)
-  pe_g = gather_rows(k_pe, idx).astype(dt)  # [b,t,k,r]
+  if idx is None:  # rows given in order: a reshape (an identity gather copied them: 67 MB f32 at 16 x 2048 x 512)
+    rows = lambda a: a.reshape(*idx_valid.shape, a.shape[-1])  # [b,t*k,e] -> [b,t,k,e]
+  else:
+    rows = lambda a: gather_rows(a, idx)  # [b,t,k,e]
+  c_g = rows(c_kv).astype(dt)  # [b,t,k,c]; cast after the gather: O(k), not O(s)
+  pe_g = rows(k_pe).astype(dt)  # [b,t,k,r]
   logits = (jnp.einsum("bthc,btkc->bhtk", q_lat, c_g, precision=precision, preferred_element_type=f32)
             + jnp.einsum("bthr,btkr->bhtk", q_pe.astype(dt), pe_g, precision=precision,
                          preferred_element_type=f32))  # [b,h,t,k]

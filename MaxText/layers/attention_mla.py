@@ -291,9 +291,8 @@ class MLA(nnx.Module):
       flat = idx.reshape(b, t * k)  # [b,t*k]
       c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,
                                      dt)  # [b,t*k,kv_lora], [b,t*k,rope]
-      local = jnp.broadcast_to(jnp.arange(t * k, dtype=jnp.int32).reshape(1, t, k), (b, t, k))  # row i*k+j
-      o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, local, idx_valid, cfg.softmax_scale,
-                               precision=precision)  # [b,t,h,kv_lora]
+      o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, None, idx_valid, cfg.softmax_scale,
+                               precision=precision)  # [b,t,h,kv_lora]: query i's rows i*k .. i*k+k-1, in order
     elif cache.mode == "dense":
       o_lat = cache.attend_dense(q_abs, q_pe, stored["c_kv"], stored["k_pe"], positions, cfg.softmax_scale,
                                  precision)  # [b,t,h,kv_lora]

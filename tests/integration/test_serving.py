@@ -5,12 +5,14 @@ every page is free afterwards; a seed gives the same tokens whatever shares the 
 fails alone. (tests/integration/test_decode.py holds the engine's greedy tokens equal to the
 teacher-forced model's argmax.)"""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from MaxText.checkpoint import model_state
 from MaxText.inference.scheduler import RequestError, SamplingParams
 from MaxText.inference.serving import ServingEngine
+from MaxText.kernels import backend
 from MaxText.runtime import sharding
 from tests.conftest import make_config
 from tests.support.serving import BASE, NEW, PROMPTS
@@ -66,6 +68,10 @@ def test_fp8_cache_equals_each_prompt_alone_over_fp8(model):
   cfg, graphdef, params, buffers, _ = model
   want = _alone(graphdef, params, buffers, [PROMPTS[0], PROMPTS[3]], kv_cache_dtype="fp8")
   _, got = _serve(model, {0: [0, 3]}, kv_cache_dtype="fp8")
+  assert [got[0], got[3]] == want
+  with backend.forced(rope_storage="rows"):  # the tpu row's k_pe pool: int32 pairs, 8 slots (a page) a row
+    eng, got = _serve(model, {0: [0, 3]}, kv_cache_dtype="fp8")
+  assert eng.pools["dense_layers"].k_pe.dtype == jnp.int32
   assert [got[0], got[3]] == want
 
 

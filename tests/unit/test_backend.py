@@ -28,7 +28,8 @@ def test_table_cpu_row_is_the_measured_one_and_other_backends_are_portable():
     assert backend.row(name) == backend.PORTABLE
   # the TPU's: the measured binned selections, the rest portable
   assert backend.row("tpu") == dataclasses.replace(backend.PORTABLE, exact_selection="binned", approx_selection="binned",
-                                                   paged_scoring="pallas", index_placement="compare")
+                                                   paged_scoring="pallas", index_placement="compare",
+                                                   rope_storage="rows")
   for name, (tuned, portable) in backend.OPTIONS.items():
     assert getattr(backend.CPU, name) == tuned and getattr(backend.PORTABLE, name) == portable
   if not os.environ.get("MAXTEXT_TEST_KERNEL_ROW"):  # tests/conftest.py forces no row

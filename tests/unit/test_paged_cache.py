@@ -2,13 +2,16 @@
 written through a page table read back the same, the selected latents gather the same, and the
 indexer's selection over a paged sequence is the contiguous one."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense
+from MaxText.kernels import backend
+from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense, merge_selected
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
 from tests.conftest import make_config
@@ -178,13 +181,13 @@ def test_a_write_into_bf16_or_fp8_pools_updates_them_in_place(dtype):
   cfg = make_config(kv_cache_dtype=dtype)
   n = 4096  # slots: the pool fields (128-256 KiB) outweigh the write's own temporaries
   pools = paged_cache.init_layer_pools(cfg, n)
-  assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint16), jnp.dtype(jnp.float32)}
+  assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(t) for t in (jnp.uint8, jnp.uint16, jnp.int32, jnp.float32)}
   e = _entries(cfg, 2, 1, seed=3)
   ids = jnp.asarray([[5], [n]], jnp.int32)  # row 1: padding, dropped
   write = jax.jit(paged_cache.write, donate_argnums=(0,))
   compiled = write.lower(pools, ids, **e).compile()
   hlo = compiled.as_text()
-  pool_shapes = {f"[{n},{a.shape[-1]}]" for a in pools if a is not None}
+  pool_shapes = {f"[{a.shape[0]},{a.shape[-1]}]" for a in pools if a is not None}  # k_pe as int32 rows: [n/R, R*w]
   converts = [line.strip()[:120] for line in hlo.split("\n")
               if " convert(" in line and any(shape in line.split(" = ", 1)[-1].split(" ", 1)[0] for shape in pool_shapes)]
   assert not converts, converts
@@ -210,7 +213,7 @@ def _pool_sized(hlo: str, elements: int) -> list[str]:
     if op in IN_PLACE or (op == "fusion" and any(kind in head[0] for kind in IN_PLACE[1:3])):  # an in-place update's
       continue
     dims = head[1].split("[", 1)[1].split("]", 1)[0]
-    if dims and np.prod([int(d) for d in dims.split(",")]) >= elements:
+    if re.fullmatch(r"[\d,]+", dims) and np.prod([int(d) for d in dims.split(",")]) >= elements:
       out.append(line.strip()[:140])
   return out
 
@@ -240,3 +243,121 @@ def test_the_fp8_latent_pool_is_32bit_words_gathered_and_written_without_a_pool_
   contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, 2, length=2 * PAGE), jnp.zeros((2,), jnp.int32), **e)
   for g, w in zip(gather(pools, table, idx), kv_cache.gather_latents(contiguous, idx)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _rows_and_bits(cfg, n, num_layers=None):
+  """The same config's pools under rope_storage "rows" (the tpu row) and "bits" (the cpu row)."""
+  with backend.forced(rope_storage="rows"):
+    rows = paged_cache.init_layer_pools(cfg, n, num_layers)
+  with backend.forced(rope_storage="bits"):
+    bits = paged_cache.init_layer_pools(cfg, n, num_layers)
+  return rows, bits
+
+
+def test_a_k_pe_pool_of_int32_rows_reads_back_what_the_bits_pool_does(monkeypatch):
+  """rope_storage "rows": k_pe as int32 pairs, R slots a pool row (here rope 8: 4 words a slot, R = 4 slots a
+  page). Written through a page table (ragged rows, a padding token, a stack of 2 layers), every reader gives
+  exactly what the uint16 pool gives: sequence_view, gather_selected, dense_over_pages (a page a block)."""
+  cfg = make_config(kv_cache_dtype="fp8", serve_page_size=PAGE)
+  n, b, s = PAGES * PAGE, 2, 3 * PAGE
+  rows, bits = _rows_and_bits(cfg, n, num_layers=2)
+  assert rows.k_pe.dtype == jnp.int32 and rows.k_pe.shape == (2, n // PAGE, PAGE * cfg.qk_rope_head_dim // 2)
+  assert bits.k_pe.dtype == jnp.uint16 and bits.k_pe.shape == (2, n, cfg.qk_rope_head_dim)
+  table = jnp.asarray([[3, 7, 1], [2, 0, 9]], jnp.int32)  # [B,P]
+  positions = jnp.where(jnp.arange(s)[None] < jnp.asarray([[s], [s - 3]]), jnp.arange(s)[None], -1)  # row 1: padding
+  e = {k: jnp.stack([v, -2 * v]) for k, v in _entries(cfg, b, s, seed=7).items()}  # [2,B,S,n]: two layers
+  ids = paged_cache.slots(table, positions, PAGE, n)
+  rows, bits = (paged_cache.write(p, ids, **e) for p in (rows, bits))
+  assert np.asarray(rows.k_pe).any()
+  idx = jnp.asarray([[0, 11, 5, 4], [8, 1, 2, 0]], jnp.int32)
+  rng = np.random.default_rng(8)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  r = cfg.qk_rope_head_dim
+  q = (f(b, 1, 4, cfg.kv_lora_rank), f(b, 1, 4, r), f(b, 1, cfg.kv_lora_rank), f(b, 1, r))
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 1)  # a page a block
+  for layer in range(2):
+    got, want = (jax.tree.map(lambda a: a[layer], p) for p in (rows, bits))
+    for g, w in zip(paged_cache.sequence_view(got, table, PAGE), paged_cache.sequence_view(want, table, PAGE)):
+      if w is not None:
+        np.testing.assert_array_equal(np.asarray(kv_cache.as_values(g)), np.asarray(kv_cache.as_values(w)))
+    for g, w in zip(paged_cache.gather_selected(got, table, idx, PAGE), paged_cache.gather_selected(want, table, idx, PAGE)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _, pe = paged_cache.gather_selected(got, table, idx, PAGE)
+    np.testing.assert_array_equal(np.asarray(pe)[1, 1], np.asarray(e["k_pe"][layer, 1, 1].astype(jnp.bfloat16)))
+    dense = [paged_cache.dense_over_pages(p, table, PAGE, *q, jnp.asarray([s - 1, s - 4]), 0.3) for p in (got, want)]
+    np.testing.assert_array_equal(np.asarray(dense[0]), np.asarray(dense[1]))
+
+
+def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a_pool_copy():
+  """At the official sizes (rope 64, page 64 here 4) the tpu row holds k_pe as int32 [N/4, 128]: whole 128-word
+  rows that a TPU gathers and scatters where they lie (as uint16 [N, 64] it was laid out column-major and
+  copied whole each 16-row 128K step: 1.27 of 10.3 ms, docs/kernels.md). Its write and the selected rows'
+  gather have no pool-sized op but the in-place scatter, and the rows read back the bits pool's values."""
+  cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128,
+                    serve_page_size=PAGE)
+  n = 64 * PAGE
+  with backend.forced("tpu"):
+    pools = paged_cache.init_layer_pools(cfg, n)
+  _, bits = _rows_and_bits(cfg, n)
+  assert pools.k_pe.dtype == jnp.int32 and pools.k_pe.shape == (n // 4, 128)
+  e = _entries(cfg, 2, 3, seed=9)
+  table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
+  ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)
+  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  wrote = _pool_sized(write.lower(pools, ids, **e).compile().as_text(), n * 32)  # k_pe: n x 32 words
+  assert not wrote, wrote
+  pools, bits = write(pools, ids, **e), write(bits, ids, **e)
+  idx = jnp.asarray([[2, 0, 1], [1, 0, 0]], jnp.int32)
+  gather = jax.jit(lambda p, t, i: paged_cache.gather_selected(p, t, i, PAGE))
+  read = _pool_sized(gather.lower(pools, table, idx).compile().as_text(), n * 32)
+  assert not read, read
+  for g, w in zip(gather(pools, table, idx), gather(bits, table, idx)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_array():
+  """The fp8 engine's compiled decode step and write (rows x 1 token) with the tpu row's pools (latent as uint32
+  words, k_pe as int32 rows): no op makes an array as large as a layer's k_pe pool (the smallest pool field
+  checked) but the in-place updates. A reader that decoded or relaid a whole pool before picking its rows
+  would (on a TPU the uint16 k_pe and uint8 latent pools were copied whole each step: docs/kernels.md). And the
+  selected latents are gathered from the pool once, not again as f32 rows."""
+  from MaxText import serve_compile
+  from MaxText.runtime import sharding
+  pages, page = 512, 8
+  cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128,
+                    serve_page_size=page, serve_num_pages=pages, max_target_length=64, serve_max_num_seqs=2,
+                    max_prefill_length=16, num_decoder_layers=1)
+  mesh = sharding.create_mesh(cfg)
+  with backend.forced(rope_storage="rows"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    engine = serve_compile.build_engine(cfg)  # abstract: nothing allocated
+    step, write, _ = engine.compile_step(2, 1)
+  pool = engine.pools["dense_layers"]
+  assert pool.k_pe.shape == (1, pages * page // 4, 128) and pool.k_pe.dtype == jnp.int32
+  assert pool.c_kv.shape == (1, pages * page, 128) and pool.c_kv.dtype == jnp.uint32
+  for program in (step, write):
+    big = _pool_sized(program.as_text(), pages * page * 32)  # one layer's k_pe: N x 32 words
+    assert not big, big
+  # the selected latents are gathered once, as stored (uint32 words): no f32 gather of 512-wide rows after it (the
+  # merge's per-slot take of the new token, gather_attend's identity gather: 67 MB each at 16 rows x 2048)
+  again = [line.strip()[:120] for line in step.as_text().split("\n")
+           if " gather(" in line and "= f32[" in line and re.search(r"slice_sizes=\{[\d,]*,512\}", line)]
+  assert not again, again
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_merge_selected_takes_each_new_tokens_row_where_selected(t):
+  """Selected positions that are this step's new tokens (start .. start+t-1) get the new rows, the rest keep the
+  cache's; t = 1 (a decode step) broadcasts the one new row instead of gathering it per slot."""
+  rng = np.random.default_rng(10)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  c_sel, pe_sel, c_new, pe_new = f(2, 5, 6), f(2, 5, 4), f(2, t, 6), f(2, t, 4)
+  start = jnp.asarray([7, 2], jnp.int32)
+  flat = jnp.asarray([[7, 0, 7 + t - 1, 3, 6], [1, 2 + t - 1, 2, 9, 0]], jnp.int32)  # [b,n] positions
+  c, pe = merge_selected(c_sel, pe_sel, c_new, pe_new, flat, start, jnp.float32)
+  for got, sel, new in ((c, c_sel, c_new), (pe, pe_sel, pe_new)):
+    want = np.array(sel)
+    for r in range(2):
+      for i, p in enumerate(np.asarray(flat[r])):
+        if 0 <= p - int(start[r]) < t:
+          want[r, i] = np.asarray(new)[r, p - int(start[r])]
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -11,6 +11,7 @@ from MaxText.inference import kv_cache
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
+from MaxText.kernels.fp8_blocks import to_pairs
 
 B, PAGE, P = 2, 8, 4  # 2 rows of 4 pages of 8 slots; the pool holds exactly their pages
 N = B * P * PAGE
@@ -90,6 +91,11 @@ def test_sparse_mla_decode_equals_the_xla_path(fp8):
   got = pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1, block=16, interpret=True)
   ref = pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1)
   _close(got, ref, 1e-5)
+  if fp8:  # k_pe as paged_cache's tpu row holds it: int32 pairs, 4 slots a 128-word row
+    rows = to_pairs(k_pe).reshape(N // 4, 4 * r // 2)  # [N/4, 128]
+    np.testing.assert_array_equal(pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, rows, scale, 0.1, block=16,
+                                                       interpret=True), got)
+    np.testing.assert_array_equal(pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, rows, scale, 0.1), ref)
   assert np.all(np.asarray(got)[1] == 0)
   assert np.max(np.abs(np.asarray(got)[0])) > 0.1
 

@@ -251,6 +251,9 @@ def test_absorbed_attention_equals_expanded_attention():
     w = m.wkv_b.kernel[...]
     q_lat = sa.absorb_q(q_nope, w, m.num_heads, m.nope, m.v_dim)  # [b,t,h,c]
     o_lat, probs = sa.gather_attend(q_lat, q_pe, c_kv, k_pe, idx, ok, cfg.softmax_scale)
+    rows = lambda a: jax.vmap(lambda ab, ib: ab[ib])(a, idx).reshape(2, -1, a.shape[-1])  # [b,t*6,e]: in order
+    o_given, _ = sa.gather_attend(q_lat, q_pe, rows(c_kv), rows(k_pe), None, ok, cfg.softmax_scale)  # the cache's way
+    o_lat = jnp.where(jnp.array_equal(o_given, o_lat), o_lat, jnp.nan)  # idx None: the same rows, the same output
     absorbed = sa.unabsorb_out(o_lat, w, m.num_heads, m.nope, m.v_dim)  # [b,t,h,v]
     mask = jnp.zeros((2, T, T), bool).at[jnp.arange(2)[:, None, None], jnp.arange(T)[None, :, None], idx].max(ok)
     k_nope, v = m.expand_kv(c_kv)
