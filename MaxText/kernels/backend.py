@@ -25,10 +25,6 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      k=2048 (sparse_attention_impl=auto)   on these backends
   index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
                      a binary search over prefix counts    counting (no while loop of gathers)
-  fp8_decode         "convert": XLA's float8 -> f32 convert "convert" (not measured there; the TPU's
-                     (kv_cache.e4m3_values; "bits" and     Pallas kernels decode their bits
-                     "table" measured no faster in the     themselves)
-                     step: benchmarks/decode_fp8.py)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -70,7 +66,6 @@ class Choices:
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
-  fp8_decode: str = "convert"  # "convert" | "bits" | "table": e4m3 -> f32 wherever a cache's fp8 is read (kv_cache)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -84,9 +79,12 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
 KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
-    "fp8_decode": ("convert", "bits", "table"),  # kv_cache.e4m3_values: XLA's convert, integer ops, a 256-entry table
 }
 
+# paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
+# each block's dot on one YNNPACK thread; 4 rows' blocks in one iteration, a batched dot, wider blocks or YNNPACK off
+# measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (148.8 vs 163.5 ms
+# CPU for 4 rows x 128K against dequantizing each block first: benchmarks/decode_fp8.py, docs/kernels.md On the CPU).
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
 PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row_blocks="all", query_loop="vmap",
