@@ -235,7 +235,7 @@ class PagedKeys(NamedTuple):
   blocks 1.8x slower) into the row's slice of the [b,tq,S] result. fp8 keys with one scale a key
   (d <= 128, the model's) are scored as their codes' values, each key's score then times its scale
   (sum_h w relu(q.(s c)) = s sum_h w relu(q.c) for s > 0: DeepGEMM's order and paged_decode's kernel's;
-  no [width, d] multiply a block, 9% of the 128K scoring's CPU time, docs/kernels.md); wider fp8 keys
+  no [width, d] multiply a block: no slower, 0-9% less CPU, docs/kernels.md); wider fp8 keys
   are dequantized first. Each score is index_scores' sum on the same key values: equal to
   ContiguousKeys' to f32 rounding (bit for bit over f32 keys where the dot's accumulation order agrees)."""
   idx_k: jax.Array                # [N, d] as the pool holds it (fp8: uint8 bits; on a page shard: this device's slots)

@@ -83,8 +83,9 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
 
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
 # each block's dot on one YNNPACK thread; 4 rows' blocks in one iteration, a batched dot, wider blocks or YNNPACK off
-# measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (148.8 vs 163.5 ms
-# CPU for 4 rows x 128K against dequantizing each block first: benchmarks/decode_fp8.py, docs/kernels.md On the CPU).
+# measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (4 rows x 128K: 134.7
+# vs 134.7 ms CPU against dequantizing each block first in benchmarks/decode_fp8.py, 148.8 vs 163.5, 141.3 vs 146.0
+# and 130.6 vs 134.2 in ad hoc runs: no slower, 0-9% less; docs/kernels.md, On the CPU).
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
 PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row_blocks="all", query_loop="vmap",
