@@ -49,7 +49,7 @@ case "$part" in
         --set remat_policy=full
       timeout 160 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=splash \
         --set global_batch_size=2 remat_policy=none --set global_batch_size=2 remat_policy=full
-      timeout 130 python3 benchmarks/train_mfu.py --no-trace --set remat_policy=none
+      timeout 130 python3 benchmarks/train_mfu.py --no-trace --force mask_attention=xla --set remat_policy=none
     } 2>&1 | tee "$out/mfu.log" ;;
   probe)
     { timeout 120 python3 benchmarks/pool_gather.py

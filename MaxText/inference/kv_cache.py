@@ -35,12 +35,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from MaxText.config.types import Config
-from MaxText.kernels import backend
 from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words
-from MaxText.kernels.paged_decode import e4m3_to_f32
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -75,21 +72,12 @@ def quantize_fp8(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.A
   return q.reshape(*x.shape[:-1], nb * block)[..., :n], scale
 
 
-E4M3_TABLE = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)  # code -> value (0x7F, 0xFF: NaN)
-
-
 def e4m3_values(q: jax.Array) -> jax.Array:
-  """q float8_e4m3fn (or its uint8 bits) -> f32, exactly (NaN codes 0x7F / 0xFF -> NaN), by backend.py's
-  fp8_decode: XLA's convert ("convert"), integer ops ("bits": paged_decode.e4m3_to_f32) or a gather from
-  the 256 values (E4M3_TABLE). All three give the same values for every code (tests/unit/test_kv_cache.py);
-  they differ only in speed (benchmarks/decode_fp8.py)."""
-  how = backend.choice("fp8_decode")
-  if how == "convert":
-    return as_values(q).astype(jnp.float32)
-  bits = q if q.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(as_values(q), jnp.uint8)  # words unpacked
-  if how == "bits":
-    return e4m3_to_f32(bits)
-  return jnp.take(jnp.asarray(E4M3_TABLE), bits.astype(jnp.int32), axis=0)  # [...]
+  """q float8_e4m3fn (or its uint8 bits) -> f32, exactly, by XLA's convert (NaN codes 0x7F / 0xFF -> NaN).
+  The one decode of the XLA paths; the Pallas kernels decode the same bits with integer ops
+  (paged_decode.e4m3_to_f32), equal for all 256 codes (tests/unit/test_kv_cache.py). Those integer ops and
+  a 256-entry table were measured as alternatives here and cost the same (docs/kernels.md, On the CPU)."""
+  return as_values(q).astype(jnp.float32)
 
 
 def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:

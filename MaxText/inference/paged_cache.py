@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
-from MaxText.inference.kv_cache import dequantize_fp8
+from MaxText.inference.kv_cache import dequantize_fp8, e4m3_values
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.fp8_blocks import take_slots
@@ -279,10 +279,13 @@ class PagedKeys(NamedTuple):
   """A key source (kernels/cached_attention.py) over the indexer-key pool: each row's keys lie in
   the pages of its table row. `scores` reads them a block of pages at a time, one row at a time (a
   fori_loop over (row, block) pairs, KEY_BLOCK_BYTES of fp32 keys a block): the block's pages
-  gathered whole, fp8 blocks dequantized there, scored by index_scores.row_index_scores (2-D dots:
-  XLA:CPU's batched dot ran the blocks 1.8x slower) into the row's slice of the [b,tq,S] result.
-  Each score is index_scores' arithmetic on the same key: equal to ContiguousKeys' to f32 rounding
-  (bit for bit where the dot's accumulation order agrees)."""
+  gathered whole, scored by index_scores.row_index_scores (2-D dots: XLA:CPU's batched dot ran the
+  blocks 1.8x slower) into the row's slice of the [b,tq,S] result. fp8 keys with one scale a key
+  (d <= 128, the model's) are scored as their codes' values, each key's score then times its scale
+  (sum_h w relu(q.(s c)) = s sum_h w relu(q.c) for s > 0: DeepGEMM's order and paged_decode's kernel's;
+  no [width, d] multiply a block: no slower, 0-9% less CPU, docs/kernels.md); wider fp8 keys
+  are dequantized first. Each score is index_scores' sum on the same key values: equal to
+  ContiguousKeys' to f32 rounding (bit for bit over f32 keys where the dot's accumulation order agrees)."""
   idx_k: jax.Array                # [N, d] as the pool holds it (fp8: uint8 bits; on a page shard: this device's slots)
   idx_k_scale: jax.Array | None   # [N, ceil(d/128)] fp32; fp8 only
   table: jax.Array                # [b, P] page ids into idx_k's pages (< 0: none; read as page 0, masked)
@@ -309,10 +312,10 @@ class PagedKeys(NamedTuple):
     def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
       r, j = i // n, i % n
       pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
-      keys = page_values(self.idx_k, pages, page)[0]  # [width,d] values (fp8: still quantized)
-      if self.idx_k_scale is not None:
-        keys = dequantize_fp8(keys, page_values(self.idx_k_scale, pages, page)[0])
+      keys, key_scale = self.block_keys(pages)  # [width,d], [width] or None
       got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
+      if key_scale is not None:
+        got = got * key_scale[None]  # [tq,width]
       slot = j * width + jnp.arange(width, dtype=jnp.int32)  # [width]
       got = jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
       return jax.lax.dynamic_update_slice(out, got[None], (r, 0, j * width))
@@ -320,6 +323,18 @@ class PagedKeys(NamedTuple):
     out = jnp.full((b, q.shape[1], n * width), -jnp.inf, jnp.float32)
     out = jax.lax.fori_loop(0, b * n, block, out) if b * n > 1 else block(0, out)
     return out[..., :self.slots]  # [b,tq,S]
+
+  def block_keys(self, pages: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """pages [1,m] -> (keys [m*page, d] f32, scales [m*page] or None) for scores' block: fp8 keys with one
+    scale a key as their codes' values and the scales their scores take (sum_h w relu(q.(s c)) =
+    s sum_h w relu(q.c), s > 0); wider fp8 keys dequantized (scales None), others as they are."""
+    keys = page_values(self.idx_k, pages, self.page_size)[0]  # [width,d] values (fp8: still quantized)
+    if self.idx_k_scale is None:
+      return keys, None
+    scale = page_values(self.idx_k_scale, pages, self.page_size)[0]  # [width, ceil(d/128)]
+    if scale.shape[-1] == 1:
+      return e4m3_values(keys), scale[:, 0]
+    return dequantize_fp8(keys, scale), None
 
   def _kernel_scores(self, q: jax.Array, w: jax.Array, pos: jax.Array) -> jax.Array:
     """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):

@@ -25,14 +25,11 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      k=2048 (sparse_attention_impl=auto)   on these backends
   index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
                      a binary search over prefix counts    counting (no while loop of gathers)
-  fp8_decode         "convert": XLA's float8 -> f32 convert "convert" (not measured there; the TPU's
-                     (kv_cache.e4m3_values; "bits" and     Pallas kernels decode their bits
-                     "table" measured no faster in the     themselves)
-                     step: benchmarks/decode_fp8.py)
-  mask_attention     "xla": MLA.attend's dense logits and     "xla" (tpu too, until measured there); "splash":
-                     probabilities [b,h,t,s] in memory      JAX's Pallas splash kernel (kernels/flash_attention
+  mask_attention     "xla": MLA.attend's dense logits and  "xla" (gpu, others); tpu: "splash", JAX's
+                     probabilities [b,h,t,s] in memory     Pallas splash kernel (kernels/flash_attention
                                                            .py) where the support is the validity mask
-                                                           (MLA.use_flash; TPU only: Mosaic)
+                                                           (MLA.use_flash; measured on a v5e: the
+                                                           train step 173.6 vs 183.6 ms)
   paged_scoring      "xla": PagedKeys' loop of page blocks "xla" (gpu, others); tpu: "pallas", the
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
@@ -78,7 +75,6 @@ class Choices:
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
-  fp8_decode: str = "convert"  # "convert" | "bits" | "table": e4m3 -> f32 wherever a cache's fp8 is read (kv_cache)
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
   rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
 
@@ -94,11 +90,15 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
 KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
-    "fp8_decode": ("convert", "bits", "table"),  # kv_cache.e4m3_values: XLA's convert, integer ops, a 256-entry table
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
     "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
 }
 
+# paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
+# each block's dot on one YNNPACK thread; 4 rows' blocks in one iteration, a batched dot, wider blocks or YNNPACK off
+# measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (4 rows x 128K: 134.7
+# vs 134.7 ms CPU against dequantizing each block first in benchmarks/decode_fp8.py, 148.8 vs 163.5, 141.3 vs 146.0
+# and 130.6 vs 134.2 in ad hoc runs: no slower, 0-9% less; docs/kernels.md, On the CPU).
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
 PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row_blocks="all", query_loop="vmap",
@@ -113,12 +113,13 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # the 16-row 128K step (benchmarks/decode_profile.py, docs/kernels.md).
 # mask_to_indices' slots placed by counting (index_placement "compare"): the binary search is a while loop of
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
-# mask_attention stays "xla" until splash is measured there: benchmarks/tpu_decode_check.sh mfu times the train
-# step both ways (docs/accelerators.md: no device was lent when the kernel was written, 2026-12-06).
+# MLA's mask path in splash where its support is every valid key (mask_attention "splash"): the v5e train step of
+# configs/models/deepseek3.2-v5e.yml at 1 x 2048 tokens 173.6 vs 183.6 ms, 10.31 vs 13.44 GiB, so 2 x 2048 fits
+# (11.46 GiB: model MFU 37.1%) (benchmarks/tpu_decode_check.sh mfu, docs/accelerators.md, 2026-12-06).
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare", rope_storage="rows")
+                          index_placement="compare", rope_storage="rows", mask_attention="splash")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels import backend
+from MaxText.kernels.paged_decode import e4m3_to_f32
 from tests.conftest import make_config
 
 
@@ -97,22 +97,24 @@ def test_fp8_of_zeros_and_of_the_block_maximum_is_exact():
   assert float(y[0, 0]) == -3.0 and float(y[0, 3]) == 3.0  # amax maps to 448 exactly: no NaN overflow
 
 
-@pytest.mark.parametrize("how", backend.KERNELS["fp8_decode"])
-def test_every_fp8_decode_gives_each_of_the_256_codes_its_e4m3_value(how):
+def test_each_of_the_256_fp8_codes_decodes_to_its_e4m3_value_as_the_kernels_decode_it():
+  # kv_cache.e4m3_values (XLA's convert: the XLA paths) and paged_decode.e4m3_to_f32 (integer ops: the Pallas
+  # kernels) give every code ml_dtypes' value (the release's torch float8_e4m3fn), bit for bit with the sign
+  # of -0.0 (0x80); the two NaN codes (0x7F, 0xFF: e4m3fn has no infinity) decode to NaN in both
   codes = np.arange(256, dtype=np.uint8)
-  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # ml_dtypes' (the release's torch) values
-  assert np.isnan(want).sum() == 2  # 0x7F and 0xFF: e4m3fn has NaN, no infinity
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  assert np.isnan(want).sum() == 2
+  ok = ~np.isnan(want)
   scale = jnp.asarray([[0.5, 2.0]], jnp.float32)  # two 128-blocks: each code once per block
-  with backend.forced(fp8_decode=how):
-    for q in (jnp.asarray(codes), jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)):
-      got = np.asarray(jax.jit(lambda q: kv_cache.e4m3_values(q))(q))  # a fresh jit: traced here
+  kernels = np.asarray(jax.jit(e4m3_to_f32)(jnp.asarray(codes)))
+  for q in (jnp.asarray(codes), jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)):
+    xla = np.asarray(jax.jit(kv_cache.e4m3_values)(q))
+    for got in (xla, kernels):
       assert got.dtype == np.float32
-      ok = ~np.isnan(want)
       np.testing.assert_array_equal(np.isnan(got), ~ok)
-      np.testing.assert_array_equal(got[ok], want[ok])  # exact: subnormals, +-448
-      assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))  # -0.0 (0x80) keeps its sign
-      deq = np.asarray(jax.jit(lambda q, s: kv_cache.dequantize_fp8(q, s))(q[None], scale))[0]  # [256]
-      np.testing.assert_array_equal(deq, np.asarray(got) * np.repeat([0.5, 2.0], 128).astype(np.float32))
+      np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))  # subnormals, +-448, -0.0
+    deq = np.asarray(jax.jit(kv_cache.dequantize_fp8)(q[None], scale))[0]  # [256]
+    np.testing.assert_array_equal(deq, xla * np.repeat([0.5, 2.0], 128).astype(np.float32))
 
 
 # ---------------------------------------------------------------- write and read

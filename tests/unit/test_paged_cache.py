@@ -361,3 +361,33 @@ def test_merge_selected_takes_each_new_tokens_row_where_selected(t):
         if 0 <= p - int(start[r]) < t:
           want[r, i] = np.asarray(new)[r, p - int(start[r])]
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("d", [128, 256])  # one fp8 scale a key (scaled after the dot), two (dequantized first)
+def test_paged_fp8_keys_score_as_their_dequantized_values_to_fp32_rounding(d, monkeypatch):
+  # PagedKeys scores fp8 keys with one scale each as s * sum_h w relu(q . codes) (relu(s x) = s relu(x), s > 0:
+  # DeepGEMM's order, and the Pallas kernel's), not sum_h w relu(q . (s codes)): another fp32 rounding of the
+  # same sum. Both within 4 fp32 ulps of the float64 sum's magnitude sum_h |w_h| sum_d |q_hd k_d| (key scales
+  # spread over 2^-12 .. 2^6, so a scale left out or taken from another slot is off by far more).
+  rng = np.random.default_rng(7)
+  h, page, pages, n = 4, 4, 6, 8 * 4
+  x = rng.standard_normal((n, d)) * np.exp2(rng.uniform(-12, 6, (n, 1)))
+  codes, scale = kv_cache.quantize_fp8(jnp.asarray(x, jnp.float32))
+  table = jnp.asarray([[5, 0, 3, 7, 1, 2], [6, 4, 2, -1, -1, -1]], jnp.int32)  # [B,P]; -1: no page
+  pos = jnp.asarray([[pages * page - 1], [10]], jnp.int32)  # [B,1]
+  q = jnp.asarray(rng.standard_normal((2, 1, h, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, 1, h)), jnp.float32)
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * page * d * 4)  # blocks of 2 pages: 3 a row
+  keys = paged_cache.PagedKeys(jax.lax.bitcast_convert_type(codes, jnp.uint8), scale, table, page)
+  got = np.asarray(jax.jit(lambda q, w, p: keys.scores(q, w, p, head_chunk=h))(q, w, pos))  # [B,1,S]
+  k64 = np.asarray(kv_cache.dequantize_fp8(codes, scale), np.float64)  # [n,d] the values the dequantized path scores
+  slots = np.asarray(jnp.maximum(table, 0)).repeat(page, axis=1) * page + np.tile(np.arange(page), pages)  # [B,S]
+  terms = np.einsum("bhd,bsd->bhs", np.asarray(q[:, 0], np.float64), k64[slots])  # [B,h,S]
+  w64 = np.asarray(w[:, 0], np.float64)[:, :, None] * d ** -0.5  # [B,h,1]
+  want = (np.maximum(terms, 0) * w64).sum(1)  # [B,S]
+  mag = (np.abs(w64) * np.einsum("bhd,bsd->bhs", np.abs(np.asarray(q[:, 0], np.float64)), np.abs(k64[slots]))).sum(1)
+  valid = np.arange(pages * page)[None] <= np.asarray(pos)  # [B,S]
+  np.testing.assert_array_equal(np.isfinite(got[:, 0]), valid)
+  assert np.all(np.abs(got[:, 0] - want)[valid] <= 4 * np.finfo(np.float32).eps * mag[valid])
+  ref = ContiguousKeys(kv_cache.dequantize_fp8(codes, scale)[slots]).scores(q, w, pos, head_chunk=h)  # dequantized first
+  assert np.all(np.abs(np.asarray(ref)[:, 0] - want)[valid] <= 4 * np.finfo(np.float32).eps * mag[valid])
