@@ -13,7 +13,7 @@ sparse path timed alone on the same pools (scoring, selection, gather, attention
    found for are "other".
 3. The pieces, each its own jitted program on the engine's own layer pool and page table, medians of
    `--iters` calls: the indexer scores (backend.py's paged_scoring route, and the Pallas kernel and
-   the XLA loop side by side), the exact top-k selection over those scores (topk_indices: the
+   the XLA loop side by side; with an fp8 cache the kernel also with the engine's fp8 queries), the exact top-k selection over those scores (topk_indices: the
    backend's row), the gather of the k selected latents (gather_selected, fp8 dequantized), and the
    attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention).
 
@@ -102,7 +102,7 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   w = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, h), jnp.float32) * h ** -0.5
   keys = paged_cache.PagedKeys(pool.idx_k, pool.idx_k_scale, table, engine.page_size)
 
-  def scores_with(route):  # traced (its first call) inside the forced block: the route is read when traced
+  def scores_with(route, q=q, w=w):  # traced (its first call) inside the forced block: the route is read when traced
     fn = jax.jit(lambda q, w, pos: keys.scores(q, w, pos[:, None], head_chunk=16))
     with backend.forced(paged_scoring=route):
       jax.block_until_ready(fn(q, w, pos))
@@ -110,6 +110,9 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
 
   rows = []
   fns = {f"scoring ({route})": (scores_with(route), (q, w, pos)) for route in ("pallas", "xla")}
+  if pool.idx_k_scale is not None:  # the engine's queries with an fp8 cache (indexer_fp8_queries): one MXU pass
+    q8, w8 = paged_decode.fp8_scored_queries(q, w)
+    fns["scoring (pallas, fp8 queries)"] = (scores_with("pallas", q8, w8), (q8, w8, pos))
   scores = fns[f"scoring ({backend.choice('paged_scoring')})"][0](q, w, pos)  # [B,1,S]
   select = jax.jit(lambda s: topk_indices(s, k))
   idx, valid = select(scores)  # [B,1,k]

@@ -76,7 +76,8 @@ case "$part" in
       timeout 150 python3 benchmarks/paged_decode_kernels.py --rows 16 --dtypes fp8 --kernels scoring \
         --variants kernel xla --pages-per-block 8 16 --f32-queries --iters 5; } 2>&1 | tee "$out/step.log"
     tar czf "$out/hlo.tgz" -C /tmp hlo ;;
-  rows)  # issue 54: the k_pe pool as int32 rows, the scoring kernel's stacked query parts, the latents gathered once
+  rows)  # issue 54: k_pe as int32 rows, the latents gathered once, fp8 indexer queries (one MXU pass; the pieces time
+        # the kernel with fp32 and fp8 queries), the k_pe slot gathered directly (take_slots: one 32-word slice gather)
     { timeout 230 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
         --out /tmp/decode_profile_16 --hlo-out /tmp/hlo/after
       if [ -n "${BASE:-}" ]; then

@@ -240,6 +240,7 @@ class Decode(_Section):
   decode_sampling_temperature: Annotated[float, Field(gt=0)]
   decode_sampling_nucleus_p: Annotated[float, Field(gt=0, le=1)]
   kv_cache_dtype: Literal["float32", "bfloat16", "fp8"]
+  indexer_fp8_queries: bool
 
 
 class Serve(_Section):

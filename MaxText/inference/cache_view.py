@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from MaxText.inference import kv_cache, paged_cache
 from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, latent_attention_dense, select_spliced
+from MaxText.kernels.paged_decode import fp8_scored_queries
 
 
 @jax.tree_util.register_dataclass
@@ -56,11 +57,17 @@ class CacheView:
     return self.store
 
   def select_indexer(self, q_i: jax.Array, w_i: jax.Array, k_new: jax.Array, positions: jax.Array, select, *,
-                     max_bytes: int, precision=None) -> tuple[jax.Array, ...]:
+                     max_bytes: int, precision=None, fp8_queries: bool = False) -> tuple[jax.Array, ...]:
     """kernels.cached_attention.select_spliced over this cache's indexer keys (and the new tokens'
     k_new [b,t,d] as stored): q_i [b,t,h,d], w_i [b,t,h], positions [b,t] -> select's arrays [b,t,...].
     Paged: the keys are scored where their pages lie (paged_cache.PagedKeys), on a mesh each
-    device over its own rows and page shard; never gathered token by token."""
+    device over its own rows and page shard; never gathered token by token.
+
+    fp8_queries (config indexer_fp8_queries) with an fp8 indexer cache: the queries are rounded to e4m3
+    with a scale per 128-block HERE, the one place every scoring path (contiguous, paged XLA loop, Pallas
+    kernel) takes them from (paged_decode.fp8_scored_queries), so paged and contiguous stay equal."""
+    if fp8_queries and self.store.idx_k_scale is not None:
+      q_i, w_i = fp8_scored_queries(q_i, w_i)  # [b,t,h,d] bf16 e4m3 values, [b,t,h] w x the queries' scales
     def run(keys, q, w, new, pos):
       return select_spliced(q, w, keys, new, pos, select, head_chunk=self.index_head_chunk, max_bytes=max_bytes,
                             precision=precision)

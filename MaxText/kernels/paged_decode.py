@@ -173,6 +173,21 @@ def fp8_queries(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jax.lax.bitcast_convert_type(v.values, jnp.uint8), v.scale[..., 0]
 
 
+def fp8_scored_queries(q: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The indexer's queries q [..., H, d] and head weights w [..., H] as every decode scoring path takes
+  them with an fp8 indexer cache (the release's arithmetic: fp8_queries' e4m3 codes and per-128-block
+  scales): d <= 128 (one block a head) -> (the codes' values as bf16 [..., H, d] (exact: e4m3 is a subset
+  of bf16), w * scale [..., H]), since sum_h w relu((s c) . k) = sum_h (w s) relu(c . k) for s > 0; the
+  kernel scores bf16 queries against fp8 keys in ONE MXU pass with exact products. d > 128: the
+  dequantized queries (codes x their block's scale) in fp32, w unchanged."""
+  d = q.shape[-1]
+  v = quantize(q.astype(jnp.float32), (1, FP8_BLOCK))  # values [..., H, d] e4m3, scale [..., H, ceil(d/128)]
+  if d <= FP8_BLOCK:
+    return v.values.astype(jnp.bfloat16), w.astype(jnp.float32) * v.scale[..., 0]
+  scale = jnp.repeat(v.scale, FP8_BLOCK, axis=-1)[..., :d]  # [..., H, d]
+  return v.values.astype(jnp.float32) * scale, w
+
+
 def index_weights(w: jax.Array, d: int) -> jax.Array:
   """w [B,H] (fp32, already times H**-0.5, as Indexer.queries) -> the per-head weights the kernel
   multiplies relu(q.k) by: w * d**-0.5 (index_scores' factor)."""
@@ -199,7 +214,12 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf
   keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
   if fp8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
     k16 = _decode(keys).astype(jnp.bfloat16)
-    qs = [_decode(q).astype(jnp.bfloat16)] if q.dtype == jnp.uint8 else _split_bf16(q.astype(jnp.float32))
+    if q.dtype == jnp.bfloat16:  # fp8_scored_queries' e4m3 values: one exact pass
+      qs = [q]
+    elif q.dtype == jnp.uint8:
+      qs = [_decode(q).astype(jnp.bfloat16)]
+    else:
+      qs = _split_bf16(q.astype(jnp.float32))
     h = q.shape[0]  # the parts stacked [3H, d]: ONE dot, each key tile loaded into the MXU once for all three
     both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32)  # [3H,width]
     logits = sum(both[i * h:(i + 1) * h] for i in range(len(qs)))  # [H, width]: the parts' products summed in order
@@ -217,8 +237,9 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   """Scores [B, P*page] fp32 of one query per row over its pages (the kernel; module doc):
   sum_h w[h] relu(q[h] . k[s]) with q, k the dequantized values.
 
-  q [B,H,d]: f32 (q_scale None), or with fp8 keys fp8 bits uint8 with q_scale [B,H] f32 (one scale
-  per head's d = 128 values: fp8_queries); w [B,H] the per-head weights (index_weights); idx_k [N,d] as the pool holds it
+  q [B,H,d]: f32 or bf16 (q_scale None; with fp8 keys a bf16 q is scored in one MXU pass, exact for
+  fp8_scored_queries' e4m3 values, an f32 q in three), or with fp8 keys fp8 bits uint8 with q_scale [B,H]
+  f32 (one scale per head's d = 128 values: fp8_queries); w [B,H] the per-head weights (index_weights); idx_k [N,d] as the pool holds it
   (uint8 fp8 bits with idx_k_scale [N,1], or f32); table [B,P] page ids (< 0: none, read as page 0
   and masked only by pos); pos [B] each row's query position: slots > pos score -inf. P must be a
   multiple of pages_per_block (pad the table)."""
@@ -369,5 +390,5 @@ def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale
   return out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
-__all__ = ["e4m3_to_f32", "fp8_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
+__all__ = ["e4m3_to_f32", "fp8_queries", "fp8_scored_queries", "paged_index_scores", "paged_index_scores_xla", "sparse_mla_decode", "sparse_mla_decode_xla",
            "index_weights"]

@@ -286,7 +286,8 @@ class MLA(nnx.Module):
                                            recall_target=cfg.indexer_approx_top_k_recall)  # [b,tq,S] -> [b,tq,k] each
       idx, idx_valid = cache.select_indexer(q_i, w_i, stored["idx_k"], positions, select,
                                             max_bytes=cfg.serve_max_index_score_bytes,
-                                            precision=precision)  # scores in blocks of <= serve_max_index_score_bytes
+                                            precision=precision,
+                                            fp8_queries=cfg.indexer_fp8_queries)  # blocks <= serve_max_index_score_bytes
       k = idx.shape[-1]
       flat = idx.reshape(b, t * k)  # [b,t*k]
       c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,

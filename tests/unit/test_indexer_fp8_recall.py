@@ -139,3 +139,20 @@ def test_run_mode_names_what_is_wrong_in_one_line(tmp_path):
   shutil.copy(os.path.join(bench.REPO, "configs", "base.yml"), tmp_path / "config.yml")  # scanned layers
   assert "scan_layers=false" in error()
   assert "needs --context >= 128" in error("--set", "scan_layers=false", "--topk", "64")  # max_target_length 64
+
+
+@pytest.mark.parametrize("flag", ["true", "false"])
+def test_the_models_cached_scoring_rounds_its_queries_to_fp8_as_the_config_says(monkeypatch, flag):
+  """MLA.attend_cached hands indexer_fp8_queries to CacheView.select_indexer: with an fp8 cache every layer's
+  queries go through paged_decode.fp8_scored_queries (true, the default) or none does (false). Traced only."""
+  from MaxText.inference import cache_view
+  cfg, model = _tiny(kv_cache_dtype="fp8", indexer_fp8_queries=flag)
+  assert pyconfig.initialize(["t", "base.yml"]).indexer_fp8_queries is True  # the default: the release's arithmetic
+  seen = []
+  real = cache_view.fp8_scored_queries
+  monkeypatch.setattr(cache_view, "fp8_scored_queries", lambda q, w: seen.append(q.shape) or real(q, w))
+  views = stack_views({"dense_layers": [init_layer_cache(cfg, 1)], "moe_layers": [init_layer_cache(cfg, 1)]}, None,
+                      mode="sparse", index_head_chunk=cfg.indexer_head_chunk)
+  tokens = jnp.ones((1, 8), jnp.int32)
+  nnx.eval_shape(lambda m, t, v: m(t, cache=v), model, tokens, views)
+  assert len(seen) == (cfg.num_decoder_layers if flag == "true" else 0)

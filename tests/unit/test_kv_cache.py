@@ -189,3 +189,45 @@ def test_gather_latents_reads_the_selected_rows(dtype):
   np.testing.assert_allclose(np.asarray(c_all), np.asarray(c), rtol=tol, atol=tol * 0.05)
   keys = kv_cache.read_indexer_keys(cache)
   np.testing.assert_allclose(np.asarray(keys), np.asarray(d), rtol=tol, atol=tol * 0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_indexer_queries_are_rounded_to_fp8_in_one_place_for_every_scoring_path(dtype):
+  """CacheView.select_indexer(fp8_queries=True) with an fp8 indexer cache scores e4m3 queries (per-128-block
+  scales: paged_decode.fp8_scored_queries) on the contiguous cache, the paged XLA loop and the Pallas kernel
+  alike; an fp32 cache keeps fp32 queries."""
+  from MaxText.inference.cache_view import CacheView
+  from MaxText.kernels import backend
+  from MaxText.kernels.paged_decode import fp8_scored_queries
+  cfg = _cfg(kv_cache_dtype=dtype)
+  b, s, page, h, d = 2, 32, 8, 4, cfg.indexer_head_dim
+  c, r, keys = _entries(cfg, b, s, 5)
+  contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, b), jnp.zeros((b,), jnp.int32), c_kv=c, k_pe=r,
+                              idx_k=keys)
+  table = jnp.asarray(np.random.default_rng(2).permutation(b * s // page).reshape(b, s // page), jnp.int32)
+  pools = paged_cache.init_layer_pools(cfg, b * s)
+  pools = paged_cache.write(pools, paged_cache.slots(table, jnp.tile(jnp.arange(s), (b, 1)), page, b * s),
+                            c_kv=c, k_pe=r, idx_k=keys)
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+  w = jnp.asarray(rng.uniform(size=(b, 1, h)), jnp.float32)
+  pos = jnp.asarray([[20], [31]], jnp.int32)
+  k_new = kv_cache.as_stored(contiguous, "idx_k", keys[:, 20:21])  # [b,1,d]
+
+  def scores(view, q, w, fp8_queries):
+    return jax.jit(lambda q, w: view.select_indexer(q, w, k_new, pos, lambda x: (x,), max_bytes=1 << 20,
+                                                    fp8_queries=fp8_queries)[0])(q, w)  # [b,1,S+1]
+
+  flat, paged = CacheView(contiguous, None), CacheView(pools, None, table, page)
+  got, f32 = scores(flat, q, w, True), scores(flat, q, w, False)
+  if dtype == "float32":
+    np.testing.assert_array_equal(got, f32)
+    return
+  with backend.forced(paged_scoring="pallas"):
+    kernel = scores(paged, q, w, True)
+  fin = np.isfinite(np.asarray(got))
+  for other in (scores(paged, q, w, True), kernel):
+    np.testing.assert_array_equal(np.isfinite(np.asarray(other)), fin)
+    np.testing.assert_allclose(np.asarray(other)[fin], np.asarray(got)[fin], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got, scores(flat, *fp8_scored_queries(q, w), False))
+  assert np.max(np.abs(np.asarray(got - f32)[fin])) > 1e-4  # the queries' rounding shows in the scores

@@ -117,3 +117,60 @@ def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring
     with backend.forced(paged_scoring="mosaic"):
       pass
 
+
+
+def test_fp8_scored_queries_are_the_releases_fp8_queries_with_their_scales_in_the_weights(scoring_case):
+  """fp8_scored_queries (what every decode scoring path takes with an fp8 indexer cache) scores as the
+  release's e4m3 codes with per-128-block scales (fp8_queries): the codes' values exact in bf16, the
+  scales in the head weights; wider heads get the dequantized queries."""
+  c = scoring_case
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  keys = _bits(kq, jnp.float8_e4m3fn)
+  q8, qs = pd.fp8_queries(c["q"])
+  qv, wv = pd.fp8_scored_queries(c["q"], c["w"])
+  assert qv.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(qv.astype(jnp.float32), pd.as_values(q8))  # the codes' values, exactly
+  np.testing.assert_array_equal(wv, c["w"] * qs)
+  release = pd.paged_index_scores_xla(q8, qs, c["w"], keys, ks, c["table"], c["pos"], PAGE)
+  _close(pd.paged_index_scores_xla(qv, None, wv, keys, ks, c["table"], c["pos"], PAGE), release, 1e-6)
+  f32 = pd.paged_index_scores_xla(c["q"], None, c["w"], keys, ks, c["table"], c["pos"], PAGE)
+  assert np.max(np.abs(np.asarray(f32 - release)[np.isfinite(release)])) > 1e-4  # the rounding shows
+  wide = jnp.concatenate([c["q"], 3 * c["q"]], axis=-1)  # d 256: two blocks a head, two scales
+  qw, ww = pd.fp8_scored_queries(wide, c["w"])
+  np.testing.assert_array_equal(ww, c["w"])
+  np.testing.assert_allclose(qw[..., 128:], 3 * qw[..., :128], rtol=1e-6)  # each block its own scale
+  np.testing.assert_allclose(qw, wide, rtol=2 ** -4)
+
+
+def test_the_kernel_scores_bf16_queries_in_one_mxu_pass(scoring_case):
+  """fp8 keys: bf16 queries (fp8_scored_queries' e4m3 values) go in one dot of [H, d] rows, f32 queries in
+  three bf16 parts ([3H, d]); the scores equal the XLA path's either way."""
+  c = scoring_case
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  keys = _bits(kq, jnp.float8_e4m3fn)
+  qv, wv = pd.fp8_scored_queries(c["q"], c["w"])
+  h = qv.shape[1]
+
+  def stacked(q):  # does the kernel stack three bf16 parts [3H, d] for its dot?
+    jaxpr = str(jax.make_jaxpr(lambda q: pd.paged_index_scores(q, None, wv, keys, ks, c["table"], c["pos"], PAGE,
+                                                                pages_per_block=2, interpret=True))(q))
+    assert f"bf16[{h},128]" in jaxpr
+    return f"bf16[{3 * h},128]" in jaxpr
+
+  assert not stacked(qv)
+  assert stacked(qv.astype(jnp.float32))
+  args = (wv, keys, ks, c["table"], c["pos"], PAGE)
+  _close(pd.paged_index_scores(qv, None, *args, pages_per_block=2, interpret=True),
+         pd.paged_index_scores_xla(qv, None, *args), 1e-5)
+
+
+def test_the_kernel_lowers_to_mosaic_with_bf16_queries_against_fp8_keys():
+  """The one-pass path compiles for a TPU (Mosaic lowering on the CPU: jax.export), at the official head shape."""
+  from jax import export
+  b, h, d, page, p = 2, 64, 128, 64, 16
+  args = (jax.ShapeDtypeStruct((b, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, h), jnp.float32),
+          jax.ShapeDtypeStruct((p * b * page, d), jnp.uint8), jax.ShapeDtypeStruct((p * b * page, 1), jnp.float32),
+          jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+  fn = jax.jit(lambda q, w, k, ks, t, pos: pd.paged_index_scores(q, None, w, k, ks, t, pos, page, pages_per_block=8,
+                                                                 interpret=False))
+  assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(*args).mlir_module()
