@@ -9,9 +9,9 @@ same segment + no padding, and the target is this kernel's:
   VMEM over the heads (zeroed at h = 0) and is written to HBM once. For each (b, i, h), with the head's keys
   [s, d] in VMEM:
     pass 1  for each key block j at or below the causal diagonal (blocks above it: skipped, their p is 0):
-            logits [bq, bk] = q . k^T (f32 accumulation) * scale, kept in a VMEM scratch; the row max and sum
-            of exp over the valid keys online (flash's forward without V) -> lse [bq, 1];
-    pass 2  p[:, j] += where(valid, exp(logits - lse), 0) for the same blocks.
+            logits [bq, bk] = q . k^T (f32 accumulation) * scale, -1e30 where not valid, kept in a VMEM
+            scratch; the row max and sum of exp online (flash's forward without V) -> lse [bq, 1];
+    pass 2  p[:, j] += exp(logits - lse) for the same blocks (0 where not valid: no mask to recompute).
   valid = key index <= query index, same segment, key segment != 0; a padding query (segment 0) has no valid
   key: its row is 0, as head_summed_probs returns it.
 
@@ -87,19 +87,20 @@ def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, *, scale: flo
     def online(m, l, j=j):
       logits = jax.lax.dot_general(q, k_ref[j * bk:(j + 1) * bk, :], _NT,
                                    preferred_element_type=jnp.float32) * scale  # [bq, bk]
-      logits_ref[j] = logits
       x = jnp.where(valid(j), logits, _NEG)
+      logits_ref[j] = x  # masked: exp(_NEG - lse) is 0 in pass 2
       m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))  # [bq, 1]
       return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
 
     m, l = jax.lax.cond(j <= last, online, lambda m, l: (m, l), m, l)
-  lse = m + jnp.log(l)  # [bq, 1]; l >= 1 (the max's own term)
+  # [bq, 1]; l >= 1 (the max's own term). A row with no valid key (a padding query: m stays _NEG) gets +inf,
+  # so its p is exp(_NEG - inf) = 0; every other row's max is a real logit.
+  lse = jnp.where(m > _NEG / 2, m + jnp.log(l), jnp.inf)
 
   for j in range(n_blocks):  # pass 2: this head's probabilities added to the head sum
     @pl.when(j <= last)
     def _(j=j):
-      p = jnp.where(valid(j), jnp.exp(logits_ref[j] - lse), 0.0)  # [bq, bk]
-      out_ref[:, j * bk:(j + 1) * bk] += p
+      out_ref[:, j * bk:(j + 1) * bk] += jnp.exp(logits_ref[j] - lse)  # [bq, bk]
 
 
 def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, scale: float, *,
