@@ -16,13 +16,14 @@ ATOL = 2e-6  # fp32: values in [0, h]; the kernel's exp(logit - lse) and XLA's s
 
 
 def _inputs(d, dtype, t=256, h=4, seed=0):
-  """q, k [b,t,h,d]; row 0 two packed segments (100 | 156 tokens), row 1 one segment then 37 padding tokens."""
+  """q, k [b,t,h,d]; row 0 two packed segments (160 | 96 tokens: at 128-key blocks the second's queries see no
+  valid key in block 0, then some: the online rescale), row 1 one segment then 37 padding tokens."""
   rng = np.random.default_rng(seed)
   q, k = (jnp.asarray(rng.standard_normal((2, t, h, d)), dtype) for _ in range(2))
   seg = np.ones((2, t), np.int32)
-  seg[0, 100:] = 2
+  seg[0, 160:] = 2
   seg[1, t - 37:] = 0
-  pos = np.concatenate([np.arange(100), np.arange(t - 100)])[None].repeat(2, 0)
+  pos = np.concatenate([np.arange(160), np.arange(t - 160)])[None].repeat(2, 0)
   pos[1] = np.arange(t)
   valid = attention_validity(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg))  # [b,t,t]
   return q, k, jnp.asarray(seg), valid
@@ -41,7 +42,7 @@ def test_kernel_equals_the_xla_head_summed_probs(d, dtype, blocks):
   np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
   h = q.shape[2]
   assert np.all(got[1, -37:] == 0)  # padding queries: 0 rows, as the XLA path
-  assert np.all(got[1, :, -37:] == 0) and np.all(got[0, 100:, :100] == 0)  # padding keys, the other segment: 0
+  assert np.all(got[1, :, -37:] == 0) and np.all(got[0, 160:, :160] == 0)  # padding keys, the other segment: 0
   assert np.all(np.triu(got[0], 1) == 0)  # above the causal diagonal: 0
   np.testing.assert_allclose(got[0].sum(-1), h, rtol=1e-5)  # every real query: h distributions
 
