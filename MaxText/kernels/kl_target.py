@@ -59,9 +59,10 @@ def _block(n: int, largest: int) -> int:
   raise ValueError(f"kl_target: sequence length {n} must be a multiple of {_BLOCKS[-1]}")
 
 
-def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, *, scale: float, bq: int, bk: int):
+def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, m_ref, l_ref, *, scale: float, bq: int, bk: int):
   """One (row, query block, head) step: q_ref [bq, d], k_ref [s, d], qseg_ref [bq, 128] (lane-broadcast),
-  kseg_ref [1, s], out_ref [bq, s] f32 (the head sum so far), logits_ref [s/bk, bq, bk] f32 scratch."""
+  kseg_ref [1, s], out_ref [bq, s] f32 (the head sum so far), logits_ref [s/bk, bq, bk] f32 scratch,
+  m_ref, l_ref [bq, 128] f32 scratch (the online max and sum)."""
   i, h = pl.program_id(1), pl.program_id(2)
 
   @pl.when(h == 0)
@@ -81,18 +82,22 @@ def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, *, scale: flo
     k_seg = kseg_ref[:, j * bk:(j + 1) * bk]  # [1, bk]
     return (k_idx <= q_idx) & (k_seg == q_seg) & (k_seg != 0)
 
-  m = jnp.full((bq, 1), _NEG, jnp.float32)
-  l = jnp.zeros((bq, 1), jnp.float32)
+  m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)  # [bq, 128]: the row max, lane-broadcast (as splash's)
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [bq, 128]: the row sum of exp(x - max)
   for j in range(n_blocks):  # pass 1: static key blocks (lane slices), those above the diagonal skipped
-    def online(m, l, j=j):
+    @pl.when(j <= last)
+    def _(j=j):
       logits = jax.lax.dot_general(q, k_ref[j * bk:(j + 1) * bk, :], _NT,
                                    preferred_element_type=jnp.float32) * scale  # [bq, bk]
       x = jnp.where(valid(j), logits, _NEG)
       logits_ref[j] = x  # masked: exp(_NEG - lse) is 0 in pass 2
+      m = m_ref[:, 0:1]  # [bq, 1]
       m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))  # [bq, 1]
-      return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
+      l_new = l_ref[:, 0:1] * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
+      m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+      l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
-    m, l = jax.lax.cond(j <= last, online, lambda m, l: (m, l), m, l)
+  m, l = m_ref[:, 0:1], l_ref[:, 0:1]
   # [bq, 1]; l >= 1 (the max's own term). A row with no valid key (a padding query: m stays _NEG) gets +inf,
   # so its p is exp(_NEG - inf) = 0; every other row's max is a real logit.
   lse = jnp.where(m > _NEG / 2, m + jnp.log(l), jnp.inf)
@@ -125,7 +130,8 @@ def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array 
                 pl.BlockSpec((None, 1, t), lambda r, i, j: (r, 0, 0))],
       out_specs=pl.BlockSpec((None, bq, t), lambda r, i, j: (r, i, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, t), jnp.float32),
-      scratch_shapes=[pltpu.VMEM((t // bk, bq, bk), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((t // bk, bq, bk), jnp.float32), pltpu.VMEM((bq, 128), jnp.float32),
+                      pltpu.VMEM((bq, 128), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=VMEM_LIMIT),
       interpret=_interpret(interpret), name="kl_target_head_summed_probs")(qh, kh, qseg, kseg)
