@@ -9,15 +9,16 @@ same segment + no padding, and the target is this kernel's:
   VMEM over the heads (zeroed at h = 0) and is written to HBM once. For each (b, i, h), with the head's keys
   [s, d] in VMEM:
     pass 1  for each key block j at or below the causal diagonal (blocks above it: skipped, their p is 0):
-            logits [bq, bk] = q . k^T (f32 accumulation) * scale, -1e30 where not valid, kept in a VMEM
-            scratch; the row max and sum of exp online (flash's forward without V) -> lse [bq, 1];
-    pass 2  p[:, j] += exp(logits - lse) for the same blocks (0 where not valid: no mask to recompute).
+            x = q . k^T (f32 accumulation) * scale, -1e30 where not valid; the row max m_j and sum of exp
+            online (flash's forward without V) -> lse [bq, 1]; e_j = exp(x - m_j) kept in a VMEM scratch;
+    pass 2  p[:, j] += e_j * exp(m_j - lse) = exp(x - lse) for the same blocks: one exp an element in all,
+            0 where not valid (no mask to recompute).
   valid = key index <= query index, same segment, key segment != 0; a padding query (segment 0) has no valid
   key: its row is 0, as head_summed_probs returns it.
 
 Invariants (those of flash_attention, which MLA.use_flash checks): the keys are the queries in the same order,
 positions the in-segment token order (so causal by position is causal by index). VMEM at bq 256, bk 512,
-s 2048, d 192: the output block 2 MiB (two buffers), the logits scratch 2 MiB, a head's keys 768 KiB (two
+s 2048, d 192: the output block 2 MiB (two buffers), the exp scratch 2 MiB, a head's keys 768 KiB (two
 buffers), under v5e's 16 MiB default scoped limit. The head sum of a row block goes to HBM once: 16 MiB at
 b 1, t = s = 2048, against the XLA path's [16,t,s] logits and probabilities per chunk.
 
@@ -59,17 +60,18 @@ def _block(n: int, largest: int) -> int:
   raise ValueError(f"kl_target: sequence length {n} must be a multiple of {_BLOCKS[-1]}")
 
 
-def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, m_ref, l_ref, *, scale: float, bq: int, bk: int):
+def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, e_ref, mb_ref, m_ref, l_ref, *, scale: float, bq: int, bk: int):
   """One (row, query block, head) step: q_ref [bq, d], k_ref [s, d], qseg_ref [bq, 128] (lane-broadcast),
-  kseg_ref [1, s], out_ref [bq, s] f32 (the head sum so far), logits_ref [s/bk, bq, bk] f32 scratch,
-  m_ref, l_ref [bq, 128] f32 scratch (the online max and sum)."""
+  kseg_ref [1, s], out_ref [bq, s] f32 (the head sum so far); f32 scratch: e_ref [s/bk, bq, bk] each key
+  block's exp(x - m_j) with m_j the running max after it, mb_ref [s/bk, bq, 128] m_j, m_ref, l_ref [bq, 128] the
+  online max and sum (lane-broadcast, as splash's)."""
   i, h = pl.program_id(1), pl.program_id(2)
 
   @pl.when(h == 0)
   def _():
     out_ref[...] = jnp.zeros_like(out_ref)
 
-  n_blocks = logits_ref.shape[0]
+  n_blocks = e_ref.shape[0]
   # the key block holding the block's last query; blocks after it are above the diagonal (lax.div: Mosaic lowers
   # a traced // through sign, which needs a TPU's generation at lowering)
   last = jax.lax.div((i + 1) * bq - 1, bk)
@@ -82,30 +84,33 @@ def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, logits_ref, m_ref, l_ref,
     k_seg = kseg_ref[:, j * bk:(j + 1) * bk]  # [1, bk]
     return (k_idx <= q_idx) & (k_seg == q_seg) & (k_seg != 0)
 
-  m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)  # [bq, 128]: the row max, lane-broadcast (as splash's)
-  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)  # [bq, 128]: the row sum of exp(x - max)
+  m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
   for j in range(n_blocks):  # pass 1: static key blocks (lane slices), those above the diagonal skipped
     @pl.when(j <= last)
     def _(j=j):
       logits = jax.lax.dot_general(q, k_ref[j * bk:(j + 1) * bk, :], _NT,
                                    preferred_element_type=jnp.float32) * scale  # [bq, bk]
       x = jnp.where(valid(j), logits, _NEG)
-      logits_ref[j] = x  # masked: exp(_NEG - lse) is 0 in pass 2
       m = m_ref[:, 0:1]  # [bq, 1]
       m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))  # [bq, 1]
-      l_new = l_ref[:, 0:1] * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new), axis=1, keepdims=True)
+      e = jnp.exp(x - m_new)  # [bq, bk]; 0 where not valid once the row has a valid key (1 before: m_new _NEG,
+      # and pass 2's factor exp(_NEG - lse) is then 0)
+      e_ref[j] = e  # pass 2 rescales it: one exp an element in all
+      mb_ref[j] = jnp.broadcast_to(m_new, mb_ref.shape[1:])
+      l_new = l_ref[:, 0:1] * jnp.exp(m - m_new) + jnp.sum(e, axis=1, keepdims=True)
       m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
       l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
   m, l = m_ref[:, 0:1], l_ref[:, 0:1]
-  # [bq, 1]; l >= 1 (the max's own term). A row with no valid key (a padding query: m stays _NEG) gets +inf,
-  # so its p is exp(_NEG - inf) = 0; every other row's max is a real logit.
+  # [bq, 1]; l >= 1 (the max's own term). A row with no valid key (a padding query: m stays _NEG, its e 1) gets
+  # +inf, so its p is e * exp(_NEG - inf) = 0; every other row's max is a real logit.
   lse = jnp.where(m > _NEG / 2, m + jnp.log(l), jnp.inf)
 
   for j in range(n_blocks):  # pass 2: this head's probabilities added to the head sum
     @pl.when(j <= last)
     def _(j=j):
-      out_ref[:, j * bk:(j + 1) * bk] += jnp.exp(logits_ref[j] - lse)  # [bq, bk]
+      out_ref[:, j * bk:(j + 1) * bk] += e_ref[j] * jnp.exp(mb_ref[j][:, 0:1] - lse)  # [bq, bk]: exp(x - lse)
 
 
 def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array | None, scale: float, *,
@@ -130,7 +135,8 @@ def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array 
                 pl.BlockSpec((None, 1, t), lambda r, i, j: (r, 0, 0))],
       out_specs=pl.BlockSpec((None, bq, t), lambda r, i, j: (r, i, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, t), jnp.float32),
-      scratch_shapes=[pltpu.VMEM((t // bk, bq, bk), jnp.float32), pltpu.VMEM((bq, 128), jnp.float32),
+      scratch_shapes=[pltpu.VMEM((t // bk, bq, bk), jnp.float32), pltpu.VMEM((t // bk, bq, 128), jnp.float32),
+                      pltpu.VMEM((bq, 128), jnp.float32),
                       pltpu.VMEM((bq, 128), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=VMEM_LIMIT),
