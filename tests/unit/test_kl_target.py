@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from MaxText.kernels import backend, flash_attention, kl_target
 from MaxText.kernels.flash_attention import head_summed_probs
 from MaxText.kernels.kl_target import head_summed_probs_kernel
 from MaxText.kernels.masks import attention_validity
+from tests.support.attention_reference import make_mla, mla_inputs
 
 ATOL = 2e-6  # fp32: values in [0, h]; the kernel's exp(logit - lse) and XLA's softmax round differently (~2e-7 seen)
 
@@ -62,3 +65,21 @@ def test_kernel_lowers_to_mosaic_at_the_real_shapes():
   f = jax.jit(lambda q, k, s: head_summed_probs_kernel(q, k, s, 0.1, interpret=False))
   text = jax.export.export(f, platforms=["tpu"])(qk, qk, seg).mlir_module()
   assert text.count("tpu_custom_call") == 1 and "kl_target_head_summed_probs" in text
+
+
+def test_layer_gradient_under_remat_lowers_with_the_kernel(monkeypatch):
+  """MLA's sparse stage with top-k = t under mask_attention=splash, its parameters' gradient under jax.checkpoint
+  lowered for the TPU from the CPU: the target's kernel is in it (forward, and recomputed) beside splash's calls."""
+  for module in (kl_target, flash_attention):
+    monkeypatch.setattr(module, "_interpret", lambda interpret: False)  # Mosaic, not the interpreter
+  cfg, m = make_mla(3, indexer_topk=128, indexer_training_stage="sparse")
+  x, pos = mla_inputs(cfg, t=128, seed=3)
+  graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+  def loss(p):
+    out, aux = nnx.merge(graphdef, p, rest)(x, pos, jnp.ones(pos.shape, jnp.int32))
+    return jnp.sum(out) + aux["indexer_loss"]
+
+  with backend.forced(mask_attention="splash"):
+    text = jax.jit(jax.grad(jax.checkpoint(loss))).trace(params).lower(lowering_platforms=("tpu",)).as_text()
+  assert text.count("kl_target_head_summed_probs") >= 1 and text.count("tpu_custom_call") >= 4
