@@ -18,8 +18,8 @@ same segment + no padding, and the target is this kernel's:
 
 Invariants (those of flash_attention, which MLA.use_flash checks): the keys are the queries in the same order,
 positions the in-segment token order (so causal by position is causal by index). VMEM at bq 256, bk 512,
-s 2048, d 192: the output block 2 MiB (two buffers), the exp scratch 2 MiB, a head's keys 768 KiB (two
-buffers), under v5e's 16 MiB default scoped limit. The head sum of a row block goes to HBM once: 16 MiB at
+s 2048, d 192: the output block 2 MiB (two buffers), the exp scratch 2 MiB and its maxima 512 KiB, a head's
+keys 1 MiB (d padded to 256 lanes; two buffers): ~9 MiB, under v5e's 16 MiB default scoped limit. The head sum of a row block goes to HBM once: 16 MiB at
 b 1, t = s = 2048, against the XLA path's [16,t,s] logits and probabilities per chunk.
 
 `interpret=True` (the default off a TPU) runs it with Pallas' TPU interpreter (tests/unit/test_kl_target.py
@@ -129,15 +129,14 @@ def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array 
   kernel = functools.partial(_kernel, scale=float(scale), bq=bq, bk=bk)
   return pl.pallas_call(
       kernel, grid=(b, t // bq, h),
-      in_specs=[pl.BlockSpec((None, None, bq, d), lambda r, i, j: (r, j, i, 0)),
-                pl.BlockSpec((None, None, t, d), lambda r, i, j: (r, j, 0, 0)),
-                pl.BlockSpec((None, bq, 128), lambda r, i, j: (r, i, 0)),
-                pl.BlockSpec((None, 1, t), lambda r, i, j: (r, 0, 0))],
-      out_specs=pl.BlockSpec((None, bq, t), lambda r, i, j: (r, i, 0)),
+      in_specs=[pl.BlockSpec((None, None, bq, d), lambda r, i, hd: (r, hd, i, 0)),
+                pl.BlockSpec((None, None, t, d), lambda r, i, hd: (r, hd, 0, 0)),
+                pl.BlockSpec((None, bq, 128), lambda r, i, hd: (r, i, 0)),
+                pl.BlockSpec((None, 1, t), lambda r, i, hd: (r, 0, 0))],
+      out_specs=pl.BlockSpec((None, bq, t), lambda r, i, hd: (r, i, 0)),
       out_shape=jax.ShapeDtypeStruct((b, t, t), jnp.float32),
       scratch_shapes=[pltpu.VMEM((t // bk, bq, bk), jnp.float32), pltpu.VMEM((t // bk, bq, 128), jnp.float32),
-                      pltpu.VMEM((bq, 128), jnp.float32),
-                      pltpu.VMEM((bq, 128), jnp.float32)],
+                      pltpu.VMEM((bq, 128), jnp.float32), pltpu.VMEM((bq, 128), jnp.float32)],  # e, m_j, m, l
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=VMEM_LIMIT),
       interpret=_interpret(interpret), name="kl_target_head_summed_probs")(qh, kh, qseg, kseg)
