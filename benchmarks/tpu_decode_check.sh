@@ -13,6 +13,8 @@
 #                                                    train step (remat none, else full), MFU and its profile with
 #                                                    the mask path in splash (--force mask_attention=splash), then
 #                                                    2 x 2048 tokens a step; before: the tpu row (the XLA path)
+#   bash benchmarks/tpu_decode_check.sh kl OUT        benchmarks/kl_target.py: the indexer KL target's Pallas kernel
+#                                                    beside the XLA head_summed_probs at 1 and 2 x 2048 tokens, h 128
 #   bash benchmarks/tpu_decode_check.sh probe OUT     what the 16-row step's whole-pool copies are: benchmarks/pool_gather.py
 #                                                    (a row gather per pool storage form), the step's and write's
 #                                                    compiled HLO scanned and unscanned (OUT/hlo.tgz), and the scoring
@@ -97,5 +99,8 @@ case "$part" in
     # do the whole-pool relayout copies come from the scanned stack's [L, N, n] pools? the same step unscanned
     python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 12 --no-pieces \
       --set scan_layers=false --out /tmp/decode_profile_unscanned 2>&1 | tee "$out/unscanned_16.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows or fixes, got '$part'" >&2; exit 2 ;;
+  kl)  # the indexer KL target alone: kernels/kl_target.py's Pallas kernel beside the XLA head_summed_probs
+    { timeout 150 python3 benchmarks/kl_target.py --iters 9
+      timeout 150 python3 benchmarks/kl_target.py --batch 2 --iters 9; } 2>&1 | tee "$out/kl.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes or kl, got '$part'" >&2; exit 2 ;;
 esac

@@ -55,6 +55,7 @@ PARTS = (  # (part, file suffix, functions or None): the first match over an op'
     ("MoE: experts", "kernels/moe_experts.py", None),
     ("MoE: router, shared", "layers/moe.py", None),
     ("attention: flash kernel", "kernels/flash_attention.py", None),
+    ("attention: KL target kernel", "kernels/kl_target.py", None),
     ("attention: MLA", "layers/attention_mla.py", None),
     ("embeddings, RoPE", "layers/embeddings.py", None),
     ("norms", "layers/normalizations.py", None),

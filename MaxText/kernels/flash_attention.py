@@ -9,7 +9,8 @@ padding), the same attention is a flash-style kernel's causal mask with segment 
 runs blockwise in VMEM (splash_attention: online softmax forward, its own VJP recomputing the blocks).
 The indexer's KL target, the head-summed distribution sum_h p[b,h,t,s] (detached), is computed by
 `head_summed_probs`: `head_chunk` heads at a time under stop_gradient, so only [b,c,t,s] is ever live and
-nothing is kept for the backward pass.
+nothing is kept for the backward pass. That is the XLA reference and the portable path: MLA.attend_flash takes
+kernels/kl_target.py's Pallas kernel (no [h,t,s] in HBM), held to it by tests/unit/test_kl_target.py.
 
 When splash's mask equals attention_validity (the caller, MLA.use_flash, decides; invariants):
   - the keys are the queries, in the same order (no context parallelism: its zig-zag order and its

@@ -58,8 +58,9 @@ from MaxText.kernels.cached_attention import (
   merge_selected,
   value_kernel,
 )
-from MaxText.kernels.flash_attention import flash_attention, head_summed_probs, supports_length
+from MaxText.kernels.flash_attention import flash_attention, supports_length
 from MaxText.kernels.index_scores import indexer_kl_loss
+from MaxText.kernels.kl_target import flash_kl_target
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
 from MaxText.kernels.sparse_attention import (
@@ -222,7 +223,8 @@ class MLA(nnx.Module):
     indexer_loss = jnp.zeros((), jnp.float32)
     if self.indexer is not None and indexer_stage(self.config).indexer_loss:
       scores = self.indexer(x, q_lat, positions, valid)  # [b,t,s] fp32, -inf where not valid
-      p = head_summed_probs(q, k, valid, self.config.softmax_scale, precision=self.precision)  # [b,t,s], detached
+      p = flash_kl_target(q, k, valid, segment_ids, self.config.softmax_scale,
+                          precision=self.precision)  # [b,t,s], detached: the Pallas kernel (kernels/kl_target.py)
       indexer_loss = indexer_kl_loss(p[:, None], scores, valid)
     return checkpoint_name(out, "attention_out"), indexer_loss
 
