@@ -156,14 +156,11 @@ def from_pairs(words: jax.Array) -> jax.Array:
 def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
   """pool [N / per_row, per_row * w] (per_row slots of w words a row, slot s in row s // per_row at words
   (s % per_row) * w ..), ids [...] slot ids (clipped into the pool) -> [..., w] as stored. per_row 1: a
-  plain row gather. Else ONE gather of w-word slices, each at its slot's (row, word offset) in the pool as
-  it lies (no relayout of the pool): gathering whole rows and then taking each slot's w words out of them
-  cost a TPU v5e a second gather of the rows (16 rows x 128K fp8: s32[32768,32] out of s32[32768,128],
-  0.435 ms beside the rows' 0.25, docs/kernels.md)."""
+  plain row gather. Rows are gathered whole (lane-dense: no relayout of the pool), then each id's slot
+  is picked out of its gathered row."""
   if per_row == 1:
     return jnp.take(pool, ids, axis=0, mode="clip")  # [..., w]
-  w = pool.shape[-1] // per_row
   ids = jnp.clip(ids, 0, pool.shape[0] * per_row - 1)
-  starts = jnp.stack([ids // per_row, (ids % per_row) * w], axis=-1)  # [..., 2]: (row, first word)
-  dims = jax.lax.GatherDimensionNumbers(offset_dims=(ids.ndim,), collapsed_slice_dims=(0,), start_index_map=(0, 1))
-  return jax.lax.gather(pool, starts, dims, slice_sizes=(1, w), mode="clip")  # [..., w]
+  rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [..., per_row * w]
+  rows = rows.reshape(*ids.shape, per_row, pool.shape[-1] // per_row)  # [..., per_row, w]
+  return jnp.take_along_axis(rows, (ids % per_row)[..., None, None], axis=-2)[..., 0, :]  # [..., w]

@@ -13,7 +13,7 @@ from flax import nnx
 
 from MaxText.checkpoint import model_state
 from MaxText.config.types import ConfigError
-from MaxText.kernels import fp8_blocks, moe_experts
+from MaxText.kernels import moe_experts
 from MaxText.kernels.fp8_blocks import FP8, BlockFP8, block_of, dequantize, quantize, scale_shape
 from MaxText.layers.linears import SCALE_SUFFIX, kernel_block, requantized
 from MaxText.runtime import sharding
@@ -165,19 +165,3 @@ def test_requantized_keeps_fp8_quantizes_float_and_dequantizes_where_the_model_i
   back = requantized({"k": {"kernel": q.values, "kernel_scale": q.scale}}, {"k": {"kernel": w}}, (16, 8))
   np.testing.assert_array_equal(np.asarray(back["k"]["kernel"]), np.asarray(dequantize(BlockFP8(*q))))
   assert set(back["k"]) == {"kernel"}
-
-
-@pytest.mark.parametrize("per_row", [1, 4])
-def test_take_slots_reads_each_slots_words_where_its_row_holds_them(per_row):
-  """take_slots (the tpu row's k_pe pool: R slots of w words a 128-word row) returns slot s's w words, bit for
-  bit, from row s // R at word (s % R) * w, with ids past the pool clipped to its last slot; the compiled
-  program gathers w-word slices straight out of the pool (no gather of whole rows to pick from again)."""
-  w, n = 32, 64
-  pool = jnp.asarray(np.random.default_rng(0).integers(-2**31, 2**31, (n // per_row, per_row * w)), jnp.int32)
-  ids = jnp.asarray([[0, 5, 63, 2], [17, 17, 99, -3]], jnp.int32)  # repeats, past the end, negative
-  got = np.asarray(fp8_blocks.take_slots(pool, ids, per_row))
-  slots = np.asarray(pool).reshape(n, w)  # slot s = row s // R, words (s % R) * w ..
-  np.testing.assert_array_equal(got, slots[np.clip(np.asarray(ids), 0, n - 1)])
-  if per_row > 1:
-    hlo = jax.jit(lambda p, i: fp8_blocks.take_slots(p, i, per_row)).lower(pool, ids).compile().as_text()
-    assert f"s32[2,4,{per_row * w}]" not in hlo  # the selected slots' whole rows are never gathered
