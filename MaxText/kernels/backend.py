@@ -115,7 +115,8 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # 1-D gathers there (8.5 of a 26 ms 16-row 128K decode step, benchmarks/decode_profile.py, docs/kernels.md).
 # MLA's mask path in splash where its support is every valid key (mask_attention "splash"): the v5e train step of
 # configs/models/deepseek3.2-v5e.yml at 1 x 2048 tokens 173.6 vs 183.6 ms, 10.31 vs 13.44 GiB, so 2 x 2048 fits
-# (11.46 GiB: model MFU 37.1%) (benchmarks/tpu_decode_check.sh mfu, docs/accelerators.md, 2026-12-06).
+# (11.46 GiB: model MFU 37.1%); with the KL target in its kernel (kernels/kl_target.py, the same choice) 146.0 ms
+# (41.0%) and 2 x 2048 267.1 ms (44.8%) (benchmarks/tpu_decode_check.sh mfu, docs/accelerators.md, 2026-12-06).
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
