@@ -130,12 +130,13 @@ def _fields(cfg) -> dict:
 
 def config_for(context: int, args, batch: int = 1):
   model = {**WIDE, "indexer_topk": args.topk, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.set)}}
+  page = int(model.pop("serve_page_size", PAGE))  # --set serve_page_size=256: the pools' page (the tpu config's)
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
                              max_target_length=context, max_prefill_length=min(context, args.chunk),
                              serve_max_num_tokens=max(batch, min(context, args.chunk)),
                              kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
-                             serve_max_num_seqs=batch, serve_page_size=PAGE,
-                             serve_num_pages=batch * -(-context // PAGE), **model)
+                             serve_max_num_seqs=batch, serve_page_size=page,
+                             serve_num_pages=batch * -(-context // page), **model)
 
 
 FILL_SLOTS = 1 << 18  # slots filled per program: a [chunk, 512] f32 draw (512 MiB) at most, whatever the pool

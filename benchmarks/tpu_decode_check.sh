@@ -26,6 +26,8 @@
 #   BASE=DIR bash benchmarks/tpu_decode_check.sh rows OUT   the 16-row 128K fp8 step of this checkout (traced, pieces
 #                                                    alone, HLO in OUT/hlo.tgz), then of DIR's (untraced, pieces),
 #                                                    this one's 1-row step traced (the per-call floor) and 4-row step
+#   BASE=DIR bash benchmarks/tpu_decode_check.sh pages OUT  the 16-row step of DIR, then this one's at 64- and (traced,
+#                                                    pieces) 256-slot pages; `pages_rows`: this one's 1 and 4 rows at 256
 #   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
 #                                                    with index_placement=search (the row before), then unscanned
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
@@ -102,5 +104,19 @@ case "$part" in
   kl)  # the indexer KL target alone: kernels/kl_target.py's Pallas kernel beside the XLA head_summed_probs
     { timeout 150 python3 benchmarks/kl_target.py --iters 9
       timeout 150 python3 benchmarks/kl_target.py --batch 2 --iters 9; } 2>&1 | tee "$out/kl.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes or kl, got '$part'" >&2; exit 2 ;;
+  pages)  # the scoring kernel's per-page DMAs: one wait a block (BASE: before), then 256-slot pages (the v5e config's)
+    { if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 benchmarks/decode_profile.py --rows 16 \
+          --context 131072 --cache-dtype fp8 --iters 7 --no-trace --no-pieces)
+      fi
+      timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces
+      timeout 240 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
+        --set serve_page_size=256 --out /tmp/decode_profile_16; } 2>&1 | tee "$out/pages.log" ;;
+  pages_rows)  # 1 and 4 rows at 256-slot pages
+    for rows in 1 4; do
+      timeout 120 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces --set serve_page_size=256
+    done 2>&1 | tee "$out/pages_rows.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes, pages, pages_rows or kl, got '$part'" >&2; exit 2 ;;
 esac

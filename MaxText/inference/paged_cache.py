@@ -271,8 +271,8 @@ def page_values(a: jax.Array, pages: jax.Array, page_size: int, per_row: int = 1
 
 
 KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (one row) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
-PAGES_PER_SCORE_BLOCK = 32  # pages a grid step of the Pallas scoring kernel reads (2048 keys at 64 a page: on a v5e,
-# 4 rows x 128K fp8 keys, fp32 queries: 1.56 / 1.45 / 1.33 / 1.28 ms at 8 / 16 / 32 / 64 pages, docs/kernels.md)
+SCORE_BLOCK_SLOTS = 2048  # keys a grid step of the Pallas scoring kernel reads, whole pages (at least one): on a v5e,
+# 4 rows x 128K fp8 keys at 64 a page, fp32 queries: 1.56 / 1.45 / 1.33 / 1.28 ms at 512 / 1024 / 2048 / 4096 (docs/kernels.md)
 
 
 class PagedKeys(NamedTuple):
@@ -340,7 +340,7 @@ class PagedKeys(NamedTuple):
     """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):
     the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
     p, d = self.table.shape[1], q.shape[-1]
-    per_block = min(PAGES_PER_SCORE_BLOCK, p)
+    per_block = max(1, min(SCORE_BLOCK_SLOTS // self.page_size, p))  # pages a grid step
     table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
     got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,
                                           self.idx_k_scale, table, pos[:, 0], self.page_size,

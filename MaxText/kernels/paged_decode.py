@@ -116,15 +116,22 @@ def _interpret(interpret: bool | None) -> bool:
 
 # ---- double-buffered gathers: items `ids[i]` of pools in HBM into VMEM buffers (two slots each)
 
-def _each_copy(fields, sems, ids_ref, slot, n: int, method: str) -> None:
-  """start or wait the DMAs of block `slot`: for each of the n ids and each field (src [M, ...] in
-  HBM, dst [2, n, ...] in VMEM), item ids_ref[0, 0, i] of src into dst[slot, i]. One DMA semaphore per
-  (slot, field): a wait takes one item's bytes, so n waits match n starts."""
+def _start_copies(fields, sems, ids_ref, slot, n: int) -> None:
+  """Start the DMAs of block `slot`: for each of the n ids and each field (src [M, ...] in HBM, dst [2, n,
+  ...] in VMEM), item ids_ref[0, 0, i] of src into dst[slot, i], all on the (slot, field) DMA semaphore."""
   @pl.loop(0, n)
   def _(i):
     item = ids_ref[0, 0, i]
     for f, (src, dst) in enumerate(fields):
-      getattr(pltpu.make_async_copy(src.at[pl.ds(item, 1)], dst.at[slot, pl.ds(i, 1)], sems.at[slot, f]), method)()
+      pltpu.make_async_copy(src.at[pl.ds(item, 1)], dst.at[slot, pl.ds(i, 1)], sems.at[slot, f]).start()
+
+
+def _wait_copies(fields, sems, slot) -> None:
+  """Wait for block `slot`'s DMAs: ONE wait per field, described as a copy of the whole dst[slot] (n items'
+  bytes; a DMA semaphore counts bytes), not n waits in a scalar loop: on a v5e at 32 pages a block, 16 rows
+  x 128K fp8 keys, the scoring call 2.77 -> 2.55 ms (docs/kernels.md)."""
+  for f, (_, dst) in enumerate(fields):
+    pltpu.make_async_copy(dst.at[slot], dst.at[slot], sems.at[slot, f]).wait()
 
 
 def _pipelined(fields, sems, ids_now, ids_next, n: int):
@@ -135,13 +142,13 @@ def _pipelined(fields, sems, ids_now, ids_next, n: int):
 
   @pl.when(j == 0)
   def _():
-    _each_copy(fields, sems, ids_now, 0, n, "start")
+    _start_copies(fields, sems, ids_now, 0, n)
 
   @pl.when(j < last)
   def _():
-    _each_copy(fields, sems, ids_next, 1 - slot, n, "start")
+    _start_copies(fields, sems, ids_next, 1 - slot, n)
 
-  _each_copy(fields, sems, ids_now, slot, n, "wait")
+  _wait_copies(fields, sems, slot)
   return slot
 
 
