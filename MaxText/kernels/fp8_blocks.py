@@ -157,10 +157,15 @@ def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
   """pool [N / per_row, per_row * w] (per_row slots of w words a row, slot s in row s // per_row at words
   (s % per_row) * w ..), ids [...] slot ids (clipped into the pool) -> [..., w] as stored. per_row 1: a
   plain row gather. Rows are gathered whole (lane-dense: no relayout of the pool), then each id's slot
-  is picked out of its gathered row."""
+  is picked out of its gathered row by per_row - 1 selects over static lane slices: elementwise, where a
+  take_along_axis was a second gather (on a v5e each gathered index costs ~8-10 ns whatever its row's width:
+  the k_pe pick was 0.44 ms of a 16-row 128K step, docs/kernels.md)."""
   if per_row == 1:
     return jnp.take(pool, ids, axis=0, mode="clip")  # [..., w]
   ids = jnp.clip(ids, 0, pool.shape[0] * per_row - 1)
   rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [..., per_row * w]
-  rows = rows.reshape(*ids.shape, per_row, pool.shape[-1] // per_row)  # [..., per_row, w]
-  return jnp.take_along_axis(rows, (ids % per_row)[..., None, None], axis=-2)[..., 0, :]  # [..., w]
+  w, part = pool.shape[-1] // per_row, (ids % per_row)[..., None]  # part [..., 1]: the slot's place in its row
+  out = rows[..., :w]  # [..., w]
+  for p in range(1, per_row):
+    out = jnp.where(part == p, rows[..., p * w:(p + 1) * w], out)
+  return out

@@ -165,3 +165,19 @@ def test_requantized_keeps_fp8_quantizes_float_and_dequantizes_where_the_model_i
   back = requantized({"k": {"kernel": q.values, "kernel_scale": q.scale}}, {"k": {"kernel": w}}, (16, 8))
   np.testing.assert_array_equal(np.asarray(back["k"]["kernel"]), np.asarray(dequantize(BlockFP8(*q))))
   assert set(back["k"]) == {"kernel"}
+
+
+@pytest.mark.parametrize("per_row", [1, 2, 4, 8])
+def test_take_slots_picks_each_slot_from_its_row_with_one_gather(per_row):
+  """take_slots over a pool of per_row slots a row equals a plain row gather over the same slots one a row, for
+  every slot place (first, last, the clipped ids past either end), and its compiled program gathers once: the
+  slot is picked from its gathered row by selects, not by a second (take_along_axis) gather."""
+  from MaxText.kernels.fp8_blocks import take_slots
+  n, w = 16, 4  # 16 slots of 4 words
+  flat = jnp.arange(n * w, dtype=jnp.int32).reshape(n, w) * 7 + 3  # [N, w] slot s holds its own words
+  pool = flat.reshape(n // per_row, per_row * w)  # [N/per_row, per_row*w]: slot s in row s // per_row
+  ids = jnp.asarray([[0, 1, 2, 3, 5], [n - 1, n - 2, 8, -4, n + 9]], jnp.int32)
+  got = take_slots(pool, ids, per_row)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(flat)[np.clip(np.asarray(ids), 0, n - 1)])
+  hlo = jax.jit(lambda p, i: take_slots(p, i, per_row)).lower(pool, ids).compile().as_text()
+  assert sum(" gather(" in line for line in hlo.split("\n")) == 1, [l for l in hlo.split("\n") if " gather(" in l]
