@@ -38,6 +38,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      uint16 [N, r] (paged_cache.py)         words of 2, several slots a 128-word row
                                                            (a v5e copied the [N, 64] uint16 pool whole
                                                            each step: 1.27 of 10.3 ms at 16 x 128K)
+  page_lookup        "gather": each selected position's     "gather" (gpu, others); tpu: "onehot", a one-hot
+                     page id through the page table by a    [B,m,P] x the ids' bytes [B,P,4] dot on the MXU
+                     take_along_axis (paged_cache.py)       (v5e: a gather costs ~10 ns an index, 0.36 ms at
+                                                           16 x 2048 selected; the dot 0.06-0.09 ms)
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -77,6 +81,7 @@ class Choices:
   index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
   rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
+  page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -92,6 +97,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
     "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
+    "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
 }
 
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
@@ -119,8 +125,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # (41.0%) and 2 x 2048 267.1 ms (44.8%) (benchmarks/tpu_decode_check.sh mfu, docs/accelerators.md, 2026-12-06).
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
+# The selected positions' page ids by a one-hot dot (page_lookup "onehot"): a [16, 2048] take_along_axis from the
+# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (tmp probe, 2026-12-06; docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare", rope_storage="rows", mask_attention="splash")
+                          index_placement="compare", rope_storage="rows", mask_attention="splash", page_lookup="onehot")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

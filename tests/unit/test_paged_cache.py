@@ -391,3 +391,22 @@ def test_paged_fp8_keys_score_as_their_dequantized_values_to_fp32_rounding(d, mo
   assert np.all(np.abs(got[:, 0] - want)[valid] <= 4 * np.finfo(np.float32).eps * mag[valid])
   ref = ContiguousKeys(kv_cache.dequantize_fp8(codes, scale)[slots]).scores(q, w, pos, head_chunk=h)  # dequantized first
   assert np.all(np.abs(np.asarray(ref)[:, 0] - want)[valid] <= 4 * np.finfo(np.float32).eps * mag[valid])
+
+
+def test_lookup_pages_by_one_hot_equals_the_gather_for_any_page_id(monkeypatch):
+  """page_lookup "onehot" (the tpu row) gives take_along_axis' page ids exactly, ids up to int32's largest (each
+  byte an exact bf16, one product in each f32 sum), a none entry (< 0) as page 0; its program has no gather.
+  Past ONEHOT_MAX_PAGES pages a row it gathers, as the portable rows do."""
+  table = jnp.asarray([[3, 2**31 - 1, -1, 2**24 + 5, 255, 256], [7, 0, 65535, 65536, 2**30 + 2**16 + 3, 1]], jnp.int32)
+  pages = jnp.asarray([[0, 1, 2, 3, 4, 5, 1, 1, 3], [5, 4, 3, 2, 1, 0, 4, 0, 2]], jnp.int32)  # [B,m], m > P
+  want = np.take_along_axis(np.maximum(np.asarray(table), 0), np.asarray(pages), axis=1)
+  for choice, gathers in (("gather", 1), ("onehot", 0)):
+    with backend.forced(page_lookup=choice):
+      fn = jax.jit(lambda t, p: paged_cache.lookup_pages(t, p))  # a fresh function: traced under this choice
+      np.testing.assert_array_equal(np.asarray(fn(table, pages)), want)
+      hlo = fn.lower(table, pages).compile().as_text()
+    assert sum(" gather(" in line for line in hlo.split("\n")) == gathers, choice
+  monkeypatch.setattr(paged_cache, "ONEHOT_MAX_PAGES", table.shape[1] - 1)
+  with backend.forced(page_lookup="onehot"):
+    hlo = jax.jit(lambda t, p: paged_cache.lookup_pages(t, p)).lower(table, pages).compile().as_text()
+  assert sum(" gather(" in line for line in hlo.split("\n")) == 1
