@@ -26,7 +26,7 @@
 #   BASE=DIR bash benchmarks/tpu_decode_check.sh rows OUT   the 16-row 128K fp8 step of this checkout (traced, pieces
 #                                                    alone, HLO in OUT/hlo.tgz), then of DIR's (untraced, pieces),
 #                                                    this one's 1-row step traced (the per-call floor) and 4-row step
-#   BASE=DIR bash benchmarks/tpu_decode_check.sh pages OUT  the 16-row step of DIR, then this one's at 64- and (traced,
+#   BASE=DIR bash benchmarks/tpu_decode_check.sh pages OUT  benchmarks/scoring_pages.py, the 16-row step of DIR, then this one's at 64- and (traced,
 #                                                    pieces) 256-slot pages; `pages_rows`: this one's 1 and 4 rows at 256
 #   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
 #                                                    with index_placement=search (the row before), then unscanned
@@ -105,7 +105,8 @@ case "$part" in
     { timeout 150 python3 benchmarks/kl_target.py --iters 9
       timeout 150 python3 benchmarks/kl_target.py --batch 2 --iters 9; } 2>&1 | tee "$out/kl.log" ;;
   pages)  # the scoring kernel's per-page DMAs: one wait a block (BASE: before), then 256-slot pages (the v5e config's)
-    { if [ -n "${BASE:-}" ]; then
+    { timeout 120 python3 benchmarks/scoring_pages.py
+      if [ -n "${BASE:-}" ]; then
         (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 benchmarks/decode_profile.py --rows 16 \
           --context 131072 --cache-dtype fp8 --iters 7 --no-trace --no-pieces)
       fi

@@ -126,7 +126,7 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 # The selected positions' page ids by a one-hot dot (page_lookup "onehot"): a [16, 2048] take_along_axis from the
-# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (tmp probe, 2026-12-06; docs/kernels.md).
+# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (benchmarks/scoring_pages.py, docs/kernels.md).
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
                           index_placement="compare", rope_storage="rows", mask_attention="splash", page_lookup="onehot")
 
