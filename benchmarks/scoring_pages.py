@@ -52,7 +52,7 @@ def scoring(rows: int, context: int, pages: list[int], iters: int, interpret: bo
   q, w = pd.fp8_scored_queries(jax.random.normal(k[3], (rows, H, D)),
                                pd.index_weights(jax.random.uniform(k[4], (rows, H)) * H ** -0.5, D))
   pos = jnp.full((rows,), context - 1, jnp.int32)
-  fns, outs = {}, {}
+  fns = {}
   for page in pages:
     table = jax.random.permutation(jax.random.fold_in(k[0], page), n // page).reshape(rows, -1).astype(jnp.int32)
     fn = jax.jit(functools.partial(pd.paged_index_scores, page=page, pages_per_block=max(1, K // page),
