@@ -38,6 +38,45 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+MAP_BUDGET = 0.5  # of the kernel's per-process limit on memory maps (vm.max_map_count, 65530 by default)
+
+
+def memory_maps() -> tuple[int, int] | None:
+  """(this process's memory maps, the kernel's limit on them), or None where /proc does not say (not Linux)."""
+  try:
+    with open("/proc/self/maps") as f:
+      n = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return n, int(f.read())
+  except OSError:
+    return None
+
+
+def release_programs_if_maps_above(fraction: float = MAP_BUDGET) -> bool:
+  """Every XLA:CPU executable maps its code into the process (~3 maps a tiny program, more for a big one) and
+  jit's caches keep every program a process compiled: a long xdist worker reached the kernel's limit
+  (vm.max_map_count) near the end of the suite, and the next mmap failed inside XLA (a segfault or an abort in
+  the persistent cache's executable.serialize, a different test each run). Above `fraction` of the limit:
+  jax.clear_caches() and a collection, which unmap the programs nothing holds -> whether it released."""
+  import gc
+
+  got = memory_maps()
+  if got is None or got[0] <= fraction * got[1]:
+    return False
+  import jax
+  jax.clear_caches()
+  gc.collect()
+  return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _program_maps():
+  """After each test module: its programs released if the process's memory maps passed MAP_BUDGET of the
+  limit (release_programs_if_maps_above); a module's own programs stay cached while it runs."""
+  yield
+  release_programs_if_maps_above()
+
+
 @pytest.fixture(autouse=True)
 def _kernel_row():
   """MAXTEXT_TEST_KERNEL_ROW=gpu (or tpu) runs each test with that backend's row of

@@ -42,3 +42,35 @@ def test_the_environment_beside_the_key_at_its_boundaries(monkeypatch, tmp_path)
   assert _enabled(monkeypatch, {compile_cache.DIR_ENV: ""}, jax_cache_dir="") == ("", {})
   path, updates = _enabled(monkeypatch, {compile_cache.MIN_TIME_ENV: "0"}, jax_cache_dir="/x")
   assert updates == {"jax_compilation_cache_dir": "/x"}
+
+
+def test_a_long_test_process_releases_its_programs_before_the_memory_map_limit():
+  """tests/conftest.py's guard against the kernel's per-process memory-map limit (the crash it prevents: a long
+  xdist worker's mmap failing inside XLA): below the budget nothing is released (jit keeps its programs);
+  above it the programs nothing holds are unmapped (jax.clear_caches and a collection). A program of many
+  kernels maps its code in pieces (~90 maps for 60 dots here; a test of the model ~150-700)."""
+  import jax
+  import jax.numpy as jnp
+  import pytest
+
+  from tests import conftest
+
+  if conftest.memory_maps() is None:
+    pytest.skip("no /proc/self/maps here")
+
+  def chain(a, i):  # 60 dots and cumsums: kernels that do not fuse into one
+    for k in range(60):
+      a = jnp.tanh(a @ a.T + i + k) * jnp.cumsum(a, axis=k % 2)
+    return a.sum()
+
+  before = conftest.memory_maps()[0]
+  fns = [jax.jit(lambda a, i=i: chain(a, i)) for i in range(3)]  # held, as a library's jitted functions are
+  for fn in fns:
+    fn(jnp.ones((16, 16))).block_until_ready()
+  compiled = conftest.memory_maps()[0]
+  assert compiled > before + 100, (before, compiled)  # the programs' code is mapped
+  assert not conftest.release_programs_if_maps_above(1.0)  # under the limit: kept
+  kept = conftest.memory_maps()[0]
+  assert kept > before + 100, (before, kept)
+  assert conftest.release_programs_if_maps_above(0.0)  # over the budget: released
+  assert conftest.memory_maps()[0] < kept - 100
