@@ -157,6 +157,12 @@ def choice(name: str):
   return getattr(choices(), name)
 
 
+def pallas_interpret(interpret: bool | None) -> bool:
+  """A Pallas TPU kernel's `interpret` argument: None -> Pallas' interpreter wherever this process's backend is
+  not a TPU (the kernels' own lowering is Mosaic's); a bool as given. Every kernel module asks here."""
+  return jax.default_backend() != "tpu" if interpret is None else interpret
+
+
 def _check(backend: str | None, overrides: dict) -> None:
   fields = {f.name for f in dataclasses.fields(Choices)}
   for name, value in overrides.items():

@@ -33,17 +33,13 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
+from MaxText.kernels.backend import pallas_interpret
 from MaxText.kernels.selection import additive_mask
 from MaxText.runtime.sharding import active_mesh, logical_to_spec
 
 BLOCKS = (512, 256, 128)  # splash's query / key block (forward and backward): the largest that divides t (512:
 # MaxText's TPU default); splash needs a multiple of 128 lanes
 KL_HEAD_CHUNK = 16  # heads per step of head_summed_probs: [b,16,t,s] f32 live (256 MiB at b=1, t=s=2048)
-
-
-def _interpret(interpret: bool | None) -> bool:
-  """interpret=None: Pallas' interpreter wherever the process's backend is not a TPU (Mosaic's)."""
-  return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 def supports_length(t: int) -> bool:
@@ -74,7 +70,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   split as activation_batch, heads as activation_heads, the sequence whole (no collective: each shard's
   queries attend to its own rows' keys).
   """
-  interpret = _interpret(interpret)
+  interpret = pallas_interpret(interpret)
   active = active_mesh()
   if active is None or active[0].size == 1:
     return _flash_local(q, k, v, segment_ids, scale, interpret)

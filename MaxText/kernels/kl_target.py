@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from MaxText.kernels.backend import pallas_interpret
 from MaxText.kernels.flash_attention import head_summed_probs
 from MaxText.runtime.sharding import active_mesh
 
@@ -45,11 +46,6 @@ _BLOCKS = (512, 256, 128)
 VMEM_LIMIT = 32 * 2**20  # ~9 MiB needed at the blocks above (module doc): headroom over v5e's 16 MiB default
 _NEG = -1e30  # masked logits in pass 1: finite, so a padding row's max and sum stay finite (its p is 0 anyway)
 _NT = (((1,), (1,)), ((), ()))  # dot_general: [m,d] x [n,d] -> [m,n]
-
-
-def _interpret(interpret: bool | None) -> bool:
-  """interpret=None: Pallas' interpreter wherever the process's backend is not a TPU (Mosaic's)."""
-  return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 def _block(n: int, largest: int) -> int:
@@ -139,7 +135,7 @@ def head_summed_probs_kernel(q: jax.Array, k: jax.Array, segment_ids: jax.Array 
                       pltpu.VMEM((bq, 128), jnp.float32), pltpu.VMEM((bq, 128), jnp.float32)],  # e, m_j, m, l
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=VMEM_LIMIT),
-      interpret=_interpret(interpret), name="kl_target_head_summed_probs")(qh, kh, qseg, kseg)
+      interpret=pallas_interpret(interpret), name="kl_target_head_summed_probs")(qh, kh, qseg, kseg)
 
 
 def flash_kl_target(q: jax.Array, k: jax.Array, valid: jax.Array, segment_ids: jax.Array | None, scale: float, *,

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from MaxText.kernels.backend import pallas_interpret
 from MaxText.kernels.fp8_blocks import from_pairs, from_words, quantize, take_slots
 
 NEG_INF = float("-inf")
@@ -107,11 +108,6 @@ def _dequant(x: jax.Array, scale: jax.Array | None) -> jax.Array:
   w = v.shape[-1]  # [n, w]; scale [n, ceil(w/128)]: lane-aligned 128-wide groups, no 3-D reshape (Mosaic)
   return jnp.concatenate([v[:, g:g + FP8_BLOCK] * scale[:, i:i + 1] for i, g in enumerate(range(0, w, FP8_BLOCK))],
                          axis=1)
-
-
-def _interpret(interpret: bool | None) -> bool:
-  """interpret=None: Pallas' interpreter wherever the process's backend is not a TPU (Mosaic's)."""
-  return jax.default_backend() != "tpu" if interpret is None else interpret
 
 
 # ---- double-buffered gathers: items `ids[i]` of pools in HBM into VMEM buffers (two slots each)
@@ -274,7 +270,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
       out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
       out_shape=jax.ShapeDtypeStruct((b, 1, p * page), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=_interpret(interpret))(*ins)[:, 0]  # [B, P*page]; fp8: without the keys' scales
+      interpret=pallas_interpret(interpret))(*ins)[:, 0]  # [B, P*page]; fp8: without the keys' scales
   if not fp8:
     return scores
   # sum_h w relu(s q.k) = s sum_h w relu(q.k) for a key scale s > 0 (-inf stays -inf): the scales apply to the
@@ -375,7 +371,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
       out_specs=pl.BlockSpec((1, h, c), lambda i, j: (i, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((b, h, c), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=_interpret(interpret))(*ins)
+      interpret=pallas_interpret(interpret))(*ins)
 
 
 def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale: float) -> jax.Array:

@@ -71,7 +71,7 @@ def test_layer_gradient_under_remat_lowers_with_the_kernel(monkeypatch):
   """MLA's sparse stage with top-k = t under mask_attention=splash, its parameters' gradient under jax.checkpoint
   lowered for the TPU from the CPU: the target's kernel is in it (forward, and recomputed) beside splash's calls."""
   for module in (kl_target, flash_attention):
-    monkeypatch.setattr(module, "_interpret", lambda interpret: False)  # Mosaic, not the interpreter
+    monkeypatch.setattr(module, "pallas_interpret", lambda interpret: False)  # Mosaic, not the interpreter
   cfg, m = make_mla(3, indexer_topk=128, indexer_training_stage="sparse")
   x, pos = mla_inputs(cfg, t=128, seed=3)
   graphdef, params, rest = nnx.split(m, nnx.Param, ...)
