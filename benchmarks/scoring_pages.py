@@ -17,29 +17,27 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from MaxText.inference import paged_cache
-from MaxText.kernels import backend
-from MaxText.kernels import paged_decode as pd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as bench  # noqa: E402  (benchmarks/decode.py: time_variants)
+
+from MaxText.inference import paged_cache  # noqa: E402
+from MaxText.kernels import backend  # noqa: E402
+from MaxText.kernels import paged_decode as pd  # noqa: E402
 
 H, D, K = 64, 128, 2048  # indexer heads and dim (the official shapes), selected positions a row
 
 
 def _median_ms(fns: dict, iters: int) -> dict:
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  ts = {n: [] for n in fns}
-  for _ in range(iters):
-    for n, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      ts[n].append((time.perf_counter() - t0) * 1e3)
-  return {n: statistics.median(v) for n, v in ts.items()}
+  """{name: median ms} of decode.time_variants' alternating calls."""
+  times, _ = bench.time_variants(fns, iters)
+  return {n: statistics.median(v) * 1e3 for n, v in times.items()}
 
 
 def scoring(rows: int, context: int, pages: list[int], iters: int, interpret: bool) -> dict:
