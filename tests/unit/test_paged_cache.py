@@ -406,7 +406,8 @@ def test_lookup_pages_by_one_hot_equals_the_gather_for_any_page_id(monkeypatch):
       np.testing.assert_array_equal(np.asarray(fn(table, pages)), want)
       hlo = fn.lower(table, pages).compile().as_text()
     assert sum(" gather(" in line for line in hlo.split("\n")) == gathers, choice
-  monkeypatch.setattr(paged_cache, "ONEHOT_MAX_PAGES", table.shape[1] - 1)
-  with backend.forced(page_lookup="onehot"):
-    hlo = jax.jit(lambda t, p: paged_cache.lookup_pages(t, p)).lower(table, pages).compile().as_text()
-  assert sum(" gather(" in line for line in hlo.split("\n")) == 1
+  for limit, gathers in ((table.shape[1], 0), (table.shape[1] - 1, 1)):  # P == the limit: still one-hot
+    monkeypatch.setattr(paged_cache, "ONEHOT_MAX_PAGES", limit)
+    with backend.forced(page_lookup="onehot"):
+      hlo = jax.jit(lambda t, p: paged_cache.lookup_pages(t, p)).lower(table, pages).compile().as_text()
+    assert sum(" gather(" in line for line in hlo.split("\n")) == gathers, limit

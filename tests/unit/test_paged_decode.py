@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText.inference import kv_cache
+from MaxText.inference import kv_cache, paged_cache
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
@@ -101,7 +101,7 @@ def test_sparse_mla_decode_equals_the_xla_path(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring_case, fp8):
+def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring_case, fp8, monkeypatch):
   c = scoring_case
   keys, scale = c["keys"], None
   if fp8:
@@ -113,6 +113,10 @@ def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring
   with backend.forced(paged_scoring="pallas"):
     kernel = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
   _close(kernel, xla, 1e-5)
+  for slots in (PAGE - 1, PAGE, 3 * PAGE):  # a block of fewer slots than a page is one page; 3 pages pad P to 6
+    monkeypatch.setattr(paged_cache, "SCORE_BLOCK_SLOTS", slots)
+    with backend.forced(paged_scoring="pallas"):
+      _close(jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos), xla, 1e-5)
   with pytest.raises(ValueError, match="paged_scoring"):
     with backend.forced(paged_scoring="mosaic"):
       pass
