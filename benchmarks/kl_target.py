@@ -6,33 +6,27 @@
 
 Inputs: random bf16 q, k [b,t,h,d], two packed segments a row (the second from t/2 + 64). Each way compiled
 once, checked against the other (max abs difference; values in [0, h]), then timed: median of --iters calls
-(block_until_ready). Prints a table and one JSON line. Asserts nothing about time.
+each, the two ways called in turn (decode.time_variants). Prints a table and one JSON line. Asserts nothing about time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.kernels.flash_attention import head_summed_probs
-from MaxText.kernels.kl_target import head_summed_probs_kernel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as bench  # noqa: E402  (benchmarks/decode.py: time_variants)
+
+from MaxText.kernels.flash_attention import head_summed_probs  # noqa: E402
+from MaxText.kernels.kl_target import head_summed_probs_kernel  # noqa: E402
 from MaxText.kernels.masks import attention_validity
-
-
-def median_ms(f, args, iters: int) -> float:
-  jax.block_until_ready(f(*args))  # compiled, warm
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
   xla = jax.jit(lambda q, k, valid: head_summed_probs(q, k, valid, scale))
   kernel = jax.jit(lambda q, k, seg: head_summed_probs_kernel(q, k, seg, scale))
   diff = float(jnp.max(jnp.abs(xla(q, k, valid) - kernel(q, k, seg))))
-  ms = {"xla": median_ms(xla, (q, k, valid), args.iters), "kernel": median_ms(kernel, (q, k, seg), args.iters)}
+  times, _ = bench.time_variants({"xla": lambda: xla(q, k, valid), "kernel": lambda: kernel(q, k, seg)}, args.iters)
+  ms = {way: statistics.median(v) * 1e3 for way, v in times.items()}
   print(f"KL target, b {b}, t {t}, h {h}, d {d} bf16 on {jax.devices()[0].device_kind}: max |kernel - xla| {diff:.2e}")
   print(f"{'way':8} {'ms (median of ' + str(args.iters) + ')':>22}")
   for way, v in ms.items():
