@@ -10,7 +10,8 @@ the indexer's scoring and the selected latents' gather alone, and the engine's s
    (each block's codes decoded and scored, each key's score then times its scale), over the fp8 pool
    dequantized first (each block's [width, d] keys times their scales, then scored: the loop before
    2026-12-06, kept here as the comparison) and over an f32 pool of the same shape (no decode, 4x the
-   bytes); the gather of the k selected latents (paged_cache.gather_selected, fp8 dequantized) likewise.
+   bytes); with the engine's fp8 queries (paged_decode.fp8_scored_queries: bf16 e4m3 values) the library's
+   bf16 x bf16 dot beside the fp32 dot of the same codes (the loop before 2026-12-06 19:20 UTC); the gather of the k selected latents (paged_cache.gather_selected, fp8 dequantized) likewise.
 2. steps (--no-steps skips them): the engine's decode step (step + write programs, benchmarks/decode.py's
    paged_step) sparse and dense (--no-dense: sparse only) over fp8 and over f32 pools; dense/sparse per
    cache dtype.
@@ -42,7 +43,7 @@ import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pool
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.inference import kv_cache, paged_cache  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
-from MaxText.kernels import backend  # noqa: E402
+from MaxText.kernels import backend, paged_decode  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
 
 
@@ -52,6 +53,15 @@ class DequantizedFirst(paged_cache.PagedKeys):
   def block_keys(self, pages):
     keys = paged_cache.page_values(self.idx_k, pages, self.page_size)[0]  # [width,d] codes
     return kv_cache.dequantize_fp8(keys, paged_cache.page_values(self.idx_k_scale, pages, self.page_size)[0]), None
+
+
+class CodesAsF32(paged_cache.PagedKeys):
+  """PagedKeys with each block's fp8 codes decoded to f32 (before 2026-12-06: row_index_scores' fp32 dot even
+  with fp8 (bf16) queries), the comparison for the library's bf16 x bf16 dot with fp32 accumulation."""
+
+  def block_keys(self, pages):
+    keys, scale = super().block_keys(pages)
+    return keys.astype(jnp.float32), scale
 
 
 def timed(fns: dict, iters: int) -> tuple[dict, dict]:
@@ -114,9 +124,12 @@ def pieces_section(engines: dict, feed: dict, args) -> list[dict]:
   def gather(pool):
     return lambda idx: paged_cache.gather_selected(pool, table, idx, page)[0]
 
+  q8, w8 = paged_decode.fp8_scored_queries(q, w)  # the engine's queries with an fp8 cache: e4m3 values as bf16
   rows = []
   with backend.forced(paged_scoring="xla"):  # the XLA page-block loop (the CPU's row), whatever the backend
-    fns = {"fp8": traced(scores(pools["fp8"]), q, w, pos),
+    fns = {"fp8 queries: bf16 dot": traced(scores(pools["fp8"]), q8, w8, pos),
+           "fp8 queries: f32 dot": traced(scores(pools["fp8"], CodesAsF32), q8, w8, pos),
+           "fp8": traced(scores(pools["fp8"]), q, w, pos),
            "fp8, dequantized first": traced(scores(pools["fp8"], DequantizedFirst), q, w, pos),
            "float32 pool": traced(scores(pools["float32"]), q, w, pos)}
   times, out = timed(fns, args.iters)
@@ -127,6 +140,12 @@ def pieces_section(engines: dict, feed: dict, args) -> list[dict]:
   part = rows_of(times, piece="scores", max_rel_diff=err)
   print_rows(f"scores ({b} rows x {table.shape[1] * page} slots)", part, "fp8, dequantized first")
   print(f"{'fp8 vs dequantized first: max |diff| / max |score|':>44} {err:.1e}")
+  ref8, got8 = np.asarray(out["fp8 queries: f32 dot"]), np.asarray(out["fp8 queries: bf16 dot"])
+  np.testing.assert_array_equal(np.isfinite(got8), np.isfinite(ref8))
+  err8 = float(np.max(np.abs(got8[fin] - ref8[fin])) / np.max(np.abs(ref8[fin])))  # the fp32 sums' order apart
+  print(f"{'fp8 queries, bf16 vs f32 dot: max rel diff':>44} {err8:.1e}")
+  for r in part:
+    r["max_rel_diff"] = err8 if r["variant"].startswith("fp8 queries") else err
   rows += part
   times, _ = timed({"fp8": traced(gather(pools["fp8"]), idx), "float32 pool": traced(gather(pools["float32"]), idx)},
                    args.iters)

@@ -5,7 +5,9 @@ sparse path timed alone on the same pools (scoring, selection, gather, attention
     python benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --out /tmp/prof
     python benchmarks/decode_profile.py --rows 2 --context 4096 --topk 512 --iters 2     # CPU smoke run
 
-1. The step: benchmarks/decode.py's paged engine step (and write), `--iters` calls timed (median).
+1. The step: benchmarks/decode.py's paged engine step (and write), `--iters` calls timed (median); then the
+   launches: the feed's copy to the device, the step program alone, step + write on a feed already there, and
+   a trivial jitted call (the host's share of the step's wall time).
 2. The trace: `--trace-steps` calls under jax.profiler.trace(--out/trace). Each device op (the
    planes named /device:...; on the CPU the XLA thunks) is mapped to the source line of its HLO
    instruction (the compiled step's metadata: source_file:source_line) and summed per line, then per
@@ -147,6 +149,35 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   return rows
 
 
+def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
+  """Where the step's wall time goes outside its device ops (module doc, 1): the feed's host-to-device copy alone,
+  the step program alone on a feed already on the device, the step and write programs on it, and a trivial
+  jitted call (this host's per-call floor); medians of --iters calls, each waited for."""
+  buf = step_feed.to_device(feed)
+  t = feed["t"]
+
+  def step_alone():
+    with engine._rules():
+      return engine._step_jit(t, False, False, engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
+
+  def step_and_write():
+    engine.pools, sampled, _ = engine.run(t, {"buf": buf})
+    return engine.pools, sampled
+
+  one = jnp.zeros((), jnp.int32)
+  trivial = jax.jit(lambda x: x + 1)
+  fns = {"feed to the device": lambda: step_feed.to_device(feed), "step program (feed on the device)": step_alone,
+         "step + write programs (feed on the device)": step_and_write,
+         "a trivial jitted call": lambda: trivial(one)}
+  rows = []
+  print(f"\n{'launches (wall, median)':>44} {'ms':>10}")
+  for name, fn in fns.items():
+    ms = median_ms(fn, args.iters)
+    rows.append(dict(call=name, ms=round(ms, 3)))
+    print(f"{name:>44} {ms:>10.3f}", flush=True)
+  return rows
+
+
 def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
   """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
   buf = step_feed.to_device(feed)
@@ -217,6 +248,7 @@ def run_all(args) -> None:
                 rows=args.rows, context=args.context, cache_dtype=args.cache_dtype, topk=cfg.indexer_topk,
                 overrides=args.set, choices=dataclasses.asdict(backend.choices()),
                 step_ms=round(step_ms, 3), bound_ms=round(bound, 4), roofline=round(bound / step_ms, 4))
+  result["launches"] = launches(engine, feed, args)
   if not args.no_trace:
     result["parts"] = profile(engine, feed, run, args)
   if not args.no_pieces:

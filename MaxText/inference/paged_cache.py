@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
-from MaxText.inference.kv_cache import dequantize_fp8, e4m3_values
+from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.fp8_blocks import take_slots
@@ -325,15 +325,15 @@ class PagedKeys(NamedTuple):
     return out[..., :self.slots]  # [b,tq,S]
 
   def block_keys(self, pages: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """pages [1,m] -> (keys [m*page, d] f32, scales [m*page] or None) for scores' block: fp8 keys with one
-    scale a key as their codes' values and the scales their scores take (sum_h w relu(q.(s c)) =
+    """pages [1,m] -> (keys [m*page, d], scales [m*page] or None) for scores' block: fp8 keys with one
+    scale a key as their codes' values (bf16, exact) and the scales their scores take (sum_h w relu(q.(s c)) =
     s sum_h w relu(q.c), s > 0); wider fp8 keys dequantized (scales None), others as they are."""
     keys = page_values(self.idx_k, pages, self.page_size)[0]  # [width,d] values (fp8: still quantized)
     if self.idx_k_scale is None:
       return keys, None
     scale = page_values(self.idx_k_scale, pages, self.page_size)[0]  # [width, ceil(d/128)]
-    if scale.shape[-1] == 1:
-      return e4m3_values(keys), scale[:, 0]
+    if scale.shape[-1] == 1:  # the codes as bf16 (exact): row_index_scores' bf16 dot with fp8 (bf16) queries
+      return kv_cache.as_values(keys).astype(jnp.bfloat16), scale[:, 0]
     return dequantize_fp8(keys, scale), None
 
   def _kernel_scores(self, q: jax.Array, w: jax.Array, pos: jax.Array) -> jax.Array:

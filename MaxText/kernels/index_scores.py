@@ -68,16 +68,24 @@ def row_index_scores(q: jax.Array, w: jax.Array, k: jax.Array, *, head_chunk: in
   The same arithmetic on 2-D operands: the logits are one [t*c, d] x [d, s] matmul with no batch
   dimension. XLA:CPU runs index_scores' batched dot_general 1.8x slower at t = 1 even for one row
   (a 64K-key decode scoring in blocks, 2026-12-05): the paged key source (inference/paged_cache.PagedKeys)
-  scores each row's blocks through this. No rematerialization (inference only)."""
+  scores each row's blocks through this. No rematerialization (inference only).
+
+  q and k both bf16 (an fp8 cache's e4m3 codes against fp8 queries: paged_decode.fp8_scored_queries): the
+  logits are a bf16 x bf16 dot accumulated in fp32, not the fp32 dot of the same values: a product of two
+  bf16 values is exact in fp32, so the two differ only in the order of the fp32 sums (DeepGEMM's fp8 MQA
+  logits' arithmetic), and XLA:CPU runs it 1.9x faster on a CPU with avx512_bf16 (docs/kernels.md, On the
+  CPU). Any other dtypes: both operands as fp32."""
   d = q.shape[-1]
-  kf = k.astype(jnp.float32)
+  dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 and k.dtype == jnp.bfloat16 else jnp.float32
+  kf = k.astype(dtype)
 
   def chunk_scores(q_c, w_c):  # q_c [t,c,d], w_c [t,c] -> [t,s]
-    logits = jnp.einsum("tcd,sd->tcs", q_c, kf, precision=precision)  # [t,c,s]
+    logits = jnp.einsum("tcd,sd->tcs", q_c, kf, precision=precision,
+                        preferred_element_type=jnp.float32)  # [t,c,s] fp32
     return jnp.einsum("tcs,tc->ts", jax.nn.relu(logits), w_c, precision=precision)
 
   init = jnp.zeros((q.shape[0], k.shape[0]), jnp.float32)
-  return _over_head_chunks(q.astype(jnp.float32), w.astype(jnp.float32) * d ** -0.5, chunk_scores, init,
+  return _over_head_chunks(q.astype(dtype), w.astype(jnp.float32) * d ** -0.5, chunk_scores, init,
                            head_chunk, False)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels import backend
+from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense, merge_selected
 from MaxText.kernels.index_scores import index_scores
 from MaxText.kernels.topk_indices import topk_indices
@@ -363,12 +363,15 @@ def test_merge_selected_takes_each_new_tokens_row_where_selected(t):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("queries", ["f32", "fp8"])  # the engine's fp32 queries, or fp8_scored_queries' (bf16)
 @pytest.mark.parametrize("d", [128, 256])  # one fp8 scale a key (scaled after the dot), two (dequantized first)
-def test_paged_fp8_keys_score_as_their_dequantized_values_to_fp32_rounding(d, monkeypatch):
+def test_paged_fp8_keys_score_as_their_dequantized_values_to_fp32_rounding(d, queries, monkeypatch):
   # PagedKeys scores fp8 keys with one scale each as s * sum_h w relu(q . codes) (relu(s x) = s relu(x), s > 0:
   # DeepGEMM's order, and the Pallas kernel's), not sum_h w relu(q . (s codes)): another fp32 rounding of the
   # same sum. Both within 4 fp32 ulps of the float64 sum's magnitude sum_h |w_h| sum_d |q_hd k_d| (key scales
-  # spread over 2^-12 .. 2^6, so a scale left out or taken from another slot is off by far more).
+  # spread over 2^-12 .. 2^6, so a scale left out or taken from another slot is off by far more). With fp8
+  # queries (bf16 e4m3 values) against one-scale keys the logits are ONE bf16 x bf16 dot with fp32 accumulation
+  # (exact products: the same bound holds), not an fp32 dot of the same values (what the compiled program shows).
   rng = np.random.default_rng(7)
   h, page, pages, n = 4, 4, 6, 8 * 4
   x = rng.standard_normal((n, d)) * np.exp2(rng.uniform(-12, 6, (n, 1)))
@@ -377,9 +380,16 @@ def test_paged_fp8_keys_score_as_their_dequantized_values_to_fp32_rounding(d, mo
   pos = jnp.asarray([[pages * page - 1], [10]], jnp.int32)  # [B,1]
   q = jnp.asarray(rng.standard_normal((2, 1, h, d)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((2, 1, h)), jnp.float32)
+  if queries == "fp8":
+    q, w = paged_decode.fp8_scored_queries(q, w)  # d 128: bf16 codes' values, w x scale; d 256: fp32 dequantized
   monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * page * d * 4)  # blocks of 2 pages: 3 a row
   keys = paged_cache.PagedKeys(jax.lax.bitcast_convert_type(codes, jnp.uint8), scale, table, page)
-  got = np.asarray(jax.jit(lambda q, w, p: keys.scores(q, w, p, head_chunk=h))(q, w, pos))  # [B,1,S]
+  scores = jax.jit(lambda q, w, p: keys.scores(q, w, p, head_chunk=h))
+  got = np.asarray(scores(q, w, pos))  # [B,1,S]
+  bf16_dot = re.search(r"dot_general[^\n]*\(tensor<[0-9x]*xbf16>, tensor<[0-9x]*xbf16>\) -> tensor<[0-9x]*xf32>",
+                       scores.lower(q, w, pos).as_text())
+  assert bool(bf16_dot) == (queries == "fp8" and d == 128)
+  q = q.astype(jnp.float32)
   k64 = np.asarray(kv_cache.dequantize_fp8(codes, scale), np.float64)  # [n,d] the values the dequantized path scores
   slots = np.asarray(jnp.maximum(table, 0)).repeat(page, axis=1) * page + np.tile(np.arange(page), pages)  # [B,S]
   terms = np.einsum("bhd,bsd->bhs", np.asarray(q[:, 0], np.float64), k64[slots])  # [B,h,S]
