@@ -3,7 +3,8 @@
 compiled HLO's metadata (each instruction's stack frame: file, function, line).
 
 `summarize(trace_dir, hlo_texts, parts, steps, top)` prints three tables (per part, per source line,
-per op with its HLO line) and returns the per-part rows. A part is named by `parts`: (part, file
+per op with its HLO line) and returns the per-part rows; `tables` does the same for any {op: ns}
+(benchmarks/tpu_compile.py: XLA's estimated cycles of a program compiled for a TPU it does not run on). A part is named by `parts`: (part, file
 suffix, function names or None) triples, the first match over the op's frames in MaxText/ (innermost
 first) wins; an op no triple names is "other: <its innermost file>". Used by
 benchmarks/decode_profile.py and benchmarks/train_mfu.py.
@@ -105,6 +106,13 @@ def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int 
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
   ops, planes = device_ops(files[-1])
   print(f"trace: {files[-1]} ({os.path.getsize(files[-1]) / 1e6:.1f} MB); planes read: {planes}")
+  return tables(ops, hlo_texts, parts, steps, top, hlo_chars, "device time")
+
+
+def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hlo_chars: int = 240,
+           what: str = "device time") -> list[dict]:
+  """ops {op name: ns} (a trace's, or a compiled program's estimates: benchmarks/tpu_compile.py) per part / source
+  line / op, per step (ops summed over `steps` steps); prints the three tables. Returns [{part, ms}] largest first."""
   sources, lines = hlo_sources(hlo_texts), hlo_lines(hlo_texts)
   by_line, by_part, by_op = collections.Counter(), collections.Counter(), collections.Counter()
   for op, ns in ops.items():
@@ -116,7 +124,7 @@ def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int 
     by_op[(part, base)] += ns
     by_part[part] += ns
   total = sum(by_part.values()) / steps / 1e6
-  print(f"\ndevice time per step: {total:.3f} ms (ops summed; {steps} steps traced)")
+  print(f"\n{what} per step: {total:.3f} ms (ops summed; {steps} steps)")
   print(f"{'part':>32} {'ms':>9} {'share':>6}")
   out = []
   for part, ns in by_part.most_common():

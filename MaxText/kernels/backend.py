@@ -158,9 +158,13 @@ def choice(name: str):
 
 
 def pallas_interpret(interpret: bool | None) -> bool:
-  """A Pallas TPU kernel's `interpret` argument: None -> Pallas' interpreter wherever this process's backend is
-  not a TPU (the kernels' own lowering is Mosaic's); a bool as given. Every kernel module asks here."""
-  return jax.default_backend() != "tpu" if interpret is None else interpret
+  """A Pallas TPU kernel's `interpret` argument: None -> Pallas' interpreter wherever the backend the kernels are
+  traced for (`forced`'s, else this process's) is not a TPU (the kernels' own lowering is Mosaic's); a bool as
+  given. Every kernel module asks here. forced("tpu") on a host without one: Mosaic's lowering, for a
+  compile-only TPU target (benchmarks/tpu_compile.py)."""
+  if interpret is not None:
+    return interpret
+  return (_FORCED.get()[0] or jax.default_backend()) != "tpu"
 
 
 def _check(backend: str | None, overrides: dict) -> None:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -98,7 +99,8 @@ def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
   DeepSeek's e4m3 + scales stay as they are in memory). Equals x @ dequantize(w) up to the order of
   the K-sum."""
   if not isinstance(w, BlockFP8):
-    return jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype), precision=precision)  # [..., N]
+    y = jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype), precision=precision)  # [..., N]
+    return rows_major_if_few(y, w.shape[-2])
   k = w.values.shape[-2]
   block = block_of(w.values.shape, w.scale.shape)
   nk = w.scale.shape[-2]  # K-blocks
@@ -111,7 +113,18 @@ def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
     part = jnp.einsum("...i,io->...o", x[..., rows], wc, precision=precision,
                       preferred_element_type=jnp.float32)  # [..., N] fp32
     y = part if y is None else y + part
-  return y.astype(dtype)
+  return rows_major_if_few(y.astype(dtype), k)
+
+
+def rows_major_if_few(y: jax.Array, k: int) -> jax.Array:
+  """A matmul's output y [..., N] (of a weight [K, N]) pinned row-major where it has fewer rows than the weight
+  (prod(y.shape[:-1]) < K): a decode step's. Left free, XLA's TPU layout assignment gave the q projections'
+  M = 16 outputs their heads minor and so relaid out the WEIGHT every step, a whole-weight copy (wq_b's 75.5 MB,
+  0.33 ms, and the indexer's wq_b, 25 MB, in the 16-row 128K step: benchmarks/tpu_compile.py); pinned, any
+  relayout is of the output, the smaller. A no-op on a backend whose layouts are row-major (the CPU)."""
+  if math.prod(y.shape[:-1]) >= k:
+    return y
+  return with_layout_constraint(y, Layout(major_to_minor=tuple(range(y.ndim))))
 
 
 # ---- fp8 codes packed 4 to a 32-bit word (paged pools: inference/paged_cache.py)

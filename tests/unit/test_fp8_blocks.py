@@ -181,3 +181,21 @@ def test_take_slots_picks_each_slot_from_its_row_with_one_gather(per_row):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(flat)[np.clip(np.asarray(ids), 0, n - 1)])
   hlo = jax.jit(lambda p, i: take_slots(p, i, per_row)).lower(pool, ids).compile().as_text()
   assert sum(" gather(" in line for line in hlo.split("\n")) == 1, [l for l in hlo.split("\n") if " gather(" in l]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_matmul_pins_its_output_row_major_exactly_when_it_has_fewer_rows_than_the_weight(quantized):
+  # fp8_blocks.matmul's output [..., N] of a weight [K, N] is pinned row-major below K rows (a decode step's: XLA's
+  # TPU layout assignment otherwise relaid out the weight every step), left free from K rows on (training's); the
+  # values are the plain matmul's either way (the pin is a layout, not arithmetic).
+  from MaxText.kernels.fp8_blocks import matmul
+  k, n = 256, 128
+  rng = np.random.default_rng(5)
+  w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+  w = quantize(w, (128, 128)) if quantized else w
+  dense = dequantize(w, jnp.float32) if quantized else w
+  for rows, pinned in ((k - 1, True), (k, False), (2, True)):
+    x = jnp.asarray(rng.standard_normal((1, rows, k)), jnp.float32)  # [b, t, K]: rows = b * t
+    f = jax.jit(lambda x, w: matmul(x, w, jnp.float32))
+    assert ("LayoutConstraint" in f.lower(x, w).as_text()) == pinned, (rows, pinned)
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(x) @ np.asarray(dense), rtol=1e-4, atol=1e-4)
