@@ -81,11 +81,27 @@ def e4m3_values(q: jax.Array) -> jax.Array:
 
 
 def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
-  """(q [..., n] float8_e4m3fn (or its uint8 bits), scale [..., ceil(n/block)]) -> [..., n] in dtype."""
-  n, nb = q.shape[-1], scale.shape[-1]
-  qb = jnp.pad(e4m3_values(q), [(0, 0)] * (q.ndim - 1) + [(0, nb * block - n)])
-  x = qb.reshape(*q.shape[:-1], nb, block) * scale[..., None]  # [..., nb, block]
-  return x.reshape(*q.shape[:-1], nb * block)[..., :n].astype(dtype)
+  """(q [..., n] float8_e4m3fn (or its uint8 bits), scale [..., ceil(n/block)]) -> [..., n] in dtype.
+  Each block a slice of whole lanes times its scale column, the slices concatenated: no [..., nb, block] view,
+  which a TPU tiles (8, 128) over nb (4 padded to 8) and so wrote the scales out broadcast, f32[16,2048,4,128]
+  (67 MB) in the 16-row 128K decode step (benchmarks/tpu_compile.py). q may be the pool's uint32 words
+  (fp8_blocks.to_words, [..., n/4]): where a word piece holds whole blocks (n/4 a multiple of block: the 512-wide
+  latent) each block is decoded from its piece's byte directly, never the [..., n] codes in between (XLA wrote
+  those out, f32[16,2048,512], to slice them)."""
+  nb = scale.shape[-1]
+  if q.dtype == jnp.uint32 and q.shape[-1] % block == 0:  # piece j = codes [j*w, (j+1)*w): whole blocks
+    pieces = [((q >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)]  # [..., w] bits each
+  else:
+    pieces = [as_values(q)]  # [..., n]
+  parts, start = [], 0
+  for piece in pieces:
+    v = e4m3_values(piece)  # [..., w] f32
+    for lo in range(0, v.shape[-1], block):
+      i = (start + lo) // block
+      parts.append(v[..., lo:lo + block] * scale[..., i:i + 1])  # [..., <= block]
+    start += v.shape[-1]
+  assert len(parts) == nb, (q.shape, scale.shape)
+  return jnp.concatenate(parts, axis=-1).astype(dtype)  # [..., n]
 
 
 # ---------------------------------------------------------------- layout and sizes

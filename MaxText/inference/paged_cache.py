@@ -452,13 +452,14 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
     table, idx = arrays
     page = lookup_pages(table, idx // page_size)  # [B_l,m]
     ids = page * page_size + idx % page_size - first  # [B_l,m] local slots
-    return {name: _rows(a, ids, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,m,n]
+    return {name: take_slots(a, ids, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,m,n] as stored
 
   got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False)
-  c = got["c_kv"]
-  if "c_kv_scale" in got:
-    c = dequantize_fp8(c, got["c_kv_scale"], dtype)
-  return c.astype(dtype), got["k_pe"].astype(dtype)
+  if "c_kv_scale" in got:  # fp8: decoded from the stored words a block at a time (dequantize_fp8)
+    c = dequantize_fp8(got["c_kv"], got["c_kv_scale"], dtype)
+  else:
+    c = kv_cache.as_values(got["c_kv"])
+  return c.astype(dtype), kv_cache.as_values(got["k_pe"]).astype(dtype)
 
 
 def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:

@@ -136,15 +136,24 @@ def to_words(codes: jax.Array) -> jax.Array:
   """e4m3 codes [..., n] (float8_e4m3fn or their uint8 bits; n a multiple of 4) -> uint32 words [..., n/4].
   A TPU tiles an 8-bit [N, 512] array (32, 128) and a row gather or scatter wants (8, 128): XLA copied the
   whole fp8 latent pool into the other tiling twice a decode step (docs/kernels.md); as 32-bit words the
-  rows are lane-dense (8, 128) tiles that a row gather reads and a scatter writes in place."""
+  rows are lane-dense (8, 128) tiles that a row gather reads and a scatter writes in place.
+
+  Strided: with w = n/4, word i holds codes i, w + i, 2w + i, 3w + i (byte j, from the least significant: code
+  j*w + i), so unpacking (from_words) is 4 shifts and a concatenation of whole [..., w] pieces. At n = 512 piece j
+  is the latent's 128-block j, dequantized by one scale. Adjacent codes a word (4i + j) made the unpacking a lane
+  interleave: XLA wrote the 16-row 128K step's gathered words out as u32[16,2048,128,4] (67 MB, benchmarks/
+  tpu_compile.py)."""
   bits = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes.astype(FP8), jnp.uint8)
-  return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, WORD_CODES), jnp.uint32)  # [..., n/4]
+  w = bits.shape[-1] // WORD_CODES
+  words = bits[..., :w].astype(jnp.uint32)  # [..., w]: byte 0
+  for j in range(1, WORD_CODES):
+    words = words | (bits[..., j * w:(j + 1) * w].astype(jnp.uint32) << (8 * j))  # [..., w]: byte j
+  return words
 
 
 def from_words(words: jax.Array) -> jax.Array:
-  """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in to_words' order."""
-  bits = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., w, 4]
-  return bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_CODES)
+  """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in the codes' order."""
+  return jnp.concatenate([((words >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)], axis=-1)
 
 
 # ---- bf16 values packed 2 to a 32-bit word, and pools whose 128-word rows hold several slots
