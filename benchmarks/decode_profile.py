@@ -218,9 +218,13 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
                   help="backend.py choices forced over this backend's row (e.g. index_placement=search: the row before)")
   args = ap.parse_args(argv)
-  if bad := [a for a in args.set + args.force if "=" not in a]:
-    ap.error(f"--set and --force take KEY=VALUE pairs, got {bad[0]!r}")
-  with backend.forced(**dict(a.split("=", 1) for a in args.force)):
+  if bad := [a for a in args.set if "=" not in a]:
+    ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
+  try:
+    force = backend.parse_forced(args.force)
+  except ValueError as e:
+    ap.error(str(e))
+  with backend.forced(**force):
     run_all(args)
 
 

@@ -26,7 +26,6 @@ saying how to get it, exit 2.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
@@ -109,7 +108,7 @@ def compile_step(args):
                              approx=False)
   cfg = bench.config_for(args.context, dargs, args.rows)
   mesh = sharding.create_mesh(cfg, devices)
-  with backend.forced("tpu"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+  with backend.forced("tpu", **args.force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers = model_state.abstract_on_mesh(cfg, mesh)
     engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
     step, write, _ = engine.compile_step(args.rows, 1)
@@ -122,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--context", type=int, default=131072)
   ap.add_argument("--cache-dtype", default="fp8", choices=["fp8", "float32", "bfloat16"])
   ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
+                  help="kernels/backend.py choices other than the device's row (backend.forced), e.g. index_placement=grouped")
   ap.add_argument("--set", nargs="*", default=[], help="model config overrides key=value (serve_page_size=256, ...)")
   ap.add_argument("--topology", default="v5e:1x1")
   ap.add_argument("--clock-ghz", type=float, default=1.5, help="the TensorCore clock the cycles are read at (v5e)")
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--top", type=int, default=20)
   ap.add_argument("--hlo-out", default=None, help="a directory for the compiled step's and write's HLO text")
   args = ap.parse_args(argv)
+  try:
+    args.force = backend.parse_forced(args.force)
+  except ValueError as e:
+    ap.error(str(e))
   t0 = time.perf_counter()
   got = compile_step(args)
   if got is None:
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
       with open(os.path.join(args.hlo_out, f"{name}_{args.rows}.hlo.txt"), "w") as f:
         f.write(text)
   print(f"{args.rows} rows x {args.context}, {args.cache_dtype} cache, top-k {args.topk}; {' '.join(args.set)}; "
+        f"forced {args.force}; "
         f"compiled for {args.topology} in {seconds:.0f} s (nothing run)")
   ops = {**estimated_ns(texts[0], args.clock_ghz), **estimated_ns(texts[1], args.clock_ghz)}
   customs = len(re.findall(r'custom_call_target="tpu_custom_call"', texts[0] + texts[1]))
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     r["estimated_ms"] = round(ops.get(r["op"], 0.0) / 1e6, 4)
     print(f"{r['mb']:>9.1f} MB {r['estimated_ms']:>8.3f} ms  {r['kind']:>11} {r['shape']}{r['layout']}  {r['source']}")
   print(json.dumps(dict(benchmark="tpu_compile", topology=args.topology, rows=args.rows, context=args.context,
-                        cache_dtype=args.cache_dtype, overrides=args.set, compile_seconds=round(seconds, 1),
+                        cache_dtype=args.cache_dtype, overrides=args.set, forced=args.force, compile_seconds=round(seconds, 1),
                         estimated_ms=round(sum(ops.values()) / 1e6, 3), pallas_calls=customs, parts=parts,
                         materialized=rows)))
 

@@ -80,11 +80,8 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--compile-only", action="store_true",
                   help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
   args = ap.parse_args(argv)
-  if bad := [a for a in args.force if "=" not in a]:
-    ap.error(f"--force takes NAME=VALUE pairs (kernels/backend.py choices), got {bad[0]!r}")
-  force = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.force)}
   try:
-    backend.forced(**force).__enter__()  # checks the names and values now (one line on a bad one)
+    force = backend.parse_forced(args.force)  # one line on a bad pair
   except ValueError as e:
     ap.error(str(e))
   rungs = args.set or [[]]

@@ -66,6 +66,7 @@ from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.fp8_blocks import take_slots
 from MaxText.kernels.index_scores import row_index_scores
+from MaxText.kernels.topk_indices import onehot_rows
 from MaxText.runtime import sharding
 
 
@@ -434,11 +435,7 @@ def lookup_pages(table: jax.Array, pages: jax.Array) -> jax.Array:
   t = jnp.maximum(table, 0)  # [B,P]
   if backend.choice("page_lookup") != "onehot" or t.shape[1] > ONEHOT_MAX_PAGES:
     return jnp.take_along_axis(t, pages, axis=1)
-  shifts = (0, 8, 16, 24)
-  parts = jnp.stack([(t >> s) & 0xFF for s in shifts], axis=-1).astype(jnp.bfloat16)  # [B,P,4] bytes 0..255
-  hot = (pages[..., None] == jnp.arange(t.shape[1], dtype=pages.dtype)).astype(jnp.bfloat16)  # [B,m,P]
-  got = jnp.einsum("bmp,bpk->bmk", hot, parts, preferred_element_type=jnp.float32).astype(jnp.int32)  # [B,m,4]
-  return sum(got[..., i] << s for i, s in enumerate(shifts))  # [B,m]
+  return onehot_rows(t[..., None], pages)[..., 0]  # [B,m]
 
 
 def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Array, page_size: int,

@@ -24,7 +24,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
   gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
                      k=2048 (sparse_attention_impl=auto)   on these backends
   index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
-                     a binary search over prefix counts    counting (no while loop of gathers)
+                     a binary search over prefix counts    counting (no while loop of gathers); "grouped":
+                                                           counting in two levels (groups of 16 words, one-hot
+                                                           rows: O(k (L/16 + 16)), not O(k L)), not yet timed
+                                                           on a TPU
   mask_attention     "xla": MLA.attend's dense logits and  "xla" (gpu, others); tpu: "splash", JAX's
                      probabilities [b,h,t,s] in memory     Pallas splash kernel (kernels/flash_attention
                                                            .py) where the support is the validity mask
@@ -78,7 +81,7 @@ class Choices:
   moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
   paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
-  index_placement: str = "search"  # "search" | "compare": how topk_indices.mask_to_indices places its slots
+  index_placement: str = "search"  # "search" | "compare" | "grouped": how topk_indices.mask_to_indices places its slots
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
   rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
   page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
@@ -94,7 +97,7 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
 }
 KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
-    "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
+    "index_placement": ("search", "compare", "grouped"),  # mask_to_indices: a binary search, counting, in 2 levels
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
     "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
@@ -179,6 +182,19 @@ def _check(backend: str | None, overrides: dict) -> None:
       raise ValueError(f"backend.forced: {name}={value!r}; expected one of {({**OPTIONS, **KERNELS})[name]}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")
+
+
+def parse_forced(pairs) -> dict:
+  """A command line's NAME=VALUE pairs (e.g. ["index_placement=grouped"]) -> forced's overrides, checked: a pair
+  without "=", a name that is no choice or a value it does not take raises ValueError with one line."""
+  out = {}
+  for pair in pairs:
+    name, eq, value = pair.partition("=")
+    if not eq:
+      raise ValueError(f"backend.forced: expected NAME=VALUE (a kernels/backend.py choice), got {pair!r}")
+    out[name] = int(value) if name == "gather_min_length" and value.lstrip("-").isdigit() else value
+  _check(None, out)
+  return out
 
 
 @contextlib.contextmanager

@@ -58,6 +58,54 @@ def _place_by_compare(incl: jax.Array, words: jax.Array, slots: jax.Array) -> tu
   return word_of, before, word
 
 
+def onehot_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
+  """table [..., G, c] int32, idx [..., m] in [0, G) -> table[..., idx, :] [..., m, c], exactly, with no gather: a
+  one-hot [..., m, G] (bf16) dot with the values' four bytes (bf16, each exact) accumulated in fp32, one nonzero
+  product a sum, so every int32 comes back bit for bit. On a TPU a gather costs ~10 ns an index whatever its
+  row's width (paged_cache.lookup_pages, docs/kernels.md); this is O(m G c) MXU work instead."""
+  lead, (g, c), m = table.shape[:-2], table.shape[-2:], idx.shape[-1]
+  shifts = (0, 8, 16, 24)
+  parts = jnp.stack([(table >> s) & 0xFF for s in shifts], axis=-1).astype(jnp.bfloat16)  # [..., G, c, 4] bytes
+  hot = (idx[..., None] == jnp.arange(g, dtype=idx.dtype)).astype(jnp.bfloat16)  # [..., m, G]
+  got = jnp.einsum("...mg,...gk->...mk", hot, parts.reshape(*lead, g, c * 4),
+                   preferred_element_type=jnp.float32).astype(jnp.int32)  # [..., m, c*4]
+  got = got.reshape(*lead, m, c, 4)
+  return sum(got[..., i] << s for i, s in enumerate(shifts))  # [..., m, c]
+
+
+GROUP_WORDS = 16  # _place_by_groups' words a group (512 keys). The 16-row 128K step compiled for a v5e
+# (benchmarks/tpu_compile.py), XLA's estimate of the selection: 8 / 16 / 32 / 64 words 1.045 / 0.999 / 1.092 /
+# 1.375 ms (the one-hot rows' output, k x (2g+1) x 4 values, grows with g; the group compare, k x L/g, shrinks)
+
+
+def _place_by_groups(incl: jax.Array, words: jax.Array, slots: jax.Array) -> tuple[jax.Array, ...]:
+  """_place_by_compare's (word_of, before, word) [..., k] in two levels (backend.py index_placement "grouped"):
+  the L words in G groups of g = GROUP_WORDS; slot j's group = #{groups whose last prefix count <= j}
+  (a compare over [..., k, G]), that group's g prefix counts and words and the count before it taken by
+  onehot_rows (no gather), then the word within it = #{its counts <= j} (a compare over [..., k, g]).
+  O(k (G + g)) compares a row, against O(k L) for "compare": at L = 4096 words (128K keys) 256 + 16 a slot, not
+  4096. The same word_of and before for every slot, and the same word for every slot < the row's count (past it
+  mask_to_indices gives 0 whatever the word)."""
+  L = incl.shape[-1]
+  g = min(GROUP_WORDS, L)  # words a group
+  n = -(-L // g)  # groups
+  pad = [(0, 0)] * (incl.ndim - 1) + [(0, n * g - L)]
+  incl_g = jnp.pad(incl, pad, mode="edge").reshape(*incl.shape[:-1], n, g)  # [..., G, g] (nondecreasing)
+  words_g = jnp.pad(jax.lax.bitcast_convert_type(words, jnp.int32), pad).reshape(*incl.shape[:-1], n, g)
+  ends = incl_g[..., -1]  # [..., G] the count through each group
+  prev = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)  # [..., G] the count before it
+  grp = jnp.minimum(jnp.sum(ends[..., None, :] <= slots[:, None], axis=-1, dtype=jnp.int32), n - 1)  # [..., k]
+  rows = onehot_rows(jnp.concatenate([incl_g, words_g, prev[..., None]], axis=-1), grp)  # [..., k, 2g+1]
+  incl_r, words_r, prev_r = rows[..., :g], rows[..., g:2 * g], rows[..., 2 * g]
+  le = incl_r <= slots[:, None]  # [..., k, g]
+  within = jnp.sum(le, axis=-1, dtype=jnp.int32)  # [..., k] words of the group at or below the slot
+  word_of = jnp.minimum(grp * g + within, L - 1)
+  before = jnp.maximum(prev_r, jnp.max(jnp.where(le, incl_r, 0), axis=-1))  # [..., k]
+  at = jnp.arange(g, dtype=jnp.int32) == within[..., None]  # [..., k, g]
+  word = jnp.sum(jnp.where(at, words_r, 0), axis=-1, dtype=jnp.int32)  # [..., k]
+  return word_of, before, jax.lax.bitcast_convert_type(word, jnp.uint32)
+
+
 def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """A selection mask [..., s] with at most k True per row -> (idx [..., k] int32: the selected
   positions ascending, then 0; idx_valid [..., k] bool: slot < the row's count).
@@ -65,8 +113,8 @@ def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   O(s) per row for packing the mask into 32-bit words and counting, O(k log s) for placing the
   slots (a binary search over the words' prefix counts, then the n-th set bit of one word): no
   scatter and no [s]-long prefix sum, which are slow on XLA:CPU. On a TPU (backend.py
-  index_placement "compare") the slots are placed by counting instead (_place_by_compare): the same
-  indices.
+  index_placement "compare") the slots are placed by counting instead (_place_by_compare), or ("grouped") by
+  counting in two levels (_place_by_groups): the same indices.
   """
   s = mask.shape[-1]
   pad = -s % _WORD
@@ -77,8 +125,11 @@ def mask_to_indices(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   count = lax.population_count(words).astype(jnp.int32)  # [..., L]
   incl = _cumsum_last(count)  # [..., L]
   slots = jnp.arange(k, dtype=jnp.int32)  # [k]
-  if backend.choice("index_placement") == "compare":
+  placement = backend.choice("index_placement")
+  if placement == "compare":
     word_of, before, word = _place_by_compare(incl, words, slots)
+  elif placement == "grouped":
+    word_of, before, word = _place_by_groups(incl, words, slots)
   else:
     flat_incl = incl.reshape(-1, incl.shape[-1])  # [N, L]
     word_of = jax.vmap(lambda row: jnp.searchsorted(row, slots, side="right"))(flat_incl)  # [N, k]

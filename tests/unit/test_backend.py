@@ -202,3 +202,14 @@ def test_whole_model_on_the_gpu_row_equals_the_cpu_row():
   np.testing.assert_allclose(float(l_gpu), float(l_cpu), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_cpu), jax.tree.leaves(g_gpu)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_parse_forced_reads_a_command_lines_pairs_and_refuses_bad_ones_in_one_line():
+  assert backend.parse_forced(["index_placement=grouped", "gather_min_length=64"]) == dict(
+      index_placement="grouped", gather_min_length=64)
+  assert backend.parse_forced([]) == {}
+  for bad, says in ((["index_placement"], "NAME=VALUE"), (["nope=1"], "no choice 'nope'"),
+                    (["index_placement=gather"], "expected one of"), (["gather_min_length=0"], ">= 1")):
+    with pytest.raises(ValueError, match=says) as e:
+      backend.parse_forced(bad)
+    assert "\n" not in str(e.value)

@@ -293,12 +293,13 @@ def test_topk_indices_is_lax_top_k_set_with_ties_nan_and_short_rows():
   np.testing.assert_array_equal(np.asarray(ok_a), np.asarray(values) > -np.inf)
 
 
-@pytest.mark.parametrize("placement", ["search", "compare"])
+@pytest.mark.parametrize("placement", ["search", "compare", "grouped"])
 def test_mask_to_indices_round_trips_random_masks(placement):
-  """Both placements (backend.py index_placement: the CPU's binary search, the TPU's counting) give
-  each row's selected positions ascending, and exactly them."""
+  """Every placement (backend.py index_placement: the CPU's binary search, the TPU's counting, counting in groups
+  of words) gives each row's selected positions ascending, and exactly them. 4100 keys: 129 words, groups of 16
+  with the last one padded."""
   rng = np.random.default_rng(29)
-  for s in (1, 31, 32, 33, 200):
+  for s in (1, 31, 32, 33, 200, 4100):
     k = max(1, s // 3)
     scores = rng.standard_normal((3, 5, s))
     mask = (scores > np.sort(scores, -1)[..., -k:][..., :1] - 1e-9) & (rng.random((3, 5, s)) < 0.8)
@@ -443,3 +444,16 @@ def test_training_scanned_layers_on_the_gather_path_keeps_no_t_by_s_buffer(stage
   compiled = jax.jit(jax.grad(loss)).lower(params, buffers, tokens).compile()
   n, shape = _largest_buffer(compiled)
   assert n < t * t // 2, f"the training step holds {shape}"
+
+
+def test_onehot_rows_takes_any_int32_row_bit_for_bit():
+  # topk_indices.onehot_rows (the grouped placement's and lookup_pages' row take without a gather): one-hot x bytes
+  # in bf16, fp32 accumulation: exact for every int32, negatives (a word's top bit) and the extremes included.
+  rng = np.random.default_rng(4)
+  table = rng.integers(-2**31, 2**31, (2, 3, 7, 5), dtype=np.int64).astype(np.int32)  # [.., G=7, c=5]
+  table[0, 0, 0] = [-2**31, 2**31 - 1, -1, 0, 1]
+  idx = rng.integers(0, 7, (2, 3, 9)).astype(np.int32)  # [.., m=9]
+  got = np.asarray(jax.jit(ti.onehot_rows)(jnp.asarray(table), jnp.asarray(idx)))
+  np.testing.assert_array_equal(got, np.take_along_axis(table, idx[..., None], axis=-2))
+  hlo = jax.jit(ti.onehot_rows).lower(jnp.asarray(table), jnp.asarray(idx)).as_text()
+  assert "gather" not in hlo
