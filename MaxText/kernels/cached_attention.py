@@ -73,6 +73,9 @@ def splice(old: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   after the commit. Per row, new is written into old padded by t slots (so a window running past
   S is never moved back), then the padding cut: no index array of old's size is built."""
   s, t = old.shape[-1], new.shape[-1]
+  if t == 1:  # a decode step: one select (the padded copy below wrote the 16-row 128K step's scores out again)
+    slot = jnp.arange(s, dtype=jnp.int32) == start.astype(jnp.int32).reshape((-1,) + (1,) * (old.ndim - 1))
+    return jnp.where(slot, new.astype(old.dtype), old)  # [b,...,S]
 
   def row(o, n, st):  # o [...,S], n [...,t], st scalar
     o = jnp.concatenate([o, jnp.zeros(o.shape[:-1] + (t,), o.dtype)], axis=-1)  # [...,S+t]

@@ -165,14 +165,18 @@ def to_pairs(bits: jax.Array) -> jax.Array:
   """bf16 bits uint16 [..., n] (n even) -> int32 words [..., n/2] (the dtype says "bf16 pairs", as uint32 says
   "fp8 codes"). A TPU lays a narrow 16-bit [N, 64] pool out column-major and copied it whole into rows for
   each decode step's row gather (1.27 of 10.3 ms at 16 rows x 128K, docs/kernels.md); as words in lane-dense
-  rows (`take_slots`) it is gathered where it lies."""
-  return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, PAIR_VALUES), jnp.int32)  # [..., n/2]
+  rows (`take_slots`) it is gathered where it lies. Strided as to_words: with w = n/2, word i holds values i (low
+  half) and w + i (high half), so from_pairs is a shift, a mask and a concatenation (adjacent values a word made
+  it an interleave: XLA wrote the 16-row step's gathered k_pe out as u32[16,2048,32,2], benchmarks/tpu_compile.py)."""
+  w = bits.shape[-1] // PAIR_VALUES
+  words = bits[..., :w].astype(jnp.uint32) | (bits[..., w:].astype(jnp.uint32) << 16)  # [..., w]
+  return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
 def from_pairs(words: jax.Array) -> jax.Array:
-  """int32 words [..., w] (to_pairs') -> their bf16 bits uint16 [..., 2w], in to_pairs' order."""
-  bits = jax.lax.bitcast_convert_type(words, jnp.uint16)  # [..., w, 2]
-  return bits.reshape(*words.shape[:-1], words.shape[-1] * PAIR_VALUES)
+  """int32 words [..., w] (to_pairs') -> their bf16 bits uint16 [..., 2w], in the values' order."""
+  u = jax.lax.bitcast_convert_type(words, jnp.uint32)
+  return jnp.concatenate([(u & 0xFFFF).astype(jnp.uint16), (u >> 16).astype(jnp.uint16)], axis=-1)
 
 
 def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:

@@ -85,3 +85,20 @@ def test_dense_attention_of_a_row_padded_past_the_cache_equals_the_row_cut_at_it
   cut = attend(q_abs[:, :n], q_pe[:, :n], c_old, pe_old, c_new[:, :n], pe_new[:, :n],
                valid[:, :n], start, 0.5)  # [1,n,h,c]
   np.testing.assert_allclose(np.asarray(padded[:, :n]), np.asarray(cut), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 3])  # a decode step's one select; a chunk's padded write
+def test_splice_takes_the_new_slots_and_drops_those_past_the_end(t):
+  from MaxText.kernels.cached_attention import splice
+  rng = np.random.default_rng(8)
+  b, h, s = 4, 2, 7
+  old = rng.standard_normal((b, h, s)).astype(np.float32)
+  new = rng.standard_normal((b, h, t)).astype(np.float32)
+  start = np.array([0, 3, s - 1, s], np.int32)  # first slot, inside, the last slot (a chunk runs past it), past S
+  got = np.asarray(jax.jit(splice)(jnp.asarray(old), jnp.asarray(new), jnp.asarray(start)))
+  want = old.copy()
+  for r in range(b):
+    for i in range(t):
+      if start[r] + i < s:
+        want[r, :, start[r] + i] = new[r, :, i]
+  np.testing.assert_array_equal(got, want)

@@ -252,3 +252,15 @@ def test_words_hold_codes_strided_so_each_byte_piece_is_whole_blocks(n):
   got = np.asarray(kv_cache.dequantize_fp8(jnp.asarray(words), scale))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_allclose(want, np.asarray(x), rtol=2 ** -3)  # e4m3: 3 mantissa bits
+
+
+def test_pairs_hold_bf16_values_strided_so_unpacking_is_two_whole_pieces():
+  # to_pairs: word i of a row of n bf16 values holds values i (low half) and n/2 + i (high half): from_pairs is a mask,
+  # a shift and a concatenation of two [..., n/2] pieces (a k_pe slot's 64 values: 32 words).
+  from MaxText.kernels.fp8_blocks import from_pairs, to_pairs
+  rng = np.random.default_rng(12)
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16), jnp.uint16)
+  words = np.asarray(jax.lax.bitcast_convert_type(to_pairs(bits), jnp.uint32))  # [3, 32]
+  np.testing.assert_array_equal(words & 0xFFFF, np.asarray(bits)[:, :32])
+  np.testing.assert_array_equal(words >> 16, np.asarray(bits)[:, 32:])
+  np.testing.assert_array_equal(np.asarray(from_pairs(to_pairs(bits))), np.asarray(bits))
