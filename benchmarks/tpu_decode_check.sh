@@ -30,6 +30,9 @@
 #                                                    pieces) 256-slot pages; `pages_rows`: this one's 1 and 4 rows at 256
 #   bash benchmarks/tpu_decode_check.sh fixes OUT     the 16-row step as the tpu row runs it (traced, pieces), then
 #                                                    with index_placement=search (the row before), then unscanned
+#   BASE=DIR bash benchmarks/tpu_decode_check.sh ways OUT   DIR's 16-row step (page 256), this one's, with
+#                                                    index_placement=grouped, and with exact_selection=pallas too (traced)
+#   WAYS="index_placement=grouped" bash benchmarks/tpu_decode_check.sh ways_rows OUT   bf16 weights, 1 and 4 rows
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -119,5 +122,25 @@ case "$part" in
       timeout 120 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
         --no-trace --no-pieces --set serve_page_size=256
     done 2>&1 | tee "$out/pages_rows.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes, pages, pages_rows or kl, got '$part'" >&2; exit 2 ;;
+  ways)  # the tree of 2026-12-06 19:20-21:00 (copies out of the step, found offline by benchmarks/tpu_compile.py), BASE's
+         # 16-row step before it, then the ways not yet in the tpu row: grouped placement, and the k-th value kernel too
+    { if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 benchmarks/decode_profile.py --rows 16 \
+          --context 131072 --cache-dtype fp8 --iters 7 --no-trace --no-pieces --set serve_page_size=256)
+      fi
+      timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces --set serve_page_size=256
+      timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces --set serve_page_size=256 --force index_placement=grouped
+      timeout 200 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 --top 15 \
+        --no-pieces --set serve_page_size=256 --force index_placement=grouped exact_selection=pallas \
+        --out /tmp/decode_profile_ways; } 2>&1 | tee "$out/ways.log" ;;
+  ways_rows)  # bf16 weights (the v5e config's), 1 and 4 rows, all with the ways that `ways` found faster (WAYS)
+    { timeout 150 python3 benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --iters 7 \
+        --no-trace --no-pieces --set serve_page_size=256 weight_dtype=bfloat16 --force ${WAYS:-}
+      for rows in 1 4; do
+        timeout 120 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
+          --no-trace --no-pieces --set serve_page_size=256 --force ${WAYS:-}
+      done; } 2>&1 | tee "$out/ways_rows.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes, pages, pages_rows, ways, ways_rows or kl, got '$part'" >&2; exit 2 ;;
 esac

@@ -11,7 +11,9 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                                                            selections binned, as on the cpu)
   exact_selection    "binned": each row's k-th value from  "top_k": lax.top_k (its indices
                      strided bins closed by bisection      scattered into a mask, or sorted
-                     (selection.py)                        as the gather path's slots)
+                     (selection.py)                        as the gather path's slots); "pallas": the k-th
+                                                           value by a Mosaic kernel over rows in VMEM
+                                                           (kth_value.py), not yet timed on a TPU
   approx_selection   "binned": the top m of strided bins   "approx_max_k": lax.approx_max_k
   row_blocks         "cache": rows in L2-sized blocks, a   "all": every row in one block
                      loop over blocks (selection_keys.py)
@@ -73,7 +75,7 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class Choices:
   """One backend's row: which implementation each choice takes (see the module doc)."""
-  exact_selection: str  # "binned" | "top_k"
+  exact_selection: str  # "binned" | "top_k" | "pallas"
   approx_selection: str  # "binned" | "approx_max_k"
   row_blocks: str  # "cache" | "all"
   query_loop: str  # "loop" | "vmap"
@@ -97,10 +99,15 @@ OPTIONS = {  # the implementations of each string choice: CPU-tuned first, porta
 }
 KERNELS = {  # choices whose first way the cpu and portable rows take, the second measured on a TPU (its row)
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
-    "index_placement": ("search", "compare", "grouped"),  # mask_to_indices: a binary search, counting, in 2 levels
+    "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
     "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
+}
+UNMEASURED = {  # ways written for a TPU and compiled for one (benchmarks/tpu_compile.py), not yet timed there: no row
+    # takes them; a benchmark's --force does (backend.forced), until a device run puts one in the tpu row
+    "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
+    "index_placement": ("grouped",),  # mask_to_indices' slots by counting in two levels (topk_indices.py)
 }
 
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
@@ -178,8 +185,8 @@ def _check(backend: str | None, overrides: dict) -> None:
     if name == "gather_min_length":
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
-    elif value not in {**OPTIONS, **KERNELS}[name]:
-      raise ValueError(f"backend.forced: {name}={value!r}; expected one of {({**OPTIONS, **KERNELS})[name]}")
+    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + UNMEASURED.get(name, ())):
+      raise ValueError(f"backend.forced: {name}={value!r}; expected one of {ways}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from MaxText.kernels import backend
+from MaxText.kernels import backend, kth_value
 from MaxText.kernels.selection_keys import (
   _IMAX,
   _IMIN,
@@ -71,8 +71,11 @@ def topk_threshold(scores: jax.Array, k: int) -> jax.Array:
   if k < 1:
     raise ValueError(f"topk_threshold: k must be >= 1, got {k}")
   kk = min(k, scores.shape[-1])
-  if backend.choice("exact_selection") == "top_k":
+  chosen = backend.choice("exact_selection")
+  if chosen == "top_k":
     return lax.top_k(_sanitize(scores), kk)[0][..., -1:]
+  if chosen == "pallas":
+    return kth_value.kth_largest(scores, kk)
   return _map_blocks(lambda x: _threshold_block(x, kk), scores)
 
 
@@ -219,6 +222,8 @@ def topk_mask(scores: jax.Array, k: int, *, exact_topk: bool = True, approx: boo
   if chosen.exact_selection == "top_k":
     values, indices = select_topk(scores, kk)
     return generate_mask(scores, values, indices if exact_topk else None, exact_topk=exact_topk, k=kk)
+  if chosen.exact_selection == "pallas":
+    return generate_mask(scores, topk_threshold(scores, kk), exact_topk=exact_topk, k=kk)
   if exact_topk and 2 * -(-scores.shape[-1] // 16) >= kk:
     return _topk_mask_checked(scores, kk)
   return _map_blocks(lambda x: _topk_mask_block(x, kk, exact_topk), scores)
