@@ -1,0 +1,45 @@
+"""benchmarks/tpu_compile.py's reading of a compiled TPU program (on a synthetic HLO text: CI has no libtpu), and
+its one line where no TPU compiler is at hand."""
+
+from benchmarks import tpu_compile
+
+HLO = """HloModule jit_step
+
+%fused_computation.1 (param_0: f32[4096,1024]) -> f32[4096,1024] {
+  %param_0 = f32[4096,1024]{1,0:T(8,128)} parameter(0)
+  ROOT %broadcast.9 = f32[4096,1024]{1,0:T(8,128)} broadcast(%param_0), dimensions={0,1}
+}
+
+%bitcast_fusion (bitcast_input: u32[8]) -> u32[8] {
+  ROOT %copy.8 = u32[4096,1024]{1,0} copy(%bitcast_input)
+}
+
+ENTRY %main.1 (x.1: f32[4096,1024]) -> f32[4096,1024] {
+  %x.1 = f32[4096,1024]{1,0:T(8,128)} parameter(0)
+  %copy.3 = f32[1024,4096]{0,1:T(8,128)} copy(%x.1), backend_config={"window_config":{"estimated_cycles":"3000"}}
+  %broadcast.4 = bf16[1000,1000]{1,0} broadcast(%x.1), dimensions={}
+  %pad.5 = s32[2000,1000]{1,0} pad(%x.1, %c), padding=0_0x0_1
+  ROOT %fusion.2 = f32[4096,1024]{1,0:T(8,128)} fusion(%copy.3), kind=kLoop, calls=%fused_computation.1, backend_config={"window_config":{"estimated_cycles":"1500"}}
+}
+"""
+
+
+def test_materialized_lists_the_unfused_whole_array_writes_at_or_above_the_floor():
+  rows = tpu_compile.materialized(HLO, 2_000_000)
+  # copy.3 (16.8 MB) and pad.5 (8 MB, at the floor's side of 2 MB); broadcast.4 is 2 MB: listed too (>=); the
+  # broadcast and copy inside fused computations are not HBM writes; the fusion is not a materializing kind
+  assert [(r["op"], r["kind"], r["mb"]) for r in rows] == [("copy.3", "copy", 16.78), ("pad.5", "pad", 8.0),
+                                                           ("broadcast.4", "broadcast", 2.0)]
+  assert rows[0]["shape"] == "f32[1024,4096]" and rows[0]["layout"] == "{0,1:T(8,128)}"
+  assert [r["op"] for r in tpu_compile.materialized(HLO, 2_000_001)] == ["copy.3", "pad.5"]
+
+
+def test_estimated_ns_reads_each_ops_cycles_at_the_clock():
+  assert tpu_compile.estimated_ns(HLO, 1.5) == {"copy.3": 2000.0, "fusion.2": 1000.0}
+
+
+def test_no_tpu_compiler_is_one_line_not_a_traceback(capsys):
+  assert tpu_compile.topology_devices("nope:1x1") is None
+  out = capsys.readouterr().out
+  assert out.count("\n") == 1 and "tpu_compile: no TPU compiler for topology 'nope:1x1'" in out
+  assert "pip install --target DIR libtpu" in out
