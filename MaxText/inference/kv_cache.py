@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config.types import Config
+from MaxText.kernels import backend
 from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words
 
 FP8 = jnp.float8_e4m3fn
@@ -82,13 +83,19 @@ def e4m3_values(q: jax.Array) -> jax.Array:
 
 def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int = FP8_BLOCK) -> jax.Array:
   """(q [..., n] float8_e4m3fn (or its uint8 bits), scale [..., ceil(n/block)]) -> [..., n] in dtype.
-  Each block a slice of whole lanes times its scale column, the slices concatenated: no [..., nb, block] view,
+  backend.py's fp8_unpack "bitcast" (cpu, portable): the codes viewed [..., nb, block] times the scales (what XLA:CPU
+  fuses best). "shifts" (tpu): each block a slice of whole lanes times its scale column, the slices concatenated: no [..., nb, block] view,
   which a TPU tiles (8, 128) over nb (4 padded to 8) and so wrote the scales out broadcast, f32[16,2048,4,128]
   (67 MB) in the 16-row 128K decode step (benchmarks/tpu_compile.py). q may be the pool's uint32 words
   (fp8_blocks.to_words, [..., n/4]): where a word piece holds whole blocks (n/4 a multiple of block: the 512-wide
   latent) each block is decoded from its piece's byte directly, never the [..., n] codes in between (XLA wrote
   those out, f32[16,2048,512], to slice them)."""
   nb = scale.shape[-1]
+  if backend.choice("fp8_unpack") != "shifts":  # the CPU's: the codes viewed [..., nb, block] times their scales
+    v = e4m3_values(q)  # [..., n] f32 (words unpacked by from_words' view)
+    n = v.shape[-1]
+    vb = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, nb * block - n)]).reshape(*v.shape[:-1], nb, block)
+    return (vb * scale[..., None]).reshape(*v.shape[:-1], nb * block)[..., :n].astype(dtype)
   if q.dtype == jnp.uint32 and q.shape[-1] % block == 0:  # piece j = codes [j*w, (j+1)*w): whole blocks
     pieces = [((q >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)]  # [..., w] bits each
   else:

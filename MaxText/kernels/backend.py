@@ -43,6 +43,12 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      uint16 [N, r] (paged_cache.py)         words of 2, several slots a 128-word row
                                                            (a v5e copied the [N, 64] uint16 pool whole
                                                            each step: 1.27 of 10.3 ms at 16 x 128K)
+  fp8_unpack         "bitcast": adjacent codes a word,      "bitcast" (gpu, others); tpu: "shifts": codes
+                     words viewed as bytes, then the       strided in their words, 4 shifts, each piece a
+                     codes' [.., 4, 128] blocks            whole 128-block times its scale
+  matmul_layout      "free": XLA lays out a matmul's        "free" (gpu, others); tpu: "few_rows_pinned", an
+                     output as it likes                    output with fewer rows than its weight row-major
+                                                           (else XLA relaid out the WEIGHT every decode step)
   page_lookup        "gather": each selected position's     "gather" (gpu, others); tpu: "onehot", a one-hot
                      page id through the page table by a    [B,m,P] x the ids' bytes [B,P,4] dot on the MXU
                      take_along_axis (paged_cache.py)       (v5e: a gather costs ~10 ns an index, 0.36 ms at
@@ -87,6 +93,8 @@ class Choices:
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
   rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
   page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
+  matmul_layout: str = "free"  # "free" | "few_rows_pinned": a few-row matmul output's layout (fp8_blocks.matmul)
+  fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -103,6 +111,8 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
     "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
+    "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
+    "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
 }
 UNMEASURED = {  # ways written for a TPU and compiled for one (benchmarks/tpu_compile.py), not yet timed there: no row
     # takes them; a benchmark's --force does (backend.forced), until a device run puts one in the tpu row
@@ -137,8 +147,17 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 # The selected positions' page ids by a one-hot dot (page_lookup "onehot"): a [16, 2048] take_along_axis from the
 # [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (benchmarks/scoring_pages.py, docs/kernels.md).
+# A few-row matmul's output pinned row-major (matmul_layout "few_rows_pinned"): the 16-row 128K step's profile on the
+# v5e showed wq_b's weight relaid out every step (copy bf16[1,1536,24576], 0.335 ms); compiled for the v5e with the
+# pin, that copy and the indexer's wq_b one (25 MB) are gone (benchmarks/tpu_compile.py, docs/kernels.md). On the
+# CPU the pin cost the 4-row 128K fp8 sparse step ~8 ms (97 vs 89 ms, decode.py, trees side by side): not there.
+# fp8 codes strided in their words, unpacked by shifts a 128-block a piece (fp8_unpack "shifts"): compiled for the
+# v5e, the bitcast view's u32[16,2048,128,4] and the scales' f32[16,2048,4,128] (67 MB each) are gone; on the CPU
+# the strided order cost the 4-row 128K step's gather + merge 8.0 ms (shifts) or 22.6 ms (a bitcast view and a
+# transpose) against 2.3 (its profile), so the CPU keeps adjacent codes and the view.
 TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare", rope_storage="rows", mask_attention="splash", page_lookup="onehot")
+                          index_placement="compare", rope_storage="rows", mask_attention="splash", page_lookup="onehot",
+                          matmul_layout="few_rows_pinned", fp8_unpack="shifts")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

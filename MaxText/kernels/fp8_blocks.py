@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from MaxText.kernels import backend
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
@@ -121,8 +123,9 @@ def rows_major_if_few(y: jax.Array, k: int) -> jax.Array:
   (prod(y.shape[:-1]) < K): a decode step's. Left free, XLA's TPU layout assignment gave the q projections'
   M = 16 outputs their heads minor and so relaid out the WEIGHT every step, a whole-weight copy (wq_b's 75.5 MB,
   0.33 ms, and the indexer's wq_b, 25 MB, in the 16-row 128K step: benchmarks/tpu_compile.py); pinned, any
-  relayout is of the output, the smaller. A no-op on a backend whose layouts are row-major (the CPU)."""
-  if math.prod(y.shape[:-1]) >= k:
+  relayout is of the output, the smaller. backend.py's matmul_layout: the tpu row's (on the CPU the constraint
+  cost the 4-row 128K decode step ~8 ms: XLA:CPU fuses less around it)."""
+  if math.prod(y.shape[:-1]) >= k or backend.choice("matmul_layout") != "few_rows_pinned":
     return y
   return with_layout_constraint(y, Layout(major_to_minor=tuple(range(y.ndim))))
 
@@ -138,12 +141,16 @@ def to_words(codes: jax.Array) -> jax.Array:
   whole fp8 latent pool into the other tiling twice a decode step (docs/kernels.md); as 32-bit words the
   rows are lane-dense (8, 128) tiles that a row gather reads and a scatter writes in place.
 
-  Strided: with w = n/4, word i holds codes i, w + i, 2w + i, 3w + i (byte j, from the least significant: code
-  j*w + i), so unpacking (from_words) is 4 shifts and a concatenation of whole [..., w] pieces. At n = 512 piece j
-  is the latent's 128-block j, dequantized by one scale. Adjacent codes a word (4i + j) made the unpacking a lane
-  interleave: XLA wrote the 16-row 128K step's gathered words out as u32[16,2048,128,4] (67 MB, benchmarks/
-  tpu_compile.py)."""
+  The codes' order in the words is backend.py's fp8_unpack (written and read under the same row):
+  "bitcast" (cpu): word i holds codes 4i .. 4i+3, unpacked by viewing the words as bytes (XLA:CPU fuses that
+  view into the dequantization; the strided order cost its 4-row 128K decode step's merge 22 vs 2.3 ms).
+  "shifts" (tpu): strided, with w = n/4 word i holds codes i, w + i, 2w + i, 3w + i (byte j, from the least
+  significant: code j*w + i), so unpacking is 4 shifts and a concatenation of whole [..., w] pieces, and at
+  n = 512 piece j is the latent's 128-block j; adjacent codes made the TPU's unpacking a lane interleave (XLA
+  wrote the 16-row 128K step's gathered words out as u32[16,2048,128,4], 67 MB: benchmarks/tpu_compile.py)."""
   bits = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes.astype(FP8), jnp.uint8)
+  if backend.choice("fp8_unpack") != "shifts":
+    return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, WORD_CODES), jnp.uint32)  # [..., n/4]
   w = bits.shape[-1] // WORD_CODES
   words = bits[..., :w].astype(jnp.uint32)  # [..., w]: byte 0
   for j in range(1, WORD_CODES):
@@ -152,8 +159,12 @@ def to_words(codes: jax.Array) -> jax.Array:
 
 
 def from_words(words: jax.Array) -> jax.Array:
-  """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in the codes' order."""
-  return jnp.concatenate([((words >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)], axis=-1)
+  """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in the codes' order (to_words'
+  fp8_unpack: the words viewed as bytes, or byte j of every word, the 4 pieces concatenated)."""
+  if backend.choice("fp8_unpack") == "shifts":
+    return jnp.concatenate([((words >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)], axis=-1)
+  bits = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., w, 4]
+  return bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_CODES)
 
 
 # ---- bf16 values packed 2 to a 32-bit word, and pools whose 128-word rows hold several slots

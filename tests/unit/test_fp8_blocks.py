@@ -13,7 +13,7 @@ from flax import nnx
 
 from MaxText.checkpoint import model_state
 from MaxText.config.types import ConfigError
-from MaxText.kernels import moe_experts
+from MaxText.kernels import backend, moe_experts
 from MaxText.kernels.fp8_blocks import FP8, BlockFP8, block_of, dequantize, quantize, scale_shape
 from MaxText.layers.linears import SCALE_SUFFIX, kernel_block, requantized
 from MaxText.runtime import sharding
@@ -186,16 +186,18 @@ def test_take_slots_picks_each_slot_from_its_row_with_one_gather(per_row):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_matmul_pins_its_output_row_major_exactly_when_it_has_fewer_rows_than_the_weight(quantized):
   # fp8_blocks.matmul's output [..., N] of a weight [K, N] is pinned row-major below K rows (a decode step's: XLA's
-  # TPU layout assignment otherwise relaid out the weight every step), left free from K rows on (training's); the
-  # values are the plain matmul's either way (the pin is a layout, not arithmetic).
+  # TPU layout assignment otherwise relaid out the weight every step), left free from K rows on (training's) and on
+  # the CPU's row; the values are the plain matmul's either way (the pin is a layout, not arithmetic).
   from MaxText.kernels.fp8_blocks import matmul
   k, n = 256, 128
   rng = np.random.default_rng(5)
   w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
   w = quantize(w, (128, 128)) if quantized else w
   dense = dequantize(w, jnp.float32) if quantized else w
-  for rows, pinned in ((k - 1, True), (k, False), (2, True)):
+  for way, rows, pinned in (("few_rows_pinned", k - 1, True), ("few_rows_pinned", k, False),
+                            ("few_rows_pinned", 2, True), ("free", 2, False)):
     x = jnp.asarray(rng.standard_normal((1, rows, k)), jnp.float32)  # [b, t, K]: rows = b * t
-    f = jax.jit(lambda x, w: matmul(x, w, jnp.float32))
-    assert ("LayoutConstraint" in f.lower(x, w).as_text()) == pinned, (rows, pinned)
+    with backend.forced(matmul_layout=way):  # the tpu row's way, and the cpu's (traced inside the block)
+      f = jax.jit(lambda x, w: matmul(x, w, jnp.float32))
+      assert ("LayoutConstraint" in f.lower(x, w).as_text()) == pinned, (way, rows, pinned)
     np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(x) @ np.asarray(dense), rtol=1e-4, atol=1e-4)

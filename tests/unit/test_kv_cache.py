@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from MaxText.inference import kv_cache, paged_cache
+from MaxText.kernels import backend
 from MaxText.kernels.paged_decode import e4m3_to_f32
 from tests.conftest import make_config
 
@@ -233,23 +234,27 @@ def test_indexer_queries_are_rounded_to_fp8_in_one_place_for_every_scoring_path(
   assert np.max(np.abs(np.asarray(got - f32)[fin])) > 1e-4  # the queries' rounding shows in the scores
 
 
+@pytest.mark.parametrize("unpack", ["bitcast", "shifts"])  # backend.py's fp8_unpack: the cpu's, the tpu's
 @pytest.mark.parametrize("n", [512, 8])  # the latent (a word piece = one 128-block), a row narrower than a block
-def test_words_hold_codes_strided_so_each_byte_piece_is_whole_blocks(n):
-  # to_words: word i of a row holds codes i, w+i, 2w+i, 3w+i (byte j, least significant first: code j*w + i, w = n/4),
-  # so from_words is 4 shifts and a concatenation, and the 512-wide latent's piece j is its 128-block j: the pool's
-  # words dequantize a block from its byte without the codes in between, equal to dequantizing the codes.
+def test_words_hold_codes_in_the_backends_order_and_dequantize_to_the_codes_values(n, unpack):
+  # to_words under fp8_unpack "shifts": word i of a row holds codes i, w+i, 2w+i, 3w+i (byte j, least significant
+  # first: code j*w + i, w = n/4), so the 512-wide latent's piece j is its 128-block j, dequantized from its byte;
+  # under "bitcast": codes 4i .. 4i+3. Either way from_words gives the codes back and the pool's words dequantize
+  # to what the codes do.
   from MaxText.kernels.fp8_blocks import from_words, to_words
   rng = np.random.default_rng(11)
   x = jnp.asarray(rng.standard_normal((3, n)) * np.exp2(rng.uniform(-8, 8, (3, 1))), jnp.float32)
   codes, scale = kv_cache.quantize_fp8(x)  # [3,n] e4m3, [3, ceil(n/128)]
   bits = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8))
-  words = np.asarray(to_words(codes))  # [3, n/4] uint32
   w = n // 4
-  for j in range(4):
-    np.testing.assert_array_equal((words >> (8 * j)) & 0xFF, bits[:, j * w:(j + 1) * w])
-  np.testing.assert_array_equal(np.asarray(from_words(jnp.asarray(words))), bits)
-  want = np.asarray(kv_cache.dequantize_fp8(codes, scale))
-  got = np.asarray(kv_cache.dequantize_fp8(jnp.asarray(words), scale))
+  with backend.forced(fp8_unpack=unpack):
+    words = np.asarray(to_words(codes))  # [3, n/4] uint32
+    for j in range(4):
+      want = bits[:, j * w:(j + 1) * w] if unpack == "shifts" else bits[:, j::4]
+      np.testing.assert_array_equal((words >> (8 * j)) & 0xFF, want)
+    np.testing.assert_array_equal(np.asarray(from_words(jnp.asarray(words))), bits)
+    want = np.asarray(kv_cache.dequantize_fp8(codes, scale))
+    got = np.asarray(kv_cache.dequantize_fp8(jnp.asarray(words), scale))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_allclose(want, np.asarray(x), rtol=2 ** -3)  # e4m3: 3 mantissa bits
 
