@@ -11,9 +11,9 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                                                            selections binned, as on the cpu)
   exact_selection    "binned": each row's k-th value from  "top_k": lax.top_k (its indices
                      strided bins closed by bisection      scattered into a mask, or sorted
-                     (selection.py)                        as the gather path's slots); "pallas": the k-th
-                                                           value by a Mosaic kernel over rows in VMEM
-                                                           (kth_value.py), not yet timed on a TPU
+                     (selection.py)                        as the gather path's slots); tpu: "pallas", the
+                                                           k-th value by a Mosaic kernel over rows in VMEM
+                                                           (kth_value.py; approx: "binned")
   approx_selection   "binned": the top m of strided bins   "approx_max_k": lax.approx_max_k
   row_blocks         "cache": rows in L2-sized blocks, a   "all": every row in one block
                      loop over blocks (selection_keys.py)
@@ -25,11 +25,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      lacks ragged_all_to_all; moe_dispatch) rows routed
   gather_min_length  3072: the mask/gather crossover at    3072: the CPU's figure, not measured
                      k=2048 (sparse_attention_impl=auto)   on these backends
-  index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); tpu: "compare", by
-                     a binary search over prefix counts    counting (no while loop of gathers); "grouped":
+  index_placement    "search": mask_to_indices' slots by   "search" (gpu, others); "compare": by counting
+                     a binary search over prefix counts    (no while loop of gathers); tpu: "grouped",
                                                            counting in two levels (groups of 16 words, one-hot
-                                                           rows: O(k (L/16 + 16)), not O(k L)), not yet timed
-                                                           on a TPU
+                                                           rows: O(k (L/16 + 16)), not O(k L))
   mask_attention     "xla": MLA.attend's dense logits and  "xla" (gpu, others); tpu: "splash", JAX's
                      probabilities [b,h,t,s] in memory     Pallas splash kernel (kernels/flash_attention
                                                            .py) where the support is the validity mask
@@ -114,8 +113,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
 }
-UNMEASURED = {  # ways written for a TPU and compiled for one (benchmarks/tpu_compile.py), not yet timed there: no row
-    # takes them; a benchmark's --force does (backend.forced), until a device run puts one in the tpu row
+TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
     "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
     "index_placement": ("grouped",),  # mask_to_indices' slots by counting in two levels (topk_indices.py)
 }
@@ -155,8 +153,12 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # v5e, the bitcast view's u32[16,2048,128,4] and the scales' f32[16,2048,4,128] (67 MB each) are gone; on the CPU
 # the strided order cost the 4-row 128K step's gather + merge 8.0 ms (shifts) or 22.6 ms (a bitcast view and a
 # transpose) against 2.3 (its profile), so the CPU keeps adjacent codes and the view.
-TPU = dataclasses.replace(PORTABLE, exact_selection="binned", approx_selection="binned", paged_scoring="pallas",
-                          index_placement="compare", rope_storage="rows", mask_attention="splash", page_lookup="onehot",
+# The k-th value by its Mosaic kernel (exact_selection "pallas") and the slots placed in two levels (index_placement
+# "grouped"): the 16-row 128K fp8 step (page 256) on a v5e, 2026-12-06 21:45 UTC, one process each, this tree:
+# 4.778 / 4.810 ms with "binned" + "compare", 4.550 with "grouped", 4.432 / 4.422 with both; 4 rows 2.411 -> 2.367,
+# 1 row 2.113 -> 2.098 (benchmarks/decode_profile.py --force; the tree before the session's changes: 5.472 ms).
+TPU = dataclasses.replace(PORTABLE, exact_selection="pallas", approx_selection="binned", paged_scoring="pallas",
+                          index_placement="grouped", rope_storage="rows", mask_attention="splash", page_lookup="onehot",
                           matmul_layout="few_rows_pinned", fp8_unpack="shifts")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
@@ -204,7 +206,7 @@ def _check(backend: str | None, overrides: dict) -> None:
     if name == "gather_min_length":
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
-    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + UNMEASURED.get(name, ())):
+    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + TPU_WAYS.get(name, ())):
       raise ValueError(f"backend.forced: {name}={value!r}; expected one of {ways}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")

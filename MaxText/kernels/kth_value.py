@@ -64,12 +64,13 @@ def _kernel(x_ref, out_ref, keys_ref, *, k: int, chunk: int):
 
 def kth_largest(scores: jax.Array, k: int, *, interpret: bool | None = None) -> jax.Array:
   """scores [..., s] (NaN read as -inf), 1 <= k <= s -> [..., 1] f32: each row's k-th largest value, exactly
-  lax.top_k(scores, k)[0][..., -1:] (-inf where fewer than k are finite)."""
+  lax.top_k(scores, k)[0][..., -1:] (-inf where fewer than k are finite). No gradient flows through it (the
+  masks and indices it sets carry none; a training step differentiates around it)."""
   s = scores.shape[-1]
   if not 1 <= k <= s:
     raise ValueError(f"kth_largest: need 1 <= k <= {s} (the row length), got k={k}")
   lead = scores.shape[:-1]
-  x = scores.reshape(-1, s).astype(jnp.float32)  # [R, s]
+  x = jax.lax.stop_gradient(scores).reshape(-1, s).astype(jnp.float32)  # [R, s]: a selection carries no gradient
   r = x.shape[0]
   chunk = min(CHUNK, -(-s // _LANES) * _LANES)
   x = jnp.pad(x, ((0, -r % ROWS), (0, -s % chunk)), constant_values=-jnp.inf)  # [R', s']

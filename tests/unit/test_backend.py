@@ -26,10 +26,10 @@ def test_table_cpu_row_is_the_measured_one_and_other_backends_are_portable():
   assert backend.row("cpu") == backend.CPU
   for name in ("gpu", "some_new_backend"):
     assert backend.row(name) == backend.PORTABLE
-  # the TPU's: what was measured there (the binned selections, the decode kernels, splash, the one-hot page lookup, the
-  # few-row matmul layout), the rest portable
-  assert backend.row("tpu") == dataclasses.replace(backend.PORTABLE, exact_selection="binned", approx_selection="binned",
-                                                   paged_scoring="pallas", index_placement="compare",
+  # the TPU's: what was measured there (the k-th value kernel, the binned approx selection, the decode kernels, the
+  # grouped placement, splash, the one-hot page lookup, the few-row matmul layout, the strided fp8 words), the rest portable
+  assert backend.row("tpu") == dataclasses.replace(backend.PORTABLE, exact_selection="pallas", approx_selection="binned",
+                                                   paged_scoring="pallas", index_placement="grouped",
                                                    rope_storage="rows", mask_attention="splash", page_lookup="onehot",
                                                    matmul_layout="few_rows_pinned", fp8_unpack="shifts")
   for name, (tuned, portable) in backend.OPTIONS.items():

@@ -54,3 +54,13 @@ def test_exact_selection_pallas_routes_the_threshold_and_the_mask_through_the_ke
   np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want_t))
   np.testing.assert_array_equal(np.asarray(got_m), np.asarray(want_m))
   assert (np.asarray(got_m).sum(-1) == 40).all()
+
+
+def test_a_training_step_differentiates_around_the_kernel():
+  # The tpu row's exact selection in a differentiated function: the mask's threshold carries no gradient, and the
+  # scores' gradient through the masked sum is the mask itself.
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 3, 64)), jnp.float32)
+  with backend.forced(exact_selection="pallas"):
+    g = jax.grad(lambda x: jnp.sum(jnp.where(selection.topk_mask(x, 8), x, 0.0)))(x)
+    mask = selection.topk_mask(x, 8)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(mask, np.float32))
