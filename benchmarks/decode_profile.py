@@ -228,11 +228,16 @@ def main(argv: list[str] | None = None) -> None:
     run_all(args)
 
 
-def run_all(args) -> None:
-  os.makedirs(args.out, exist_ok=True)
+def config_of(args):
+  """benchmarks/decode.py's 1-layer model for --rows sequences of --context (--cache-dtype, --topk, --set)."""
   dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=1, chunk=512, cache_dtype=args.cache_dtype,
                              approx=False)
-  cfg = bench.config_for(args.context, dargs, args.rows)
+  return bench.config_for(args.context, dargs, args.rows)
+
+
+def run_all(args) -> None:
+  os.makedirs(args.out, exist_ok=True)
+  cfg = config_of(args)
   mesh = sharding.create_mesh(cfg)
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
   engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")

@@ -36,8 +36,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, its config)
-import decode_profile  # noqa: E402  (PARTS: a source line's part)
+import decode_profile  # noqa: E402  (PARTS: a source line's part; config_of: decode.py's model)
 import profile_ops  # noqa: E402
 
 from MaxText.checkpoint import model_state  # noqa: E402
@@ -104,9 +103,7 @@ def compile_step(args):
   devices = topology_devices(args.topology)
   if devices is None:
     return None
-  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=1, chunk=512, cache_dtype=args.cache_dtype,
-                             approx=False)
-  cfg = bench.config_for(args.context, dargs, args.rows)
+  cfg = decode_profile.config_of(args)
   mesh = sharding.create_mesh(cfg, devices)
   with backend.forced("tpu", **args.force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers = model_state.abstract_on_mesh(cfg, mesh)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from MaxText.config.types import Config
 from MaxText.kernels import backend
-from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words
+from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words, word_bytes
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -97,7 +97,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int
     vb = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, nb * block - n)]).reshape(*v.shape[:-1], nb, block)
     return (vb * scale[..., None]).reshape(*v.shape[:-1], nb * block)[..., :n].astype(dtype)
   if q.dtype == jnp.uint32 and q.shape[-1] % block == 0:  # piece j = codes [j*w, (j+1)*w): whole blocks
-    pieces = [((q >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)]  # [..., w] bits each
+    pieces = word_bytes(q)  # [..., w] bits each
   else:
     pieces = [as_values(q)]  # [..., n]
   parts, start = [], 0

@@ -158,11 +158,17 @@ def to_words(codes: jax.Array) -> jax.Array:
   return words
 
 
+def word_bytes(words: jax.Array) -> list[jax.Array]:
+  """uint32 words [..., w] -> byte j of every word, j = 0 .. 3 (least significant first): WORD_CODES uint8 [..., w]
+  pieces; under fp8_unpack "shifts" piece j holds codes j*w .. (j+1)*w - 1 (to_words)."""
+  return [((words >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)]
+
+
 def from_words(words: jax.Array) -> jax.Array:
   """uint32 words [..., w] (to_words') -> their e4m3 codes' uint8 bits [..., 4w], in the codes' order (to_words'
   fp8_unpack: the words viewed as bytes, or byte j of every word, the 4 pieces concatenated)."""
   if backend.choice("fp8_unpack") == "shifts":
-    return jnp.concatenate([((words >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(WORD_CODES)], axis=-1)
+    return jnp.concatenate(word_bytes(words), axis=-1)
   bits = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., w, 4]
   return bits.reshape(*words.shape[:-1], words.shape[-1] * WORD_CODES)
 
