@@ -38,7 +38,16 @@ import jax.numpy as jnp
 
 from MaxText.config.types import Config
 from MaxText.kernels import backend
-from MaxText.kernels.fp8_blocks import PAIR_VALUES, WORD_CODES, from_pairs, from_words, to_pairs, to_words, word_bytes
+from MaxText.kernels.fp8_blocks import (
+  PAIR_VALUES,
+  WORD_CODES,
+  flush_subnormals,
+  from_pairs,
+  from_words,
+  to_pairs,
+  to_words,
+  word_bytes,
+)
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -159,7 +168,7 @@ def bytes_per_token_per_layer(config: Config) -> int:
 
 _BITS = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
 _VALUES = {**{bits: value for value, bits in _BITS.items()}, jnp.dtype(jnp.uint32): jnp.dtype(FP8),
-           jnp.dtype(jnp.int32): jnp.dtype(jnp.bfloat16)}
+           jnp.dtype(jnp.int32): jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8): jnp.dtype(FP8)}
 _PER_WORD = {jnp.dtype(jnp.uint32): WORD_CODES, jnp.dtype(jnp.int32): PAIR_VALUES}  # values a 32-bit word holds
 WORD_ROW = 512  # fp8 values a pool row must be a multiple of to be held as uint32 words (one 128-lane row)
 
@@ -171,7 +180,8 @@ def storage_dtype(dtype, width: int | None = None, pairs: bool = False) -> jnp.d
   words, 4 codes each (fp8_blocks.to_words: a TPU gathers and scatters rows of a lane-dense 32-bit array
   in place, not of an 8-bit [N, 512] one). bf16 of an even `width` with `pairs` (paged_cache's k_pe under
   backend.py's rope_storage "rows") as int32 words, 2 values each (fp8_blocks.to_pairs). The contiguous
-  LayerCache holds the values' dtypes themselves."""
+  LayerCache holds the values' dtypes themselves. (int8, not chosen here: paged_cache's fp8 idx_k in paired
+  row order, subnormal codes flushed: fp8_blocks.paired_rows.)"""
   if jnp.dtype(dtype) == FP8 and width is not None and width % WORD_ROW == 0:
     return jnp.dtype(jnp.uint32)
   if pairs and jnp.dtype(dtype) == jnp.bfloat16 and width is not None and width % PAIR_VALUES == 0:
@@ -213,6 +223,8 @@ def to_storage(x: jax.Array, dtype) -> jax.Array:
   x = x.astype(value_dtype(dtype))
   if jnp.dtype(dtype) == jnp.uint32:
     return to_words(x)
+  if jnp.dtype(dtype) == jnp.int8:  # a paired pool's codes (paged_cache.py): subnormals flushed
+    return flush_subnormals(jax.lax.bitcast_convert_type(x, jnp.int8))
   if jnp.dtype(dtype) == jnp.int32:
     return to_pairs(jax.lax.bitcast_convert_type(x, jnp.uint16))
   return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)

@@ -24,6 +24,11 @@ words, 2 values each, R slots a pool row: [N / R, R * 32] with R = 4 (ROW_WORDS 
 official sizes (slot s in row s // R, words (s % R) * 32 ..); as uint16 [N, 64] a TPU laid it out
 column-major and copied it whole for every step's row gather. Every reader takes R from the pools'
 shapes (`_per_row`: the slots of the unpacked fields over this one's rows), so nothing else records it.
+Under backend.py's key_order "paired" (the tpu row) an fp8 idx_k of 128 (one scale a key) with pages of
+whole 256-slot groups is held as int8, not uint8: the dtype says its rows are in paired order within each
+group (fp8_blocks.paired_rows: the scoring kernel makes bf16 pairs of its codes by shifts alone, with no
+unpacking to 32-bit lanes) and its subnormal codes flushed to zero (fp8_blocks.flush_subnormals); writes
+place each slot at its row, and `page_values` returns whole pages in slot order.
 
 Writes go through a slot mapping (`slots`): a padding token's slot is N, dropped by the
 scatter, so fixed-shape steps write only real tokens. Reads come in three kinds, every one of
@@ -64,7 +69,7 @@ from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
-from MaxText.kernels.fp8_blocks import take_slots
+from MaxText.kernels.fp8_blocks import PAIR_GROUP, natural_rows, paired_rows, take_slots
 from MaxText.kernels.index_scores import row_index_scores
 from MaxText.kernels.topk_indices import onehot_rows
 from MaxText.runtime import sharding
@@ -95,6 +100,14 @@ def _rope_rows(config: Config, num_slots: int) -> int:
   return per_row if num_slots % per_row == 0 else 1
 
 
+def _paired_keys(config: Config) -> bool:
+  """Whether the idx_k pool is held in paired order (module doc): key_order "paired", an fp8 cache, keys of one
+  128-block (one scale a key) and pages of whole fp8_blocks.PAIR_GROUP groups."""
+  latent, _ = kv_cache.field_dtypes(config.kv_cache_dtype)
+  return (backend.choice("key_order") == "paired" and jnp.dtype(latent) == kv_cache.FP8 and config.use_indexer
+          and config.indexer_head_dim == kv_cache.FP8_BLOCK and config.serve_page_size % PAIR_GROUP == 0)
+
+
 def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = None) -> PagedLayerCache:
   """Zeros [num_layers, N, n] (or [N, n]) holding the dtypes of kv_cache_dtype (fp8 / bf16 as their bits;
   an fp8 field of 512-multiple width as uint32 words, n/4: kv_cache.storage_dtype; k_pe under rope_storage
@@ -102,11 +115,11 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
   latent, rotary = kv_cache.field_dtypes(config.kv_cache_dtype)
   dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
   layers = () if num_layers is None else (num_layers,)
-  per_row = _rope_rows(config, num_slots)
+  per_row, paired = _rope_rows(config, num_slots), _paired_keys(config)
 
   def zeros(name, w):
     pairs = name == "k_pe" and per_row > 0
-    store = kv_cache.storage_dtype(dt[name], w, pairs)
+    store = jnp.int8 if name == "idx_k" and paired else kv_cache.storage_dtype(dt[name], w, pairs)
     words = kv_cache.storage_width(dt[name], w, pairs)
     shape = (num_slots // per_row, per_row * words) if pairs else (num_slots, words)
     return jnp.zeros(layers + shape, store)
@@ -242,7 +255,7 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
       lead = (slice(None),) * (dst.ndim - 2)
       per_row = n_local // dst.shape[-2]
       if per_row == 1:
-        at = lead + (flat,)
+        at = lead + (paired_rows(flat) if dst.dtype == jnp.int8 else flat,)  # int8: a paired idx_k (module doc)
       else:  # slot s: row s // R, words (s % R) * w .. + w; padding's row N_l / R: dropped
         w = upd.shape[-1]
         at = lead + ((flat // per_row)[:, None], (flat % per_row)[:, None] * w + jnp.arange(w, dtype=jnp.int32))
@@ -268,12 +281,16 @@ def page_values(a: jax.Array, pages: jax.Array, page_size: int, per_row: int = 1
   rows = page_size // per_row  # pool rows a page
   by_page = a.reshape(a.shape[0] // rows, rows, a.shape[-1])  # [N/page, page/R, R*n]
   got = jnp.take(by_page, pages, axis=0, mode="clip")  # [B, G, page/R, R*n]
+  if a.dtype == jnp.int8:  # a paired idx_k (module doc): each page's groups back in slot order
+    got = natural_rows(got)  # [B, G, page, d]
   return kv_cache.as_values(got.reshape(pages.shape[0], -1, a.shape[-1] // per_row))  # [B,G*page,n] words -> values
 
 
 KEY_BLOCK_BYTES = 1 << 20  # fp32 bytes (one row) of one block of pages PagedKeys / dense_over_pages reads: L2-sized
 SCORE_BLOCK_SLOTS = 2048  # keys a grid step of the Pallas scoring kernel reads, whole pages (at least one): on a v5e,
 # 4 rows x 128K fp8 keys at 64 a page, fp32 queries: 1.56 / 1.45 / 1.33 / 1.28 ms at 512 / 1024 / 2048 / 4096 (docs/kernels.md)
+PAIRED_SCORE_BLOCK_SLOTS = 8192  # the same over a paired pool (its kernel's VPU work ~2.4x less a key, so a grid step's
+# fixed cost weighs more): the v5e's 16-row 128K fp8 step 3.825 / 3.746 / 3.594 ms at 2048 / 4096 / 8192 (docs/kernels.md)
 
 
 class PagedKeys(NamedTuple):
@@ -287,7 +304,7 @@ class PagedKeys(NamedTuple):
   no [width, d] multiply a block: no slower, 0-9% less CPU, docs/kernels.md); wider fp8 keys
   are dequantized first. Each score is index_scores' sum on the same key values: equal to
   ContiguousKeys' to f32 rounding (bit for bit over f32 keys where the dot's accumulation order agrees)."""
-  idx_k: jax.Array                # [N, d] as the pool holds it (fp8: uint8 bits; on a page shard: this device's slots)
+  idx_k: jax.Array                # [N, d] as the pool holds it (fp8: uint8 bits, int8 in paired order; a page shard's)
   idx_k_scale: jax.Array | None   # [N, ceil(d/128)] fp32; fp8 only
   table: jax.Array                # [b, P] page ids into idx_k's pages (< 0: none; read as page 0, masked)
   page_size: int
@@ -341,7 +358,8 @@ class PagedKeys(NamedTuple):
     """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):
     the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
     p, d = self.table.shape[1], q.shape[-1]
-    per_block = max(1, min(SCORE_BLOCK_SLOTS // self.page_size, p))  # pages a grid step
+    block = PAIRED_SCORE_BLOCK_SLOTS if self.idx_k.dtype == jnp.int8 else SCORE_BLOCK_SLOTS
+    per_block = max(1, min(block // self.page_size, p))  # pages a grid step
     table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
     got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,
                                           self.idx_k_scale, table, pos[:, 0], self.page_size,

@@ -52,6 +52,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      page id through the page table by a    [B,m,P] x the ids' bytes [B,P,4] dot on the MXU
                      take_along_axis (paged_cache.py)       (v5e: a gather costs ~10 ns an index, 0.36 ms at
                                                            16 x 2048 selected; the dot 0.06-0.09 ms)
+  key_order          "natural": a paged fp8 idx_k pool as   "natural" (gpu, others); tpu: "paired", int8 rows
+                     uint8 rows in slot order               paired in 256-slot groups, subnormals flushed: the
+                                                           scoring kernel's bf16 keys by 9 word ops per 4
+                                                           codes, not ~15 per code (fp8_blocks.paired_rows)
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -94,6 +98,7 @@ class Choices:
   page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
   matmul_layout: str = "free"  # "free" | "few_rows_pinned": a few-row matmul output's layout (fp8_blocks.matmul)
   fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
+  key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_cache._paired_keys)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -112,6 +117,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
     "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
+    "key_order": ("natural", "paired"),  # paged_cache: an fp8 idx_k pool's rows in slot order; int8, paired
 }
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
     "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
@@ -157,9 +163,13 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # "grouped"): the 16-row 128K fp8 step (page 256) on a v5e, 2026-12-06 21:45 UTC, one process each, this tree:
 # 4.778 / 4.810 ms with "binned" + "compare", 4.550 with "grouped", 4.432 / 4.422 with both; 4 rows 2.411 -> 2.367,
 # 1 row 2.113 -> 2.098 (benchmarks/decode_profile.py --force; the tree before the session's changes: 5.472 ms).
+# A paged fp8 idx_k in paired order (key_order "paired"): its scoring kernel makes bf16 keys by 9 word ops per 4 codes,
+# not ~15 per code (the kernel's compiled body 481 vs 1154 bundles a 2048-key grid step, VPU-bound): on a v5e,
+# 2026-12-06 ~23:00 UTC, one process each, bf16 weights, page 256: the 16-row 128K fp8 step 4.338 -> 3.825 ms (the
+# kernel 1.082 -> 0.651 ms), 3.594 at 8192 keys a grid step; 4 rows 2.207 -> 2.009, 1 row 1.903 -> 1.741.
 TPU = dataclasses.replace(PORTABLE, exact_selection="pallas", approx_selection="binned", paged_scoring="pallas",
                           index_placement="grouped", rope_storage="rows", mask_attention="splash", page_lookup="onehot",
-                          matmul_layout="few_rows_pinned", fp8_unpack="shifts")
+                          matmul_layout="few_rows_pinned", fp8_unpack="shifts", key_order="paired")
 
 TABLE = {  # jax.default_backend() -> its row; a backend not listed runs PORTABLE
     "cpu": CPU,  # measured: docs/measured_choices.md

@@ -212,3 +212,42 @@ def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
   for p in range(1, per_row):
     out = jnp.where(part == p, rows[..., p * w:(p + 1) * w], out)
   return out
+
+
+# ---- fp8 indexer keys in paired order (a paged idx_k pool held as int8: paged_cache.py, paged_decode.py)
+
+PAIR_GROUP = 256  # slots whose pool rows a paired idx_k pool orders among themselves (a page holds whole groups)
+
+
+def paired_rows(slots: jax.Array) -> jax.Array:
+  """Slot ids [...] -> the pool rows that hold them in paired order. Within each group of PAIR_GROUP slots
+  (g = the group's first slot), slot g + o with o = half * 128 + 2 i + h (half, h in {0, 1}, i < 64) lies in row
+  g + 4 i + 2 h + half. Viewed as 32-bit words (4 rows a word, row 4i + j in byte j, as Mosaic's bitcast of an
+  8-bit [n, 128] block to [n/4, 128] words), bytes 0 and 2 of word i hold slots 2i and 2i + 1 of the group's
+  first half and bytes 1 and 3 those of its second half: two shifts and masks make each half's codes bf16 pairs
+  in slot order (paged_decode's scoring kernel), with no unpacking to 32-bit lanes. Slots past a whole number
+  of groups (the pool's drop slot N, N a multiple of PAIR_GROUP) map to themselves."""
+  o = slots % PAIR_GROUP
+  lo = o % 128
+  return slots - o + 4 * (lo // 2) + 2 * (lo % 2) + o // 128
+
+
+def natural_rows(x: jax.Array, axis: int = -2) -> jax.Array:
+  """x [..., m * PAIR_GROUP, ...] rows of whole groups in paired order (axis `axis`) -> the same rows in slot
+  order (paired_rows' inverse): a group's stored rows indexed (i, h, half) are its slots (half, i, h)."""
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  g = x.reshape(*x.shape[:axis], n // PAIR_GROUP, 64, 2, 2, *x.shape[axis + 1:])  # [.., m, i, h, half, ..]
+  g = jnp.moveaxis(g, axis + 3, axis + 1)  # [.., m, half, i, h, ..]
+  return g.reshape(x.shape)
+
+
+def flush_subnormals(bits: jax.Array) -> jax.Array:
+  """e4m3 bits (uint8 / int8) -> the same with every subnormal code (exponent bits 0: |value| < 2^-6, below
+  the smallest normal) made a zero of its sign. A paired pool holds its keys so: its kernel decodes a code
+  into a bf16 exponent by shifts alone, where a subnormal would be a bf16 denormal, which a TPU flushes
+  (and XLA:CPU does in a dot): flushed here, every backend reads the same values. Within a block scaled
+  to amax / 448 such a code is below amax * 2^-6 / 448 = amax * 3.5e-5."""
+  u = jax.lax.bitcast_convert_type(bits, jnp.uint8) if bits.dtype == jnp.int8 else bits
+  u = jnp.where((u & 0x78) == 0, u & 0x80, u)
+  return jax.lax.bitcast_convert_type(u, jnp.int8) if bits.dtype == jnp.int8 else u

@@ -46,11 +46,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from MaxText.kernels.backend import pallas_interpret
-from MaxText.kernels.fp8_blocks import from_pairs, from_words, quantize, take_slots
+from MaxText.kernels.fp8_blocks import PAIR_GROUP, from_pairs, from_words, natural_rows, quantize, take_slots
 
 NEG_INF = float("-inf")
 FP8_BLOCK = 128  # elements per fp8 scale (kv_cache.FP8_BLOCK: kernels sit below inference)
-_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.uint16): jnp.bfloat16}
+_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.int8): jnp.float8_e4m3fn,
+           jnp.dtype(jnp.uint16): jnp.bfloat16}
 
 
 def as_values(a: jax.Array) -> jax.Array:
@@ -209,27 +210,57 @@ def _split_bf16(x: jax.Array, parts: int = 3) -> list[jax.Array]:
   return out
 
 
+def _bf16_logits(q: jax.Array, k16: jax.Array) -> jax.Array:
+  """q [H, d] (bf16: one exact pass; uint8 fp8 bits; else fp32 in 3 bf16 parts) x bf16 keys [n, d] -> [H, n] fp32
+  logits: the parts stacked [3H, d] in ONE dot (each key tile loaded into the MXU once for all three), their
+  products summed in order."""
+  if q.dtype == jnp.bfloat16:  # fp8_scored_queries' e4m3 values: one exact pass
+    qs = [q]
+  elif q.dtype == jnp.uint8:
+    qs = [_decode(q).astype(jnp.bfloat16)]
+  else:
+    qs = _split_bf16(q.astype(jnp.float32))
+  h = q.shape[0]
+  both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32)  # [3H, n]
+  return sum(both[i * h:(i + 1) * h] for i in range(len(qs)))  # [H, n]
+
+
+def _paired_bf16(words: jax.Array) -> list[jax.Array]:
+  """A paired idx_k block's words [n/4, d] (rows 4i .. 4i+3 in bytes 0 .. 3: fp8_blocks.paired_rows) -> its two
+  halves as bf16 keys [n/2, d] each: bytes 0 and 2 (every group's first 128 slots, in order), bytes 1 and 3 (its
+  second 128). Each code's 7 magnitude bits go under a bf16's exponent (mantissa 3 bits down, exponent bias 0,
+  not e4m3's 7) and its sign on top: the value times 2^-120, exactly, for every normal code (a paired pool holds
+  no subnormal one); 9 word ops per 4 codes where e4m3_to_f32 and a bf16 pack took ~15 per code (the v5e's VPU was
+  the scoring kernel's bound: docs/kernels.md). The caller's queries carry 2^60 and its weights 2^60 back."""
+  mag, sign = jnp.uint32(0x07F007F0), jnp.uint32(0x80008000)
+  first = ((words << 4) & mag) | ((words << 8) & sign)  # bytes 0, 2 -> the low, high bf16 of each word
+  second = ((words >> 4) & mag) | (words & sign)  # bytes 1, 3
+  return [pltpu.bitcast(half, jnp.bfloat16) for half in (first, second)]  # [n/2, d] each
+
+
+PAIRED_Q_SCALE = 2.0 ** 60  # a paired kernel's query factor (its keys carry 2^-120; its weights carry 2^60)
+
+
 def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf, sems, *, pages: int, page: int,
-                  fp8: bool):
+                  fp8: bool, paired: bool):
   slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages)
   b, j = pl.program_id(0), pl.program_id(1)
   width, d = pages * page, kbuf.shape[-1]
   keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
-  if fp8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
-    k16 = _decode(keys).astype(jnp.bfloat16)
-    if q.dtype == jnp.bfloat16:  # fp8_scored_queries' e4m3 values: one exact pass
-      qs = [q]
-    elif q.dtype == jnp.uint8:
-      qs = [_decode(q).astype(jnp.bfloat16)]
-    else:
-      qs = _split_bf16(q.astype(jnp.float32))
-    h = q.shape[0]  # the parts stacked [3H, d]: ONE dot, each key tile loaded into the MXU once for all three
-    both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32)  # [3H,width]
-    logits = sum(both[i * h:(i + 1) * h] for i in range(len(qs)))  # [H, width]: the parts' products summed in order
-  else:  # fp32 keys and queries
-    logits = jax.lax.dot_general(q.astype(jnp.float32), keys.astype(jnp.float32), _NT,
-                                 preferred_element_type=jnp.float32, precision=_HI)  # [H, width]
-  scores = jnp.sum(w_ref[0] * jnp.maximum(logits, 0.0), axis=0, keepdims=True)  # w [H,1] (q scales folded in) -> [1,width]
+  w = w_ref[0]  # [H,1] (q scales folded in)
+  if paired:  # bf16 keys by word ops; each half's scores [1, width/2], then each group's two halves side by side
+    halves = [jnp.sum(w * jnp.maximum(_bf16_logits(q, k16), 0.0), axis=0, keepdims=True)
+              for k16 in _paired_bf16(pltpu.bitcast(keys, jnp.uint32))]  # [1, width/2] each
+    g = PAIR_GROUP // 2
+    scores = jnp.concatenate([half[:, i * g:(i + 1) * g] for i in range(width // PAIR_GROUP) for half in halves],
+                             axis=1)  # [1, width]: whole 128-lane pieces
+  else:
+    if fp8:  # e4m3 -> bf16 is exact, and so are bf16 x bf16 products in the f32 accumulator
+      logits = _bf16_logits(q, _decode(keys).astype(jnp.bfloat16))  # [H, width]
+    else:  # fp32 keys and queries
+      logits = jax.lax.dot_general(q.astype(jnp.float32), keys.astype(jnp.float32), _NT,
+                                   preferred_element_type=jnp.float32, precision=_HI)  # [H, width]
+    scores = jnp.sum(w * jnp.maximum(logits, 0.0), axis=0, keepdims=True)  # [1,width]
   slots = j * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
   out_ref[0] = jnp.where(slots <= pos_ref[b], scores, NEG_INF)
 
@@ -246,7 +277,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   (uint8 fp8 bits with idx_k_scale [N,1], or f32); table [B,P] page ids (< 0: none, read as page 0
   and masked only by pos); pos [B] each row's query position: slots > pos score -inf. P must be a
   multiple of pages_per_block (pad the table)."""
-  fp8 = idx_k_scale is not None
+  fp8, paired = idx_k_scale is not None, idx_k.dtype == jnp.int8
   b, h, d = q.shape
   p = table.shape[1]
   if p % pages_per_block:
@@ -255,16 +286,22 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
     raise ValueError(f"paged_index_scores: fp8 keys need one scale per key (d = 128), got {idx_k_scale.shape}")
   if (q.dtype == jnp.uint8) != (q_scale is not None) or (q_scale is not None and not fp8):
     raise ValueError("paged_index_scores: fp8 queries (uint8 bits) come with q_scale, and with fp8 keys")
+  if paired and (not fp8 or page % PAIR_GROUP):
+    raise ValueError(f"paged_index_scores: a paired (int8) pool holds fp8 keys in pages of whole {PAIR_GROUP}-slot "
+                     f"groups, got page {page}{'' if fp8 else ' and no scales'}")
   n_blocks, width = p // pages_per_block, pages_per_block * page
   table = jnp.maximum(table, 0).astype(jnp.int32)
   w = w.astype(jnp.float32) * (1.0 if q_scale is None else q_scale)  # relu(qs x) = qs relu(x): the q scale joins w
+  if paired:  # the kernel's keys carry 2^-120 (_paired_bf16): 2^60 on the queries (exact), 2^60 on the weights
+    qv = as_values(q).astype(jnp.bfloat16 if q.dtype != jnp.float32 else jnp.float32)  # uint8: e4m3 -> bf16, exact
+    q, w = qv * jnp.asarray(PAIRED_Q_SCALE, qv.dtype), w * PAIRED_Q_SCALE
   ids = _blocked_ids(table, pages_per_block)  # [B*n_blocks, 1, pages_per_block]
   ins = [pos.astype(jnp.int32), ids, ids, q, w[:, :, None], idx_k.reshape(-1, page, d)]  # w [B,H,1]; keys [N/page,page,d]
   any_ = pl.BlockSpec(memory_space=pl.ANY)
   in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), *_ids_specs(pages_per_block, n_blocks),
               pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, h, 1), lambda i, j: (i, 0, 0)), any_]
   scratch = [pltpu.VMEM((2, pages_per_block, page, d), idx_k.dtype), pltpu.SemaphoreType.DMA((2, 1))]
-  kernel = functools.partial(_score_kernel, pages=pages_per_block, page=page, fp8=fp8)
+  kernel = functools.partial(_score_kernel, pages=pages_per_block, page=page, fp8=fp8, paired=paired)
   scores = pl.pallas_call(
       kernel, grid=(b, n_blocks), in_specs=in_specs,
       out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
@@ -287,6 +324,8 @@ def paged_index_scores_xla(q, q_scale, w, idx_k, idx_k_scale, table, pos, page: 
   scored in fp32."""
   b, h, d = q.shape
   keys = jnp.take(as_values(idx_k).astype(jnp.float32).reshape(-1, page, d), jnp.maximum(table, 0), axis=0)
+  if idx_k.dtype == jnp.int8:  # a paired pool: each page's rows back in slot order
+    keys = natural_rows(keys)  # [B,P,page,d]
   keys = keys.reshape(b, -1, d)  # [B,S,d]
   qv = as_values(q).astype(jnp.float32) * (1.0 if q_scale is None else q_scale[..., None])
   if idx_k_scale is not None:

@@ -27,11 +27,13 @@ def test_table_cpu_row_is_the_measured_one_and_other_backends_are_portable():
   for name in ("gpu", "some_new_backend"):
     assert backend.row(name) == backend.PORTABLE
   # the TPU's: what was measured there (the k-th value kernel, the binned approx selection, the decode kernels, the
-  # grouped placement, splash, the one-hot page lookup, the few-row matmul layout, the strided fp8 words), the rest portable
+  # grouped placement, splash, the one-hot page lookup, the few-row matmul layout, the strided fp8 words, the paired
+  # fp8 keys), the rest portable
   assert backend.row("tpu") == dataclasses.replace(backend.PORTABLE, exact_selection="pallas", approx_selection="binned",
                                                    paged_scoring="pallas", index_placement="grouped",
                                                    rope_storage="rows", mask_attention="splash", page_lookup="onehot",
-                                                   matmul_layout="few_rows_pinned", fp8_unpack="shifts")
+                                                   matmul_layout="few_rows_pinned", fp8_unpack="shifts",
+                                                   key_order="paired")
   for name, (tuned, portable) in backend.OPTIONS.items():
     assert getattr(backend.CPU, name) == tuned and getattr(backend.PORTABLE, name) == portable
   if not os.environ.get("MAXTEXT_TEST_KERNEL_ROW"):  # tests/conftest.py forces no row

@@ -168,12 +168,14 @@ def test_the_kernel_scores_bf16_queries_in_one_mxu_pass(scoring_case):
          pd.paged_index_scores_xla(qv, None, *args), 1e-5)
 
 
-def test_the_kernel_lowers_to_mosaic_with_bf16_queries_against_fp8_keys():
-  """The one-pass path compiles for a TPU (Mosaic lowering on the CPU: jax.export), at the official head shape."""
+@pytest.mark.parametrize("pool, page", [(jnp.uint8, 64), (jnp.int8, 256)])  # natural; paired (test_paired_keys.py)
+def test_the_kernel_lowers_to_mosaic_with_bf16_queries_against_fp8_keys(pool, page):
+  """The one-pass path compiles for a TPU (Mosaic lowering on the CPU: jax.export), at the official head shape,
+  over a natural pool and a paired one."""
   from jax import export
-  b, h, d, page, p = 2, 64, 128, 64, 16
+  b, h, d, p = 2, 64, 128, 16
   args = (jax.ShapeDtypeStruct((b, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, h), jnp.float32),
-          jax.ShapeDtypeStruct((p * b * page, d), jnp.uint8), jax.ShapeDtypeStruct((p * b * page, 1), jnp.float32),
+          jax.ShapeDtypeStruct((p * b * page, d), pool), jax.ShapeDtypeStruct((p * b * page, 1), jnp.float32),
           jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
   fn = jax.jit(lambda q, w, k, ks, t, pos: pd.paged_index_scores(q, None, w, k, ks, t, pos, page, pages_per_block=8,
                                                                  interpret=False))
