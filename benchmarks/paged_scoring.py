@@ -7,9 +7,11 @@ blocks of KEY_BLOCK_BYTES / b; kept here as the reference it replaced).
     python benchmarks/paged_scoring.py                       # 16K .. 128K, batch 1, 64 heads of 128
     python benchmarks/paged_scoring.py --contexts 32768 --batch 4
     python benchmarks/paged_scoring.py --block-bytes 1048576 16777216   # the block size (KEY_BLOCK_BYTES)
+    python benchmarks/paged_scoring.py --contexts 131072 --batch 4 --short-context 4096   # one long row, 3 short
 
 The pool's pages are a random permutation (a fragmented pool); each row's query sits at its last
-position. The variants alternate call by call; ms are medians of --iters calls, ratios are to the
+position (--short-context N: every row but the first at position N - 1, as a batch whose table is as wide as its
+longest row; PagedKeys reads no block past a row's position, the others score every slot). The variants alternate call by call; ms are medians of --iters calls, ratios are to the
 contiguous one; each paged variant runs at each --block-bytes. Every variant's selection is checked equal to the contiguous one's (as sets).
 Prints a table, then one JSON line; asserts nothing about time.
 """
@@ -56,13 +58,15 @@ def main() -> None:
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--page", type=int, default=64)
   ap.add_argument("--iters", type=int, default=15)
+  ap.add_argument("--short-context", type=int, default=0, help="rows after the first end at this position + 1 (0: all at the context)")
   ap.add_argument("--block-bytes", type=int, nargs="+", default=[paged_cache.KEY_BLOCK_BYTES],
                   help="paged_cache.KEY_BLOCK_BYTES values to time (one paged and one before column each)")
   args = ap.parse_args()
   b, h, d, page = args.batch, args.heads, args.dim, args.page
   rows = []
   print(f"indexer scoring + top-{args.topk} of one decode step; backend {jax.default_backend()}, batch {b}, "
-        f"{h} heads of {d}, pages of {page}; median of {args.iters}; ratios to the contiguous cache")
+        f"{h} heads of {d}, pages of {page}; median of {args.iters}; ratios to the contiguous cache"
+        + (f"; rows after the first at {args.short_context}" if args.short_context else ""))
   names = ["contiguous"] + [f"{v}@{kb >> 10}K" for kb in args.block_bytes for v in ("paged", "before")]
   print(f"{'context':>8} " + " ".join(f"{n + ' ms':>18}" for n in names))
   for s in args.contexts:
@@ -74,6 +78,8 @@ def main() -> None:
     q = jnp.asarray(rng.standard_normal((b, 1, h, d), np.float32))
     w = jnp.asarray(rng.random((b, 1, h), np.float32))
     pos = jnp.full((b, 1), s - 1, jnp.int32)
+    if args.short_context:
+      pos = pos.at[1:].set(min(args.short_context, s) - 1)  # [b,1]: one long row, the rest short
     top = lambda x: jnp.sort(jax.lax.top_k(x, args.topk)[1], axis=-1)  # noqa: E731
 
     def under(block_bytes, fn):  # fn traced with KEY_BLOCK_BYTES = block_bytes
@@ -108,7 +114,8 @@ def main() -> None:
     print(f"{s:>8} " + " ".join(f"{ms[n]:>10.2f} ({row['ratio'][n]:.2f}x)" for n in names)
           + ("" if all(same.values()) else f"  selection differs: {same}"), flush=True)
   print(json.dumps({"benchmark": "paged_scoring", "backend": jax.default_backend(), "batch": b, "heads": h, "dim": d,
-                    "topk": args.topk, "page": page, "iters": args.iters, "block_bytes": args.block_bytes, "rows": rows}))
+                    "topk": args.topk, "page": page, "iters": args.iters, "block_bytes": args.block_bytes,
+                    "short_context": args.short_context, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -296,7 +296,8 @@ PAIRED_SCORE_BLOCK_SLOTS = 8192  # the same over a paired pool (its kernel's VPU
 class PagedKeys(NamedTuple):
   """A key source (kernels/cached_attention.py) over the indexer-key pool: each row's keys lie in
   the pages of its table row. `scores` reads them a block of pages at a time, one row at a time (a
-  fori_loop over (row, block) pairs, KEY_BLOCK_BYTES of fp32 keys a block): the block's pages
+  fori_loop over (row, block) pairs, KEY_BLOCK_BYTES of fp32 keys a block; a block past every query
+  position of its row is not read, its scores -inf: the table is as wide as the batch's longest row): the block's pages
   gathered whole, scored by index_scores.row_index_scores (2-D dots: XLA:CPU's batched dot ran the
   blocks 1.8x slower) into the row's slice of the [b,tq,S] result. fp8 keys with one scale a key
   (d <= 128, the model's) are scored as their codes' values, each key's score then times its scale
@@ -327,15 +328,19 @@ class PagedKeys(NamedTuple):
     width = per_block * page  # slots a block
     table = jnp.pad(jnp.maximum(self.table, 0), ((0, 0), (0, n * per_block - p)))  # [b, n*per_block]
 
-    def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
-      r, j = i // n, i % n
+    def score(r, j):  # row r's block j -> [tq,width]
       pages = jax.lax.dynamic_slice(table, (r, j * per_block), (1, per_block))  # [1,per_block]
       keys, key_scale = self.block_keys(pages)  # [width,d], [width] or None
       got = row_index_scores(q[r], w[r], keys, head_chunk=head_chunk, precision=precision)  # [tq,width]
       if key_scale is not None:
         got = got * key_scale[None]  # [tq,width]
       slot = j * width + jnp.arange(width, dtype=jnp.int32)  # [width]
-      got = jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
+      return jnp.where(slot[None, :] <= pos[r][:, None], got, -jnp.inf)  # [tq,width]
+
+    def block(i, out):  # (row r, block j) = divmod(i, n); out [b,tq,n*width]
+      r, j = i // n, i % n
+      got = jax.lax.cond(j * width <= jnp.max(pos[r]), score, lambda r, j: jnp.full((q.shape[1], width), -jnp.inf),
+                         r, j)  # a block past every query of the row: not read
       return jax.lax.dynamic_update_slice(out, got[None], (r, 0, j * width))
 
     out = jnp.full((b, q.shape[1], n * width), -jnp.inf, jnp.float32)

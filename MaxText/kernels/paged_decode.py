@@ -131,21 +131,26 @@ def _wait_copies(fields, sems, slot) -> None:
     pltpu.make_async_copy(dst.at[slot], dst.at[slot], sems.at[slot, f]).wait()
 
 
-def _pipelined(fields, sems, ids_now, ids_next, n: int):
-  """Within the second grid axis j (sequential per row): on return block j's items are in slot j % 2
-  of every dst, block j+1's DMAs already started into the other slot (block 0's at j == 0)."""
-  j, last = pl.program_id(1), pl.num_programs(1) - 1
+def _pipelined(fields, sems, ids_now, ids_next, n: int, needed):
+  """Within the second grid axis j (sequential per row), for a row that needs blocks 0 .. `needed` (a traced
+  scalar; < 0: none): on return, where j <= needed, block j's items are in slot j % 2 of every dst and block j+1's
+  DMAs (if needed) already started into the other slot (block 0's at j == 0). Blocks past `needed` are never
+  read: a row shorter than the table reads only its own keys (every DMA started is waited for)."""
+  j = pl.program_id(1)
   slot = j % 2
 
-  @pl.when(j == 0)
+  @pl.when((j == 0) & (needed >= 0))
   def _():
     _start_copies(fields, sems, ids_now, 0, n)
 
-  @pl.when(j < last)
+  @pl.when(j < needed)
   def _():
     _start_copies(fields, sems, ids_next, 1 - slot, n)
 
-  _wait_copies(fields, sems, slot)
+  @pl.when(j <= needed)
+  def _():
+    _wait_copies(fields, sems, slot)
+
   return slot
 
 
@@ -243,9 +248,24 @@ PAIRED_Q_SCALE = 2.0 ** 60  # a paired kernel's query factor (its keys carry 2^-
 
 def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf, sems, *, pages: int, page: int,
                   fp8: bool, paired: bool):
-  slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages)
   b, j = pl.program_id(0), pl.program_id(1)
   width, d = pages * page, kbuf.shape[-1]
+  needed = jax.lax.div(pos_ref[b] + width, width) - 1  # the row's last block with a key at or before its position
+  # (pos >= -1: a non-negative numerator, so lax.div's truncation floors; `//` lowers through sign, which Mosaic
+  # cannot lower without a TPU at hand)
+  slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages, needed)
+
+  @pl.when(j > needed)  # past the row's position: nothing read, every score -inf
+  def _():
+    out_ref[0] = jnp.full((1, width), NEG_INF, jnp.float32)
+
+  @pl.when(j <= needed)
+  def _():
+    _score_block(kbuf, slot, q_ref, w_ref, out_ref, pos_ref[b], j, width=width, d=d, fp8=fp8, paired=paired)
+
+
+def _score_block(kbuf, slot, q_ref, w_ref, out_ref, pos, j, *, width: int, d: int, fp8: bool, paired: bool):
+  """One grid step's scores over the block in kbuf[slot] (_score_kernel's)."""
   keys, q = kbuf[slot].reshape(width, d), q_ref[0]  # [width, d], [H, d] as stored / given
   w = w_ref[0]  # [H,1] (q scales folded in)
   if paired:  # bf16 keys by word ops; each half's scores [1, width/2], then each group's two halves side by side
@@ -262,7 +282,7 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf
                                    preferred_element_type=jnp.float32, precision=_HI)  # [H, width]
     scores = jnp.sum(w * jnp.maximum(logits, 0.0), axis=0, keepdims=True)  # [1,width]
   slots = j * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
-  out_ref[0] = jnp.where(slots <= pos_ref[b], scores, NEG_INF)
+  out_ref[0] = jnp.where(slots <= pos, scores, NEG_INF)
 
 
 def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, idx_k: jax.Array,
@@ -296,7 +316,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
     qv = as_values(q).astype(jnp.bfloat16 if q.dtype != jnp.float32 else jnp.float32)  # uint8: e4m3 -> bf16, exact
     q, w = qv * jnp.asarray(PAIRED_Q_SCALE, qv.dtype), w * PAIRED_Q_SCALE
   ids = _blocked_ids(table, pages_per_block)  # [B*n_blocks, 1, pages_per_block]
-  ins = [pos.astype(jnp.int32), ids, ids, q, w[:, :, None], idx_k.reshape(-1, page, d)]  # w [B,H,1]; keys [N/page,page,d]
+  ins = [jnp.maximum(pos, -1).astype(jnp.int32), ids, ids, q, w[:, :, None], idx_k.reshape(-1, page, d)]  # w [B,H,1]; keys [N/page,page,d]
   any_ = pl.BlockSpec(memory_space=pl.ANY)
   in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), *_ids_specs(pages_per_block, n_blocks),
               pl.BlockSpec((1, h, d), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, h, 1), lambda i, j: (i, 0, 0)), any_]

@@ -64,6 +64,21 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
   _close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
 
 
+@pytest.mark.parametrize("pos", [(-1, 13), (0, 16), (15, 31)])  # a padding row; block edges (2 pages = 16 slots)
+def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case, pos):
+  """Blocks past a row's position are not read (no DMA started, every score -inf): the scores equal the XLA
+  path's for rows ending at a block's first or last slot, or before any (pos -1: all -inf)."""
+  c = scoring_case
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  args = (c["q"], None, c["w"], _bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), PAGE)
+  got = np.asarray(pd.paged_index_scores(*args, pages_per_block=2, interpret=True))
+  ref = np.asarray(pd.paged_index_scores_xla(*args))
+  for r, p in enumerate(pos):
+    assert np.isinf(got[r, p + 1:]).all() and np.isfinite(got[r, :p + 1]).all()
+  if max(pos) >= 0:
+    _close(got, ref, 1e-5)
+
+
 def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
   """fp8 queries and keys (e4m3: 3 mantissa bits, relative step 2**-4) against f32 scoring of the
   same keys: the stated tolerance is 10% of the largest score."""
