@@ -149,6 +149,7 @@ def test_a_paired_pool_written_and_read_through_the_pages_equals_the_natural_one
     assert np.max(np.abs(got[fin] - want[fin])) <= 1e-3 * np.max(np.abs(want[fin]))  # the flushed codes' share
 
 
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
 def test_the_engine_over_paired_pools_decodes_the_tokens_it_does_over_natural_ones():
   """The serving engine with the tpu row's paired idx_k pool (int8; prefill scored by the XLA path over pages read
   back in slot order, decode by the paired kernel, interpreted here) gives the greedy tokens of the natural pool,
