@@ -405,9 +405,9 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   The K selected rows are gathered AS STORED by XLA (B*K*(c + 2r + 16) bytes in fp8: 2048 rows of
   656 bytes a row, 1.3 MB), then the kernel streams them in blocks of `block` slots (Pallas'
   pipeline), dequantizes in VMEM and runs the online softmax. A per-slot DMA from the pool into a
-  VMEM block (as the scoring kernel's per-page DMAs) does not lower: Mosaic wants a DMA's offset in
-  the tiled (second-minor) dimension aligned to the tile (8 rows in fp32, 32 in fp8), and one slot
-  is one row (docs/kernels.md)."""
+  VMEM block (as the scoring kernel's per-page DMAs) did not lower from the 8-bit pool (Mosaic wanted
+  the offset in the tiled dimension aligned to its 32 rows); from the 32-bit pools it lowers, but each
+  DMA costs ~20-26 bundles to issue, no faster than XLA's row gather (docs/kernels.md)."""
   fp8 = c_kv_scale is not None
   b, h, c = q_abs.shape  # c_kv [N,c] (or uint32 words [N,c/4])
   r, k = q_pe.shape[-1], ids.shape[1]
