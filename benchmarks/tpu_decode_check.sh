@@ -33,6 +33,7 @@
 #   BASE=DIR bash benchmarks/tpu_decode_check.sh ways OUT   DIR's 16-row step (page 256), this one's, with
 #                                                    index_placement=grouped, and with exact_selection=pallas too (traced)
 #   WAYS="index_placement=grouped" bash benchmarks/tpu_decode_check.sh ways_rows OUT   bf16 weights, 1 and 4 rows
+#   bash benchmarks/tpu_decode_check.sh keys OUT      key_order natural vs paired, 16 / 4 / 1 rows (16 paired traced)
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -142,5 +143,14 @@ case "$part" in
         timeout 120 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
           --no-trace --no-pieces --set serve_page_size=256 --force ${WAYS:-}
       done; } 2>&1 | tee "$out/ways_rows.log" ;;
-  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes, pages, pages_rows, ways, ways_rows or kl, got '$part'" >&2; exit 2 ;;
+  keys)  # key_order natural vs paired (the tpu row's), bf16 weights, 16 / 4 / 1 rows, one process each; the 16-row
+    # paired step traced (docs/kernels.md, "the fp8 keys paired for the VPU")
+    { for rows in 16 4 1; do
+        for order in natural paired; do
+          trace="--no-trace"; [ "$rows$order" = "16paired" ] && trace="--out /tmp/dp_keys"
+          timeout 150 python3 benchmarks/decode_profile.py --rows $rows --context 131072 --cache-dtype fp8 --iters 7 \
+            --no-pieces $trace --set serve_page_size=256 weight_dtype=bfloat16 --force key_order=$order
+        done
+      done; } 2>&1 | tee "$out/keys.log" ;;
+  *) echo "tpu_decode_check.sh: part must be kernels, decode, profile, mfu, probe, step, rows, fixes, pages, pages_rows, ways, ways_rows, keys or kl, got '$part'" >&2; exit 2 ;;
 esac
