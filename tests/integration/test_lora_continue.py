@@ -99,6 +99,24 @@ def test_starting_from_adapters_of_another_rank_alpha_modules_or_base_is_one_lin
   assert "\n" not in str(e.value)
 
 
+def test_starting_from_adapters_of_another_models_shape_is_one_line_naming_the_key(runs):
+  """Adapters of the same linears, rank and alpha but another model's widths (q_lora_rank 32 -> 48), the base check
+  off (lora_check_base=false: a warning): restored()'s shape check is the line that stops it."""
+  tmp, sft = runs
+  wide = dict(q_lora_rank=48)
+  cfg0 = small_lora_config(lora_rank=0, seed=0, **wide)
+  mesh = sharding.create_mesh(cfg0)
+  with jax.set_mesh(mesh):
+    _, params, buffers, _ = model_state.create(cfg0, mesh)
+  model_state.save_parameters(str(tmp / "b3"), params, buffers)
+  cfg = sft.model_copy(update={"run_name": "wide", "lora_restore_path": str(tmp / "sft"), "lora_check_base": False,
+                               "load_parameters_path": str(tmp / "b3"), **wide})
+  with pytest.raises(ConfigError, match=rf"lora_restore_path={tmp / 'sft'}: its \S+ is \[\d+(, \d+)*\], this model's is "
+                                        r"\[\d+(, \d+)*\]: trained over another model") as e:
+    _init(cfg)
+  assert "\n" not in str(e.value) and "48" in str(e.value)
+
+
 def test_a_resume_over_another_base_is_one_line_and_loses_nothing(runs, capsys):
   tmp, sft = runs
   shutil.copytree(tmp / "sft", tmp / "resumed")
