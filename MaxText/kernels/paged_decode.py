@@ -250,9 +250,9 @@ def _score_kernel(pos_ref, tab_now, tab_next, q_ref, w_ref, k_hbm, out_ref, kbuf
                   fp8: bool, paired: bool):
   b, j = pl.program_id(0), pl.program_id(1)
   width, d = pages * page, kbuf.shape[-1]
-  needed = jax.lax.div(pos_ref[b] + width, width) - 1  # the row's last block with a key at or before its position
-  # (pos >= -1: a non-negative numerator, so lax.div's truncation floors; `//` lowers through sign, which Mosaic
-  # cannot lower without a TPU at hand)
+  needed = jnp.minimum(jax.lax.div(pos_ref[b] + width, width) - 1, pl.num_programs(1) - 1)  # the row's last block
+  # with a key at or before its position, at most the table's last (pos >= -1: a non-negative numerator, so lax.div's
+  # truncation floors; `//` lowers through sign, which Mosaic cannot lower without a TPU at hand)
   slot = _pipelined(((k_hbm, kbuf),), sems, tab_now, tab_next, pages, needed)
 
   @pl.when(j > needed)  # past the row's position: nothing read, every score -inf

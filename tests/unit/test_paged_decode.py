@@ -64,7 +64,10 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
   _close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
 
 
-@pytest.mark.parametrize("pos", [(-1, 13), (0, 16), (15, 31)])  # a padding row; block edges (2 pages = 16 slots)
+@pytest.mark.parametrize("pos", [(-1, 13), (0, 16), (15, 31), (40, 13)])  # a padding row; block edges (2 pages =
+# 16 slots); a position past the table's 32 slots: every slot scored (the kernel clamps its last block to the
+# table's, so it starts no DMA it would not wait for: neither interpreter reports an un-waited one, so that part is
+# read, not tested)
 def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case, pos):
   """Blocks past a row's position are not read (no DMA started, every score -inf): the scores equal the XLA
   path's for rows ending at a block's first or last slot, or before any (pos -1: all -inf)."""
