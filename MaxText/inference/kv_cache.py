@@ -40,6 +40,7 @@ from MaxText.config.types import Config
 from MaxText.kernels import backend
 from MaxText.kernels.fp8_blocks import (
   PAIR_VALUES,
+  PAIRED_DTYPE,
   WORD_CODES,
   flush_subnormals,
   from_pairs,
@@ -168,7 +169,7 @@ def bytes_per_token_per_layer(config: Config) -> int:
 
 _BITS = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
 _VALUES = {**{bits: value for value, bits in _BITS.items()}, jnp.dtype(jnp.uint32): jnp.dtype(FP8),
-           jnp.dtype(jnp.int32): jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8): jnp.dtype(FP8)}
+           jnp.dtype(jnp.int32): jnp.dtype(jnp.bfloat16), PAIRED_DTYPE: jnp.dtype(FP8)}
 _PER_WORD = {jnp.dtype(jnp.uint32): WORD_CODES, jnp.dtype(jnp.int32): PAIR_VALUES}  # values a 32-bit word holds
 WORD_ROW = 512  # fp8 values a pool row must be a multiple of to be held as uint32 words (one 128-lane row)
 
@@ -223,8 +224,8 @@ def to_storage(x: jax.Array, dtype) -> jax.Array:
   x = x.astype(value_dtype(dtype))
   if jnp.dtype(dtype) == jnp.uint32:
     return to_words(x)
-  if jnp.dtype(dtype) == jnp.int8:  # a paired pool's codes (paged_cache.py): subnormals flushed
-    return flush_subnormals(jax.lax.bitcast_convert_type(x, jnp.int8))
+  if jnp.dtype(dtype) == PAIRED_DTYPE:  # a paired pool's codes (paged_cache.py): subnormals flushed
+    return flush_subnormals(jax.lax.bitcast_convert_type(x, PAIRED_DTYPE))
   if jnp.dtype(dtype) == jnp.int32:
     return to_pairs(jax.lax.bitcast_convert_type(x, jnp.uint16))
   return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)

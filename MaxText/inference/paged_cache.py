@@ -69,7 +69,7 @@ from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import latent_attention_blocks
-from MaxText.kernels.fp8_blocks import PAIR_GROUP, natural_rows, paired_rows, take_slots
+from MaxText.kernels.fp8_blocks import PAIR_GROUP, PAIRED_DTYPE, is_paired, natural_rows, paired_rows, take_slots
 from MaxText.kernels.index_scores import row_index_scores
 from MaxText.kernels.topk_indices import onehot_rows
 from MaxText.runtime import sharding
@@ -119,7 +119,7 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
 
   def zeros(name, w):
     pairs = name == "k_pe" and per_row > 0
-    store = jnp.int8 if name == "idx_k" and paired else kv_cache.storage_dtype(dt[name], w, pairs)
+    store = PAIRED_DTYPE if name == "idx_k" and paired else kv_cache.storage_dtype(dt[name], w, pairs)
     words = kv_cache.storage_width(dt[name], w, pairs)
     shape = (num_slots // per_row, per_row * words) if pairs else (num_slots, words)
     return jnp.zeros(layers + shape, store)
@@ -255,7 +255,7 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
       lead = (slice(None),) * (dst.ndim - 2)
       per_row = n_local // dst.shape[-2]
       if per_row == 1:
-        at = lead + (paired_rows(flat) if dst.dtype == jnp.int8 else flat,)  # int8: a paired idx_k (module doc)
+        at = lead + (paired_rows(flat) if is_paired(dst) else flat,)  # a paired idx_k (module doc)
       else:  # slot s: row s // R, words (s % R) * w .. + w; padding's row N_l / R: dropped
         w = upd.shape[-1]
         at = lead + ((flat // per_row)[:, None], (flat % per_row)[:, None] * w + jnp.arange(w, dtype=jnp.int32))
@@ -281,7 +281,7 @@ def page_values(a: jax.Array, pages: jax.Array, page_size: int, per_row: int = 1
   rows = page_size // per_row  # pool rows a page
   by_page = a.reshape(a.shape[0] // rows, rows, a.shape[-1])  # [N/page, page/R, R*n]
   got = jnp.take(by_page, pages, axis=0, mode="clip")  # [B, G, page/R, R*n]
-  if a.dtype == jnp.int8:  # a paired idx_k (module doc): each page's groups back in slot order
+  if is_paired(a):  # a paired idx_k (module doc): each page's groups back in slot order
     got = natural_rows(got)  # [B, G, page, d]
   return kv_cache.as_values(got.reshape(pages.shape[0], -1, a.shape[-1] // per_row))  # [B,G*page,n] words -> values
 
@@ -363,7 +363,7 @@ class PagedKeys(NamedTuple):
     """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):
     the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
     p, d = self.table.shape[1], q.shape[-1]
-    block = PAIRED_SCORE_BLOCK_SLOTS if self.idx_k.dtype == jnp.int8 else SCORE_BLOCK_SLOTS
+    block = PAIRED_SCORE_BLOCK_SLOTS if is_paired(self.idx_k) else SCORE_BLOCK_SLOTS
     per_block = max(1, min(block // self.page_size, p))  # pages a grid step
     table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
     got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,

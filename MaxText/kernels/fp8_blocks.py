@@ -217,6 +217,12 @@ def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
 # ---- fp8 indexer keys in paired order (a paged idx_k pool held as int8: paged_cache.py, paged_decode.py)
 
 PAIR_GROUP = 256  # slots whose pool rows a paired idx_k pool orders among themselves (a page holds whole groups)
+PAIRED_DTYPE = jnp.dtype(jnp.int8)  # a paired pool's dtype: the one mark of the order (uint8 pools are in slot order)
+
+
+def is_paired(pool: jax.Array) -> bool:
+  """Whether a pool (or a block of it) holds its rows in paired order: its dtype says so (PAIRED_DTYPE)."""
+  return jnp.dtype(pool.dtype) == PAIRED_DTYPE
 
 
 def paired_rows(slots: jax.Array) -> jax.Array:

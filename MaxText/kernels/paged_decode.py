@@ -46,11 +46,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from MaxText.kernels.backend import pallas_interpret
-from MaxText.kernels.fp8_blocks import PAIR_GROUP, from_pairs, from_words, natural_rows, quantize, take_slots
+from MaxText.kernels.fp8_blocks import (
+  PAIR_GROUP,
+  PAIRED_DTYPE,
+  from_pairs,
+  from_words,
+  is_paired,
+  natural_rows,
+  quantize,
+  take_slots,
+)
 
 NEG_INF = float("-inf")
 FP8_BLOCK = 128  # elements per fp8 scale (kv_cache.FP8_BLOCK: kernels sit below inference)
-_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, jnp.dtype(jnp.int8): jnp.float8_e4m3fn,
+_VALUES = {jnp.dtype(jnp.uint8): jnp.float8_e4m3fn, PAIRED_DTYPE: jnp.float8_e4m3fn,
            jnp.dtype(jnp.uint16): jnp.bfloat16}
 
 
@@ -297,7 +306,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   (uint8 fp8 bits with idx_k_scale [N,1], or f32); table [B,P] page ids (< 0: none, read as page 0
   and masked only by pos); pos [B] each row's query position: slots > pos score -inf. P must be a
   multiple of pages_per_block (pad the table)."""
-  fp8, paired = idx_k_scale is not None, idx_k.dtype == jnp.int8
+  fp8, paired = idx_k_scale is not None, is_paired(idx_k)
   b, h, d = q.shape
   p = table.shape[1]
   if p % pages_per_block:
@@ -344,7 +353,7 @@ def paged_index_scores_xla(q, q_scale, w, idx_k, idx_k_scale, table, pos, page: 
   scored in fp32."""
   b, h, d = q.shape
   keys = jnp.take(as_values(idx_k).astype(jnp.float32).reshape(-1, page, d), jnp.maximum(table, 0), axis=0)
-  if idx_k.dtype == jnp.int8:  # a paired pool: each page's rows back in slot order
+  if is_paired(idx_k):  # a paired pool: each page's rows back in slot order
     keys = natural_rows(keys)  # [B,P,page,d]
   keys = keys.reshape(b, -1, d)  # [B,S,d]
   qv = as_values(q).astype(jnp.float32) * (1.0 if q_scale is None else q_scale[..., None])

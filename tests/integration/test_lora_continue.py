@@ -27,8 +27,8 @@ RUN = dict(steps=2, checkpoint_period=2, async_checkpointing=False, enable_tenso
 TOKENS = np.random.default_rng(0).integers(3, 200, size=(2, 16))
 
 
-def _save_base(path, seed):
-  cfg = small_lora_config(lora_rank=0, seed=seed)
+def _save_base(path, seed, **keys):
+  cfg = small_lora_config(lora_rank=0, seed=seed, **keys)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh):
     _, params, buffers, _ = model_state.create(cfg, mesh)
@@ -104,11 +104,7 @@ def test_starting_from_adapters_of_another_models_shape_is_one_line_naming_the_k
   off (lora_check_base=false: a warning): restored()'s shape check is the line that stops it."""
   tmp, sft = runs
   wide = dict(q_lora_rank=48)
-  cfg0 = small_lora_config(lora_rank=0, seed=0, **wide)
-  mesh = sharding.create_mesh(cfg0)
-  with jax.set_mesh(mesh):
-    _, params, buffers, _ = model_state.create(cfg0, mesh)
-  model_state.save_parameters(str(tmp / "b3"), params, buffers)
+  _save_base(tmp / "b3", 0, **wide)
   cfg = sft.model_copy(update={"run_name": "wide", "lora_restore_path": str(tmp / "sft"), "lora_check_base": False,
                                "load_parameters_path": str(tmp / "b3"), **wide})
   with pytest.raises(ConfigError, match=rf"lora_restore_path={tmp / 'sft'}: its \S+ is \[\d+(, \d+)*\], this model's is "
