@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--context", type=int, default=131072)
   ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as in a deep model)")
+  ap.add_argument("--short-context", type=int, default=0,
+                  help="rows after the first at this position (their tables as wide as the first's; 0: all at --context)")
   ap.add_argument("--cache-dtype", default="fp8", choices=["float32", "bfloat16", "fp8"])
   ap.add_argument("--iters", type=int, default=7)
   ap.add_argument("--trace-steps", type=int, default=3)
@@ -229,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def config_of(args):
-  """benchmarks/decode.py's 1-layer model for --rows sequences of --context (--cache-dtype, --topk, --set)."""
-  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=1, chunk=512, cache_dtype=args.cache_dtype,
+  """benchmarks/decode.py's model of --layers layers for --rows sequences of --context (--cache-dtype, --topk, --set)."""
+  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=args.layers, chunk=512, cache_dtype=args.cache_dtype,
                              approx=False)
   return bench.config_for(args.context, dargs, args.rows)
 
@@ -243,18 +246,25 @@ def run_all(args) -> None:
   engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
   bench.fill_pools(engine, seed=args.context)
   feed = bench.step_feed_at_end(engine, args.rows, 1)
+  if args.short_context:  # rows after the first end early: the scoring reads no block past a row's position
+    feed["positions"][1:], feed["draw_at"][1:] = min(args.short_context, args.context) - 1, args.short_context
   run = bench.paged_step(engine, feed)
   step_ms = median_ms(run, args.iters)
   need = bench.step_bytes(cfg, params, args.rows, args.context)
+  if args.short_context and args.rows > 1:  # the first row's bytes at --context, the others' at --short-context
+    long, short = (bench.step_bytes(cfg, params, n, c) for n, c in ((1, args.context), (args.rows - 1, args.short_context)))
+    need = {m: long[m] + short[m] - need["weights"] for m in need}
   gbs, source = bench.bandwidth(None)
   bound = need["sparse"] / gbs / 1e6
-  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); {args.rows} rows x {args.context}, "
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); {args.rows} rows x {args.context}"
+        f"{f' (rows after the first at {args.short_context})' if args.short_context else ''}, {args.layers} layer(s), "
         f"{args.cache_dtype} cache, top-k {cfg.indexer_topk}; {' '.join(args.set)}; kernel choices "
         f"{dataclasses.asdict(backend.choices())}")
   print(f"sparse step (step + write programs): {step_ms:.3f} ms, median of {args.iters}; bound "
         f"{need['sparse'] / 1e6:.0f} MB at {gbs:.0f} GB/s ({source}) = {bound:.3f} ms: {bound / step_ms:.1%} of the roofline")
   result = dict(benchmark="decode_profile", backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                rows=args.rows, context=args.context, cache_dtype=args.cache_dtype, topk=cfg.indexer_topk,
+                rows=args.rows, context=args.context, layers=args.layers, short_context=args.short_context,
+                cache_dtype=args.cache_dtype, topk=cfg.indexer_topk,
                 overrides=args.set, choices=dataclasses.asdict(backend.choices()),
                 step_ms=round(step_ms, 3), bound_ms=round(bound, 4), roofline=round(bound / step_ms, 4))
   result["launches"] = launches(engine, feed, args)

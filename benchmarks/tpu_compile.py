@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--context", type=int, default=131072)
   ap.add_argument("--cache-dtype", default="fp8", choices=["fp8", "float32", "bfloat16"])
   ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--layers", type=int, default=1, help="decoder layers (the pools stacked [L, N, n] past 1)")
   ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
                   help="kernels/backend.py choices other than the device's row (backend.forced), e.g. index_placement=grouped")
   ap.add_argument("--set", nargs="*", default=[], help="model config overrides key=value (serve_page_size=256, ...)")

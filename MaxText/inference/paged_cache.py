@@ -205,27 +205,45 @@ def _shard_index(mesh, axes) -> jax.Array:
   return i
 
 
-def _on_shards(fn, pools, rows, pool_out: bool, check_vma: bool = True):
+def _on_shards(fn, pools, rows, pool_out: bool, check_vma: bool = True, layer: jax.Array | None = None):
   """fn(pools, rows, first_slot) on each device's own page shard: pools leaves [.., N, n] (slot axis
   -2), rows a tuple of arrays with the row axis given as (array, dim) pairs; without page shards
   fn(pools, rows, 0). The result shards like pools (pool_out) or over rows (dim 0). check_vma=False
   for an fn whose loops start from constants (the selection kernels' fori_loops): every value in
-  it is per device anyway."""
+  it is per device anyway. layer (a scalar; reads only): pools are a stack's [L, N, n] and fn reads
+  layer `layer` of them in place (`_layer_of`)."""
   arrays = tuple(a for a, _ in rows)
   local = _local()
   if local is None:
+    if layer is not None:
+      flat, first = _layer_of(pools, 0, layer)
+      return fn(flat, arrays, first)
     return fn(pools, arrays, 0)
   mesh, axes = local
   pool_specs = jax.tree.map(lambda a: _spec(a.ndim, -2, axes), pools)
   row_specs = tuple(_spec(a.ndim, d, axes) for a, d in rows)
 
-  def body(pools, arrays):
+  def body(pools, arrays, *layer):  # layer: () or (the layer, replicated)
     n_local = max(a.shape[-2] for a in jax.tree.leaves(pools))  # slots (a packed k_pe has fewer rows)
-    return fn(pools, arrays, _shard_index(mesh, axes) * n_local)
+    first = _shard_index(mesh, axes) * n_local
+    if layer:
+      pools, first = _layer_of(pools, first, layer[0])
+    return fn(pools, arrays, first)
 
   out_specs = pool_specs if pool_out else P(axes)
-  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs), out_specs=out_specs,
-                       check_vma=check_vma)(pools, arrays)
+  extra = () if layer is None else (layer,)
+  return jax.shard_map(body, mesh=mesh, in_specs=(pool_specs, row_specs) + (P(),) * len(extra), out_specs=out_specs,
+                       check_vma=check_vma)(pools, arrays, *extra)
+
+
+def _layer_of(pools, first, layer: jax.Array):
+  """A stack's pools [L, N_l, n] (one page shard's: slots first ..) and a layer -> (the pools viewed flat,
+  [L * N_l, n], and the first slot that makes a local slot id land in that layer's part: first - layer * N_l),
+  so fn reads the layer where it lies. A scanned stack's step reads its pools so (CacheView.layer): sliced
+  by the scan, each layer's pool was copied out whole every step (1 GB a layer at 16 x 128K fp8 on a v5e)."""
+  n_local = max(a.shape[-2] for a in jax.tree.leaves(pools))
+  flat = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), pools)  # [L*N_l/R, R*n]: leading dims merged, no copy
+  return flat, first - layer * n_local
 
 
 def slots(page_table: jax.Array, positions: jax.Array, page_size: int, num_slots: int) -> jax.Array:
@@ -248,18 +266,23 @@ def write(pools: PagedLayerCache, slot_ids: jax.Array, *, c_kv: jax.Array | None
     ids, upds = arrays[0], arrays[1:]
     n_local = max(d.shape[-2] for d in dsts)  # slots (a packed k_pe has fewer rows; it is written with c_kv)
     flat = ids.reshape(-1) - first  # [B_l*t] local slots
-    flat = jnp.where((flat >= 0) & (flat < n_local), flat, n_local)  # padding (and any other shard's): dropped
+    ok = (flat >= 0) & (flat < n_local)  # padding (and any other shard's): dropped
+    layers = dsts[0].shape[0] if dsts[0].ndim == 3 else 1
+    # a stack as one flat [L*N_l, n] pool, layer l's slots at l*N_l ..: one 2-D scatter (a 3-D one over [L, N, n]
+    # was laid out layer-minor on a v5e, every pool copied whole into that layout and back each step)
+    flat = jnp.where(ok[None], jnp.arange(layers, dtype=jnp.int32)[:, None] * n_local + flat[None],
+                     layers * n_local).reshape(-1)  # [L*B_l*t]
     out = []
     for dst, upd in zip(dsts, upds):
-      upd = kv_cache.to_storage(upd.reshape(*upd.shape[:-3], flat.shape[0], upd.shape[-1]), dst.dtype)  # [(L,) B_l*t, w]
-      lead = (slice(None),) * (dst.ndim - 2)
+      upd = kv_cache.to_storage(upd.reshape(flat.shape[0], upd.shape[-1]), dst.dtype)  # [L*B_l*t, w]
+      pool = dst.reshape(-1, dst.shape[-1])  # [L*N_l/R, R*w]
       per_row = n_local // dst.shape[-2]
       if per_row == 1:
-        at = lead + (paired_rows(flat) if is_paired(dst) else flat,)  # a paired idx_k (module doc)
-      else:  # slot s: row s // R, words (s % R) * w .. + w; padding's row N_l / R: dropped
+        at = (paired_rows(flat) if is_paired(dst) else flat,)  # a paired idx_k (module doc)
+      else:  # slot s: row s // R, words (s % R) * w .. + w; dropped: row L*N_l / R, past the pool
         w = upd.shape[-1]
-        at = lead + ((flat // per_row)[:, None], (flat % per_row)[:, None] * w + jnp.arange(w, dtype=jnp.int32))
-      out.append(dst.at[at].set(upd, mode="drop"))
+        at = ((flat // per_row)[:, None], (flat % per_row)[:, None] * w + jnp.arange(w, dtype=jnp.int32))
+      out.append(pool.at[at].set(upd, mode="drop").reshape(dst.shape))
     return tuple(out)
 
   dsts = tuple(getattr(pools, name) for name in names)
@@ -372,10 +395,12 @@ class PagedKeys(NamedTuple):
     return got[:, None, :self.slots]  # [b,1,S]
 
 
-def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, fn, *rows: jax.Array):
+def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, fn, *rows: jax.Array,
+                      layer: jax.Array | None = None):
   """fn(keys, *rows) with keys the rows' PagedKeys (page_table [B,P]) and rows arrays [B,...]: on a
   mesh each device runs fn on its own rows over its own page shard (shard_map; no pool moves), its
-  outputs [B,...] sharded over rows. The indexer's selection (cache_view.CacheView.select_indexer)."""
+  outputs [B,...] sharded over rows. The indexer's selection (cache_view.CacheView.select_indexer).
+  layer (every read here): pools are a stack's [L, N, n], layer `layer` read in place (_layer_of)."""
   present = {name: getattr(pools, name) for name in ("idx_k", "idx_k_scale") if getattr(pools, name) is not None}
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
@@ -383,12 +408,12 @@ def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: 
     return fn(PagedKeys(stores["idx_k"], stores.get("idx_k_scale"), table, page_size), *arrays[1:])
 
   return _on_shards(run, present, ((page_table, 0),) + tuple((a, 0) for a in rows), pool_out=False,
-                    check_vma=False)
+                    check_vma=False, layer=layer)
 
 
 def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, q_abs: jax.Array,
                      q_pe: jax.Array, c_new: jax.Array, pe_new: jax.Array, start: jax.Array, scale: float,
-                     precision=None) -> jax.Array:
+                     precision=None, layer: jax.Array | None = None) -> jax.Array:
   """Dense attention over every latent a row has cached, read where its pages lie: q_abs [B,t,h,c],
   q_pe [B,t,h,r], the new tokens' c_new [B,t,c], pe_new [B,t,r] (as stored) at slots start[B]..,
   page_table [B,P] -> o_lat [B,t,h,c] (cached_attention.latent_attention_blocks: a block of whole
@@ -425,10 +450,11 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
     return jax.lax.map(one_row, rows) if table.shape[0] > 1 else one_row([a[0] for a in rows])[None]  # [B_l,t,h,c]
 
   rows = ((page_table, 0), (q_abs, 0), (q_pe, 0), (c_new, 0), (pe_new, 0), (start, 0))
-  return _on_shards(run, present, rows, pool_out=False, check_vma=False)
+  return _on_shards(run, present, rows, pool_out=False, check_vma=False, layer=layer)
 
 
-def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int) -> kv_cache.LayerCache:
+def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int,
+                  layer: jax.Array | None = None) -> kv_cache.LayerCache:
   """A layer's pools seen through page_table [B,P] as kv_cache's contiguous LayerCache of
   S = P * page_size positions per row: c_kv/k_pe [B,S,n], idx_k [B,d,S], gathered page by page.
   Positions a row has not written (or pages it has not got, entries < 0) read as whatever their
@@ -439,7 +465,7 @@ def sequence_view(pools: PagedLayerCache, page_table: jax.Array, page_size: int)
     pages = jnp.maximum(arrays[0], 0) - first // page_size  # [B_l,P] local pages
     return {name: page_values(a, pages, page_size, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,S,n]
 
-  got = _on_shards(read, present, ((page_table, 0),), pool_out=False)
+  got = _on_shards(read, present, ((page_table, 0),), pool_out=False, layer=layer)
   view = {name: got.get(name) for name in pools._fields}  # [B,S,n]
   for name in ("idx_k", "idx_k_scale"):  # the contiguous cache keeps the indexer keys [B,n,S]
     if view[name] is not None:
@@ -462,7 +488,7 @@ def lookup_pages(table: jax.Array, pages: jax.Array) -> jax.Array:
 
 
 def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Array, page_size: int,
-                    dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+                    dtype=jnp.float32, layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Only the selected latents: idx [B,m] positions -> c_kv [B,m,kv_lora], k_pe [B,m,rope] in dtype.
   O(m) per row: each position's slot through the page table, the stored (fp8: quantized) rows
   gathered, and just those dequantized."""
@@ -474,7 +500,7 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
     ids = page * page_size + idx % page_size - first  # [B_l,m] local slots
     return {name: take_slots(a, ids, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,m,n] as stored
 
-  got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False)
+  got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False, layer=layer)
   if "c_kv_scale" in got:  # fp8: decoded from the stored words a block at a time (dequantize_fp8)
     c = dequantize_fp8(got["c_kv"], got["c_kv_scale"], dtype)
   else:

@@ -67,7 +67,8 @@ class LayerStack(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None,
                routed_experts: jax.Array | None = None):
     """x [b,t,D] -> (x, aux leaves stacked [L,...]). cache (inference): the stack's CacheView with a
-    leading L axis (scanned with the layers), or a list of per-layer views; no remat then.
+    leading L axis (scanned with the layers; a paged one's pools whole, CacheView.scan_parts), or a list
+    of per-layer views; no remat then.
     routed_experts [L,b,t,k] int32: each MoE layer's forced routing (None: route freely)."""
     def fwd(layer, x, c, r):
       return layer(x, positions, segment_ids, cache=c, routed_experts=r)
@@ -75,10 +76,13 @@ class LayerStack(nnx.Module):
     if self.remat_policy != "none" and cache is None:
       fwd = nnx.remat(fwd, policy=REMAT_POLICIES[self.remat_policy], prevent_cse=not self.scan)
     if self.scan:
-      @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
-      def body(x, layer, c, r):
-        return fwd(layer, x, c, r)
-      return body(x, self.layers, cache, routed_experts)  # x [b,t,D], aux leaves [L,...]
+      # a paged view's pools pass whole (broadcast, read by layer index), the rest sliced: CacheView.scan_parts
+      cache, whole = (cache, None) if cache is None else cache.scan_parts()
+
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0, None, 0), out_axes=(nnx.Carry, 0))
+      def body(x, layer, c, whole, r):
+        return fwd(layer, x, None if c is None else c.with_store(whole), r)
+      return body(x, self.layers, cache, whole, routed_experts)  # x [b,t,D], aux leaves [L,...]
     auxes = []
     for i, layer in enumerate(self.layers):
       x, aux = fwd(layer, x, None if cache is None else cache[i], None if routed_experts is None else routed_experts[i])
