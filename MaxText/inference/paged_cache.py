@@ -100,6 +100,17 @@ def _rope_rows(config: Config, num_slots: int) -> int:
   return per_row if num_slots % per_row == 0 else 1
 
 
+def _scale_rows(config: Config, num_slots: int, words: int) -> int:
+  """Slots a row of the fp8 latent's scales under rope_storage "rows" (f32, `words` a slot): ROW_WORDS / words
+  (32 at the official 4), or the largest divisor of it that divides serve_page_size; 1 where it does not divide
+  the pool. As [N, 4] a v5e gathered them column-major, and a deep stack's [L, N, 4] was relaid out whole inside
+  the layer loop (every layer: O(L^2) a step; tpu_compile.py at 8 layers)."""
+  if ROW_WORDS % words:
+    return 1
+  rows = math.gcd(ROW_WORDS // words, config.serve_page_size)
+  return rows if num_slots % rows == 0 else 1
+
+
 def _paired_keys(config: Config) -> bool:
   """Whether the idx_k pool is held in paired order (module doc): key_order "paired", an fp8 cache, keys of one
   128-block (one scale a key) and pages of whole fp8_blocks.PAIR_GROUP groups."""
@@ -121,7 +132,8 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
     pairs = name == "k_pe" and per_row > 0
     store = PAIRED_DTYPE if name == "idx_k" and paired else kv_cache.storage_dtype(dt[name], w, pairs)
     words = kv_cache.storage_width(dt[name], w, pairs)
-    shape = (num_slots // per_row, per_row * words) if pairs else (num_slots, words)
+    rows = per_row if pairs else _scale_rows(config, num_slots, words) if name == "c_kv_scale" and per_row else 1
+    shape = (num_slots // rows, rows * words)
     return jnp.zeros(layers + shape, store)
 
   return PagedLayerCache(**{name: zeros(name, w) if w else None for name, w in kv_cache.field_widths(config).items()})
@@ -440,7 +452,8 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
         pages = jax.lax.dynamic_slice_in_dim(row_table, i * per_block, per_block)[None]  # [1,per_block]
         cc = page_values(stores["c_kv"], pages, page_size)  # [1,width,c] values (fp8: still quantized)
         if "c_kv_scale" in stores:
-          cc = dequantize_fp8(cc, page_values(stores["c_kv_scale"], pages, page_size), q_abs.dtype)
+          cc = dequantize_fp8(cc, page_values(stores["c_kv_scale"], pages, page_size, _per_row(stores, "c_kv_scale")),
+                              q_abs.dtype)
         return cc, page_values(stores["k_pe"], pages, page_size, _per_row(stores, "k_pe"))
 
       return latent_attention_blocks(*(a[None] for a in rest[:2]), read_block, n, per_block * page_size,

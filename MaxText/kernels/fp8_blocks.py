@@ -196,6 +196,9 @@ def from_pairs(words: jax.Array) -> jax.Array:
   return jnp.concatenate([(u & 0xFFFF).astype(jnp.uint16), (u >> 16).astype(jnp.uint16)], axis=-1)
 
 
+PICK_SELECTS = 4  # take_slots picks a slot out of rows of up to this many slots by selects, of more by a masked sum
+
+
 def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
   """pool [N / per_row, per_row * w] (per_row slots of w words a row, slot s in row s // per_row at words
   (s % per_row) * w ..), ids [...] slot ids (clipped into the pool) -> [..., w] as stored. per_row 1: a
@@ -208,6 +211,10 @@ def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
   ids = jnp.clip(ids, 0, pool.shape[0] * per_row - 1)
   rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [..., per_row * w]
   w, part = pool.shape[-1] // per_row, (ids % per_row)[..., None]  # part [..., 1]: the slot's place in its row
+  if per_row > PICK_SELECTS:  # narrow slots, many a row (the latent's scales): the row masked to its slot, summed
+    hit = jnp.arange(per_row, dtype=part.dtype) == part  # [..., R]: one True
+    lanes = rows.reshape(*rows.shape[:-1], per_row, w)  # [..., R, w]
+    return jnp.sum(jnp.where(hit[..., None], lanes, 0), axis=-2, dtype=pool.dtype)  # exact: one term not 0
   out = rows[..., :w]  # [..., w]
   for p in range(1, per_row):
     out = jnp.where(part == p, rows[..., p * w:(p + 1) * w], out)

@@ -407,8 +407,8 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   """o_lat [B,H,c] fp32 = softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale,
   times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (K a
   multiple of block; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
-  it (uint8 fp8 bits with c_kv_scale [N, c/128], or f32), k_pe [N,r] (f32, or uint16 bf16 bits, or int32 pairs
-  [N/R, R*r/2]: paged_cache's rows). A
+  it (uint8 fp8 bits with c_kv_scale [N, c/128] or its rows [N/R', R'*c/128], or f32), k_pe [N,r] (f32, or uint16
+  bf16 bits, or int32 pairs [N/R, R*r/2]: paged_cache's rows). A
   row with no valid slot gets 0.
 
   The K selected rows are gathered AS STORED by XLA (B*K*(c + 2r + 16) bytes in fp8: 2048 rows of
@@ -430,7 +430,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
               pl.BlockSpec((1, h, r), lambda i, j: (i, 0, 0)), pl.BlockSpec((1, block, c), lambda i, j: (i, j, 0)),
               pl.BlockSpec((1, block, r), lambda i, j: (i, j, 0))]
   if fp8:
-    ins.append(jnp.take(c_kv_scale.astype(jnp.float32), ids, axis=0))  # [B,K,c/128]
+    ins.append(take_slots(c_kv_scale, ids, c_kv.shape[0] // c_kv_scale.shape[0]).astype(jnp.float32))  # [B,K,c/128]
     in_specs.append(pl.BlockSpec((1, block, c_kv_scale.shape[-1]), lambda i, j: (i, j, 0)))
   scratch = [pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, c), jnp.float32)]
   kernel = functools.partial(_mla_kernel, scale=scale, fp8=fp8)
@@ -448,7 +448,7 @@ def sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, c_kv_scale, scale
   ids = jnp.clip(ids, 0, c_kv.shape[0] - 1)
   c = as_values(jnp.take(c_kv, ids, axis=0)).astype(jnp.float32)  # [B,K,c]
   if c_kv_scale is not None:
-    s = jnp.take(c_kv_scale, ids, axis=0)  # [B,K,c/128]
+    s = take_slots(c_kv_scale, ids, c_kv.shape[0] // c_kv_scale.shape[0])  # [B,K,c/128] (packed: R slots a row)
     c = (c.reshape(*c.shape[:2], -1, FP8_BLOCK) * s[..., None]).reshape(c.shape)
   pe = as_values(take_slots(k_pe, ids, c_kv.shape[0] // k_pe.shape[0])).astype(jnp.float32)  # [B,K,r]
   hi = jax.lax.Precision.HIGHEST

@@ -167,14 +167,18 @@ def test_requantized_keeps_fp8_quantizes_float_and_dequantizes_where_the_model_i
   assert set(back["k"]) == {"kernel"}
 
 
-@pytest.mark.parametrize("per_row", [1, 2, 4, 8])
-def test_take_slots_picks_each_slot_from_its_row_with_one_gather(per_row):
+@pytest.mark.parametrize("per_row,dtype", [(1, "int32"), (2, "int32"), (4, "int32"), (8, "int32"), (16, "uint32"),
+                                           (8, "float32"), (16, "float32")])
+def test_take_slots_picks_each_slot_from_its_row_with_one_gather(per_row, dtype):
   """take_slots over a pool of per_row slots a row equals a plain row gather over the same slots one a row, for
   every slot place (first, last, the clipped ids past either end), and its compiled program gathers once: the
-  slot is picked from its gathered row by selects, not by a second (take_along_axis) gather."""
+  slot is picked from its gathered row by selects (up to PICK_SELECTS slots a row) or a masked sum (more: the
+  latent's f32 scales, 32 a row), not by a second (take_along_axis) gather; f32 values come back bit for bit."""
   from MaxText.kernels.fp8_blocks import take_slots
-  n, w = 16, 4  # 16 slots of 4 words
-  flat = jnp.arange(n * w, dtype=jnp.int32).reshape(n, w) * 7 + 3  # [N, w] slot s holds its own words
+  n, w = 64, 4  # 64 slots of 4 words (4 rows at 16 a row: a 1-row pool compiles to no gather)
+  flat = (jnp.arange(n * w, dtype=jnp.int32).reshape(n, w) * 7 + 3).astype(dtype)  # [N, w] slot s holds its own words
+  if dtype == "float32":
+    flat = flat * -1.37e-3 + 2.5e30  # neither small integers nor exact sums of them
   pool = flat.reshape(n // per_row, per_row * w)  # [N/per_row, per_row*w]: slot s in row s // per_row
   ids = jnp.asarray([[0, 1, 2, 3, 5], [n - 1, n - 2, 8, -4, n + 9]], jnp.int32)
   got = take_slots(pool, ids, per_row)

@@ -263,6 +263,8 @@ def test_a_k_pe_pool_of_int32_rows_reads_back_what_the_bits_pool_does(monkeypatc
   rows, bits = _rows_and_bits(cfg, n, num_layers=2)
   assert rows.k_pe.dtype == jnp.int32 and rows.k_pe.shape == (2, n // PAGE, PAGE * cfg.qk_rope_head_dim // 2)
   assert bits.k_pe.dtype == jnp.uint16 and bits.k_pe.shape == (2, n, cfg.qk_rope_head_dim)
+  scales = -(-cfg.kv_lora_rank // 128)  # the latent's f32 scales a slot: a page of slots a row here, too
+  assert rows.c_kv_scale.shape == (2, n // PAGE, PAGE * scales) and bits.c_kv_scale.shape == (2, n, scales)
   table = jnp.asarray([[3, 7, 1], [2, 0, 9]], jnp.int32)  # [B,P]
   positions = jnp.where(jnp.arange(s)[None] < jnp.asarray([[s], [s - 3]]), jnp.arange(s)[None], -1)  # row 1: padding
   e = {k: jnp.stack([v, -2 * v]) for k, v in _entries(cfg, b, s, seed=7).items()}  # [2,B,S,n]: two layers
@@ -300,6 +302,7 @@ def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a
     pools = paged_cache.init_layer_pools(cfg, n)
   _, bits = _rows_and_bits(cfg, n)
   assert pools.k_pe.dtype == jnp.int32 and pools.k_pe.shape == (n // 4, 128)
+  assert pools.c_kv_scale.shape == (n // PAGE, PAGE * 4)  # 32 slots a 128-word row, or a page's at pages under 32
   e = _entries(cfg, 2, 3, seed=9)
   table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
   ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)
@@ -334,6 +337,7 @@ def test_the_engine_step_and_write_over_the_tpu_rows_pools_hold_no_pool_sized_ar
   pool = engine.pools["dense_layers"]
   assert pool.k_pe.shape == (1, pages * page // 4, 128) and pool.k_pe.dtype == jnp.int32
   assert pool.c_kv.shape == (1, pages * page, 128) and pool.c_kv.dtype == jnp.uint32
+  assert pool.c_kv_scale.shape == (1, pages * page // page, page * 4) and pool.c_kv_scale.dtype == jnp.float32
   for program in (step, write):
     big = _pool_sized(program.as_text(), pages * page * 32)  # one layer's k_pe: N x 32 words
     assert not big, big
