@@ -22,8 +22,10 @@ fp8_blocks.to_words): a TPU tiles an 8-bit [N, 512] array (32, 128), its row gat
 Under backend.py's rope_storage "rows" (the tpu row) the bf16 k_pe (64 values a slot) is held as int32
 words, 2 values each, R slots a pool row: [N / R, R * 32] with R = 4 (ROW_WORDS = 128 lanes) at the
 official sizes (slot s in row s // R, words (s % R) * 32 ..); as uint16 [N, 64] a TPU laid it out
-column-major and copied it whole for every step's row gather. Every reader takes R from the pools'
-shapes (`_per_row`: the slots of the unpacked fields over this one's rows), so nothing else records it.
+column-major and copied it whole for every step's row gather. The fp8 latent's f32 scales (4 a slot) are held
+so too under "rows", 32 slots a 128-word row (`_scale_rows`): as [L, N, 4] a v5e relaid a deep stack's whole scale
+pool inside the layer loop. Every reader takes R from the pools' shapes (`_per_row`: the slots of the unpacked
+fields over this one's rows), so nothing else records it.
 Under backend.py's key_order "paired" (the tpu row) an fp8 idx_k of 128 (one scale a key) with pages of
 whole 256-slot groups is held as int8, not uint8: the dtype says its rows are in paired order within each
 group (fp8_blocks.paired_rows: the scoring kernel makes bf16 pairs of its codes by shifts alone, with no

@@ -39,9 +39,11 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                                                            for one decode query a row (measured on a
                                                            v5e: 7.0 vs 98 ms at 16 rows of 128K fp8)
   rope_storage       "bits": a paged pool's bf16 k_pe as    "bits" (gpu, others); tpu: "rows", int32
-                     uint16 [N, r] (paged_cache.py)         words of 2, several slots a 128-word row
-                                                           (a v5e copied the [N, 64] uint16 pool whole
-                                                           each step: 1.27 of 10.3 ms at 16 x 128K)
+                     uint16 [N, r] (paged_cache.py), the    words of 2, several slots a 128-word row
+                     fp8 latent's scales f32 [N, 4]         (a v5e copied the [N, 64] uint16 pool whole
+                                                           each step: 1.27 of 10.3 ms at 16 x 128K), and
+                                                           the latent's scales 32 slots a row (as [L, N, 4]
+                                                           relaid whole in the layer loop from 8 layers)
   fp8_unpack         "bitcast": adjacent codes a word,      "bitcast" (gpu, others); tpu: "shifts": codes
                      words viewed as bytes, then the       strided in their words, 4 shifts, each piece a
                      codes' [.., 4, 128] blocks            whole 128-block times its scale
