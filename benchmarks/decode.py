@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import time
@@ -139,7 +140,7 @@ def config_for(context: int, args, batch: int = 1):
                              serve_num_pages=batch * -(-context // page), **model)
 
 
-FILL_SLOTS = 1 << 18  # slots filled per program: a [chunk, 512] f32 draw (512 MiB) at most, whatever the pool
+FILL_SLOTS = 1 << 18  # slots filled per program, over all of a stack's layers: a [chunk, 512] f32 draw (512 MiB) at most
 
 
 def fill_pools(engine: ServingEngine, seed: int) -> None:
@@ -161,9 +162,9 @@ def fill_pools(engine: ServingEngine, seed: int) -> None:
     for i, (name, a) in enumerate(pool._asdict().items()):
       if a is not None:
         n = a.shape[-2]
-        for start in range(0, n, FILL_SLOTS):  # the last chunk ends at N (it may redraw slots before it)
-          a = put(a, jax.random.fold_in(key, i), min(start, n - min(FILL_SLOTS, n)), min(FILL_SLOTS, n),
-                  name.endswith("_scale"))
+        chunk = min(max(1, FILL_SLOTS // math.prod(a.shape[:-2])), n)  # slots a call: FILL_SLOTS over every layer
+        for start in range(0, n, chunk):  # the last chunk ends at N (it may redraw slots before it)
+          a = put(a, jax.random.fold_in(key, i), min(start, n - chunk), chunk, name.endswith("_scale"))
       out[name] = a
     return type(pool)(**out)
 

@@ -35,7 +35,8 @@
 #   WAYS="index_placement=grouped" bash benchmarks/tpu_decode_check.sh ways_rows OUT   bf16 weights, 1 and 4 rows
 #   bash benchmarks/tpu_decode_check.sh keys OUT      key_order natural vs paired, 16 / 4 / 1 rows (16 paired traced)
 #   bash benchmarks/tpu_decode_check.sh layers OUT    the 16-row step of 4 layers (traced) beside 1 layer's, 15 of its
-#                                                    rows at 4K, and pool_gather.py (a slot's latent by pool layout)
+#                                                    rows at 4K, 8 rows x 8 layers, and pool_gather.py (a slot's latent
+#                                                    by pool layout)
 # Expects .device_bundle (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,6 +151,7 @@ case "$part" in
     { timeout 200 python3 benchmarks/decode_profile.py --rows 16 --layers 4 --top 12 --out /tmp/dp_layers $common
       timeout 120 python3 benchmarks/decode_profile.py --rows 16 --no-trace $common
       timeout 120 python3 benchmarks/decode_profile.py --rows 16 --short-context 4096 --no-trace $common
+      timeout 300 python3 benchmarks/decode_profile.py --rows 8 --layers 8 --no-trace $common  # the scales' rows (O(L^2) as [L,N,4])
       timeout 150 python3 benchmarks/pool_gather.py; } 2>&1 | tee "$out/layers.log" ;;
   keys)  # key_order natural vs paired (the tpu row's), bf16 weights, 16 / 4 / 1 rows, one process each; the 16-row
     # paired step traced (docs/kernels.md, "the fp8 keys paired for the VPU")
