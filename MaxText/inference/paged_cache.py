@@ -82,7 +82,7 @@ class PagedLayerCache(NamedTuple):
   c_kv: jax.Array                       # [(L,) N, kv_lora] (fp8: uint32 words [(L,) N, kv_lora/4])
   k_pe: jax.Array                       # [(L,) N, rope] (rope_storage "rows": int32 words [(L,) N/R, R*rope/2])
   idx_k: jax.Array | None = None        # [(L,) N, indexer_head_dim]; None without the indexer
-  c_kv_scale: jax.Array | None = None   # [(L,) N, ceil(kv_lora/128)] fp32; fp8 only
+  c_kv_scale: jax.Array | None = None   # [(L,) N, ceil(kv_lora/128)] fp32; fp8 only ("rows": [(L,) N/R', R' * 4])
   idx_k_scale: jax.Array | None = None  # [(L,) N, ceil(indexer_head_dim/128)] fp32; fp8 only
 
 
