@@ -85,16 +85,50 @@ def fused_names(text: str) -> set:
   return names
 
 
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
+                    r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def looped_names(text: str) -> set:
+  """The instructions of computations a while loop runs (its body and condition, and what they call, to any
+  depth): an op there runs once an iteration (a scanned stack's: once a layer), so a whole-array write in it
+  costs L times a step."""
+  comps, calls, comp = {}, {}, None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{$", line)
+    if head and not line.startswith(" "):
+      comp = head.group(1)
+      comps[comp], calls[comp] = set(), []
+      continue
+    op = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
+    if comp is None or not op:
+      continue
+    comps[comp].add(op.group(1))
+    for kind, targets in _CALLS.findall(line):
+      names = [t.strip().lstrip("%") for t in targets.strip("{}").split(",") if t.strip()]
+      calls[comp] += [(kind in ("body", "condition"), n) for n in names]
+  looped = {n for c in calls for is_loop, n in calls[c] if is_loop}
+  todo = list(looped)
+  while todo:  # what a loop's computations call runs in the loop too
+    for _, n in calls.get(todo.pop(), []):
+      if n not in looped:
+        looped.add(n)
+        todo.append(n)
+  return set().union(*(comps.get(c, set()) for c in looped))
+
+
 def materialized(text: str, min_bytes: int) -> list[dict]:
-  """The unfused ops of MATERIALIZING kinds writing >= min_bytes: [{op, kind, shape, layout, mb}] largest first."""
-  inner, out = fused_names(text), []
+  """The unfused ops of MATERIALIZING kinds writing >= min_bytes: [{op, kind, shape, layout, mb, in_loop}] largest
+  first; in_loop: inside a while loop's computations (looped_names: once an iteration)."""
+  inner, looped, out = fused_names(text), looped_names(text), []
   for m in _INSTR.finditer(text):
     name, dtype, dims, layout, kind = m.groups()
     if name in inner or kind not in MATERIALIZING or dtype not in _BYTES:
       continue
     n = math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype]
     if n >= min_bytes:
-      out.append(dict(op=name, kind=kind, shape=f"{dtype}[{dims}]", layout=layout or "", mb=round(n / 1e6, 2)))
+      out.append(dict(op=name, kind=kind, shape=f"{dtype}[{dims}]", layout=layout or "", mb=round(n / 1e6, 2),
+                      in_loop=name in looped))
   return sorted(out, key=lambda r: -r["mb"])
 
 
@@ -153,12 +187,14 @@ def main(argv: list[str] | None = None) -> None:
   rows = materialized(texts[0], int(args.min_mb * 1e6)) + [dict(r, program="write")
                                                            for r in materialized(texts[1], int(args.min_mb * 1e6))]
   sources = profile_ops.hlo_sources(texts)
-  print(f"\nwhole arrays written outside fusions (>= {args.min_mb} MB): {len(rows)}")
+  print(f"\nwhole arrays written outside fusions (>= {args.min_mb} MB; loop: once an iteration of a while loop, "
+        f"a scanned stack's layer): {len(rows)}")
   for r in rows:
     frames = profile_ops._ours(sources.get(r["op"], []))
     r["source"] = f"{'/'.join(frames[0][0].split('/')[-2:])}:{frames[0][2]} {frames[0][1]}" if frames else ""
     r["estimated_ms"] = round(ops.get(r["op"], 0.0) / 1e6, 4)
-    print(f"{r['mb']:>9.1f} MB {r['estimated_ms']:>8.3f} ms  {r['kind']:>11} {r['shape']}{r['layout']}  {r['source']}")
+    print(f"{r['mb']:>9.1f} MB {r['estimated_ms']:>8.3f} ms  {'loop' if r['in_loop'] else '':>4} {r['kind']:>11} "
+          f"{r['shape']}{r['layout']}  {r['source']}")
   print(json.dumps(dict(benchmark="tpu_compile", topology=args.topology, rows=args.rows, context=args.context,
                         cache_dtype=args.cache_dtype, overrides=args.set, forced=args.force, compile_seconds=round(seconds, 1),
                         estimated_ms=round(sum(ops.values()) / 1e6, 3), pallas_calls=customs, parts=parts,

@@ -43,3 +43,38 @@ def test_no_tpu_compiler_is_one_line_not_a_traceback(capsys):
   out = capsys.readouterr().out
   assert out.count("\n") == 1 and "tpu_compile: no TPU compiler for topology 'nope:1x1'" in out
   assert "pip install --target DIR libtpu" in out
+
+
+LOOPED = """HloModule jit_step
+
+%inner.7 (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %copy.71 = f32[4096,1024]{0,1} copy(%p)
+}
+
+%body.5 (t: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %t = (s32[], f32[64]) parameter(0)
+  %copy.51 = f32[4096,1024]{0,1} copy(%t)
+  %call.52 = f32[64]{0} call(%t), to_apply=%inner.7
+  ROOT %tuple.53 = (s32[], f32[64]) tuple(%t, %call.52)
+}
+
+%cond.6 (t: (s32[], f32[64])) -> pred[] {
+  %t = (s32[], f32[64]) parameter(0)
+  ROOT %lt.61 = pred[] compare(%t, %t), direction=LT
+}
+
+ENTRY %main.1 (x.1: f32[4096,1024]) -> f32[4096,1024] {
+  %x.1 = f32[4096,1024]{1,0} parameter(0)
+  %copy.3 = f32[1024,4096]{0,1} copy(%x.1)
+  %while.4 = (s32[], f32[64]) while(%x.1), condition=%cond.6, body=%body.5
+  ROOT %copy.9 = f32[4096,1024]{1,0} copy(%while.4)
+}
+"""
+
+
+def test_materialized_marks_the_writes_a_while_loop_repeats():
+  # a scanned stack's layer loop: a whole-array write in its body (or in what the body calls) runs once a layer,
+  # L times a step (the O(L^2) relayout of a stacked pool found at 8 layers, docs/kernels.md); the entry's, once
+  rows = {r["op"]: r["in_loop"] for r in tpu_compile.materialized(LOOPED, 1_000_000)}
+  assert rows == {"copy.51": True, "copy.71": True, "copy.3": False, "copy.9": False}
