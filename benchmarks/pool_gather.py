@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText.kernels.fp8_blocks import take_slots
+from MaxText.kernels.fp8_blocks import pick_slot, take_slots
 
 # (name, width n of a slot in its dtype, dtype, slots a pool row, what it is): the same bytes a slot holds,
 # stored differently; several slots a row: fp8_blocks.take_slots (a row gather, then the slot picked out)
@@ -42,7 +42,7 @@ LATENT, ROPE, SCALES = 128, 32, 4  # 32-bit words of one fp8 slot's latent codes
 
 # A slot's whole latent (FlashMLA's 656-byte token) in one pool row, R slots a row: [N/R, R * (128 + 32 + 4)] words
 # padded to whole 128-lane tiles, the fields at lane-aligned offsets (codes at p * 128, k_pe after the R codes at
-# 32 p, scales after those at 4 p); a slot is one gathered row, its fields picked out by R - 1 selects each.
+# 32 p, scales after those at 4 p); a slot is one gathered row, each field picked out of it (fp8_blocks.pick_slot).
 JOINED = ((1, "one slot a row, padded to 256 words"), (2, "2 slots a row, 328 of 384 words"),
           (4, "4 slots a row, 656 of 768 words"))
 
@@ -55,28 +55,24 @@ def joined_width(per_row: int) -> int:
 def take_joined(pool: jax.Array, ids: jax.Array, per_row: int) -> tuple:
   """pool [N / R, joined_width(R)] u32, ids [B, k] -> (codes [B,k,128], k_pe [B,k,32], scales [B,k,4]) words."""
   rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [B,k,W]: one gathered row a slot
-  part = (ids % per_row)[..., None]  # [B,k,1]
-  out = []
-  for base, w in ((0, LATENT), (per_row * LATENT, ROPE), (per_row * (LATENT + ROPE), SCALES)):
-    got = rows[..., base:base + w]
-    for p in range(1, per_row):
-      got = jnp.where(part == p, rows[..., base + p * w:base + (p + 1) * w], got)
-    out.append(got)
-  return tuple(out)
+  bases = (0, per_row * LATENT, per_row * (LATENT + ROPE))
+  return tuple(pick_slot(rows[..., base:base + per_row * w], ids, per_row)
+               for base, w in zip(bases, (LATENT, ROPE, SCALES)))  # each field: R slots' words in a row
 
 
 def three_fields(pools: tuple, ids: jax.Array) -> tuple:
-  """The tpu row's pools now: codes u32[N,128], k_pe i32[N/4,128], scales f32[N,4]: three row gathers."""
+  """Three row gathers: codes u32[N,128], k_pe i32[N/4,128], the scales as their pool holds them."""
   codes, pe, scales = pools
-  return take_slots(codes, ids, 1), take_slots(pe, ids, 4), take_slots(scales, ids, 1)
+  return take_slots(codes, ids, 1), take_slots(pe, ids, 4), take_slots(scales, ids, codes.shape[0] // scales.shape[0])
 
 
 def layouts(slots: int) -> list:
   """(name, pools (as ShapeDtypeStructs), fn(pools, ids) -> gathered, what): one slot's latent a layout."""
-  out = [("3 gathers (now)", (jax.ShapeDtypeStruct((slots, LATENT), jnp.uint32),
-                              jax.ShapeDtypeStruct((slots // 4, 4 * ROPE), jnp.int32),
-                              jax.ShapeDtypeStruct((slots, SCALES), jnp.float32)),
-          three_fields, "codes u32[N,128], k_pe i32[N/4,128], scales f32[N,4]")]
+  fields = (jax.ShapeDtypeStruct((slots, LATENT), jnp.uint32), jax.ShapeDtypeStruct((slots // 4, 4 * ROPE), jnp.int32))
+  out = [("3 gathers, scales [N,4]", fields + (jax.ShapeDtypeStruct((slots, SCALES), jnp.float32),), three_fields,
+          "codes u32[N,128], k_pe i32[N/4,128], scales f32[N,4] (the tpu row before 9430e0b)"),
+         ("3 gathers, scale rows", fields + (jax.ShapeDtypeStruct((slots // 32, 32 * SCALES), jnp.float32),),
+          three_fields, "scales f32[N/32,128] (the tpu row now)")]
   for per_row, what in JOINED:
     shape = jax.ShapeDtypeStruct((slots // per_row, joined_width(per_row)), jnp.uint32)
     out.append((f"joined u32[N/{per_row},{joined_width(per_row)}]", (shape,),

@@ -23,7 +23,7 @@ Under backend.py's rope_storage "rows" (the tpu row) the bf16 k_pe (64 values a 
 words, 2 values each, R slots a pool row: [N / R, R * 32] with R = 4 (ROW_WORDS = 128 lanes) at the
 official sizes (slot s in row s // R, words (s % R) * 32 ..); as uint16 [N, 64] a TPU laid it out
 column-major and copied it whole for every step's row gather. The fp8 latent's f32 scales (4 a slot) are held
-so too under "rows", 32 slots a 128-word row (`_scale_rows`): as [L, N, 4] a v5e relaid a deep stack's whole scale
+so too under "rows", 32 slots a 128-word row (`_slots_a_row`): as [L, N, 4] a v5e relaid a deep stack's whole scale
 pool inside the layer loop. Every reader takes R from the pools' shapes (`_per_row`: the slots of the unpacked
 fields over this one's rows), so nothing else records it.
 Under backend.py's key_order "paired" (the tpu row) an fp8 idx_k of 128 (one scale a key) with pages of
@@ -98,15 +98,15 @@ def _rope_rows(config: Config, num_slots: int) -> int:
   if (backend.choice("rope_storage") != "rows" or jnp.dtype(rotary) != jnp.bfloat16 or config.qk_rope_head_dim % 2
           or ROW_WORDS % words):
     return 0
-  per_row = math.gcd(ROW_WORDS // words, config.serve_page_size)
-  return per_row if num_slots % per_row == 0 else 1
+  return _slots_a_row(config, num_slots, words)
 
 
-def _scale_rows(config: Config, num_slots: int, words: int) -> int:
-  """Slots a row of the fp8 latent's scales under rope_storage "rows" (f32, `words` a slot): ROW_WORDS / words
-  (32 at the official 4), or the largest divisor of it that divides serve_page_size; 1 where it does not divide
-  the pool. As [N, 4] a v5e gathered them column-major, and a deep stack's [L, N, 4] was relaid out whole inside
-  the layer loop (every layer: O(L^2) a step; tpu_compile.py at 8 layers)."""
+def _slots_a_row(config: Config, num_slots: int, words: int) -> int:
+  """Slots of `words` 32-bit words a packed ROW_WORDS row holds: ROW_WORDS / words, or the largest divisor of it
+  that divides serve_page_size (pages, and so page shards, are whole rows); 1 where words does not divide a row
+  or the rows do not divide the pool. The k_pe rows' (`_rope_rows`) and, under rope_storage "rows", the fp8
+  latent's scales' (32 slots of 4 at the official sizes: as [N, 4] a v5e gathered them column-major, and a deep
+  stack's [L, N, 4] was relaid out whole inside the layer loop, O(L^2) a step; tpu_compile.py at 8 layers)."""
   if ROW_WORDS % words:
     return 1
   rows = math.gcd(ROW_WORDS // words, config.serve_page_size)
@@ -134,7 +134,7 @@ def init_layer_pools(config: Config, num_slots: int, num_layers: int | None = No
     pairs = name == "k_pe" and per_row > 0
     store = PAIRED_DTYPE if name == "idx_k" and paired else kv_cache.storage_dtype(dt[name], w, pairs)
     words = kv_cache.storage_width(dt[name], w, pairs)
-    rows = per_row if pairs else _scale_rows(config, num_slots, words) if name == "c_kv_scale" and per_row else 1
+    rows = per_row if pairs else _slots_a_row(config, num_slots, words) if name == "c_kv_scale" and per_row else 1
     shape = (num_slots // rows, rows * words)
     return jnp.zeros(layers + shape, store)
 

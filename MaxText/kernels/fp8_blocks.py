@@ -210,11 +210,18 @@ def take_slots(pool: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
     return jnp.take(pool, ids, axis=0, mode="clip")  # [..., w]
   ids = jnp.clip(ids, 0, pool.shape[0] * per_row - 1)
   rows = jnp.take(pool, ids // per_row, axis=0, mode="clip")  # [..., per_row * w]
-  w, part = pool.shape[-1] // per_row, (ids % per_row)[..., None]  # part [..., 1]: the slot's place in its row
-  if per_row > PICK_SELECTS:  # narrow slots, many a row (the latent's scales): the row masked to its slot, summed
+  return pick_slot(rows, ids, per_row)
+
+
+def pick_slot(rows: jax.Array, ids: jax.Array, per_row: int) -> jax.Array:
+  """rows [..., per_row * w] gathered pool rows, ids [...] the slot each was gathered for -> [..., w]: slot
+  id % per_row's words, by per_row - 1 selects over static lane slices, or (past PICK_SELECTS slots a row) the
+  row masked to its slot and summed (one term not 0: exact). take_slots' pick, for any rows of per_row slots."""
+  w, part = rows.shape[-1] // per_row, (ids % per_row)[..., None]  # part [..., 1]: the slot's place in its row
+  if per_row > PICK_SELECTS:  # narrow slots, many a row (the latent's scales)
     hit = jnp.arange(per_row, dtype=part.dtype) == part  # [..., R]: one True
     lanes = rows.reshape(*rows.shape[:-1], per_row, w)  # [..., R, w]
-    return jnp.sum(jnp.where(hit[..., None], lanes, 0), axis=-2, dtype=pool.dtype)  # exact: one term not 0
+    return jnp.sum(jnp.where(hit[..., None], lanes, 0), axis=-2, dtype=rows.dtype)
   out = rows[..., :w]  # [..., w]
   for p in range(1, per_row):
     out = jnp.where(part == p, rows[..., p * w:(p + 1) * w], out)
