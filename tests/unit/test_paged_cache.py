@@ -114,6 +114,13 @@ def test_a_stack_writes_every_layer_at_its_slots():
     view = paged_cache.sequence_view(jax.tree.map(lambda a: a[i], got), table, PAGE)
     np.testing.assert_array_equal(np.asarray(view.c_kv)[0, :2], np.asarray(e["c_kv"])[i, 0])
     np.testing.assert_array_equal(np.asarray(view.c_kv)[1, 2], np.asarray(e["c_kv"])[i, 1, 0])
+  # only those slots: the padding token's slot N is dropped, not layer i's slot N = layer i + 1's slot 0 of the
+  # flat [L*N, n] pool the write scatters into
+  written = {(i, s) for i in range(layers) for s in (4 * PAGE, 4 * PAGE + 1, 9 * PAGE + 2)}
+  for name, a in got._asdict().items():
+    if a is not None and a.shape[-2] == n:
+      touched = {(i, s) for i, s in zip(*np.nonzero(np.asarray(a).reshape(layers, n, -1).any(axis=-1)))}
+      assert touched <= written, (name, sorted(touched - written))
   assert paged_cache.pool_bytes(cfg, PAGES, PAGE) == \
       kv_cache.bytes_per_token_per_layer(cfg) * cfg.num_decoder_layers * n
 
