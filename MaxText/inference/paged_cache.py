@@ -69,7 +69,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText.config.types import Config
 from MaxText.inference import kv_cache
 from MaxText.inference.kv_cache import dequantize_fp8
-from MaxText.kernels import backend, paged_decode
+from MaxText.kernels import backend, paged_decode, paged_decode_gpu
 from MaxText.kernels.cached_attention import latent_attention_blocks
 from MaxText.kernels.fp8_blocks import PAIR_GROUP, PAIRED_DTYPE, is_paired, natural_rows, paired_rows, take_slots
 from MaxText.kernels.index_scores import row_index_scores
@@ -328,6 +328,8 @@ SCORE_BLOCK_SLOTS = 2048  # keys a grid step of the Pallas scoring kernel reads,
 # 4 rows x 128K fp8 keys at 64 a page, fp32 queries: 1.56 / 1.45 / 1.33 / 1.28 ms at 512 / 1024 / 2048 / 4096 (docs/kernels.md)
 PAIRED_SCORE_BLOCK_SLOTS = 8192  # the same over a paired pool (its kernel's VPU work ~2.4x less a key, so a grid step's
 # fixed cost weighs more): the v5e's 16-row 128K fp8 step 3.825 / 3.746 / 3.594 ms at 2048 / 4096 / 8192 (docs/kernels.md)
+GPU_SCORE_BLOCK_SLOTS = 128  # keys a program of the Triton scoring kernel reads (a power of 2 of whole pages, at least
+# one): [64 heads, 128] x [128 keys, 128] a dot. Not measured on a GPU yet (benchmarks/gpu_decode_check.sh sweeps it)
 
 
 class PagedKeys(NamedTuple):
@@ -357,7 +359,7 @@ class PagedKeys(NamedTuple):
   def scores(self, q: jax.Array, w: jax.Array, pos: jax.Array, *, head_chunk: int, precision=None) -> jax.Array:
     """q [b,tq,h,d], w [b,tq,h], pos [b,tq] -> [b,tq,S] fp32, -inf at slots past pos. One query a row
     (a decode step) goes through the Pallas kernel where backend.py's table says so (paged_scoring)."""
-    if q.shape[1] == 1 and backend.choice("paged_scoring") == "pallas":
+    if q.shape[1] == 1 and backend.choice("paged_scoring") != "xla":
       return self._kernel_scores(q, w, pos)
     (b, p), d, page = self.table.shape, self.idx_k.shape[-1], self.page_size
     per_block = max(1, min(p, KEY_BLOCK_BYTES // (page * d * 4)))  # pages a block
@@ -397,15 +399,20 @@ class PagedKeys(NamedTuple):
     return dequantize_fp8(keys, scale), None
 
   def _kernel_scores(self, q: jax.Array, w: jax.Array, pos: jax.Array) -> jax.Array:
-    """scores' function for tq = 1 by paged_decode.paged_index_scores (Pallas; interpreted off a TPU):
-    the table padded with pages past S (read as page 0, masked by pos) to whole blocks of pages."""
+    """scores' function for tq = 1 by a Pallas kernel (backend.py's paged_scoring: "pallas", paged_decode's Mosaic
+    kernel, interpreted off a TPU; "triton", paged_decode_gpu's, interpreted off a GPU): the table padded with pages
+    past S (read as page 0, masked by pos) to whole blocks of pages."""
     p, d = self.table.shape[1], q.shape[-1]
-    block = PAIRED_SCORE_BLOCK_SLOTS if is_paired(self.idx_k) else SCORE_BLOCK_SLOTS
-    per_block = max(1, min(block // self.page_size, p))  # pages a grid step
+    triton = backend.choice("paged_scoring") == "triton"
+    if triton:  # a power of 2 of pages (Triton's blocks): the largest within GPU_SCORE_BLOCK_SLOTS, at least one
+      per_block = 1 << max(0, (GPU_SCORE_BLOCK_SLOTS // self.page_size).bit_length() - 1)
+    else:
+      block = PAIRED_SCORE_BLOCK_SLOTS if is_paired(self.idx_k) else SCORE_BLOCK_SLOTS
+      per_block = max(1, min(block // self.page_size, p))  # pages a grid step
     table = jnp.pad(self.table, ((0, 0), (0, -p % per_block)), constant_values=-1)  # [b, P'] whole blocks
-    got = paged_decode.paged_index_scores(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k,
-                                          self.idx_k_scale, table, pos[:, 0], self.page_size,
-                                          pages_per_block=per_block)
+    kernel = paged_decode_gpu.paged_index_scores if triton else paged_decode.paged_index_scores
+    got = kernel(q[:, 0], None, paged_decode.index_weights(w[:, 0], d), self.idx_k, self.idx_k_scale, table,
+                 pos[:, 0], self.page_size, pages_per_block=per_block)
     return got[:, None, :self.slots]  # [b,1,S]
 
 

@@ -38,6 +38,8 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      (inference/paged_cache.py)            Pallas kernel paged_decode.paged_index_scores
                                                            for one decode query a row (measured on a
                                                            v5e: 7.0 vs 98 ms at 16 rows of 128K fp8)
+                                                           ("triton": paged_decode_gpu's kernel for a
+                                                           GPU; no row takes it until measured there)
   rope_storage       "bits": a paged pool's bf16 k_pe as    "bits" (gpu, others); tpu: "rows", int32
                      uint16 [N, r] (paged_cache.py), the    words of 2, several slots a 128-word row
                      fp8 latent's scales f32 [N, 4]         (a v5e copied the [N, 64] uint16 pool whole
@@ -93,7 +95,7 @@ class Choices:
   grouped_matmul: str  # "blocked" | "ragged_dot"
   moe_exchange: str  # "all_to_all" | "ragged_all_to_all"
   gather_min_length: int  # key length from which sparse_attention_impl=auto takes the gather path
-  paged_scoring: str = "xla"  # "xla" | "pallas": the paged indexer scores of a decode step
+  paged_scoring: str = "xla"  # "xla" | "pallas" | "triton": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare" | "grouped": how topk_indices.mask_to_indices places its slots
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
   rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
@@ -124,6 +126,9 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
     "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
     "index_placement": ("grouped",),  # mask_to_indices' slots by counting in two levels (topk_indices.py)
+}
+GPU_WAYS = {  # ways written for a GPU (Triton); no row takes them until measured on one (forced meanwhile)
+    "paged_scoring": ("triton",),  # paged_decode_gpu.paged_index_scores: gathered loads of a block's keys
 }
 
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
@@ -200,14 +205,14 @@ def choice(name: str):
   return getattr(choices(), name)
 
 
-def pallas_interpret(interpret: bool | None) -> bool:
-  """A Pallas TPU kernel's `interpret` argument: None -> Pallas' interpreter wherever the backend the kernels are
-  traced for (`forced`'s, else this process's) is not a TPU (the kernels' own lowering is Mosaic's); a bool as
-  given. Every kernel module asks here. forced("tpu") on a host without one: Mosaic's lowering, for a
-  compile-only TPU target (benchmarks/tpu_compile.py)."""
+def pallas_interpret(interpret: bool | None, platform: str = "tpu") -> bool:
+  """A Pallas kernel's `interpret` argument: None -> Pallas' interpreter wherever the backend the kernels are
+  traced for (`forced`'s, else this process's) is not the kernel's `platform` ("tpu": Mosaic's lowering; "gpu":
+  Triton's, kernels/paged_decode_gpu.py); a bool as given. Every kernel module asks here. forced("tpu") on a host
+  without one: Mosaic's lowering, for a compile-only TPU target (benchmarks/tpu_compile.py)."""
   if interpret is not None:
     return interpret
-  return (_FORCED.get()[0] or jax.default_backend()) != "tpu"
+  return (_FORCED.get()[0] or jax.default_backend()) != platform
 
 
 def _check(backend: str | None, overrides: dict) -> None:
@@ -218,7 +223,7 @@ def _check(backend: str | None, overrides: dict) -> None:
     if name == "gather_min_length":
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
-    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + TPU_WAYS.get(name, ())):
+    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + TPU_WAYS.get(name, ()) + GPU_WAYS.get(name, ())):
       raise ValueError(f"backend.forced: {name}={value!r}; expected one of {ways}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")

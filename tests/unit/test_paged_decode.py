@@ -12,20 +12,10 @@ from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
 from MaxText.kernels.fp8_blocks import to_pairs
+from tests.support.kernels import bits, close, mla_case
 
 B, PAGE, P = 2, 8, 4  # 2 rows of 4 pages of 8 slots; the pool holds exactly their pages
 N = B * P * PAGE
-
-
-def _bits(x, dtype):
-  return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
-
-
-def _close(got, ref, rtol):
-  got, ref = np.asarray(got), np.asarray(ref)
-  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
-  fin = np.isfinite(ref)
-  assert np.max(np.abs(got[fin] - ref[fin])) <= rtol * np.max(np.abs(ref[fin])), np.max(np.abs(got[fin] - ref[fin]))
 
 
 def test_bit_decoding_is_exact_for_every_fp8_code_and_bf16_values():
@@ -35,7 +25,7 @@ def test_bit_decoding_is_exact_for_every_fp8_code_and_bf16_values():
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])  # subnormals, signs, 448 alike
   x = jax.random.normal(jax.random.key(0), (64,)).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(pd._bf16_bits_to_f32(_bits(x, jnp.bfloat16)), x.astype(jnp.float32))
+  np.testing.assert_array_equal(pd._bf16_bits_to_f32(bits(x, jnp.bfloat16)), x.astype(jnp.float32))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
   q, q_scale, keys, k_scale = c["q"], None, c["keys"], None
   if dtype != "float32":
     kq, k_scale = kv_cache.quantize_fp8(keys)
-    keys = _bits(kq, jnp.float8_e4m3fn)
+    keys = bits(kq, jnp.float8_e4m3fn)
     empty = int(c["table"][1, 3]) * PAGE  # a page past row 1's position with zero scales (as a fresh pool's):
     k_scale = k_scale.at[empty:empty + PAGE].set(0.0)  # its slots stay -inf, never 0 x -inf = NaN
   if dtype == "fp8_keys_and_queries":
@@ -61,7 +51,7 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
   got = pd.paged_index_scores(*args, pages_per_block=2, interpret=True)
   ref = pd.paged_index_scores_xla(*args)
   assert np.isinf(np.asarray(got)[1, 14:]).all() and np.isfinite(np.asarray(got)[1, :14]).all()  # past pos: -inf
-  _close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
+  close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
 
 
 @pytest.mark.parametrize("pos", [(-1, 13), (0, 16), (15, 31), (40, 13)])  # a padding row; block edges (2 pages =
@@ -73,13 +63,13 @@ def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case,
   path's for rows ending at a block's first or last slot, or before any (pos -1: all -inf)."""
   c = scoring_case
   kq, ks = kv_cache.quantize_fp8(c["keys"])
-  args = (c["q"], None, c["w"], _bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), PAGE)
+  args = (c["q"], None, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), PAGE)
   got = np.asarray(pd.paged_index_scores(*args, pages_per_block=2, interpret=True))
   ref = np.asarray(pd.paged_index_scores_xla(*args))
   for r, p in enumerate(pos):
     assert np.isinf(got[r, p + 1:]).all() and np.isfinite(got[r, :p + 1]).all()
   if max(pos) >= 0:
-    _close(got, ref, 1e-5)
+    close(got, ref, 1e-5)
   # PagedKeys' XLA loop (the CPU's) skips the same blocks: blocks of 2 pages there too
   monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * PAGE * 128 * 4)
   src = PagedKeys(args[3], args[4], c["table"], PAGE)
@@ -87,7 +77,7 @@ def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case,
   # (PagedKeys takes the weights before index_weights' d**-0.5: the kernel's w is this test's as given)
   np.testing.assert_array_equal(np.isfinite(xla), np.isfinite(got))
   if max(pos) >= 0:
-    _close(xla, ref, 1e-5)
+    close(xla, ref, 1e-5)
 
 
 def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
@@ -97,26 +87,18 @@ def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
   q8, qs = pd.fp8_queries(c["q"])
   exact = pd.paged_index_scores_xla(c["q"], None, c["w"], c["keys"], None, c["table"], c["pos"], PAGE)
   kq, ks = kv_cache.quantize_fp8(c["keys"])
-  fp8 = pd.paged_index_scores(q8, qs, c["w"], _bits(kq, jnp.float8_e4m3fn), ks, c["table"], c["pos"], PAGE,
+  fp8 = pd.paged_index_scores(q8, qs, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], c["pos"], PAGE,
                               pages_per_block=4, interpret=True)
-  _close(fp8, exact, 0.1)
+  close(fp8, exact, 0.1)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_sparse_mla_decode_equals_the_xla_path(fp8):
-  k = jax.random.split(jax.random.key(2), 6)
-  h, c, r, kk = 4, 256, 64, 32
-  q_abs, q_pe = jax.random.normal(k[0], (B, h, c)), jax.random.normal(k[1], (B, h, r))
-  c_kv, k_pe = jax.random.normal(k[2], (N, c)), jax.random.normal(k[3], (N, r))
-  ids = jax.random.randint(k[4], (B, kk), 0, N)
-  valid = (jax.random.uniform(k[5], (B, kk)) < 0.6).at[1].set(False)  # row 1: nothing selected -> 0
-  scale = None
-  if fp8:
-    cq, scale = kv_cache.quantize_fp8(c_kv)
-    c_kv, k_pe = _bits(cq, jnp.float8_e4m3fn), _bits(k_pe, jnp.bfloat16)
+  r = 64
+  q_abs, q_pe, ids, valid, c_kv, k_pe, scale = mla_case(fp8, rows=B, slots=N, heads=4, selected=32, r=r)
   got = pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1, block=16, interpret=True)
   ref = pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1)
-  _close(got, ref, 1e-5)
+  close(got, ref, 1e-5)
   if fp8:  # k_pe as paged_cache's tpu row holds it: int32 pairs, 4 slots a 128-word row
     rows = to_pairs(k_pe).reshape(N // 4, 4 * r // 2)  # [N/4, 128]
     np.testing.assert_array_equal(pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, rows, scale, 0.1, block=16,
@@ -132,17 +114,17 @@ def test_paged_keys_take_the_kernel_under_the_pallas_row_and_score_alike(scoring
   keys, scale = c["keys"], None
   if fp8:
     kq, scale = kv_cache.quantize_fp8(keys)
-    keys = _bits(kq, jnp.float8_e4m3fn)
+    keys = bits(kq, jnp.float8_e4m3fn)
   src = PagedKeys(keys, scale, c["table"].at[1, 3].set(-1), PAGE)  # a missing page: past pos, -inf either way
   q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]
   xla = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
   with backend.forced(paged_scoring="pallas"):
     kernel = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
-  _close(kernel, xla, 1e-5)
+  close(kernel, xla, 1e-5)
   for slots in (PAGE - 1, PAGE, 3 * PAGE):  # a block of fewer slots than a page is one page; 3 pages pad P to 6
     monkeypatch.setattr(paged_cache, "SCORE_BLOCK_SLOTS", slots)
     with backend.forced(paged_scoring="pallas"):
-      _close(jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos), xla, 1e-5)
+      close(jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos), xla, 1e-5)
   with pytest.raises(ValueError, match="paged_scoring"):
     with backend.forced(paged_scoring="mosaic"):
       pass
@@ -155,14 +137,14 @@ def test_fp8_scored_queries_are_the_releases_fp8_queries_with_their_scales_in_th
   scales in the head weights; wider heads get the dequantized queries."""
   c = scoring_case
   kq, ks = kv_cache.quantize_fp8(c["keys"])
-  keys = _bits(kq, jnp.float8_e4m3fn)
+  keys = bits(kq, jnp.float8_e4m3fn)
   q8, qs = pd.fp8_queries(c["q"])
   qv, wv = pd.fp8_scored_queries(c["q"], c["w"])
   assert qv.dtype == jnp.bfloat16
   np.testing.assert_array_equal(qv.astype(jnp.float32), pd.as_values(q8))  # the codes' values, exactly
   np.testing.assert_array_equal(wv, c["w"] * qs)
   release = pd.paged_index_scores_xla(q8, qs, c["w"], keys, ks, c["table"], c["pos"], PAGE)
-  _close(pd.paged_index_scores_xla(qv, None, wv, keys, ks, c["table"], c["pos"], PAGE), release, 1e-6)
+  close(pd.paged_index_scores_xla(qv, None, wv, keys, ks, c["table"], c["pos"], PAGE), release, 1e-6)
   f32 = pd.paged_index_scores_xla(c["q"], None, c["w"], keys, ks, c["table"], c["pos"], PAGE)
   assert np.max(np.abs(np.asarray(f32 - release)[np.isfinite(release)])) > 1e-4  # the rounding shows
   wide = jnp.concatenate([c["q"], 3 * c["q"]], axis=-1)  # d 256: two blocks a head, two scales
@@ -177,7 +159,7 @@ def test_the_kernel_scores_bf16_queries_in_one_mxu_pass(scoring_case):
   three bf16 parts ([3H, d]); the scores equal the XLA path's either way."""
   c = scoring_case
   kq, ks = kv_cache.quantize_fp8(c["keys"])
-  keys = _bits(kq, jnp.float8_e4m3fn)
+  keys = bits(kq, jnp.float8_e4m3fn)
   qv, wv = pd.fp8_scored_queries(c["q"], c["w"])
   h = qv.shape[1]
 
@@ -190,7 +172,7 @@ def test_the_kernel_scores_bf16_queries_in_one_mxu_pass(scoring_case):
   assert not stacked(qv)
   assert stacked(qv.astype(jnp.float32))
   args = (wv, keys, ks, c["table"], c["pos"], PAGE)
-  _close(pd.paged_index_scores(qv, None, *args, pages_per_block=2, interpret=True),
+  close(pd.paged_index_scores(qv, None, *args, pages_per_block=2, interpret=True),
          pd.paged_index_scores_xla(qv, None, *args), 1e-5)
 
 

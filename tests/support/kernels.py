@@ -1,0 +1,36 @@
+"""What the decode kernels' tests share (test_paged_decode.py, test_paged_decode_gpu.py): pool bits of values,
+and closeness relative to the largest finite value with -inf where the reference has it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def bits(x, dtype):
+  """Values -> the bits a pool holds: fp8 (e4m3) as uint8, bf16 as uint16."""
+  return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
+
+
+def close(got, ref, rtol):
+  """got finite exactly where ref is, and within rtol of ref's largest |value| there."""
+  got, ref = np.asarray(got), np.asarray(ref)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+  fin = np.isfinite(ref)
+  assert np.max(np.abs(got[fin] - ref[fin])) <= rtol * np.max(np.abs(ref[fin])), np.max(np.abs(got[fin] - ref[fin]))
+
+
+def mla_case(fp8: bool, *, rows: int, slots: int, heads: int, selected: int, c: int = 256, r: int = 64):
+  """sparse_mla_decode's arguments (before its softmax scale): queries, `selected` slot ids of `slots` a row with
+  about 60% valid, row 1 with none (its output must be 0), and the pools (fp8: codes uint8 with a scale per 128,
+  k_pe as bf16 bits; else f32)."""
+  from MaxText.inference import kv_cache
+  k = jax.random.split(jax.random.key(2), 6)
+  q_abs, q_pe = jax.random.normal(k[0], (rows, heads, c)), jax.random.normal(k[1], (rows, heads, r))
+  c_kv, k_pe = jax.random.normal(k[2], (slots, c)), jax.random.normal(k[3], (slots, r))
+  ids = jax.random.randint(k[4], (rows, selected), 0, slots)
+  valid = (jax.random.uniform(k[5], (rows, selected)) < 0.6).at[1].set(False)  # row 1: nothing selected -> 0
+  scale = None
+  if fp8:
+    cq, scale = kv_cache.quantize_fp8(c_kv)
+    c_kv, k_pe = bits(cq, jnp.float8_e4m3fn), bits(k_pe, jnp.bfloat16)
+  return q_abs, q_pe, ids, valid, c_kv, k_pe, scale

@@ -1,0 +1,181 @@
+"""The Triton (GPU) decode kernels (kernels/paged_decode_gpu.py) in Pallas' interpreter against the XLA
+references of paged_decode.py, lowered for CUDA (Triton IR, no GPU needed), and the paged key source taking
+the scoring kernel under paged_scoring "triton"."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference.paged_cache import PagedKeys
+from MaxText.kernels import backend
+from MaxText.kernels import paged_decode as pd
+from MaxText.kernels import paged_decode_gpu as pg
+from MaxText.kernels.fp8_blocks import PAIRED_DTYPE, to_words
+from tests.support.kernels import bits, close, mla_case
+
+B, PAGE, P, H = 2, 16, 4, 16  # 2 rows of 4 pages of 16 slots, 16 heads (Triton: blocks powers of 2 >= 16)
+N = B * P * PAGE
+
+
+@pytest.fixture(scope="module")
+def case():
+  k = jax.random.split(jax.random.key(1), 4)
+  table = jnp.asarray(np.random.default_rng(0).permutation(B * P).reshape(B, P), jnp.int32)
+  return dict(q=jax.random.normal(k[0], (B, H, 128)), w=jax.random.uniform(k[1], (B, H)),
+              keys=jax.random.normal(k[2], (N, 128)), table=table, pos=jnp.array([P * PAGE - 1, 21]))
+
+
+def _fp8_keys(c):
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  empty = int(c["table"][1, 3]) * PAGE  # a page past row 1's position with zero scales (a fresh pool's):
+  return bits(kq, jnp.float8_e4m3fn), ks.at[empty:empty + PAGE].set(0.0)  # its slots stay -inf, not 0 x -inf
+
+
+@pytest.mark.parametrize("queries", ["float32", "fp8_keys_f32_queries", "fp8_keys_bf16_queries", "fp8_keys_and_queries"])
+@pytest.mark.parametrize("pages_per_block", [1, 2])
+def test_paged_index_scores_equal_the_xla_path(case, queries, pages_per_block):
+  c = case
+  q, q_scale, w, keys, k_scale = c["q"], None, c["w"], c["keys"], None
+  if queries != "float32":
+    keys, k_scale = _fp8_keys(c)
+  if queries == "fp8_keys_bf16_queries":  # the engine's with indexer_fp8_queries: e4m3 values, scales in w
+    q, w = pd.fp8_scored_queries(q, w)
+  if queries == "fp8_keys_and_queries":
+    q, q_scale = pd.fp8_queries(q)
+  args = (q, q_scale, w, keys, k_scale, c["table"], c["pos"], PAGE)
+  got = pg.paged_index_scores(*args, pages_per_block=pages_per_block, interpret=True)
+  assert np.isinf(np.asarray(got)[1, 22:]).all() and np.isfinite(np.asarray(got)[1, :22]).all()  # past pos: -inf
+  close(got, pd.paged_index_scores_xla(*args), 1e-5)  # fp32 rounding: the same values on both sides
+
+
+@pytest.mark.parametrize("pos", [(-1, 15), (0, 16), (31, 32), (70, 13)])  # a padding row; block edges (2 pages =
+# 32 slots); a position past the table's 64 slots: every slot scored
+def test_the_scores_end_at_each_rows_position(case, pos):
+  c = case
+  keys, ks = _fp8_keys(c)
+  args = (c["q"], None, c["w"], keys, ks.at[:].set(jnp.abs(ks) + 1e-3), c["table"], jnp.asarray(pos, jnp.int32),
+          PAGE)
+  got = np.asarray(pg.paged_index_scores(*args, pages_per_block=2, interpret=True))
+  for r, p in enumerate(pos):
+    assert np.isinf(got[r, p + 1:]).all() and np.isfinite(got[r, :p + 1]).all()
+  if max(pos) >= 0:
+    close(got, pd.paged_index_scores_xla(*args), 1e-5)
+
+
+def _mla_case(fp8: bool, c: int = 256):
+  return mla_case(fp8, rows=B, slots=N, heads=32, selected=64, c=c)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block, heads", [(16, 16), (32, 32)])
+def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads):
+  args = _mla_case(fp8)
+  got = pg.sparse_mla_decode(*args, 0.1, block=block, heads_per_program=heads, interpret=True)
+  ref = pd.sparse_mla_decode_xla(*args, 0.1)
+  close(got, ref, 1e-5)  # 3 bf16 parts against the fp8 codes: fp32-accurate
+  assert np.all(np.asarray(got)[1] == 0)
+  assert np.max(np.abs(np.asarray(got)[0])) > 0.1
+  if fp8:  # the latent as the gpu row's pool holds it (uint32 words, 4 codes a word): the same result
+    q_abs, q_pe, ids, valid, c_kv, k_pe, s = args
+    words = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, to_words(c_kv), k_pe, s, 0.1, block=block,
+                                 heads_per_program=heads, interpret=True)
+    np.testing.assert_array_equal(words, got)
+
+
+def test_sparse_mla_decode_in_one_bf16_part_is_flashmlas_rounding():
+  """parts=1: the fp32 query and scaled probabilities rounded to bf16 once (FlashMLA's arithmetic): within
+  bf16's relative step of the fp32 result, and visibly not fp32-accurate (the parts do something)."""
+  args = _mla_case(True)
+  ref = np.asarray(pd.sparse_mla_decode_xla(*args, 0.1))
+  err = np.max(np.abs(np.asarray(pg.sparse_mla_decode(*args, 0.1, block=16, heads_per_program=16, parts=1,
+                                                      interpret=True)) - ref)) / np.max(np.abs(ref))
+  assert 1e-5 < err < 2 ** -7, err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_keys_take_the_triton_kernel_when_forced_and_score_alike(case, fp8):
+  c = case
+  keys, scale = (c["keys"], None) if not fp8 else _fp8_keys(c)
+  src = PagedKeys(keys, scale, c["table"].at[1, 3].set(-1), PAGE)  # a missing page: past pos, -inf either way
+  q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]
+  xla = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
+  with backend.forced(paged_scoring="triton"):
+    jaxpr = str(jax.make_jaxpr(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos))
+    kernel = jax.jit(lambda *a: src.scores(*a, head_chunk=2))(q, w, pos)
+  assert "paged_index_scores_gpu" in jaxpr
+  close(kernel, xla, 1e-5)
+
+
+def test_the_triton_blocks_are_a_power_of_two_of_pages(case, monkeypatch):
+  """PagedKeys' Triton route: the largest power of 2 of pages within GPU_SCORE_BLOCK_SLOTS (at least one), the
+  table padded to whole blocks; any block size scores alike."""
+  c = case
+  src = PagedKeys(c["keys"], None, c["table"][:, :3], PAGE)  # 3 pages: padded to 4 at 2 or 4 pages a block
+  q, w, pos = c["q"][:, None], c["w"][:, None], jnp.minimum(c["pos"], 47)[:, None]
+  xla = src.scores(q, w, pos, head_chunk=2)
+  seen, kernel = [], pg.paged_index_scores
+
+  def spy(*args, pages_per_block):
+    seen.append((pages_per_block, args[5].shape[1]))  # pages a block, the padded table's pages
+    return kernel(*args, pages_per_block=pages_per_block)
+
+  monkeypatch.setattr(pg, "paged_index_scores", spy)
+  for slots, want in ((PAGE - 1, (1, 3)), (PAGE, (1, 3)), (3 * PAGE, (2, 4)), (4 * PAGE, (4, 4))):
+    monkeypatch.setattr(paged_cache, "GPU_SCORE_BLOCK_SLOTS", slots)
+    with backend.forced(paged_scoring="triton"):
+      got = src.scores(q, w, pos, head_chunk=2)
+    assert seen[-1] == want
+    close(got, xla, 1e-5)
+
+
+def test_shapes_triton_cannot_take_get_one_line():
+  c = _mla_case(True)
+  with pytest.raises(ValueError, match="powers of 2 of at least 16.*block=24"):
+    pg.sparse_mla_decode(*_mla_case(True, 256)[:2], jnp.zeros((B, 48), jnp.int32), jnp.ones((B, 48), bool),
+                         *c[4:], 0.1, block=24, interpret=True)
+  with pytest.raises(ValueError, match="one slot a row"):
+    pg.sparse_mla_decode(*c[:5], c[5].reshape(N // 2, -1), c[6], 0.1, interpret=True)
+  q = jnp.zeros((B, H, 128))
+  with pytest.raises(ValueError, match="paired"):
+    pg.paged_index_scores(q, None, jnp.zeros((B, H)), jnp.zeros((N, 128), PAIRED_DTYPE), jnp.ones((N, 1)),
+                          jnp.zeros((B, P), jnp.int32), jnp.zeros((B,), jnp.int32), PAGE, interpret=True)
+  with pytest.raises(ValueError, match="keys_a_block=8"):
+    pg.paged_index_scores(q, None, jnp.zeros((B, H)), jnp.zeros((N, 128)), None, jnp.zeros((B, P), jnp.int32),
+                          jnp.zeros((B,), jnp.int32), 8, pages_per_block=1, interpret=True)
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+  """fn's module lowered for CUDA on this host (no GPU: Pallas' Triton lowering runs in Python; the PTX
+  compile is the GPU's)."""
+  with backend.forced("gpu"):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_both_kernels_lower_to_triton_at_the_official_shapes(fp8):
+  """The indexer's 64 heads of 128 over pages of 64 (fp8 keys, bf16 queries: the engine's), MLA's 128 heads of
+  512 + 64 over 2048 selected slots (the pools as the gpu row holds them): both lower to a Triton call."""
+  sds = jax.ShapeDtypeStruct
+  b, n, page = 2, 4096, 64
+  keys = (sds((n, 128), jnp.uint8), sds((n, 1), jnp.float32)) if fp8 else (sds((n, 128), jnp.float32), None)
+  txt = _lowered_for_cuda(lambda q, w, t, pos, k, *ks: pg.paged_index_scores(q, None, w, k, *(ks or [None]), t, pos,
+                                                                             page),
+                          sds((b, 64, 128), jnp.bfloat16 if fp8 else jnp.float32), sds((b, 64), jnp.float32),
+                          sds((b, n // page // b), jnp.int32), sds((b,), jnp.int32), *[k for k in keys if k])
+  assert "xla.gpu.triton" in txt and "paged_index_scores_gpu" in txt
+  pools = ((sds((n, 128), jnp.uint32), sds((n, 64), jnp.uint16), sds((n, 4), jnp.float32)) if fp8 else
+           (sds((n, 512), jnp.float32), sds((n, 64), jnp.float32)))
+  txt = _lowered_for_cuda(lambda *a: pg.sparse_mla_decode(*a[:6], a[6] if fp8 else None, 0.1),
+                          sds((b, 128, 512), jnp.float32), sds((b, 128, 64), jnp.float32),
+                          sds((b, 2048), jnp.int32), sds((b, 2048), jnp.bool_), *pools)
+  assert "xla.gpu.triton" in txt and "sparse_mla_decode_gpu" in txt
+
+
+def test_no_row_takes_the_triton_kernel_until_measured():
+  assert backend.row("gpu").paged_scoring == "xla" and backend.row("cpu").paged_scoring == "xla"
+  with backend.forced("gpu", paged_scoring="triton") as got:
+    assert got.paged_scoring == "triton"
+    assert not backend.pallas_interpret(None, "gpu") and backend.pallas_interpret(None)  # Triton's lowering, not Mosaic's
+  assert backend.pallas_interpret(None, "gpu")  # on this CPU: the interpreter
