@@ -17,7 +17,8 @@ sparse path timed alone on the same pools (scoring, selection, gather, attention
    `--iters` calls: the indexer scores (backend.py's paged_scoring route, and the Pallas kernel and
    the XLA loop side by side; with an fp8 cache the kernel also with the engine's fp8 queries), the exact top-k selection over those scores (topk_indices: the
    backend's row), the gather of the k selected latents (gather_selected, fp8 dequantized), and the
-   attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention).
+   attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention). The kernels are
+   this backend's: Triton's (kernels/paged_decode_gpu.py) on a GPU, else Mosaic's (interpreted off a TPU).
 
 Prints the tables, then one JSON line. Asserts nothing about time.
 """
@@ -42,7 +43,7 @@ import profile_ops  # noqa: E402
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.inference import paged_cache, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
-from MaxText.kernels import backend, paged_decode  # noqa: E402
+from MaxText.kernels import backend, paged_decode, paged_decode_gpu  # noqa: E402
 from MaxText.kernels.sparse_attention import gather_attend  # noqa: E402
 from MaxText.kernels.topk_indices import topk_indices  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
@@ -51,6 +52,7 @@ from MaxText.runtime import sharding  # noqa: E402
 PARTS = (
     ("scoring", "kernels/paged_decode.py", ("paged_index_scores", "_score_kernel", "_each_copy", "_pipelined",
                                             "e4m3_to_f32", "_decode", "index_weights")),
+    ("scoring", "kernels/paged_decode_gpu.py", ("paged_index_scores", "_score_kernel")),
     ("scoring", "inference/paged_cache.py", ("scores", "_kernel_scores", "select_over_pages", "run")),
     ("scoring", "kernels/index_scores.py", None),
     ("weights: absorbed wkv_b", "kernels/sparse_attention.py", ("absorb_q", "unabsorb_out")),
@@ -64,6 +66,7 @@ PARTS = (
     ("gather", "kernels/cached_attention.py", ("merge_selected",)),
     ("attention", "kernels/sparse_attention.py", None),
     ("attention", "kernels/paged_decode.py", ("sparse_mla_decode", "_mla_kernel", "_dequant")),
+    ("attention", "kernels/paged_decode_gpu.py", ("sparse_mla_decode", "_mla_kernel")),
     ("write", "inference/paged_cache.py", ("write", "put_all", "slots")),
     ("indexer q, k, w", "layers/indexer.py", None),
     ("MLA projections", "layers/attention_mla.py", None),
@@ -111,10 +114,13 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
     return fn
 
   rows = []
-  fns = {f"scoring ({route})": (scores_with(route), (q, w, pos)) for route in ("pallas", "xla")}
+  kernel = backend.choice("paged_scoring")  # the kernels in force, else this backend's: Triton's on a GPU, Mosaic's
+  if kernel == "xla":
+    kernel = "triton" if jax.default_backend() == "gpu" else "pallas"
+  fns = {f"scoring ({route})": (scores_with(route), (q, w, pos)) for route in (kernel, "xla")}
   if pool.idx_k_scale is not None:  # the engine's queries with an fp8 cache (indexer_fp8_queries): one MXU pass
     q8, w8 = paged_decode.fp8_scored_queries(q, w)
-    fns["scoring (pallas, fp8 queries)"] = (scores_with("pallas", q8, w8), (q8, w8, pos))
+    fns[f"scoring ({kernel}, fp8 queries)"] = (scores_with(kernel, q8, w8), (q8, w8, pos))
   scores = fns[f"scoring ({backend.choice('paged_scoring')})"][0](q, w, pos)  # [B,1,S]
   select = jax.jit(lambda s: topk_indices(s, k))
   idx, valid = select(scores)  # [B,1,k]
@@ -135,9 +141,10 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   kernel_k = -(-k // 256) * 256
   ids = jnp.pad(slot_ids, ((0, 0), (0, kernel_k - k)))
   ok = jnp.pad(valid[:, 0], ((0, 0), (0, kernel_k - k)))
-  mla = jax.jit(lambda ids, ok: paged_decode.sparse_mla_decode(q_abs[:, 0], q_pe[:, 0], ids, ok, pool.c_kv, pool.k_pe,
-                                                               pool.c_kv_scale, cfg.softmax_scale))
-  fns["gather + attention (sparse_mla_decode)"] = (mla, (ids, ok))
+  mla_kernel = (paged_decode_gpu if kernel == "triton" else paged_decode).sparse_mla_decode
+  mla = jax.jit(lambda ids, ok: mla_kernel(q_abs[:, 0], q_pe[:, 0], ids, ok, pool.c_kv, pool.k_pe, pool.c_kv_scale,
+                                           cfg.softmax_scale))
+  fns[f"gather + attention (sparse_mla_decode, {kernel})"] = (mla, (ids, ok))
   for name, (fn, fargs) in fns.items():
     try:
       ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)

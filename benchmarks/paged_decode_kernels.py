@@ -1,6 +1,8 @@
-"""The Pallas decode kernels (kernels/paged_decode.py) against their XLA paths, at decode shapes.
+"""The Pallas decode kernels (kernels/paged_decode.py: Mosaic; paged_decode_gpu.py: Triton) against their XLA
+paths, at decode shapes.
 
     python benchmarks/paged_decode_kernels.py                          # TPU: 128K, rows 1 4 16, fp8 and fp32
+    python benchmarks/paged_decode_kernels.py                          # GPU: the same with the Triton kernels
     python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
 
 Per (cache dtype, rows, context): (a) the indexer's scores of one decode query per row over every
@@ -12,6 +14,8 @@ the kernel against the XLA reference (the rows gathered, a masked softmax). Each
 of --iters calls (alternating), the bytes it must move (its roofline bound at --bandwidth GB/s:
 the v5e's 819 by default) and the fraction of that bound achieved; the largest difference from the
 XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
+--module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@parts1` is the MLA kernel
+with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -29,6 +35,10 @@ import numpy as np
 from MaxText.inference.kv_cache import quantize_fp8
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import paged_decode as pd
+from MaxText.kernels import paged_decode_gpu as pg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import bandwidth  # noqa: E402  (the device's roofline bandwidth: one table)
 
 H_I, D_I, H, C, R, PAGE = 64, 128, 128, 512, 64, 64
 
@@ -67,7 +77,7 @@ def inputs(rows: int, context: int, fp8: bool, seed: int = 0) -> dict:
   return d
 
 
-def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False) -> dict:
+def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False, module=pd) -> dict:
   """kernel (at blocks[0] pages a grid step; kernel@n at the others), xla, engine. f32_queries: fp8 keys
   scored with fp32 queries (the engine's arithmetic) instead of fp8 queries."""
   w = pd.index_weights(d["w"], D_I)
@@ -78,7 +88,7 @@ def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False
   kernels = {}
   for i, n in enumerate(blocks):
     ppb = min(n, d["table"].shape[1])
-    fn = jax.jit(functools.partial(pd.paged_index_scores, page=PAGE, pages_per_block=ppb, interpret=interpret))
+    fn = jax.jit(functools.partial(module.paged_index_scores, page=PAGE, pages_per_block=ppb, interpret=interpret))
     kernels["kernel" if i == 0 else f"kernel@{n}"] = lambda fn=fn: fn(*args)
   xla = jax.jit(lambda *a: pd.paged_index_scores_xla(*a, PAGE))
 
@@ -91,12 +101,22 @@ def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False
   return {**kernels, "xla": lambda: xla(*args), "engine": lambda: engine(*args)}
 
 
-def mla_fns(d: dict, interpret: bool) -> dict:
+def mla_fns(d: dict, interpret: bool, module=pd, configs=()) -> dict:
+  """kernel, xla; Triton: kernel@parts1 (a bf16 query) and kernel@BLOCKxHEADSwWARPS per config."""
   args = (d["q_abs"], d["q_pe"], d["ids"], d["valid"], d["c_kv"], d["k_pe"], d["c_kv_scale"])
-  block = min(256, d["ids"].shape[1])
-  kernel = jax.jit(lambda *a: pd.sparse_mla_decode(*a, 0.07, block=block, interpret=interpret))
+  k = d["ids"].shape[1]
+  if module is pd:
+    kernels = {"kernel": functools.partial(pd.sparse_mla_decode, block=min(256, k))}
+  else:
+    kernels = {"kernel": pg.sparse_mla_decode, "kernel@parts1": functools.partial(pg.sparse_mla_decode, parts=1)}
+    for cfg in configs:  # "32x32w8": block 32, 32 heads a program, 8 warps
+      blk, rest = cfg.split("x")
+      heads, warps = rest.split("w")
+      kernels[f"kernel@{cfg}"] = functools.partial(pg.sparse_mla_decode, block=int(blk), heads_per_program=int(heads),
+                                                   num_warps=int(warps))
+  fns = {name: jax.jit(lambda *a, fn=fn: fn(*a, 0.07, interpret=interpret)) for name, fn in kernels.items()}
   xla = jax.jit(lambda *a: pd.sparse_mla_decode_xla(*a, 0.07))
-  return {"kernel": lambda: kernel(*args), "xla": lambda: xla(*args)}
+  return {**{name: lambda fn=fn: fn(*args) for name, fn in fns.items()}, "xla": lambda: xla(*args)}
 
 
 def bytes_moved(kind: str, rows: int, context: int, fp8: bool) -> int:
@@ -137,7 +157,12 @@ def main(argv=None) -> None:
   ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
   ap.add_argument("--dtypes", nargs="*", default=["fp8", "float32"], choices=["fp8", "float32"])
   ap.add_argument("--iters", type=int, default=7)
-  ap.add_argument("--bandwidth", type=float, default=819.0, help="memory bandwidth in GB/s (TPU v5e: 819)")
+  ap.add_argument("--bandwidth", type=float, default=None,
+                  help="memory bandwidth in GB/s (default: decode.py's table for this device, else measured)")
+  ap.add_argument("--module", choices=["mosaic", "triton"], default=None,
+                  help="the kernels: paged_decode.py (Mosaic) or paged_decode_gpu.py (Triton); default: triton on a GPU")
+  ap.add_argument("--mla-configs", nargs="*", default=[], metavar="BLOCKxHEADSwWARPS",
+                  help="triton: MLA kernel variants, e.g. 64x32w8 (slots a block, heads a program, warps)")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
   ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
                   choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")
@@ -146,9 +171,15 @@ def main(argv=None) -> None:
                   help="scoring: pages a grid step reads; the first is `kernel`, the others `kernel@n`")
   ap.add_argument("--f32-queries", action="store_true", help="scoring over fp8 keys with fp32 queries (the engine's)")
   args = ap.parse_args(argv)
-  variants = args.variants + [f"kernel@{n}" for n in args.pages_per_block[1:] if "kernel" in args.variants]
-  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); roofline at {args.bandwidth} GB/s; "
-        f"median of {args.iters}; interpret={args.interpret}")
+  module = {"mosaic": pd, "triton": pg}[args.module or ("triton" if jax.default_backend() == "gpu" else "mosaic")]
+  args.bandwidth, source = bandwidth(args.bandwidth)
+  extra = [f"kernel@{n}" for n in args.pages_per_block[1:]]
+  if module is pg:
+    extra += ["kernel@parts1"] + [f"kernel@{c}" for c in args.mla_configs]
+  variants = args.variants + ([v for v in extra if v.split("@")[1] != "parts1" or "mla" in args.kernels]
+                              if "kernel" in args.variants else [])
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); kernels {module.__name__}; roofline at "
+        f"{args.bandwidth:.0f} GB/s ({source}); median of {args.iters}; interpret={args.interpret}")
   print(f"{'kernel':>8} {'dtype':>7} {'rows':>4} {'context':>7} {'MB':>8} {'bound ms':>8}  "
         + "  ".join(f"{v + ' ms':>12}" for v in variants) + f"  {'kernel/bound':>12} {'max rel diff':>12}")
   results = []
@@ -162,8 +193,8 @@ def main(argv=None) -> None:
         for kind, make in (("scoring", scoring_fns), ("mla", mla_fns)):
           if kind not in args.kernels:
             continue
-          made = make(d, args.interpret, args.pages_per_block, args.f32_queries) if kind == "scoring" else \
-              make(d, args.interpret)
+          made = make(d, args.interpret, args.pages_per_block, args.f32_queries, module) if kind == "scoring" else \
+              make(d, args.interpret, module, args.mla_configs)
           fns = {name: fn for name, fn in made.items() if name.split("@")[0] in args.variants}
           nbytes = bytes_moved(kind, rows, context, dtype == "fp8")
           bound = nbytes / args.bandwidth / 1e6  # ms
@@ -175,7 +206,7 @@ def main(argv=None) -> None:
             print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {row['status']}", flush=True)
             results.append(row)
             continue
-          pairs = [(a, b) for a, b in (("kernel", "xla"), ("kernel", "engine"))
+          pairs = [(a, b) for a, b in (("kernel", "xla"), ("kernel", "engine"), ("kernel@parts1", "xla"))
                    if a in out and b in out]
           row.update(status="ok", **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
                      max_rel_diff={f"{a}~{b}": max_rel(out[a], out[b]) for a, b in pairs})
@@ -189,7 +220,7 @@ def main(argv=None) -> None:
           del fns
         del d
         jax.clear_caches()
-  print(json.dumps(dict(benchmark="paged_decode_kernels", backend=jax.default_backend(),
+  print(json.dumps(dict(benchmark="paged_decode_kernels", backend=jax.default_backend(), module=module.__name__,
                         device=jax.devices()[0].device_kind, bandwidth_gbs=args.bandwidth, rows=results)))
 
 

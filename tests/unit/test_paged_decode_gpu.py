@@ -1,6 +1,6 @@
-"""The Triton (GPU) decode kernels (kernels/paged_decode_gpu.py) in Pallas' interpreter against the XLA
-references of paged_decode.py, lowered for CUDA (Triton IR, no GPU needed), and the paged key source taking
-the scoring kernel under paged_scoring "triton"."""
+"""The Triton (GPU) decode kernels (kernels/paged_decode_gpu.py) against the XLA references of paged_decode.py (in
+Pallas' interpreter off a GPU; compiled by Triton on one: benchmarks/gpu_decode_check.sh tests), lowered for CUDA
+(Triton IR, no GPU needed), and the paged key source taking the scoring kernel under paged_scoring "triton"."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,8 @@ from MaxText.kernels import paged_decode as pd
 from MaxText.kernels import paged_decode_gpu as pg
 from MaxText.kernels.fp8_blocks import PAIRED_DTYPE, to_words
 from tests.support.kernels import bits, close, mla_case
+
+pytestmark = pytest.mark.device  # runs unchanged on one GPU (the kernels compiled there) or TPU
 
 B, PAGE, P, H = 2, 16, 4, 16  # 2 rows of 4 pages of 16 slots, 16 heads (Triton: blocks powers of 2 >= 16)
 N = B * P * PAGE
@@ -45,7 +47,7 @@ def test_paged_index_scores_equal_the_xla_path(case, queries, pages_per_block):
   if queries == "fp8_keys_and_queries":
     q, q_scale = pd.fp8_queries(q)
   args = (q, q_scale, w, keys, k_scale, c["table"], c["pos"], PAGE)
-  got = pg.paged_index_scores(*args, pages_per_block=pages_per_block, interpret=True)
+  got = pg.paged_index_scores(*args, pages_per_block=pages_per_block)
   assert np.isinf(np.asarray(got)[1, 22:]).all() and np.isfinite(np.asarray(got)[1, :22]).all()  # past pos: -inf
   close(got, pd.paged_index_scores_xla(*args), 1e-5)  # fp32 rounding: the same values on both sides
 
@@ -57,7 +59,7 @@ def test_the_scores_end_at_each_rows_position(case, pos):
   keys, ks = _fp8_keys(c)
   args = (c["q"], None, c["w"], keys, ks.at[:].set(jnp.abs(ks) + 1e-3), c["table"], jnp.asarray(pos, jnp.int32),
           PAGE)
-  got = np.asarray(pg.paged_index_scores(*args, pages_per_block=2, interpret=True))
+  got = np.asarray(pg.paged_index_scores(*args, pages_per_block=2))
   for r, p in enumerate(pos):
     assert np.isinf(got[r, p + 1:]).all() and np.isfinite(got[r, :p + 1]).all()
   if max(pos) >= 0:
@@ -72,7 +74,7 @@ def _mla_case(fp8: bool, c: int = 256):
 @pytest.mark.parametrize("block, heads", [(16, 16), (32, 32)])
 def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads):
   args = _mla_case(fp8)
-  got = pg.sparse_mla_decode(*args, 0.1, block=block, heads_per_program=heads, interpret=True)
+  got = pg.sparse_mla_decode(*args, 0.1, block=block, heads_per_program=heads)
   ref = pd.sparse_mla_decode_xla(*args, 0.1)
   close(got, ref, 1e-5)  # 3 bf16 parts against the fp8 codes: fp32-accurate
   assert np.all(np.asarray(got)[1] == 0)
@@ -80,7 +82,7 @@ def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads):
   if fp8:  # the latent as the gpu row's pool holds it (uint32 words, 4 codes a word): the same result
     q_abs, q_pe, ids, valid, c_kv, k_pe, s = args
     words = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, to_words(c_kv), k_pe, s, 0.1, block=block,
-                                 heads_per_program=heads, interpret=True)
+                                 heads_per_program=heads)
     np.testing.assert_array_equal(words, got)
 
 
@@ -89,8 +91,7 @@ def test_sparse_mla_decode_in_one_bf16_part_is_flashmlas_rounding():
   bf16's relative step of the fp32 result, and visibly not fp32-accurate (the parts do something)."""
   args = _mla_case(True)
   ref = np.asarray(pd.sparse_mla_decode_xla(*args, 0.1))
-  err = np.max(np.abs(np.asarray(pg.sparse_mla_decode(*args, 0.1, block=16, heads_per_program=16, parts=1,
-                                                      interpret=True)) - ref)) / np.max(np.abs(ref))
+  err = np.max(np.abs(np.asarray(pg.sparse_mla_decode(*args, 0.1, block=16, heads_per_program=16, parts=1)) - ref)) / np.max(np.abs(ref))
   assert 1e-5 < err < 2 ** -7, err
 
 
@@ -134,16 +135,16 @@ def test_shapes_triton_cannot_take_get_one_line():
   c = _mla_case(True)
   with pytest.raises(ValueError, match="powers of 2 of at least 16.*block=24"):
     pg.sparse_mla_decode(*_mla_case(True, 256)[:2], jnp.zeros((B, 48), jnp.int32), jnp.ones((B, 48), bool),
-                         *c[4:], 0.1, block=24, interpret=True)
+                         *c[4:], 0.1, block=24)
   with pytest.raises(ValueError, match="one slot a row"):
-    pg.sparse_mla_decode(*c[:5], c[5].reshape(N // 2, -1), c[6], 0.1, interpret=True)
+    pg.sparse_mla_decode(*c[:5], c[5].reshape(N // 2, -1), c[6], 0.1)
   q = jnp.zeros((B, H, 128))
   with pytest.raises(ValueError, match="paired"):
     pg.paged_index_scores(q, None, jnp.zeros((B, H)), jnp.zeros((N, 128), PAIRED_DTYPE), jnp.ones((N, 1)),
-                          jnp.zeros((B, P), jnp.int32), jnp.zeros((B,), jnp.int32), PAGE, interpret=True)
+                          jnp.zeros((B, P), jnp.int32), jnp.zeros((B,), jnp.int32), PAGE)
   with pytest.raises(ValueError, match="keys_a_block=8"):
     pg.paged_index_scores(q, None, jnp.zeros((B, H)), jnp.zeros((N, 128)), None, jnp.zeros((B, P), jnp.int32),
-                          jnp.zeros((B,), jnp.int32), 8, pages_per_block=1, interpret=True)
+                          jnp.zeros((B,), jnp.int32), 8, pages_per_block=1)
 
 
 def _lowered_for_cuda(fn, *args) -> str:
@@ -178,4 +179,27 @@ def test_no_row_takes_the_triton_kernel_until_measured():
   with backend.forced("gpu", paged_scoring="triton") as got:
     assert got.paged_scoring == "triton"
     assert not backend.pallas_interpret(None, "gpu") and backend.pallas_interpret(None)  # Triton's lowering, not Mosaic's
-  assert backend.pallas_interpret(None, "gpu")  # on this CPU: the interpreter
+  assert backend.pallas_interpret(None, "gpu") == (jax.default_backend() != "gpu")  # off a GPU: the interpreter
+
+
+@pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
+def test_the_engine_scoring_by_the_triton_kernel_decodes_the_xla_paths_tokens():
+  """The serving engine over an fp8 cache with its decode scores by the Triton kernel (interpreted here) gives the
+  greedy tokens of the XLA path, the selection mattering (top-k 8 of up to 40 keys; 16 indexer heads: Triton's
+  smallest dot)."""
+  from MaxText.checkpoint import model_state
+  from MaxText.inference.scheduler import SamplingParams
+  from MaxText.inference.serving import ServingEngine
+  from MaxText.runtime import sharding
+  from tests.conftest import make_config
+  from tests.support.serving import BASE, NEW, PROMPTS
+  cfg = make_config(**{**BASE, "kv_cache_dtype": "fp8", "indexer_head_dim": 128, "indexer_n_heads": 16,
+                       "serve_page_size": 16, "serve_num_pages": 12})
+  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
+  out = {}
+  for route in ("xla", "triton"):
+    with backend.forced(paged_scoring=route):
+      eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
+      out[route] = [r.output for r in eng.generate(PROMPTS[:4], SamplingParams(max_tokens=NEW))]
+  assert out["triton"] == out["xla"]
+  assert all(len(o) == NEW for o in out["triton"])
