@@ -9,8 +9,18 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # Tests are compile-bound (tiny shapes): LLVM -O0 compiles ~40% faster, and XLA:CPU's elemental
 # emitters instead of its fusion emitters ~40% faster again (a serving engine's 9 step programs:
 # 18.4 s -> 11.3 s), same results at the tests' tolerances. CLI subprocesses take the same flags
-# (but test_multiprocess's: -O0 only, see there).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# (but test_multiprocess's: -O0 only, see there). jaxlib 0.11 knows no --xla_cpu_use_fusion_emitters (an unknown
+# flag in XLA_FLAGS aborts the process when its first backend starts: the GPU image's jax 0.11.2 ran no test).
+from importlib import metadata  # noqa: E402
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2] if p.isdigit())
+
+
+ELEMENTAL_EMITTERS = _jaxlib_version() < (0, 11)  # whether XLA:CPU still has them (and the flag)
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if ELEMENTAL_EMITTERS else "")
 for _flag in FAST_COMPILE_FLAGS.split():
   if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag
@@ -103,6 +113,8 @@ def production_emitters(monkeypatch):
   for tests that read the compiled HLO's structure (in-place updates, copies) as users get it."""
   import jax
 
+  if not ELEMENTAL_EMITTERS:  # the fusion emitters are all this jaxlib has
+    return
   compile_ = jax.stages.Lowered.compile
 
   def compile_with_fusion_emitters(self, compiler_options=None, **kw):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from MaxText.inference import kv_cache, paged_cache
 from MaxText.inference.paged_cache import PagedKeys
@@ -148,9 +149,10 @@ def test_shapes_triton_cannot_take_get_one_line():
 
 
 def _lowered_for_cuda(fn, *args) -> str:
-  """fn's module lowered for CUDA on this host (no GPU: Pallas' Triton lowering runs in Python; the PTX
-  compile is the GPU's)."""
-  with backend.forced("gpu"):
+  """fn's module lowered for CUDA on this host (no GPU: Pallas' Triton lowering runs in Python for an H200 named
+  by an abstract device; the PTX compile is the GPU's)."""
+  h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  with backend.forced("gpu"), jax.sharding.use_abstract_mesh(h200):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
