@@ -10,6 +10,8 @@ questions either way, so the model's math is written once for both:
     latents(dtype)      every slot's c_kv [b,S,c], k_pe [b,S,r] (a contiguous copy; tests)
     attend_dense(..)    dense attention over every valid slot (paged: a block of pages at a time)
     gather(idx, dtype)  the selected slots' c_kv [b,n,c], k_pe [b,n,r] (sparse: O(k) per query)
+    attend_selected(..) a decode step's attention over its selected slots read by a kernel where they lie
+                        (backend.py's sparse_decode "triton"; None where no kernel applies: gather instead)
     stored(name, x)     x as a later read will return it (rounded to the storage dtype; fp8 blocks)
 
 A view is a pytree; for a scanned layer stack every array has a leading L axis (the page table
@@ -28,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.inference import kv_cache, paged_cache
-from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, latent_attention_dense, select_spliced
+from MaxText.kernels import backend
+from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, latent_attention_dense, merge_row, select_spliced
 from MaxText.kernels.paged_decode import fp8_scored_queries
 
 
@@ -112,6 +115,24 @@ class CacheView:
     if self.paged:
       return paged_cache.gather_selected(self.store, self.page_table, idx, self.page_size, dtype, self.layer)
     return kv_cache.gather_latents(self.store, idx, dtype)
+
+  def attend_selected(self, q_abs: jax.Array, q_pe: jax.Array, idx: jax.Array, valid: jax.Array, c_new: jax.Array,
+                      pe_new: jax.Array, start: jax.Array, scale: float) -> jax.Array | None:
+    """A decode step's attention over its selected slots by a kernel that reads them where they lie, where
+    backend.py's sparse_decode names one ("triton") and the cache is paged; else None (the caller gathers):
+    q_abs [b,1,h,c], q_pe [b,1,h,r], idx / valid [b,1,k], the new token's c_new [b,1,c], pe_new [b,1,r] (as
+    stored) at start [b] -> o_lat [b,1,h,c] fp32. The new token's latent is not in the pool until the step's
+    write: its slot is left out of the kernel's and merged in after (cached_attention.merge_row)."""
+    if not self.paged or backend.choice("sparse_decode") != "triton" or idx.shape[1] != 1:
+      return None
+    fresh = idx[:, 0] == start[:, None]  # [b,k] the new token's position (selected at most once)
+    o, lse = paged_cache.attend_selected(self.store, self.page_table, idx[:, 0], valid[:, 0] & ~fresh, q_abs[:, 0],
+                                         q_pe[:, 0], self.page_size, scale, self.layer)  # [b,h,c], [b,h]
+    c, pe = c_new[:, 0].astype(jnp.float32), pe_new[:, 0].astype(jnp.float32)  # [b,c], [b,r]
+    hi = jax.lax.Precision.HIGHEST
+    logit = (jnp.einsum("bhc,bc->bh", q_abs[:, 0].astype(jnp.float32), c, precision=hi)
+             + jnp.einsum("bhr,br->bh", q_pe[:, 0].astype(jnp.float32), pe, precision=hi)) * scale  # [b,h]
+    return merge_row(o, lse, logit, c, jnp.any(fresh & valid[:, 0], axis=1))[:, None]  # [b,1,h,c]
 
   def stored(self, name: str, x: jax.Array) -> jax.Array:
     return kv_cache.as_stored(self.store, name, x)

@@ -530,6 +530,33 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   return c.astype(dtype), kv_cache.as_values(got["k_pe"]).astype(dtype)
 
 
+SELECTED_BLOCK = 32  # slots a step of the Triton MLA kernel's loop (paged_decode_gpu.sparse_mla_decode's block)
+
+
+def attend_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Array, valid: jax.Array,
+                    q_abs: jax.Array, q_pe: jax.Array, page_size: int, scale: float,
+                    layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Decode attention over only the selected latents, read by the kernel where they lie (backend.py's
+  sparse_decode "triton": paged_decode_gpu.sparse_mla_decode; no [B,k,c] gather to HBM first): idx [B,k]
+  positions with valid [B,k], q_abs [B,H,c], q_pe [B,H,r] -> (o_lat [B,H,c] fp32, lse [B,H]: the log of the
+  softmax's denominator, -inf for a row with nothing valid). On a mesh each device attends its own rows over
+  its own page shard (a row's pages lie in its device's shard: module doc), as gather_selected reads."""
+  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+  k = idx.shape[1]
+  pad = -k % SELECTED_BLOCK  # the kernel's loop takes whole blocks: padding slots invalid
+  idx, valid = jnp.pad(idx, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))  # [B, k']
+
+  def run(stores, arrays, first):  # on a page shard: stores [N_l, n], rows [B_l, ...]
+    table, idx, valid, q_abs, q_pe = arrays
+    ids = lookup_pages(table, idx // page_size) * page_size + idx % page_size - first  # [B_l,k'] local slots
+    return paged_decode_gpu.sparse_mla_decode(q_abs, q_pe, ids, valid, stores["c_kv"], stores["k_pe"],
+                                              stores.get("c_kv_scale"), scale, block=SELECTED_BLOCK,
+                                              return_lse=True)
+
+  return _on_shards(run, present, ((page_table, 0), (idx, 0), (valid, 0), (q_abs, 0), (q_pe, 0)), pool_out=False,
+                    layer=layer)
+
+
 def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
   """Bytes of every layer's pools for num_pages pages (scales included; with serve_speculative_tokens
   the MTP layer's pool too)."""
@@ -538,5 +565,6 @@ def pool_bytes(config: Config, num_pages: int, page_size: int) -> int:
 
 
 __all__ = ["PagedLayerCache", "init_layer_pools", "init_pools", "placed", "page_axes", "page_shards", "pool_shardings", "slots",
-           "write", "PagedKeys", "select_over_pages", "dense_over_pages", "sequence_view", "gather_selected", "pool_bytes",
+           "write", "PagedKeys", "select_over_pages", "dense_over_pages", "sequence_view", "gather_selected", "attend_selected",
+           "pool_bytes",
            "page_values"]

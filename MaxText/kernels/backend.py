@@ -60,6 +60,10 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      uint8 rows in slot order               paired in 256-slot groups, subnormals flushed: the
                                                            scoring kernel's bf16 keys by 9 word ops per 4
                                                            codes, not ~15 per code (fp8_blocks.paired_rows)
+  sparse_decode      "xla": a decode step's selected       "xla" (gpu, tpu, others); "triton": paged_decode_gpu's
+                     latents gathered (gather_selected),   kernel reads them from the pools (paged_cache.
+                     then gather_attend (attention_mla)    attend_selected; the new token merged by its lse);
+                                                           no row takes it until measured on a GPU
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -103,6 +107,7 @@ class Choices:
   matmul_layout: str = "free"  # "free" | "few_rows_pinned": a few-row matmul output's layout (fp8_blocks.matmul)
   fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
   key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_cache._paired_keys)
+  sparse_decode: str = "xla"  # "xla" | "triton": a paged decode step's attention over its selected slots
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -122,6 +127,7 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
     "key_order": ("natural", "paired"),  # paged_cache: an fp8 idx_k pool's rows in slot order; int8, paired
+    "sparse_decode": ("xla",),  # the selected latents gathered, then gather_attend (the Mosaic kernel tied it: none)
 }
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
     "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
@@ -129,6 +135,7 @@ TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable on
 }
 GPU_WAYS = {  # ways written for a GPU (Triton); no row takes them until measured on one (forced meanwhile)
     "paged_scoring": ("triton",),  # paged_decode_gpu.paged_index_scores: gathered loads of a block's keys
+    "sparse_decode": ("triton",),  # paged_cache.attend_selected: paged_decode_gpu.sparse_mla_decode on the pools
 }
 
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs

@@ -250,6 +250,20 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
   return jnp.where(fresh, take(c_new), c_sel.astype(dtype)), jnp.where(fresh, take(pe_new), pe_sel.astype(dtype))
 
 
+def merge_row(o: jax.Array, lse: jax.Array, logit: jax.Array, row: jax.Array, take: jax.Array) -> jax.Array:
+  """Attention over a set of keys merged with one more key: o [b,h,c] the set's output and lse [b,h] the log of
+  its softmax denominator (-inf: the set is empty), the extra key's scaled logit [b,h] and value row [b,c],
+  joining where take [b] -> the attention over both [b,h,c] fp32, the softmax over the union (0 where both are
+  empty). A decode step's new token (its latent not in the pool until the step's write) joins the selected
+  slots the pool kernel attended (paged_cache.attend_selected)."""
+  new = jnp.where(take[:, None], logit.astype(jnp.float32), -jnp.inf)  # [b,h]
+  m = jnp.maximum(lse, new)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # both -inf: any finite shift (a and e are 0)
+  a, e = jnp.exp(lse - m), jnp.exp(new - m)  # [b,h]
+  out = o.astype(jnp.float32) * a[..., None] + e[..., None] * row.astype(jnp.float32)[:, None, :]  # [b,h,c]
+  return out / jnp.maximum(a + e, jnp.finfo(jnp.float32).tiny)[..., None]
+
+
 __all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
            "latent_attention_blocks",
-           "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected"]
+           "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected", "merge_row"]

@@ -172,8 +172,9 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
 # ---- (b) sparse MLA decode
 
 def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: int, groups: int, gw: int,
-                scale: float, fp8: bool, parts: int):
-  cs_ref, out_ref = rest if fp8 else (None, rest[0])
+                scale: float, fp8: bool, parts: int, lse: bool):
+  cs_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
+  out_ref, lse_ref = rest if lse else (rest[0], None)
   hb, k = q_ref.shape[2], ids_ref.shape[1]
   lane = jax.lax.broadcasted_iota(jnp.int32, (gw,), 0)  # [gw]
 
@@ -214,23 +215,26 @@ def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: i
 
   init = (jnp.full((hb,), jnp.finfo(jnp.float32).min, jnp.float32), jnp.zeros((hb,), jnp.float32),
           tuple(jnp.zeros((hb, gw), jnp.float32) for _ in range(groups)))
-  _, l, acc = jax.lax.fori_loop(0, k // blk, step, init)
+  m, l, acc = jax.lax.fori_loop(0, k // blk, step, init)
   inv = 1.0 / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # [hb]; no valid slot: acc 0, so 0
   for g in range(groups):
     out_ref[0, :, pl.ds(g * gw, gw)] = acc[g] * inv[:, None]
+  if lse_ref is not None:  # log sum_k exp(logit_k): -inf with no valid slot (l = 0)
+    lse_ref[0, :] = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, jnp.finfo(jnp.float32).tiny)), NEG_INF)
 
 
 def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: jax.Array, c_kv: jax.Array,
                       k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 32,
                       heads_per_program: int = 32, parts: int = 3, num_warps: int = 8, num_stages: int = 2,
-                      interpret: bool | None = None) -> jax.Array:
+                      return_lse: bool = False, interpret: bool | None = None):
   """paged_decode.sparse_mla_decode's function (the same arguments and result) by a Triton kernel:
   o_lat [B,H,c] fp32, softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale, times
   c; a row with no valid slot gets 0. The pools as a GPU's row holds them: c_kv uint8 fp8 bits [N,c] or
   uint32 words [N,c/4] with c_kv_scale [N,c/128], or f32 [N,c]; k_pe [N,r] uint16 bf16 bits or f32.
   parts: the bf16 parts of the fp32 query and scaled probabilities against the fp8 codes (3: fp32-
   accurate; 1: bf16, FlashMLA's arithmetic). K a multiple of block; block, heads_per_program, c/128
-  (fp8) or c, and r powers of 2 >= 16."""
+  (fp8) or c, and r powers of 2 >= 16. return_lse: (o_lat, lse [B,H] fp32), lse the log of the softmax's
+  denominator (-inf for a row with no valid slot), to merge other keys in afterwards (cached_attention.merge_row)."""
   fp8 = c_kv_scale is not None
   b, h, _ = q_abs.shape
   r, k = q_pe.shape[-1], ids.shape[1]
@@ -248,12 +252,9 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   gw = FP8_BLOCK if fp8 else c
   _check_block("paged_decode_gpu.sparse_mla_decode", block=block, heads_per_program=hb, group=gw, rope=r)
   ids = jnp.clip(ids, 0, n - 1).astype(jnp.int32)
-  if fp8:  # [B, parts, H, c] bf16 (the pe query's dot is against bf16-exact keys too)
-    qin = jnp.stack(_as_parts(q_abs.astype(jnp.float32), parts), axis=1)
-  else:
-    qin = q_abs.astype(jnp.float32)[:, None]
-  qpe = (jnp.stack(_as_parts(q_pe.astype(jnp.float32), parts), axis=1) if k_pe.dtype == jnp.uint16
-         else q_pe.astype(jnp.float32)[:, None])  # [B, parts', H, r]
+  split = lambda x: jnp.stack(_as_parts(x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32), parts), axis=1)
+  qin = split(q_abs) if fp8 else q_abs.astype(jnp.float32)[:, None]  # [B, parts, H, c] bf16 (one: a bf16 query)
+  qpe = split(q_pe) if k_pe.dtype == jnp.uint16 else q_pe.astype(jnp.float32)[:, None]  # [B, parts', H, r]
   ins = [ids, valid.astype(jnp.int32), qin, qpe, codes, k_pe]
   any_ = pl.BlockSpec(memory_space=pl.ANY)
   specs = [pl.BlockSpec((1, k), lambda i, j: (i, 0)), pl.BlockSpec((1, k), lambda i, j: (i, 0)),
@@ -262,13 +263,18 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   if fp8:
     ins.append(c_kv_scale.astype(jnp.float32))
     specs.append(any_)
-  kernel = functools.partial(_mla_kernel, blk=block, groups=c // gw, gw=gw, scale=scale, fp8=fp8, parts=parts)
-  return pl.pallas_call(
-      kernel, grid=(b, h // hb), in_specs=specs,
-      out_specs=pl.BlockSpec((1, hb, c), lambda i, j: (i, j, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, h, c), jnp.float32),
+  kernel = functools.partial(_mla_kernel, blk=block, groups=c // gw, gw=gw, scale=scale, fp8=fp8, parts=parts,
+                             lse=return_lse)
+  out_specs = [pl.BlockSpec((1, hb, c), lambda i, j: (i, j, 0))]
+  out_shape = [jax.ShapeDtypeStruct((b, h, c), jnp.float32)]
+  if return_lse:
+    out_specs.append(pl.BlockSpec((1, hb), lambda i, j: (i, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h), jnp.float32))
+  got = pl.pallas_call(
+      kernel, grid=(b, h // hb), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=_params(num_warps, num_stages), interpret=pallas_interpret(interpret, "gpu"),
       name="sparse_mla_decode_gpu")(*ins)
+  return tuple(got) if return_lse else got[0]
 
 
 __all__ = ["paged_index_scores", "sparse_mla_decode"]

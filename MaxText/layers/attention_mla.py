@@ -290,12 +290,15 @@ class MLA(nnx.Module):
                                             max_bytes=cfg.serve_max_index_score_bytes,
                                             precision=precision,
                                             fp8_queries=cfg.indexer_fp8_queries)  # blocks <= serve_max_index_score_bytes
-      k = idx.shape[-1]
-      flat = idx.reshape(b, t * k)  # [b,t*k]
-      c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,
-                                     dt)  # [b,t*k,kv_lora], [b,t*k,rope]
-      o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, None, idx_valid, cfg.softmax_scale,
-                               precision=precision)  # [b,t,h,kv_lora]: query i's rows i*k .. i*k+k-1, in order
+      o_lat = cache.attend_selected(q_abs, q_pe, idx, idx_valid, stored["c_kv"], stored["k_pe"], start,
+                                    cfg.softmax_scale)  # [b,1,h,kv_lora] where a kernel reads the pool, else None
+      if o_lat is None:
+        k = idx.shape[-1]
+        flat = idx.reshape(b, t * k)  # [b,t*k]
+        c_sel, pe_sel = merge_selected(*cache.gather(flat, dt), stored["c_kv"], stored["k_pe"], flat, start,
+                                       dt)  # [b,t*k,kv_lora], [b,t*k,rope]
+        o_lat, _ = gather_attend(q_abs, q_pe, c_sel, pe_sel, None, idx_valid, cfg.softmax_scale,
+                                 precision=precision)  # [b,t,h,kv_lora]: query i's rows i*k .. i*k+k-1, in order
     elif cache.mode == "dense":
       o_lat = cache.attend_dense(q_abs, q_pe, stored["c_kv"], stored["k_pe"], positions, cfg.softmax_scale,
                                  precision)  # [b,t,h,kv_lora]

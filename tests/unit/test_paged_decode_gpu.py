@@ -159,7 +159,8 @@ def _lowered_for_cuda(fn, *args) -> str:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_both_kernels_lower_to_triton_at_the_official_shapes(fp8):
   """The indexer's 64 heads of 128 over pages of 64 (fp8 keys, bf16 queries: the engine's), MLA's 128 heads of
-  512 + 64 over 2048 selected slots (the pools as the gpu row holds them): both lower to a Triton call."""
+  512 + 64 over 2048 selected slots (the pools as the gpu row holds them; fp8: with the lse, as the engine calls
+  it): both lower to a Triton call."""
   sds = jax.ShapeDtypeStruct
   b, n, page = 2, 4096, 64
   keys = (sds((n, 128), jnp.uint8), sds((n, 1), jnp.float32)) if fp8 else (sds((n, 128), jnp.float32), None)
@@ -170,7 +171,7 @@ def test_both_kernels_lower_to_triton_at_the_official_shapes(fp8):
   assert "xla.gpu.triton" in txt and "paged_index_scores_gpu" in txt
   pools = ((sds((n, 128), jnp.uint32), sds((n, 64), jnp.uint16), sds((n, 4), jnp.float32)) if fp8 else
            (sds((n, 512), jnp.float32), sds((n, 64), jnp.float32)))
-  txt = _lowered_for_cuda(lambda *a: pg.sparse_mla_decode(*a[:6], a[6] if fp8 else None, 0.1),
+  txt = _lowered_for_cuda(lambda *a: pg.sparse_mla_decode(*a[:6], a[6] if fp8 else None, 0.1, return_lse=fp8),
                           sds((b, 128, 512), jnp.float32), sds((b, 128, 64), jnp.float32),
                           sds((b, 2048), jnp.int32), sds((b, 2048), jnp.bool_), *pools)
   assert "xla.gpu.triton" in txt and "sparse_mla_decode_gpu" in txt
@@ -185,10 +186,11 @@ def test_no_row_takes_the_triton_kernel_until_measured():
 
 
 @pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
-def test_the_engine_scoring_by_the_triton_kernel_decodes_the_xla_paths_tokens():
-  """The serving engine over an fp8 cache with its decode scores by the Triton kernel (interpreted here) gives the
-  greedy tokens of the XLA path, the selection mattering (top-k 8 of up to 40 keys; 16 indexer heads: Triton's
-  smallest dot)."""
+def test_the_engine_on_the_triton_kernels_decodes_the_xla_paths_tokens(monkeypatch):
+  """The serving engine with its decode scores (paged_scoring) and its attention over the selected slots
+  (sparse_decode: the new token merged by its lse) by the Triton kernels, interpreted here, gives the greedy
+  tokens of the XLA path, the selection mattering (top-k 8 of up to 40 keys). Triton's smallest dot: 16 heads of
+  each kind; the fp8 latent in 128-blocks."""
   from MaxText.checkpoint import model_state
   from MaxText.inference.scheduler import SamplingParams
   from MaxText.inference.serving import ServingEngine
@@ -196,12 +198,56 @@ def test_the_engine_scoring_by_the_triton_kernel_decodes_the_xla_paths_tokens():
   from tests.conftest import make_config
   from tests.support.serving import BASE, NEW, PROMPTS
   cfg = make_config(**{**BASE, "kv_cache_dtype": "fp8", "indexer_head_dim": 128, "indexer_n_heads": 16,
-                       "serve_page_size": 16, "serve_num_pages": 12})
+                       "num_query_heads": 16, "kv_lora_rank": 128, "qk_rope_head_dim": 16, "serve_page_size": 16,
+                       "serve_num_pages": 12})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
-  out = {}
-  for route in ("xla", "triton"):
-    with backend.forced(paged_scoring=route):
+  traced = []  # the kernels the engine's programs trace (the routes taken)
+  for name in ("paged_index_scores", "sparse_mla_decode"):
+    monkeypatch.setattr(pg, name, lambda *a, _fn=getattr(pg, name), _name=name, **kw: traced.append(_name) or _fn(*a, **kw))
+  out, routes = {}, {"xla": {}, "triton": dict(paged_scoring="triton", sparse_decode="triton")}
+  for name, route in routes.items():
+    with backend.forced(**route):
       eng = ServingEngine(cfg, graphdef, params, buffers, eos_id=-1)
-      out[route] = [r.output for r in eng.generate(PROMPTS[:4], SamplingParams(max_tokens=NEW))]
+      out[name] = [r.output for r in eng.generate(PROMPTS[:3], SamplingParams(max_tokens=NEW))]
+    assert sorted(set(traced)) == ([] if name == "xla" else ["paged_index_scores", "sparse_mla_decode"])
   assert out["triton"] == out["xla"]
   assert all(len(o) == NEW for o in out["triton"])
+
+
+@pytest.mark.parametrize("take", [True, False])
+def test_merge_row_is_the_softmax_over_the_union(take):
+  """merge_row's (set output, its lse) + one more key equals attention over the set and the key together; an
+  empty set (lse -inf) gives the key's row, an empty union 0."""
+  from MaxText.kernels.cached_attention import merge_row
+  k = jax.random.split(jax.random.key(5), 4)
+  logits = jax.random.normal(k[0], (2, 3, 5)) * 3  # [b,h,k]: the set's scaled logits
+  vals = jax.random.normal(k[1], (2, 5, 8))  # [b,k,c]
+  extra, row = jax.random.normal(k[2], (2, 3)) * 3, jax.random.normal(k[3], (2, 8))
+  o = jnp.einsum("bhk,bkc->bhc", jax.nn.softmax(logits, -1), vals)
+  lse = jax.nn.logsumexp(logits, -1)
+  got = merge_row(o, lse, extra, row, jnp.array([take, take]))
+  if take:
+    p = jax.nn.softmax(jnp.concatenate([logits, extra[..., None]], -1), -1)  # [b,h,k+1]
+    want = jnp.einsum("bhk,bkc->bhc", p[..., :5], vals) + p[..., 5:] * row[:, None]
+  else:
+    want = o
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  empty = jnp.full((2, 3), -jnp.inf)
+  np.testing.assert_allclose(merge_row(jnp.zeros_like(o), empty, extra, row, jnp.array([True, False])),
+                             jnp.stack([jnp.broadcast_to(row[0], (3, 8)), jnp.zeros((3, 8))]), rtol=1e-6)
+
+
+def test_the_kernels_lse_is_the_log_of_its_softmax_denominator():
+  q_abs, q_pe, ids, valid, c_kv, k_pe, s = _mla_case(True)
+  o, lse = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, s, 0.1, block=16, heads_per_program=16,
+                                return_lse=True)
+  np.testing.assert_array_equal(o, pg.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, s, 0.1, block=16,
+                                                        heads_per_program=16))
+  c = pd.as_values(c_kv).astype(jnp.float32).reshape(N, -1, 128) * s[..., None]  # [N, c/128, 128]
+  pe = pd.as_values(k_pe).astype(jnp.float32)
+  hi = jax.lax.Precision.HIGHEST
+  logits = (jnp.einsum("bhc,bkc->bhk", q_abs, c.reshape(N, -1)[ids], precision=hi)
+            + jnp.einsum("bhr,bkr->bhk", q_pe, pe[ids], precision=hi)) * 0.1  # [B,H,K]
+  want = jax.nn.logsumexp(jnp.where(valid[:, None], logits, -jnp.inf), -1)  # row 1: nothing valid, -inf
+  assert np.isneginf(np.asarray(lse)[1]).all()
+  np.testing.assert_allclose(lse[0], want[0], rtol=1e-5)
