@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 54's run on a GPU (an H200 or H100), under the run tool's 10 minutes a command:
-#   bash benchmarks/gpu_decode_check.sh all OUT       tests, kernels, profile, decode below, in that order (~9 min)
+# Issue 54's run on a GPU (an H200 or H100), under the run tool's 10 minutes a command (parts joined by commas run in
+# order: `tests,kernels,profile` in one call, ~8 min; `decode` in a second):
 #   bash benchmarks/gpu_decode_check.sh tests OUT     tests/unit/test_paged_decode_gpu.py with the Triton kernels
 #                                                    COMPILED (interpret off on a GPU) against the XLA references
 #   bash benchmarks/gpu_decode_check.sh kernels OUT   benchmarks/paged_decode_kernels.py, Triton: the scoring kernel
@@ -9,7 +9,8 @@
 #                                                    1 / 4 / 16 rows of 128K fp8, bytes and roofline fraction
 #   bash benchmarks/gpu_decode_check.sh profile OUT   benchmarks/decode_profile.py: the 16-row 128K fp8 step as the
 #                                                    gpu row runs it (traced: device time per op and source line),
-#                                                    then with paged_scoring=triton (traced)
+#                                                    then with paged_scoring=triton, then with sparse_decode=triton
+#                                                    too (both traced; the pieces alone in the first)
 #   bash benchmarks/gpu_decode_check.sh decode OUT    benchmarks/decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8
 #                                                    cache, sparse and dense, bytes each step moves and the
 #                                                    fraction of the roofline (the H200's 4.8 TB/s)
@@ -20,11 +21,13 @@ cd "$(dirname "$0")/.."
 part="$1"; out="${2:-/tmp/gdc}"; mkdir -p "$out"
 site="$(bash tools/device/device_bundle.sh --install .device_bundle python3 2>"$out/install.log")" || { tail -5 "$out/install.log"; exit 1; }
 export PYTHONPATH="$PWD:$site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+export JAX_PLATFORMS="${JAX_PLATFORMS-}"  # set, even empty: tests/conftest.py would pick the CPU when unset
 python3 -c 'import jax; print(jax.__version__, jax.devices())' 2>&1 | tee "$out/devices.log"
 common="--context 131072 --cache-dtype fp8 --iters 7 --top 15 --set weight_dtype=bfloat16"
 
-tests() {
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode_gpu.py 2>&1 | tee "$out/tests.log"
+tests() {  # on the GPU (JAX_PLATFORMS set, empty): the kernels compiled by Triton, not interpreted
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode_gpu.py \
+    tests/unit/test_backend.py 2>&1 | tee "$out/tests.log"
 }
 kernels() {
   { timeout 200 python3 benchmarks/paged_decode_kernels.py --rows 16 4 1 --contexts 131072 --dtypes fp8 --iters 7 \
@@ -34,15 +37,18 @@ kernels() {
 }
 profile() {
   { timeout 120 python3 benchmarks/decode_profile.py --rows 16 $common --out /tmp/dp_gpu_xla
-    timeout 120 python3 benchmarks/decode_profile.py --rows 16 $common --out /tmp/dp_gpu_triton \
-      --force paged_scoring=triton; } 2>&1 | tee "$out/profile.log"
+    timeout 90 python3 benchmarks/decode_profile.py --rows 16 $common --no-pieces --out /tmp/dp_gpu_scoring \
+      --force paged_scoring=triton
+    timeout 90 python3 benchmarks/decode_profile.py --rows 16 $common --no-pieces --out /tmp/dp_gpu_both \
+      --force paged_scoring=triton sparse_decode=triton; } 2>&1 | tee "$out/profile.log"
 }
 decode() {
   timeout 200 python3 benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8 --iters 5 \
     --stat median 2>&1 | tee "$out/decode.log"
 }
-case "$part" in
-  all) tests; kernels; profile; decode ;;
-  tests | kernels | profile | decode) "$part" ;;
-  *) echo "gpu_decode_check.sh: part must be all, tests, kernels, profile or decode, got '$part'" >&2; exit 2 ;;
-esac
+for p in ${part//,/ }; do
+  case "$p" in
+    tests | kernels | profile | decode) "$p" ;;
+    *) echo "gpu_decode_check.sh: parts are tests, kernels, profile and decode (joined by commas), got '$p'" >&2; exit 2 ;;
+  esac
+done
