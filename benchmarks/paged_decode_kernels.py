@@ -14,8 +14,9 @@ the kernel against the XLA reference (the rows gathered, a masked softmax). Each
 of --iters calls (alternating), the bytes it must move (its roofline bound at --bandwidth GB/s:
 the v5e's 819 by default) and the fraction of that bound achieved; the largest difference from the
 XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
---module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@parts1` is the MLA kernel
-with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps).
+--module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@native` converts fp8 by
+the hardware (sm89+; the scoring's e4m3 queries in an fp8 x fp8 dot), `kernel@parts1` / `kernel@native1` is the
+MLA kernel with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps).
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False
     ppb = min(n, d["table"].shape[1])
     fn = jax.jit(functools.partial(module.paged_index_scores, page=PAGE, pages_per_block=ppb, interpret=interpret))
     kernels["kernel" if i == 0 else f"kernel@{n}"] = lambda fn=fn: fn(*args)
+  if module is pg and d["idx_k_scale"] is not None:  # the hardware's fp8 conversion (and fp8 x fp8 dot), sm89+
+    fn = jax.jit(functools.partial(pg.paged_index_scores, page=PAGE, pages_per_block=min(blocks[0], d["table"].shape[1]),
+                                   native_fp8=True, interpret=interpret))
+    kernels["kernel@native"] = lambda fn=fn: fn(*args)
   xla = jax.jit(lambda *a: pd.paged_index_scores_xla(*a, PAGE))
 
   @jax.jit
@@ -109,6 +114,9 @@ def mla_fns(d: dict, interpret: bool, module=pd, configs=()) -> dict:
     kernels = {"kernel": functools.partial(pd.sparse_mla_decode, block=min(256, k))}
   else:
     kernels = {"kernel": pg.sparse_mla_decode, "kernel@parts1": functools.partial(pg.sparse_mla_decode, parts=1)}
+    if d["c_kv_scale"] is not None:  # the codes converted by the hardware (sm89+), with 3 parts and with 1
+      kernels["kernel@native"] = functools.partial(pg.sparse_mla_decode, native_fp8=True)
+      kernels["kernel@native1"] = functools.partial(pg.sparse_mla_decode, native_fp8=True, parts=1)
     for cfg in configs:  # "32x32w8": block 32, 32 heads a program, 8 warps
       blk, rest = cfg.split("x")
       heads, warps = rest.split("w")
@@ -174,10 +182,9 @@ def main(argv=None) -> None:
   module = {"mosaic": pd, "triton": pg}[args.module or ("triton" if jax.default_backend() == "gpu" else "mosaic")]
   args.bandwidth, source = bandwidth(args.bandwidth)
   extra = [f"kernel@{n}" for n in args.pages_per_block[1:]]
-  if module is pg:
-    extra += ["kernel@parts1"] + [f"kernel@{c}" for c in args.mla_configs]
-  variants = args.variants + ([v for v in extra if v.split("@")[1] != "parts1" or "mla" in args.kernels]
-                              if "kernel" in args.variants else [])
+  if module is pg:  # (kernel@native: scoring and MLA; parts1, native1 and the configs: MLA)
+    extra += ["kernel@native", "kernel@parts1", "kernel@native1"] + [f"kernel@{c}" for c in args.mla_configs]
+  variants = args.variants + (extra if "kernel" in args.variants else [])
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); kernels {module.__name__}; roofline at "
         f"{args.bandwidth:.0f} GB/s ({source}); median of {args.iters}; interpret={args.interpret}")
   print(f"{'kernel':>8} {'dtype':>7} {'rows':>4} {'context':>7} {'MB':>8} {'bound ms':>8}  "
@@ -206,8 +213,8 @@ def main(argv=None) -> None:
             print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {row['status']}", flush=True)
             results.append(row)
             continue
-          pairs = [(a, b) for a, b in (("kernel", "xla"), ("kernel", "engine"), ("kernel@parts1", "xla"))
-                   if a in out and b in out]
+          pairs = [(a, b) for a, b in (("kernel", "xla"), ("kernel", "engine"), ("kernel@parts1", "xla"),
+                                        ("kernel@native", "xla"), ("kernel@native1", "xla")) if a in out and b in out]
           row.update(status="ok", **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
                      max_rel_diff={f"{a}~{b}": max_rel(out[a], out[b]) for a, b in pairs})
           if "kernel" in ms:

@@ -87,13 +87,22 @@ def _as_parts(x: jax.Array, parts: int) -> list[jax.Array]:
   return [x] if x.dtype == jnp.bfloat16 else _split_bf16(x.astype(jnp.float32), parts)
 
 
+def _fp8_bf16(bits: jax.Array, native: bool) -> jax.Array:
+  """e4m3 bits (uint8) -> their values as bf16, exactly: by the hardware's conversion (native: sm89 and later,
+  Triton's fp8 cast; a cvt instruction two codes at a time) or by integer ops (e4m3_to_f32: ~13 an element,
+  any GPU)."""
+  if native:
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+  return e4m3_to_f32(bits).astype(jnp.bfloat16)
+
+
 def _params(num_warps: int, num_stages: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 # ---- (a) paged indexer scoring
 
-def _score_kernel(pos_ref, tab_ref, q_ref, w_ref, k_ref, *rest, page: int, pages: int, fp8: bool):
+def _score_kernel(pos_ref, tab_ref, q_ref, w_ref, k_ref, *rest, page: int, pages: int, fp8: bool, native: bool):
   ks_ref, out_ref = rest if fp8 else (None, rest[0])
   b, j = pl.program_id(0), pl.program_id(1)
   width = pages * page
@@ -111,9 +120,12 @@ def _score_kernel(pos_ref, tab_ref, q_ref, w_ref, k_ref, *rest, page: int, pages
     keys = k_ref[slots, :]  # [width, d] as stored: a gathered load from the pool
     w = w_ref[0, :]  # [H]
     if fp8:
-      keys = e4m3_to_f32(keys).astype(jnp.bfloat16)  # exact
       q = [q_ref[0, i] for i in range(q_ref.shape[1])]  # bf16 parts [H, d]
-      logits = _parts_dot(q, keys, _NT)  # [H, width]
+      if native and len(q) == 1:  # e4m3 values both: fp8 x fp8 on the tensor cores (DeepGEMM's MQA logits)
+        f8 = jnp.float8_e4m3fn
+        logits = _dot(q[0].astype(f8), jax.lax.bitcast_convert_type(keys, f8), _NT)  # [H, width], exact products
+      else:
+        logits = _parts_dot(q, _fp8_bf16(keys, native), _NT)  # [H, width]
     else:
       logits = _dot(q_ref[0, 0], keys.astype(jnp.float32), _NT)  # [H, width] fp32
     scores = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0)  # [width]
@@ -124,12 +136,13 @@ def _score_kernel(pos_ref, tab_ref, q_ref, w_ref, k_ref, *rest, page: int, pages
 
 def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, idx_k: jax.Array,
                        idx_k_scale: jax.Array | None, table: jax.Array, pos: jax.Array, page: int, *,
-                       pages_per_block: int = 2, num_warps: int = 4, num_stages: int = 2,
+                       pages_per_block: int = 2, num_warps: int = 4, num_stages: int = 2, native_fp8: bool = False,
                        interpret: bool | None = None) -> jax.Array:
   """paged_decode.paged_index_scores' function (the same arguments and result) by a Triton kernel:
   scores [B, P*page] fp32 = sum_h w[h] relu(q[h] . k[s]), -inf past pos[b]. idx_k [N,d] in slot
   order (uint8 fp8 bits with idx_k_scale [N,1], or f32; not the tpu row's paired order); P a multiple
-  of pages_per_block (pad the table with -1); pages_per_block * page and H powers of 2 >= 16."""
+  of pages_per_block (pad the table with -1); pages_per_block * page and H powers of 2 >= 16. native_fp8: the
+  keys converted by the hardware (sm89+), and with e4m3 queries (bf16 values or fp8 bits) an fp8 x fp8 dot."""
   fp8 = idx_k_scale is not None
   b, h, d = q.shape
   p = table.shape[1]
@@ -159,7 +172,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   if fp8:
     ins.append(idx_k_scale.astype(jnp.float32).reshape(-1))  # [N]
     specs.append(None)
-  kernel = functools.partial(_score_kernel, page=page, pages=pages_per_block, fp8=fp8)
+  kernel = functools.partial(_score_kernel, page=page, pages=pages_per_block, fp8=fp8, native=native_fp8)
   return pl.pallas_call(
       kernel, grid=(b, p // pages_per_block),
       in_specs=[s if s is not None else pl.BlockSpec(memory_space=pl.ANY) for s in specs],
@@ -172,7 +185,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
 # ---- (b) sparse MLA decode
 
 def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: int, groups: int, gw: int,
-                scale: float, fp8: bool, parts: int, lse: bool):
+                scale: float, fp8: bool, parts: int, lse: bool, native: bool):
   cs_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
   out_ref, lse_ref = rest if lse else (rest[0], None)
   hb, k = q_ref.shape[2], ids_ref.shape[1]
@@ -191,7 +204,7 @@ def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: i
     for g in range(groups):
       cg = c_ref[ids[:, None], g * gw + lane[None, :]]  # [blk, gw] a 128-block of the latents, as stored
       if fp8:
-        cg = e4m3_to_f32(cg).astype(jnp.bfloat16)  # the codes' values (exact)
+        cg = _fp8_bf16(cg, native)  # the codes' values (exact)
         sg = cs_ref[ids, g]  # [blk] the block's scale a slot
         logits = logits + _parts_dot(qg[g], cg, _NT) * sg[None, :]
         scales.append(sg)
@@ -226,7 +239,7 @@ def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: i
 def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: jax.Array, c_kv: jax.Array,
                       k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 32,
                       heads_per_program: int = 32, parts: int = 3, num_warps: int = 8, num_stages: int = 2,
-                      return_lse: bool = False, interpret: bool | None = None):
+                      return_lse: bool = False, native_fp8: bool = False, interpret: bool | None = None):
   """paged_decode.sparse_mla_decode's function (the same arguments and result) by a Triton kernel:
   o_lat [B,H,c] fp32, softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale, times
   c; a row with no valid slot gets 0. The pools as a GPU's row holds them: c_kv uint8 fp8 bits [N,c] or
@@ -234,7 +247,8 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   parts: the bf16 parts of the fp32 query and scaled probabilities against the fp8 codes (3: fp32-
   accurate; 1: bf16, FlashMLA's arithmetic). K a multiple of block; block, heads_per_program, c/128
   (fp8) or c, and r powers of 2 >= 16. return_lse: (o_lat, lse [B,H] fp32), lse the log of the softmax's
-  denominator (-inf for a row with no valid slot), to merge other keys in afterwards (cached_attention.merge_row)."""
+  denominator (-inf for a row with no valid slot), to merge other keys in afterwards (cached_attention.merge_row).
+  native_fp8: the codes converted to bf16 by the hardware (sm89+), not by integer ops."""
   fp8 = c_kv_scale is not None
   b, h, _ = q_abs.shape
   r, k = q_pe.shape[-1], ids.shape[1]
@@ -264,7 +278,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
     ins.append(c_kv_scale.astype(jnp.float32))
     specs.append(any_)
   kernel = functools.partial(_mla_kernel, blk=block, groups=c // gw, gw=gw, scale=scale, fp8=fp8, parts=parts,
-                             lse=return_lse)
+                             lse=return_lse, native=native_fp8)
   out_specs = [pl.BlockSpec((1, hb, c), lambda i, j: (i, j, 0))]
   out_shape = [jax.ShapeDtypeStruct((b, h, c), jnp.float32)]
   if return_lse:

@@ -53,6 +53,24 @@ def test_paged_index_scores_equal_the_xla_path(case, queries, pages_per_block):
   close(got, pd.paged_index_scores_xla(*args), 1e-5)  # fp32 rounding: the same values on both sides
 
 
+@pytest.mark.parametrize("queries", ["f32", "bf16", "fp8"])
+def test_the_hardwares_fp8_conversion_scores_alike(case, queries):
+  """native_fp8 (sm89+: the keys converted by Triton's fp8 cast; with e4m3 queries an fp8 x fp8 dot) gives the
+  integer decoding's scores bit for bit (every e4m3 value and product is exact either way); the MLA kernel too."""
+  c = case
+  keys, ks = _fp8_keys(c)
+  q, q_scale, w = c["q"], None, c["w"]
+  if queries == "bf16":
+    q, w = pd.fp8_scored_queries(q, w)
+  if queries == "fp8":
+    q, q_scale = pd.fp8_queries(q)
+  args = (q, q_scale, w, keys, ks, c["table"], c["pos"], PAGE)
+  np.testing.assert_array_equal(pg.paged_index_scores(*args, native_fp8=True), pg.paged_index_scores(*args))
+  mla = _mla_case(True)
+  np.testing.assert_array_equal(pg.sparse_mla_decode(*mla, 0.1, block=16, heads_per_program=16, native_fp8=True),
+                                pg.sparse_mla_decode(*mla, 0.1, block=16, heads_per_program=16))
+
+
 @pytest.mark.parametrize("pos", [(-1, 15), (0, 16), (31, 32), (70, 13)])  # a padding row; block edges (2 pages =
 # 32 slots); a position past the table's 64 slots: every slot scored
 def test_the_scores_end_at_each_rows_position(case, pos):
@@ -156,22 +174,23 @@ def _lowered_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_both_kernels_lower_to_triton_at_the_official_shapes(fp8):
+@pytest.mark.parametrize("fp8, native", [(False, False), (True, False), (True, True)])
+def test_both_kernels_lower_to_triton_at_the_official_shapes(fp8, native):
   """The indexer's 64 heads of 128 over pages of 64 (fp8 keys, bf16 queries: the engine's), MLA's 128 heads of
   512 + 64 over 2048 selected slots (the pools as the gpu row holds them; fp8: with the lse, as the engine calls
-  it): both lower to a Triton call."""
+  it; native: the fp8 conversions and the fp8 x fp8 dot, for an H200's sm90): both lower to a Triton call."""
   sds = jax.ShapeDtypeStruct
   b, n, page = 2, 4096, 64
   keys = (sds((n, 128), jnp.uint8), sds((n, 1), jnp.float32)) if fp8 else (sds((n, 128), jnp.float32), None)
   txt = _lowered_for_cuda(lambda q, w, t, pos, k, *ks: pg.paged_index_scores(q, None, w, k, *(ks or [None]), t, pos,
-                                                                             page),
+                                                                             page, native_fp8=native),
                           sds((b, 64, 128), jnp.bfloat16 if fp8 else jnp.float32), sds((b, 64), jnp.float32),
                           sds((b, n // page // b), jnp.int32), sds((b,), jnp.int32), *[k for k in keys if k])
   assert "xla.gpu.triton" in txt and "paged_index_scores_gpu" in txt
   pools = ((sds((n, 128), jnp.uint32), sds((n, 64), jnp.uint16), sds((n, 4), jnp.float32)) if fp8 else
            (sds((n, 512), jnp.float32), sds((n, 64), jnp.float32)))
-  txt = _lowered_for_cuda(lambda *a: pg.sparse_mla_decode(*a[:6], a[6] if fp8 else None, 0.1, return_lse=fp8),
+  txt = _lowered_for_cuda(lambda *a: pg.sparse_mla_decode(*a[:6], a[6] if fp8 else None, 0.1, return_lse=fp8,
+                                                          native_fp8=native),
                           sds((b, 128, 512), jnp.float32), sds((b, 128, 64), jnp.float32),
                           sds((b, 2048), jnp.int32), sds((b, 2048), jnp.bool_), *pools)
   assert "xla.gpu.triton" in txt and "sparse_mla_decode_gpu" in txt
