@@ -5,7 +5,8 @@
 #                                                    COMPILED (interpret off on a GPU) against the XLA references
 #   bash benchmarks/gpu_decode_check.sh kernels OUT   benchmarks/paged_decode_kernels.py, Triton: the scoring kernel
 #                                                    at 2 / 4 / 8 pages a program, the MLA kernel (3 bf16 parts; 1
-#                                                    part; a sweep of blocks, heads a program and warps) beside XLA,
+#                                                    part; fp8 by the hardware; a sweep of blocks, heads a program,
+#                                                    warps and splits) beside XLA,
 #                                                    1 / 4 / 16 rows of 128K fp8, bytes and roofline fraction
 #   bash benchmarks/gpu_decode_check.sh profile OUT   benchmarks/decode_profile.py: the 16-row 128K fp8 step as the
 #                                                    gpu row runs it (traced: device time per op and source line),
@@ -31,7 +32,7 @@ tests() {  # on the GPU (JAX_PLATFORMS set, empty): the kernels compiled by Trit
 }
 kernels() {
   { timeout 200 python3 benchmarks/paged_decode_kernels.py --rows 16 4 1 --contexts 131072 --dtypes fp8 --iters 7 \
-      --pages-per-block 2 4 8 --mla-configs 16x16w4 32x32w4 64x32w8 32x64w8 64x64w8
+      --pages-per-block 2 4 8 --mla-configs 16x16w4 32x32w4 64x32w8 32x64w8 32x32w8s4 64x64w8s8
     timeout 60 python3 benchmarks/paged_decode_kernels.py --rows 16 --contexts 131072 --dtypes fp8 --iters 7 \
       --kernels scoring --f32-queries --pages-per-block 2 4; } 2>&1 | tee "$out/kernels.log"
 }

@@ -16,7 +16,8 @@ the v5e's 819 by default) and the fraction of that bound achieved; the largest d
 XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
 --module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@native` converts fp8 by
 the hardware (sm89+; the scoring's e4m3 queries in an fp8 x fp8 dot), `kernel@parts1` / `kernel@native1` is the
-MLA kernel with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps).
+MLA kernel with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps,
+splits); its `kernel` is the engine's call (paged_cache.attend_selected's block, heads and splits).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.inference import paged_cache
 from MaxText.inference.kv_cache import quantize_fp8
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import paged_decode as pd
@@ -112,16 +114,20 @@ def mla_fns(d: dict, interpret: bool, module=pd, configs=()) -> dict:
   k = d["ids"].shape[1]
   if module is pd:
     kernels = {"kernel": functools.partial(pd.sparse_mla_decode, block=min(256, k))}
-  else:
-    kernels = {"kernel": pg.sparse_mla_decode, "kernel@parts1": functools.partial(pg.sparse_mla_decode, parts=1)}
+  else:  # as the engine calls it (paged_cache.attend_selected: its block, heads a program and splits)
+    engine = functools.partial(pg.sparse_mla_decode, block=paged_cache.SELECTED_BLOCK,
+                               heads_per_program=paged_cache.HEADS_A_PROGRAM,
+                               splits=paged_cache.mla_splits(d["ids"].shape[0], H, k))
+    kernels = {"kernel": engine, "kernel@parts1": functools.partial(engine, parts=1)}
     if d["c_kv_scale"] is not None:  # the codes converted by the hardware (sm89+), with 3 parts and with 1
-      kernels["kernel@native"] = functools.partial(pg.sparse_mla_decode, native_fp8=True)
-      kernels["kernel@native1"] = functools.partial(pg.sparse_mla_decode, native_fp8=True, parts=1)
-    for cfg in configs:  # "32x32w8": block 32, 32 heads a program, 8 warps
+      kernels["kernel@native"] = functools.partial(engine, native_fp8=True)
+      kernels["kernel@native1"] = functools.partial(engine, native_fp8=True, parts=1)
+    for cfg in configs:  # "32x32w8s2": block 32, 32 heads a program, 8 warps, 2 splits (s: optional, 1)
       blk, rest = cfg.split("x")
-      heads, warps = rest.split("w")
+      heads, rest = rest.split("w")
+      warps, _, splits = rest.partition("s")
       kernels[f"kernel@{cfg}"] = functools.partial(pg.sparse_mla_decode, block=int(blk), heads_per_program=int(heads),
-                                                   num_warps=int(warps))
+                                                   num_warps=int(warps), splits=int(splits or 1))
   fns = {name: jax.jit(lambda *a, fn=fn: fn(*a, 0.07, interpret=interpret)) for name, fn in kernels.items()}
   xla = jax.jit(lambda *a: pd.sparse_mla_decode_xla(*a, 0.07))
   return {**{name: lambda fn=fn: fn(*args) for name, fn in fns.items()}, "xla": lambda: xla(*args)}
@@ -169,8 +175,8 @@ def main(argv=None) -> None:
                   help="memory bandwidth in GB/s (default: decode.py's table for this device, else measured)")
   ap.add_argument("--module", choices=["mosaic", "triton"], default=None,
                   help="the kernels: paged_decode.py (Mosaic) or paged_decode_gpu.py (Triton); default: triton on a GPU")
-  ap.add_argument("--mla-configs", nargs="*", default=[], metavar="BLOCKxHEADSwWARPS",
-                  help="triton: MLA kernel variants, e.g. 64x32w8 (slots a block, heads a program, warps)")
+  ap.add_argument("--mla-configs", nargs="*", default=[], metavar="BLOCKxHEADSwWARPS[sSPLITS]",
+                  help="triton: MLA kernel variants, e.g. 64x32w8s4 (slots a block, heads a program, warps, splits)")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
   ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
                   choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")

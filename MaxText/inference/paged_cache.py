@@ -531,6 +531,19 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
 
 
 SELECTED_BLOCK = 32  # slots a step of the Triton MLA kernel's loop (paged_decode_gpu.sparse_mla_decode's block)
+GPU_PROGRAMS = 128  # programs the Triton MLA kernel's grid should reach (an H200 has 132 SMs; not measured): rows x
+HEADS_A_PROGRAM = 32  # head blocks alone are 64 at 16 rows of 128 heads, so the selected slots split (split-KV)
+
+
+def mla_splits(rows: int, heads: int, slots: int) -> int:
+  """Splits of a row's `slots` selected slots for the Triton MLA kernel: the largest power of 2 that brings its
+  rows x head blocks x splits programs to GPU_PROGRAMS at most, with whole SELECTED_BLOCKs a split (1 where the
+  rows and heads alone reach it)."""
+  programs = rows * max(1, heads // HEADS_A_PROGRAM)
+  splits = 1
+  while programs * splits * 2 <= GPU_PROGRAMS and slots % (SELECTED_BLOCK * splits * 2) == 0:
+    splits *= 2
+  return splits
 
 
 def attend_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Array, valid: jax.Array,
@@ -549,8 +562,10 @@ def attend_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], rows [B_l, ...]
     table, idx, valid, q_abs, q_pe = arrays
     ids = lookup_pages(table, idx // page_size) * page_size + idx % page_size - first  # [B_l,k'] local slots
+    (b, h, _), k = q_abs.shape, ids.shape[1]
     return paged_decode_gpu.sparse_mla_decode(q_abs, q_pe, ids, valid, stores["c_kv"], stores["k_pe"],
                                               stores.get("c_kv_scale"), scale, block=SELECTED_BLOCK,
+                                              heads_per_program=HEADS_A_PROGRAM, splits=mla_splits(b, h, k),
                                               return_lse=True)
 
   return _on_shards(run, present, ((page_table, 0), (idx, 0), (valid, 0), (q_abs, 0), (q_pe, 0)), pool_out=False,

@@ -250,6 +250,20 @@ def merge_selected(c_sel: jax.Array, pe_sel: jax.Array, c_new: jax.Array, pe_new
   return jnp.where(fresh, take(c_new), c_sel.astype(dtype)), jnp.where(fresh, take(pe_new), pe_sel.astype(dtype))
 
 
+def merge_attention(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Attention over disjoint sets of keys merged: o [B,S,H,c] each set's (normalized) output, lse [B,S,H] the log
+  of its softmax denominator (-inf: an empty set) -> (o [B,H,c] fp32, lse [B,H]) over their union (0 and -inf
+  where every set is empty). The Triton MLA kernel's splits of the selected slots (paged_decode_gpu, split-KV)
+  and a decode step's new token (merge_row)."""
+  m = jnp.max(lse, axis=1, keepdims=True)  # [B,1,H]
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf: any finite shift (every weight is 0)
+  w = jnp.exp(lse - m)  # [B,S,H]; an empty set 0
+  den = jnp.sum(w, axis=1)  # [B,H]
+  out = jnp.einsum("bsh,bshc->bhc", w, o.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  tiny = jnp.finfo(jnp.float32).tiny
+  return out / jnp.maximum(den, tiny)[..., None], jnp.where(den > 0, m[:, 0] + jnp.log(jnp.maximum(den, tiny)), -jnp.inf)
+
+
 def merge_row(o: jax.Array, lse: jax.Array, logit: jax.Array, row: jax.Array, take: jax.Array) -> jax.Array:
   """Attention over a set of keys merged with one more key: o [b,h,c] the set's output and lse [b,h] the log of
   its softmax denominator (-inf: the set is empty), the extra key's scaled logit [b,h] and value row [b,c],
@@ -257,13 +271,10 @@ def merge_row(o: jax.Array, lse: jax.Array, logit: jax.Array, row: jax.Array, ta
   empty). A decode step's new token (its latent not in the pool until the step's write) joins the selected
   slots the pool kernel attended (paged_cache.attend_selected)."""
   new = jnp.where(take[:, None], logit.astype(jnp.float32), -jnp.inf)  # [b,h]
-  m = jnp.maximum(lse, new)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)  # both -inf: any finite shift (a and e are 0)
-  a, e = jnp.exp(lse - m), jnp.exp(new - m)  # [b,h]
-  out = o.astype(jnp.float32) * a[..., None] + e[..., None] * row.astype(jnp.float32)[:, None, :]  # [b,h,c]
-  return out / jnp.maximum(a + e, jnp.finfo(jnp.float32).tiny)[..., None]
+  rows = jnp.broadcast_to(row.astype(jnp.float32)[:, None, :], o.shape)  # [b,h,c]: the key's value for every head
+  return merge_attention(jnp.stack([o.astype(jnp.float32), rows], axis=1), jnp.stack([lse, new], axis=1))[0]
 
 
 __all__ = ["Absorbed", "absorbed_weights", "key_kernel", "value_kernel", "splice", "latent_attention_dense",
            "latent_attention_blocks",
-           "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected", "merge_row"]
+           "ContiguousKeys", "index_scores_spliced", "score_blocks", "select_spliced", "merge_selected", "merge_row", "merge_attention"]

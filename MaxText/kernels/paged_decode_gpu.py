@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from MaxText.kernels.backend import pallas_interpret
+from MaxText.kernels.cached_attention import merge_attention
 from MaxText.kernels.fp8_blocks import is_paired
 from MaxText.kernels.paged_decode import (
   FP8_BLOCK,
@@ -185,9 +186,8 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
 # ---- (b) sparse MLA decode
 
 def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: int, groups: int, gw: int,
-                scale: float, fp8: bool, parts: int, lse: bool, native: bool):
-  cs_ref, rest = (rest[0], rest[1:]) if fp8 else (None, rest)
-  out_ref, lse_ref = rest if lse else (rest[0], None)
+                scale: float, fp8: bool, parts: int, native: bool):
+  cs_ref, out_ref, lse_ref = rest if fp8 else (None, *rest)  # out [1,1,hb,c], lse [1,1,hb]: this split's
   hb, k = q_ref.shape[2], ids_ref.shape[1]
   lane = jax.lax.broadcasted_iota(jnp.int32, (gw,), 0)  # [gw]
 
@@ -231,15 +231,16 @@ def _mla_kernel(ids_ref, valid_ref, q_ref, qpe_ref, c_ref, pe_ref, *rest, blk: i
   m, l, acc = jax.lax.fori_loop(0, k // blk, step, init)
   inv = 1.0 / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # [hb]; no valid slot: acc 0, so 0
   for g in range(groups):
-    out_ref[0, :, pl.ds(g * gw, gw)] = acc[g] * inv[:, None]
-  if lse_ref is not None:  # log sum_k exp(logit_k): -inf with no valid slot (l = 0)
-    lse_ref[0, :] = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, jnp.finfo(jnp.float32).tiny)), NEG_INF)
+    out_ref[0, 0, :, pl.ds(g * gw, gw)] = acc[g] * inv[:, None]
+  # log sum_k exp(logit_k): -inf with no valid slot (l = 0)
+  lse_ref[0, 0, :] = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, jnp.finfo(jnp.float32).tiny)), NEG_INF)
 
 
 def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: jax.Array, c_kv: jax.Array,
                       k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 32,
                       heads_per_program: int = 32, parts: int = 3, num_warps: int = 8, num_stages: int = 2,
-                      return_lse: bool = False, native_fp8: bool = False, interpret: bool | None = None):
+                      splits: int = 1, return_lse: bool = False, native_fp8: bool = False,
+                      interpret: bool | None = None):
   """paged_decode.sparse_mla_decode's function (the same arguments and result) by a Triton kernel:
   o_lat [B,H,c] fp32, softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale, times
   c; a row with no valid slot gets 0. The pools as a GPU's row holds them: c_kv uint8 fp8 bits [N,c] or
@@ -248,16 +249,19 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   accurate; 1: bf16, FlashMLA's arithmetic). K a multiple of block; block, heads_per_program, c/128
   (fp8) or c, and r powers of 2 >= 16. return_lse: (o_lat, lse [B,H] fp32), lse the log of the softmax's
   denominator (-inf for a row with no valid slot), to merge other keys in afterwards (cached_attention.merge_row).
-  native_fp8: the codes converted to bf16 by the hardware (sm89+), not by integer ops."""
+  native_fp8: the codes converted to bf16 by the hardware (sm89+), not by integer ops. splits: the K slots in
+  that many programs (a grid axis; split-KV, as FlashMLA's num_splits: B * H / heads_per_program programs alone
+  leave most of a GPU's SMs idle at few rows), their outputs merged by their lse (cached_attention.merge_attention);
+  K a multiple of splits * block."""
   fp8 = c_kv_scale is not None
   b, h, _ = q_abs.shape
   r, k = q_pe.shape[-1], ids.shape[1]
   codes = _bytes(c_kv) if c_kv.dtype == jnp.uint32 else c_kv  # [N, c] (fp8 words viewed as codes: free)
   n, c = codes.shape
   hb = min(heads_per_program, h)
-  if k % block or h % hb:
+  if k % (block * splits) or h % hb:
     raise ValueError(f"paged_decode_gpu.sparse_mla_decode: {k} slots a row must be a multiple of block={block} "
-                     f"and {h} heads of heads_per_program={hb}")
+                     f"x splits={splits}, and {h} heads of heads_per_program={hb}")
   if k_pe.shape[0] != n or k_pe.dtype not in (jnp.uint16, jnp.float32) or (
       fp8 and c_kv_scale.shape != (n, c // FP8_BLOCK)):
     raise ValueError("paged_decode_gpu.sparse_mla_decode: a GPU's pools hold one slot a row (k_pe [N,r] uint16 "
@@ -271,24 +275,24 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   qpe = split(q_pe) if k_pe.dtype == jnp.uint16 else q_pe.astype(jnp.float32)[:, None]  # [B, parts', H, r]
   ins = [ids, valid.astype(jnp.int32), qin, qpe, codes, k_pe]
   any_ = pl.BlockSpec(memory_space=pl.ANY)
-  specs = [pl.BlockSpec((1, k), lambda i, j: (i, 0)), pl.BlockSpec((1, k), lambda i, j: (i, 0)),
-           pl.BlockSpec((1, qin.shape[1], hb, c), lambda i, j: (i, 0, j, 0)),
-           pl.BlockSpec((1, qpe.shape[1], hb, r), lambda i, j: (i, 0, j, 0)), any_, any_]
+  ks = k // splits  # slots a program: grid (rows, head blocks, splits)
+  specs = [pl.BlockSpec((1, ks), lambda i, j, s: (i, s)), pl.BlockSpec((1, ks), lambda i, j, s: (i, s)),
+           pl.BlockSpec((1, qin.shape[1], hb, c), lambda i, j, s: (i, 0, j, 0)),
+           pl.BlockSpec((1, qpe.shape[1], hb, r), lambda i, j, s: (i, 0, j, 0)), any_, any_]
   if fp8:
     ins.append(c_kv_scale.astype(jnp.float32))
     specs.append(any_)
   kernel = functools.partial(_mla_kernel, blk=block, groups=c // gw, gw=gw, scale=scale, fp8=fp8, parts=parts,
-                             lse=return_lse, native=native_fp8)
-  out_specs = [pl.BlockSpec((1, hb, c), lambda i, j: (i, j, 0))]
-  out_shape = [jax.ShapeDtypeStruct((b, h, c), jnp.float32)]
-  if return_lse:
-    out_specs.append(pl.BlockSpec((1, hb), lambda i, j: (i, j)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h), jnp.float32))
-  got = pl.pallas_call(
-      kernel, grid=(b, h // hb), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+                             native=native_fp8)
+  o, lse = pl.pallas_call(
+      kernel, grid=(b, h // hb, splits), in_specs=specs,
+      out_specs=[pl.BlockSpec((1, 1, hb, c), lambda i, j, s: (i, s, j, 0)),
+                 pl.BlockSpec((1, 1, hb), lambda i, j, s: (i, s, j))],
+      out_shape=[jax.ShapeDtypeStruct((b, splits, h, c), jnp.float32), jax.ShapeDtypeStruct((b, splits, h), jnp.float32)],
       compiler_params=_params(num_warps, num_stages), interpret=pallas_interpret(interpret, "gpu"),
-      name="sparse_mla_decode_gpu")(*ins)
-  return tuple(got) if return_lse else got[0]
+      name="sparse_mla_decode_gpu")(*ins)  # [B,S,H,c], [B,S,H]
+  o, lse = merge_attention(o, lse) if splits > 1 else (o[:, 0], lse[:, 0])  # [B,H,c], [B,H]
+  return (o, lse) if return_lse else o
 
 
 __all__ = ["paged_index_scores", "sparse_mla_decode"]

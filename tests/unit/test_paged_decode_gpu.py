@@ -90,10 +90,12 @@ def _mla_case(fp8: bool, c: int = 256):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("block, heads", [(16, 16), (32, 32)])
-def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads):
+@pytest.mark.parametrize("block, heads, splits", [(16, 16, 1), (32, 32, 1), (16, 32, 2), (16, 16, 4)])
+def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads, splits):
   args = _mla_case(fp8)
-  got = pg.sparse_mla_decode(*args, 0.1, block=block, heads_per_program=heads)
+  if splits > 1:  # row 0's first 16 slots invalid: with 4 splits one split is empty (its lse -inf, merged as 0)
+    args = args[:3] + (args[3].at[0, :16].set(False),) + args[4:]
+  got = pg.sparse_mla_decode(*args, 0.1, block=block, heads_per_program=heads, splits=splits)
   ref = pd.sparse_mla_decode_xla(*args, 0.1)
   close(got, ref, 1e-5)  # 3 bf16 parts against the fp8 codes: fp32-accurate
   assert np.all(np.asarray(got)[1] == 0)
@@ -101,7 +103,7 @@ def test_sparse_mla_decode_equals_the_xla_path(fp8, block, heads):
   if fp8:  # the latent as the gpu row's pool holds it (uint32 words, 4 codes a word): the same result
     q_abs, q_pe, ids, valid, c_kv, k_pe, s = args
     words = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, to_words(c_kv), k_pe, s, 0.1, block=block,
-                                 heads_per_program=heads)
+                                 heads_per_program=heads, splits=splits)
     np.testing.assert_array_equal(words, got)
 
 
@@ -233,6 +235,15 @@ def test_the_engine_on_the_triton_kernels_decodes_the_xla_paths_tokens(monkeypat
   assert all(len(o) == NEW for o in out["triton"])
 
 
+def test_the_engines_splits_fill_the_programs_with_whole_blocks():
+  """mla_splits: 16 rows x 4 head blocks of the official 128 heads = 64 programs -> 2 splits; 1 row -> 32; few slots
+  -> as many whole 32-slot blocks as there are; already enough programs -> 1."""
+  assert paged_cache.mla_splits(16, 128, 2048) == 2
+  assert paged_cache.mla_splits(1, 128, 2048) == 32
+  assert paged_cache.mla_splits(1, 128, 96) == 1 and paged_cache.mla_splits(1, 128, 128) == 4
+  assert paged_cache.mla_splits(64, 128, 2048) == 1 and paged_cache.mla_splits(4, 16, 32) == 1
+
+
 @pytest.mark.parametrize("take", [True, False])
 def test_merge_row_is_the_softmax_over_the_union(take):
   """merge_row's (set output, its lse) + one more key equals attention over the set and the key together; an
@@ -260,6 +271,10 @@ def test_the_kernels_lse_is_the_log_of_its_softmax_denominator():
   q_abs, q_pe, ids, valid, c_kv, k_pe, s = _mla_case(True)
   o, lse = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, s, 0.1, block=16, heads_per_program=16,
                                 return_lse=True)
+  o2, lse2 = pg.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, s, 0.1, block=16, heads_per_program=16,
+                                  return_lse=True, splits=2)  # merged from two splits: the same lse
+  np.testing.assert_allclose(lse2, lse, rtol=1e-6)
+  close(o2, o, 1e-6)
   np.testing.assert_array_equal(o, pg.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, s, 0.1, block=16,
                                                         heads_per_program=16))
   c = pd.as_values(c_kv).astype(jnp.float32).reshape(N, -1, 128) * s[..., None]  # [N, c/128, 128]
