@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_decode_check.sh profile OUT   benchmarks/decode_profile.py: the 16-row 128K fp8 step as the
 #                                                    gpu row runs it (traced: device time per op and source line),
 #                                                    then with paged_scoring=triton, then with sparse_decode=triton
-#                                                    too (both traced; the pieces alone in the first)
+#                                                    too (both traced; the pieces alone in the first), then with our
+#                                                    binned selection for lax.top_k (untraced)
 #   bash benchmarks/gpu_decode_check.sh decode OUT    benchmarks/decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8
 #                                                    cache, sparse and dense, bytes each step moves and the
 #                                                    fraction of the roofline (the H200's 4.8 TB/s)
@@ -41,7 +42,9 @@ profile() {
     timeout 90 python3 benchmarks/decode_profile.py --rows 16 $common --no-pieces --out /tmp/dp_gpu_scoring \
       --force paged_scoring=triton
     timeout 90 python3 benchmarks/decode_profile.py --rows 16 $common --no-pieces --out /tmp/dp_gpu_both \
-      --force paged_scoring=triton sparse_decode=triton; } 2>&1 | tee "$out/profile.log"
+      --force paged_scoring=triton sparse_decode=triton
+    timeout 90 python3 benchmarks/decode_profile.py --rows 16 $common --no-pieces --no-trace \
+      --force paged_scoring=triton sparse_decode=triton exact_selection=binned; } 2>&1 | tee "$out/profile.log"
 }
 decode() {
   timeout 200 python3 benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8 --iters 5 \
