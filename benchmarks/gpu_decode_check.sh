@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 54's run on a GPU (an H200 or H100), under the run tool's 10 minutes a command (parts joined by commas run in
-# order: `tests,kernels,profile` in one call, ~8 min; `decode` in a second):
+# order; at most ~7 min each: `tests,kernels` in one call, `profile` in a second, `decode` in a third if time is left):
 #   bash benchmarks/gpu_decode_check.sh tests OUT     tests/unit/test_paged_decode_gpu.py with the Triton kernels
 #                                                    COMPILED (interpret off on a GPU) against the XLA references
 #   bash benchmarks/gpu_decode_check.sh kernels OUT   benchmarks/paged_decode_kernels.py, Triton: the scoring kernel
