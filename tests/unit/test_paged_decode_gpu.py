@@ -285,3 +285,37 @@ def test_the_kernels_lse_is_the_log_of_its_softmax_denominator():
   want = jax.nn.logsumexp(jnp.where(valid[:, None], logits, -jnp.inf), -1)  # row 1: nothing valid, -inf
   assert np.isneginf(np.asarray(lse)[1]).all()
   np.testing.assert_allclose(lse[0], want[0], rtol=1e-5)
+
+
+def test_attend_selected_on_page_shards_equals_one_device():
+  """paged_cache.attend_selected on a mesh of 2 page shards (each device its own rows over its own pages, the
+  kernel inside shard_map) equals the one-device call, over a scanned stack's pools read by layer."""
+  from MaxText.runtime import sharding
+  from tests.conftest import make_config
+  cfg = make_config(kv_cache_dtype="fp8", num_query_heads=16, kv_lora_rank=512, qk_rope_head_dim=16,
+                    indexer_head_dim=128, serve_page_size=PAGE, ici_data_parallelism=2, num_devices=2)
+  pages, layers = 8, 2  # 4 pages a shard; row 0's pages on shard 0, row 1's on shard 1
+  pools = paged_cache.init_layer_pools(cfg, pages * PAGE, layers)
+  k = jax.random.split(jax.random.key(7), 8)
+  codes = jax.random.randint(k[0], (layers, pages * PAGE, 512), 0, 126, jnp.int32).astype(jnp.uint8)  # finite e4m3
+  assert pools.c_kv.dtype == jnp.uint32  # the gpu row's latent: 4 codes a word
+  pools = pools._replace(c_kv=to_words(codes),
+                         k_pe=bits(jax.random.normal(k[1], pools.k_pe.shape), jnp.bfloat16),
+                         c_kv_scale=jax.random.uniform(k[2], pools.c_kv_scale.shape, minval=0.5, maxval=1.5) / 64)
+  table = jnp.array([[2, 0, 3, 1], [5, 7, 4, 6]], jnp.int32)  # [B,P]
+  idx = jax.random.randint(k[3], (2, 32), 0, 4 * PAGE)  # positions
+  valid = jax.random.uniform(k[4], (2, 32)) < 0.8
+  q_abs, q_pe = jax.random.normal(k[5], (2, 16, 512)) * 0.1, jax.random.normal(k[6], (2, 16, 16)) * 0.1
+  layer = jnp.int32(1)
+  args = (table, idx, valid, q_abs, q_pe, PAGE, 0.1, layer)
+  one_o, one_lse = paged_cache.attend_selected(pools, *args)
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    sharded = jax.device_put(pools, paged_cache.pool_shardings(cfg, mesh, pools))
+    o, lse = jax.jit(lambda p, *a: paged_cache.attend_selected(p, *a, PAGE, 0.1, layer))(sharded, *args[:5])
+  close(o, one_o, 1e-6)
+  np.testing.assert_allclose(lse, one_lse, rtol=1e-6)
+  # and the one-device call is the XLA reference over layer 1's pool
+  flat = jax.tree.map(lambda a: a[1], pools)
+  ids = jnp.take_along_axis(table, idx // PAGE, axis=1) * PAGE + idx % PAGE
+  close(one_o, pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, flat.c_kv, flat.k_pe, flat.c_kv_scale, 0.1), 1e-5)
