@@ -24,6 +24,32 @@ def train_steps(cfg, steps: int):
     return first, jax.tree.map(np.asarray, state), metrics
 
 
+def assert_same_step(got: dict, want: dict, cfg, rtol: float = 2e-4) -> None:
+  """Two states after ONE step from the same start (train_steps), e.g. on two meshes: the gradients (Adam's first
+  moment after one step, (1 - b1) g: linear in g) within rtol of each leaf's largest, and the params within rtol
+  where the update is well conditioned. Adam's first step moves a parameter by lr g / (|g| + eps): where |g| is
+  near eps (1e-8) a gradient's float rounding (another summation order on another mesh or CPU) becomes an O(lr)
+  difference (a lora_b element 0.005493 vs 0.005488 at |g| ~ 1.2e-8 on one CI host), so params are compared
+  elementwise where |g| > 100 eps (the update's relative error then under 1% of g's) or g is exactly 0 (no
+  update: a lora_a under a zero lora_b), and within the update's bound, lr, elsewhere."""
+  def moments(state):  # params' path -> the first moment (optax's ScaleByAdamState.mu over the trainable params)
+    return {jax.tree_util.keystr(p).split(".mu", 1)[1]: np.asarray(a)
+            for p, a in jax.tree_util.tree_leaves_with_path(state["opt_state"]) if ".mu[" in jax.tree_util.keystr(p)}
+
+  mu_got, mu_want = moments(got), moments(want)
+  assert mu_got.keys() == mu_want.keys() and mu_want
+  for path, m in mu_want.items():
+    np.testing.assert_allclose(mu_got[path], m, rtol=rtol, atol=rtol * float(np.max(np.abs(m))) + 1e-30,
+                               err_msg=f"gradient {path}")
+  well = {path: (np.abs(m) / (1 - cfg.adam_b1) > 100 * cfg.adam_eps) | (m == 0) for path, m in mu_want.items()}
+  for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(got["params"]), jax.tree.leaves(want["params"])):
+    path = jax.tree_util.keystr(p)
+    a, b = np.asarray(a), np.asarray(b)
+    mask = well.get(path, np.ones(a.shape, bool))  # a param with no moment (not trained): compared whole
+    np.testing.assert_allclose(a[mask], b[mask], rtol=rtol, atol=2e-6, err_msg=path)
+    np.testing.assert_allclose(a[~mask], b[~mask], atol=cfg.learning_rate, err_msg=path)
+
+
 # 2 layers (1 dense, 1 MoE), no MTP, no remat: the train step compiles in a fraction of the tiny model's time.
 SMALL_LORA = dict(lora_rank=4, weight_block_size=(16, 16), max_target_length=16, max_prefill_length=8,
                   global_batch_size=2, warmup_steps=0, learning_rate=1e-2, num_decoder_layers=2,
