@@ -70,6 +70,7 @@ from MaxText.inference.model_step import step_head_chunk
 from MaxText.inference.sampling import greedy_ids
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine  # noqa: E402
+from MaxText.kernels import backend
 from MaxText.runtime import sharding
 
 WIDE = dict(  # official attention dims, narrow everything else
@@ -362,7 +363,19 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides over WIDE")
   ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
+  ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
+                  help="kernels/backend.py choices over this backend's row (e.g. paged_scoring=triton)")
   args = ap.parse_args(argv)
+  try:
+    force = backend.parse_forced(args.force)
+  except ValueError as e:
+    ap.error(str(e))
+  with backend.forced(**force):
+    run(args, ap)
+
+
+def run(args, ap) -> None:
+  """main's measurements, under its forced kernel choices."""
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
   if bad := [a for a in args.set if "=" not in a]:
@@ -380,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}"
         + ("" if args.prompt else f"; {args.stat} of {args.iters} steps"))
   common = dict(backend=jax.default_backend(), layers=args.layers, topk=cfg0.indexer_topk, cache_dtype=args.cache_dtype,
-                approx=args.approx, overrides=args.set)
+                approx=args.approx, overrides=args.set, forced=args.force)
   if args.prompt:
     print(json.dumps(dict(benchmark="decode_prompt_chunks", chunk=args.chunk, **common,
                           rows=prompt_rows(args, params, buffers))))

@@ -15,7 +15,8 @@
 #                                                    binned selection for lax.top_k (untraced)
 #   bash benchmarks/gpu_decode_check.sh decode OUT    benchmarks/decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8
 #                                                    cache, sparse and dense, bytes each step moves and the
-#                                                    fraction of the roofline (the H200's 4.8 TB/s)
+#                                                    fraction of the roofline (the H200's 4.8 TB/s); then the
+#                                                    sparse step at 1 and 16 rows of 128K on both Triton kernels
 # Needs .device_bundle beside benchmarks/ (bash tools/device/device_bundle.sh .device_bundle: the GPU image's
 # missing wheels, docs/accelerators.md). Every log lands in OUT as it is written (cut runs still return).
 set -uo pipefail
@@ -47,8 +48,10 @@ profile() {
       --force paged_scoring=triton sparse_decode=triton exact_selection=binned; } 2>&1 | tee "$out/profile.log"
 }
 decode() {
-  timeout 200 python3 benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8 --iters 5 \
-    --stat median 2>&1 | tee "$out/decode.log"
+  { timeout 200 python3 benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8 --iters 5 \
+      --stat median
+    timeout 120 python3 benchmarks/decode.py --contexts 131072 --batch 1 16 --cache-dtype fp8 --iters 5 --stat median \
+      --sparse-only --force paged_scoring=triton sparse_decode=triton; } 2>&1 | tee "$out/decode.log"
 }
 for p in ${part//,/ }; do
   case "$p" in
