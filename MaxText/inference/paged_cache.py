@@ -416,13 +416,21 @@ class PagedKeys(NamedTuple):
     return got[:, None, :self.slots]  # [b,1,S]
 
 
+LATENT_FIELDS = ("c_kv", "c_kv_scale", "k_pe")  # what attention reads of a pool (the indexer's: idx_k, idx_k_scale)
+
+
+def _present(pools: PagedLayerCache, names: tuple[str, ...]) -> dict:
+  """{name: pool} for the named fields a pool holds (a None field is absent: no scales without fp8)."""
+  return {name: getattr(pools, name) for name in names if getattr(pools, name) is not None}
+
+
 def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: int, fn, *rows: jax.Array,
                       layer: jax.Array | None = None):
   """fn(keys, *rows) with keys the rows' PagedKeys (page_table [B,P]) and rows arrays [B,...]: on a
   mesh each device runs fn on its own rows over its own page shard (shard_map; no pool moves), its
   outputs [B,...] sharded over rows. The indexer's selection (cache_view.CacheView.select_indexer).
   layer (every read here): pools are a stack's [L, N, n], layer `layer` read in place (_layer_of)."""
-  present = {name: getattr(pools, name) for name in ("idx_k", "idx_k_scale") if getattr(pools, name) is not None}
+  present = _present(pools, ("idx_k", "idx_k_scale"))
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
     table = jnp.where(arrays[0] >= 0, arrays[0] - first // page_size, -1)  # [B_l,P] local pages
@@ -443,7 +451,7 @@ def dense_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: i
   128K). A block's latents (fp32) and its [h,t,width] logits each stay within KEY_BLOCK_BYTES (at
   least one page). On a mesh each device attends its own rows over its own page shard, as
   select_over_pages."""
-  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+  present = _present(pools, LATENT_FIELDS)
   b, t, h, c = q_abs.shape
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
@@ -509,17 +517,22 @@ def lookup_pages(table: jax.Array, pages: jax.Array) -> jax.Array:
   return onehot_rows(t[..., None], pages)[..., 0]  # [B,m]
 
 
+def _local_slots(table: jax.Array, idx: jax.Array, page_size: int, first) -> jax.Array:
+  """Selected positions idx [B,m] through a page shard's table [B,P] -> their slots in the shard's pools [B,m]
+  (first: the shard's first slot, _on_shards')."""
+  return lookup_pages(table, idx // page_size) * page_size + idx % page_size - first
+
+
 def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Array, page_size: int,
                     dtype=jnp.float32, layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Only the selected latents: idx [B,m] positions -> c_kv [B,m,kv_lora], k_pe [B,m,rope] in dtype.
   O(m) per row: each position's slot through the page table, the stored (fp8: quantized) rows
   gathered, and just those dequantized."""
-  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+  present = _present(pools, LATENT_FIELDS)
 
   def read(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], idx [B_l,m]
     table, idx = arrays
-    page = lookup_pages(table, idx // page_size)  # [B_l,m]
-    ids = page * page_size + idx % page_size - first  # [B_l,m] local slots
+    ids = _local_slots(table, idx, page_size, first)  # [B_l,m]
     return {name: take_slots(a, ids, _per_row(stores, name)) for name, a in stores.items()}  # [B_l,m,n] as stored
 
   got = _on_shards(read, present, ((page_table, 0), (idx, 0)), pool_out=False, layer=layer)
@@ -530,9 +543,11 @@ def gather_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   return c.astype(dtype), kv_cache.as_values(got["k_pe"]).astype(dtype)
 
 
-SELECTED_BLOCK = 32  # slots a step of the Triton MLA kernel's loop (paged_decode_gpu.sparse_mla_decode's block)
-GPU_PROGRAMS = 128  # programs the Triton MLA kernel's grid should reach (an H200 has 132 SMs; not measured): rows x
-HEADS_A_PROGRAM = 32  # head blocks alone are 64 at 16 rows of 128 heads, so the selected slots split (split-KV)
+# The Triton MLA kernel as the engine calls it (attend_selected; none of these measured on a GPU yet):
+SELECTED_BLOCK = 32  # slots a step of its loop (paged_decode_gpu.sparse_mla_decode's block)
+HEADS_A_PROGRAM = 32  # heads a program
+GPU_PROGRAMS = 128  # programs its grid should reach (an H200 has 132 SMs): rows x head blocks alone are 64 at
+# 16 rows of 128 heads, so the selected slots split (split-KV, mla_splits)
 
 
 def mla_splits(rows: int, heads: int, slots: int) -> int:
@@ -554,18 +569,18 @@ def attend_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   positions with valid [B,k], q_abs [B,H,c], q_pe [B,H,r] -> (o_lat [B,H,c] fp32, lse [B,H]: the log of the
   softmax's denominator, -inf for a row with nothing valid). On a mesh each device attends its own rows over
   its own page shard (a row's pages lie in its device's shard: module doc), as gather_selected reads."""
-  present = {name: getattr(pools, name) for name in ("c_kv", "c_kv_scale", "k_pe") if getattr(pools, name) is not None}
+  present = _present(pools, LATENT_FIELDS)
   k = idx.shape[1]
   pad = -k % SELECTED_BLOCK  # the kernel's loop takes whole blocks: padding slots invalid
   idx, valid = jnp.pad(idx, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))  # [B, k']
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], rows [B_l, ...]
     table, idx, valid, q_abs, q_pe = arrays
-    ids = lookup_pages(table, idx // page_size) * page_size + idx % page_size - first  # [B_l,k'] local slots
-    (b, h, _), k = q_abs.shape, ids.shape[1]
+    ids = _local_slots(table, idx, page_size, first)  # [B_l,k']
+    (rows, heads, _), slots = q_abs.shape, ids.shape[1]
     return paged_decode_gpu.sparse_mla_decode(q_abs, q_pe, ids, valid, stores["c_kv"], stores["k_pe"],
                                               stores.get("c_kv_scale"), scale, block=SELECTED_BLOCK,
-                                              heads_per_program=HEADS_A_PROGRAM, splits=mla_splits(b, h, k),
+                                              heads_per_program=HEADS_A_PROGRAM, splits=mla_splits(rows, heads, slots),
                                               return_lse=True)
 
   return _on_shards(run, present, ((page_table, 0), (idx, 0), (valid, 0), (q_abs, 0), (q_pe, 0)), pool_out=False,

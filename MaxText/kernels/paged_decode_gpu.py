@@ -163,8 +163,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   _check_block("paged_decode_gpu.paged_index_scores", keys_a_block=width, heads=h, head_dim=d)
   w = w.astype(jnp.float32) * (1.0 if q_scale is None else q_scale)  # relu(s x) = s relu(x): q's scale joins w
   if fp8:  # the queries as bf16 parts [B, parts, H, d]: e4m3 values (one, exact), bf16 (one), f32 (three)
-    qv = as_values(q) if q.dtype == jnp.uint8 else q
-    qin = jnp.stack(_as_parts(qv.astype(jnp.bfloat16) if q.dtype == jnp.uint8 else qv, 3), axis=1)
+    qin = jnp.stack(_as_parts(as_values(q).astype(jnp.bfloat16) if q.dtype == jnp.uint8 else q, 3), axis=1)
   else:
     qin = q.astype(jnp.float32)[:, None]  # [B, 1, H, d]
   ins = [jnp.maximum(pos, -1).astype(jnp.int32), jnp.maximum(table, 0).astype(jnp.int32), qin, w, idx_k]
@@ -270,7 +269,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   gw = FP8_BLOCK if fp8 else c
   _check_block("paged_decode_gpu.sparse_mla_decode", block=block, heads_per_program=hb, group=gw, rope=r)
   ids = jnp.clip(ids, 0, n - 1).astype(jnp.int32)
-  split = lambda x: jnp.stack(_as_parts(x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32), parts), axis=1)
+  split = lambda x: jnp.stack(_as_parts(x, parts), axis=1)  # [B, parts, ...] bf16
   qin = split(q_abs) if fp8 else q_abs.astype(jnp.float32)[:, None]  # [B, parts, H, c] bf16 (one: a bf16 query)
   qpe = split(q_pe) if k_pe.dtype == jnp.uint16 else q_pe.astype(jnp.float32)[:, None]  # [B, parts', H, r]
   ins = [ids, valid.astype(jnp.int32), qin, qpe, codes, k_pe]
