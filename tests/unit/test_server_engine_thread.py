@@ -12,7 +12,7 @@ import pytest
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError
-from tests.support.server_harness import ScriptedEngine
+from tests.support.server_harness import ScriptedEngine, wait_for
 
 
 @pytest.fixture
@@ -131,3 +131,43 @@ def test_over_several_processes_a_failing_step_is_a_lost_process_every_request_e
   with pytest.raises(ApiError) as e:
     asyncio.run(t.submit([1], SamplingParams(max_tokens=1)))
   assert e.value.status == 503
+
+
+class _Compiling(ScriptedEngine):
+  """programs() and warmup(shapes) as ServingEngine has them: each compile takes compile_s."""
+  PROGRAMS = [(1, 1, 16), (1, 16, 16), (2, 1, 16), (2, 16, 16), (1, 1, 32), (1, 16, 32)]
+
+  def __init__(self, compile_s=0.2):
+    super().__init__()
+    self.compile_s, self.compiled = compile_s, []
+
+  def programs(self, first=False):
+    return self.PROGRAMS[:2] if first else list(self.PROGRAMS)
+
+  def warmup(self, shapes=None):
+    for s in self.PROGRAMS if shapes is None else shapes:
+      time.sleep(self.compile_s)
+      self.compiled.append(tuple(s))
+    return len(self.PROGRAMS if shapes is None else shapes)
+
+
+@pytest.mark.parametrize("warmup", ["first", "all"])
+def test_ready_after_the_first_programs_the_rest_compile_while_idle_smallest_first(warmup):
+  eng = _Compiling()
+  lines = []
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lines.append, warmup=warmup)
+  t.start()
+  try:
+    wait_for(lambda: t.ready, "ready")
+    at_ready = list(eng.compiled)
+    assert at_ready == (_Compiling.PROGRAMS[:2] if warmup == "first" else _Compiling.PROGRAMS)
+    # a request sent now is served between two compiles, not after them all
+    assert asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10)) == ([102, 103], "length")
+    assert len(eng.compiled) < len(_Compiling.PROGRAMS) or warmup == "all"  # 4 x 0.2 s still to compile
+    wait_for(lambda: len(eng.compiled) == len(_Compiling.PROGRAMS), "every program")
+    assert eng.compiled == _Compiling.PROGRAMS  # each once, smallest first
+    assert ("the other 4 compile while idle" in lines[0]) == (warmup == "first")
+    assert any("every step program compiled" in line for line in lines) == (warmup == "first")
+  finally:
+    t.stop(10)
+  assert t.state == "stopped"
