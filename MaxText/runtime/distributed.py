@@ -58,6 +58,9 @@ def _detected_processes(name: str, env) -> int | None:
   if env is None:
     return None
   try:
+    workers = getattr(env, "_get_worker_list_in_slice", None)  # a TPU slice's hosts (jax's TPU clusters)
+    if workers is not None:  # its slices from the environment (jax asks the metadata server for them too)
+      return len(workers()) * int(os.environ.get("MEGASCALE_NUM_SLICES") or 1)
     return int(env.get_process_count())
   except Exception as e:  # noqa: BLE001 - any failure of the probe is the same answer to the user
     first = (str(e).strip().splitlines() or [""])[0][:200]

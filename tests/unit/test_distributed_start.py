@@ -71,6 +71,32 @@ def test_an_environment_naming_one_process_starts_nothing(started, monkeypatch):
   assert started == []
 
 
+class _TpuEnv(_Env):
+  """jax's TPU clusters: the slice's hosts from an environment variable (GKE) or the metadata server, the
+  slices' count from the metadata server unless MEGASCALE_NUM_SLICES is set."""
+
+  def __init__(self, hosts):
+    super().__init__(ConnectionError("tpu-env: metadata.google.internal unreachable"))
+    self.hosts = hosts
+
+  def _get_worker_list_in_slice(self):
+    return self.hosts
+
+
+@pytest.mark.parametrize("hosts,slices,starts", [(["localhost"], None, False), (["localhost"], "2", True),
+                                                 (["h0", "h1"], None, True)])
+def test_a_tpu_slice_of_one_host_is_one_process_without_the_metadata_server(started, monkeypatch, hosts, slices,
+                                                                            starts):
+  """The lent v5e host: a TPU environment naming one host, no metadata server (its probe of the slices fails)."""
+  monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [_TpuEnv(hosts)])
+  if slices is None:
+    monkeypatch.delenv("MEGASCALE_NUM_SLICES", raising=False)
+  else:
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", slices)
+  distributed.initialize(_keys())
+  assert bool(started) == starts
+
+
 def test_an_environment_naming_several_processes_starts_jax_distributed_from_it(started, monkeypatch):
   _detected(monkeypatch, 2)
   distributed.initialize(_keys())
