@@ -95,6 +95,7 @@ class EngineThread:
     self._make_engine, self.max_waiting, self.log = make_engine, max_waiting, log
     self._warmup = warmup
     self._pending: list = []  # step programs still to compile while idle (engine thread only)
+    self._compiling = False  # the engine thread is compiling with no request to serve (stop need not wait)
     self._on_step_failure = on_step_failure
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.state = "starting"  # starting -> compiling -> ready | failed; stopped at the end
@@ -111,10 +112,14 @@ class EngineThread:
     self._thread.start()
 
   def stop(self, timeout: float = 30.0) -> None:
-    """Aborts what still runs and ends the thread."""
+    """Aborts what still runs and ends the thread, waiting up to `timeout` s. While it only compiles (the
+    warmup, or a step program while idle: no request to end) it is not waited for: it is a daemon, a compile
+    cannot be cut short, and the process exits without it (distributed.run_main)."""
     if self._thread.is_alive():
       self._inbox.put(("stop",))
-      self._thread.join(timeout)
+      deadline = time.monotonic() + timeout
+      while self._thread.is_alive() and not self._compiling and time.monotonic() < deadline:
+        self._thread.join(0.05)
 
   # ---- the asyncio side
   async def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
@@ -138,10 +143,11 @@ class EngineThread:
   def _main(self) -> None:
     try:
       with self._make_engine() as engine:
-        self.state = "compiling"
+        self.state, self._compiling = "compiling", True
         t0 = time.perf_counter()
         first = engine.programs(first=self._warmup == "first")
         n = engine.warmup(first)
+        self._compiling = False
         self._pending = [p for p in engine.programs() if p not in set(first)]
         self.log(f"serve: compiled {n} step programs in {time.perf_counter() - t0:.1f} s; ready"
                  + (f" (the other {len(self._pending)} compile while idle, smallest first)" if self._pending else ""))
@@ -168,7 +174,9 @@ class EngineThread:
       if not engine.idle:
         self._step(engine)
       elif self._pending:  # idle: the next step program (a request waits for one compile at most)
+        self._compiling = True
         engine.warmup(self._pending[:1])
+        self._compiling = False
         del self._pending[0]
         if not self._pending:
           self.log(f"serve: every step program compiled, {time.perf_counter() - ready:.1f} s after ready")

@@ -171,3 +171,15 @@ def test_ready_after_the_first_programs_the_rest_compile_while_idle_smallest_fir
   finally:
     t.stop(10)
   assert t.state == "stopped"
+
+
+def test_stop_does_not_wait_for_a_compile_with_no_request_to_end():
+  """SIGTERM while the engine compiles an idle step program: the server exits now (the CPU's chat server waited
+  15 s for its compiles), not after it; the thread is a daemon."""
+  eng = _Compiling(compile_s=1.0)
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None, warmup="first")
+  t.start()
+  wait_for(lambda: len(eng.compiled) == 3, "the first idle compile to finish")
+  t0 = time.monotonic()
+  t.stop(10)
+  assert time.monotonic() - t0 < 0.5 and len(eng.compiled) == 3
