@@ -96,7 +96,7 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   adapter = server.adapter_slot(body.model)
-  stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
+  stop_ids = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
   spec = grammar_spec(body) or (grammar if server.grammars is not None else None)

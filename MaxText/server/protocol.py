@@ -255,32 +255,35 @@ class Texts:
     return self.encode(text, bos=False)  # the template writes BOS itself when the model wants one
 
   def stop_plan(self, stops: Sequence[str], stop_token_ids: Sequence[int] | None,
-                keep_stop: bool = False) -> tuple[tuple[int, ...], list[str]]:
-    """-> (token ids the engine stops on, strings to find in the decoded text). A stop string that
-    is one token is both: the engine stops at once, the text check catches other spellings; not with
-    keep_stop (include_stop_str_in_output: the engine would drop the token whose text must stay)."""
+                keep_stop: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """-> (token ids the engine stops on, those of them that are single-token stop strings). A stop
+    string that is one token is both: the engine stops at once (from min_tokens on: never banned, as
+    vLLM's stop strings), the text check catches other spellings; not with keep_stop
+    (include_stop_str_in_output: the engine would drop the token whose text must stay)."""
     ids = list(stop_token_ids or [])
     if stops and self.tokenizer is None:
       raise ApiError(400, "stop strings need a tokenizer (the server has no tokenizer_path): use stop_token_ids",
                      "stop")
+    strings = []
     for s in stops:
       if not s:
         raise ApiError(400, "stop has an empty string", "stop")
       one = self.tokenizer.encode(s)
-      if len(one) == 1 and self.tokenizer.decode(one) == s and not keep_stop:
-        ids.append(one[0])
-    return tuple(dict.fromkeys(ids)), list(stops)
+      if len(one) == 1 and self.tokenizer.decode(one) == s and not keep_stop and one[0] not in ids:
+        strings.append(one[0])
+    return tuple(dict.fromkeys(ids + strings)), tuple(dict.fromkeys(strings))
 
   def sampling(self, body: SamplingFields, prompt: Sequence[int], max_tokens: int | None,
-               stop_ids: tuple[int, ...], max_length: int) -> SamplingParams:
-    """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length)."""
+               stop_ids: tuple[tuple[int, ...], tuple[int, ...]], max_length: int) -> SamplingParams:
+    """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length); stop_ids:
+    stop_plan's."""
     if len(prompt) >= max_length:
       raise ApiError(400, f"prompt has {len(prompt)} tokens: the context (max_target_length={max_length}) leaves "
                      "no room to generate", "prompt")
     logprobs, prompt_logprobs = body.logprob_counts()
     return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
                           temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed,
+                          stop_token_ids=stop_ids[0], stop_string_ids=stop_ids[1], ignore_eos=body.ignore_eos, seed=body.seed,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
