@@ -275,8 +275,10 @@ async def _event_stream(streams, gens, chunk, usage_chunk) -> AsyncIterator[str]
 
 # ---------------------------------------------------------------- the app
 
-ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, "
-          "POST /tokenize, POST /detokenize, GET /tokenizer_info")
+def routes(app: FastAPI) -> str:
+  """Every route the app serves, "METHOD /path" (what a 404 or 405 lists): read from the app itself, so the
+  list has FastAPI's /docs and /openapi.json and cannot fall behind a new route."""
+  return ", ".join(f"{m} {r.path}" for r in app.routes for m in sorted(getattr(r, "methods", None) or ()) if m != "HEAD")
 
 
 def body_error(errors: Sequence[dict]) -> ApiError:
@@ -320,7 +322,7 @@ def build_app(server: Server) -> FastAPI:
     if e.status_code in (404, 405):
       what = (f"{request.method} {request.url.path} is not a route of this server" if e.status_code == 404
               else f"{request.url.path} does not take {request.method}")
-      e = ApiError(e.status_code, f"{what}: it serves {ROUTES}", None,
+      e = ApiError(e.status_code, f"{what}: it serves {routes(app)}", None,
                    "not_found" if e.status_code == 404 else "method_not_allowed")
       return JSONResponse(e.body(), status_code=e.status)
     return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
