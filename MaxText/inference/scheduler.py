@@ -81,6 +81,7 @@ class SamplingParams:
   min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
   timeout: float = 0.0  # seconds the request may take from its arrival (serve_request_timeout); 0 = no limit
   lora_adapter: int = 0  # the served LoRA adapter: serve_lora_adapters' k-th entry (1-based); 0 = the base model
+  cache_salt: str = ""  # vLLM's: only requests with the same salt (and adapter) share prefix-cached pages
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -129,9 +130,11 @@ class Request:
 
   @property
   def prefix_root(self) -> bytes:
-    """Where its pages' prefix keys start (page_allocator.page_hashes): its LoRA adapter's, so requests through
-    different adapters (or none) never share cached pages."""
-    return b"" if not self.params.lora_adapter else f"lora:{self.params.lora_adapter}".encode()
+    """Where its pages' prefix keys start (page_allocator.page_hashes): its LoRA adapter's and its cache_salt's,
+    so requests through different adapters (or none), or with different salts, never share cached pages."""
+    p = self.params
+    root = b"" if not p.lora_adapter else f"lora:{p.lora_adapter}".encode()
+    return root if not p.cache_salt else root + b"salt:" + p.cache_salt.encode()
 
   @property
   def prefilling(self) -> bool:

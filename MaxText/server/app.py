@@ -122,7 +122,7 @@ async def _pieces(server: Server, index: int, stream: RequestStream, body: Sampl
                   arrival: float) -> AsyncIterator[Piece]:
   """One request's text as it comes; aborts the request if the caller stops listening. Stop strings
   count from the body's min_tokens-th token on (vLLM's)."""
-  detok = server.texts.detokenizer(stream.prompt)
+  detok = server.texts.detokenizer(stream.prompt, body.skip_special_tokens)
   stops = body.stop_strings
   stop = StopText(stops, keep=body.include_stop_str_in_output) if stops else None
   n, first, last, reason = 0, None, None, None
@@ -351,7 +351,7 @@ def build_app(server: Server) -> FastAPI:
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
-    prompts = server.texts.prompts(body.prompt)
+    prompts = server.texts.prompts(body.prompt, body.add_special_tokens)
     score_only = body.max_tokens == 0  # echo: the prompt scored, the one token made is dropped
     streams = await _submit(server, body, prompts, 1 if score_only else body.max_tokens)
     gens = [_pieces(server, i, s, body, arrival) for i, s in enumerate(streams)]
@@ -371,7 +371,7 @@ def build_app(server: Server) -> FastAPI:
       ids, entries = p.token_ids, p.logprobs
       if body.echo and first:
         gap = "," if server.texts.tokenizer is None and p.text else ""  # ids joined by commas
-        c["text"] = server.texts.text_of(s.prompt) + gap + p.text
+        c["text"] = server.texts.text_of(s.prompt, body.skip_special_tokens) + gap + p.text
         ids, entries = s.prompt + ids, (s.prompt_logprobs or [None] * len(s.prompt)) + entries
       if body.logprobs is not None:
         c["logprobs"] = completion_logprobs(server.texts, ids, entries, offsets.get(p.index, 0))
