@@ -56,6 +56,9 @@ OFF: dict[str, tuple[tuple[str, ...], tuple[Any, ...], str]] = {
   "guided_whitespace_pattern": ((_BOTH,), (), "not implemented"),
   "suffix": (("completions",), (), "fill-in-the-middle is not implemented (vLLM refuses it too)"),
   "prompt_embeds": (("completions",), (), "prompts are text or token ids"),
+  "prompt_logprobs": (("chat",), (), "not implemented on chat: send the rendered prompt (/tokenize) to "
+                      "/v1/completions with prompt_logprobs"),
+  "return_prompt_text": (("chat",), (False,), "not implemented: /tokenize's return_token_strs shows the prompt"),
   "chat_template": (("chat",), (), "a request's own template is not rendered (vLLM refuses one too unless "
                     "started with --trust-request-chat-template): set chat_template_path"),
 }
