@@ -48,7 +48,7 @@ def served(tmp_path_factory):
     wait_for(lambda: server.engine.ready, "the engine to compile", timeout=600)
     ask = lambda endpoint, body, stream=False: _ask(client, endpoint, body, stream)  # noqa: E731
     base = {e: ask(e, {**_body(e), "temperature": 0, "return_token_ids": True}) for e in ("completions", "chat")}
-    yield ask, server.texts.tokenizer, base
+    yield ask, server.texts.tokenizer, base, client
 
 
 def _body(endpoint: str, messages=CHAT) -> dict:
@@ -299,7 +299,7 @@ def _cases() -> list:
 
 @pytest.mark.parametrize("fields,endpoint,stream,check", _cases())
 def test_each_field_alone_answers_with_its_effect(served, fields, endpoint, stream, check):
-  ask, tok, base = served
+  ask, tok, base, _ = served
   body = {**_body(endpoint), **(fields(tok, base[endpoint]) if callable(fields) else fields)}
   check(ask(endpoint, body, stream), endpoint, served)
 
@@ -308,7 +308,7 @@ def test_min_tokens_holds_a_single_token_stop_string_back_without_banning_it(ser
   """vLLM bans only EOS and stop_token_ids before min_tokens; a stop string is merely looked for from then on. A
   one-token stop string the greedy output makes at position k: without min_tokens the text stops before it;
   with min_tokens k + 2 the output is the greedy one through it (the token was not set to -inf)."""
-  ask, tok, base = served
+  ask, tok, base, _ = served
   ids = base["completions"]["tokens"]
   k, s = next((k, tok.decode([t])) for k, t in enumerate(ids) if k and tok.encode(tok.decode([t])) == [t]
               and tok.decode([t]) not in tok.decode(ids[:k]))
@@ -321,8 +321,33 @@ def test_min_tokens_holds_a_single_token_stop_string_back_without_banning_it(ser
 
 
 def test_skip_special_tokens_false_keeps_bos_text_a_logit_bias_forces(served):
-  ask, tok, _ = served
+  ask, tok, _, _ = served
   for e in ("completions", "chat"):
     body = {**_body(e), "max_tokens": 3, "logit_bias": {str(tok.bos_id): 100}}
     assert _ok(ask(e, body))["text"] == ""  # the default: BOS is skipped
     assert _ok(ask(e, {**body, "skip_special_tokens": False}))["text"] == tok.token_str(tok.bos_id) * 3
+
+
+@pytest.mark.parametrize("fields", [{}, {"add_generation_prompt": False}, {"add_special_tokens": True},
+                                    {"messages": CONTINUE, "continue_final_message": True},
+                                    {"documents": [{"text": "sea"}]}, {"reasoning_effort": "high"}])
+def test_tokenize_takes_the_rendering_fields_and_gives_the_ids_chat_runs(served, fields):
+  """vLLM's TokenizeRequest: /tokenize of messages is exactly /v1/chat/completions' prompt (its prompt_token_ids),
+  field by field; return_token_strs spells each id."""
+  ask, tok, _, client = served
+  body = {"messages": CHAT, **fields}
+  ids = client.post("/tokenize", json=body).json()["tokens"]
+  chat = _ok(ask("chat", {**body, "max_tokens": 1, "return_token_ids": True}))
+  assert ids == client.post("/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True}).json()[
+      "prompt_token_ids"] and len(ids) == chat["usage"]["prompt_tokens"]
+  strs = client.post("/tokenize", json={**body, "return_token_strs": True}).json()["token_strs"]
+  assert strs == [tok.token_str(i) for i in ids]
+
+
+def test_tokenize_a_prompt_adds_bos_unless_add_special_tokens_is_false(served):
+  _, tok, _, client = served
+  with_bos = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+  assert with_bos == [tok.bos_id] + tok.encode(PROMPT)
+  assert client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == with_bos[1:]
+  r = client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
