@@ -96,6 +96,7 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   adapter = server.adapter_slot(body.model)
+  prompts = [body.truncated(p, server.config.max_target_length) for p in prompts]
   stop_ids = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
@@ -435,7 +436,7 @@ def build_app(server: Server) -> FastAPI:
     out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
     if body.return_token_ids:
       c["token_ids"] = p.token_ids
-      out["prompt_token_ids"] = prompt
+      out["prompt_token_ids"] = streams[0].prompt  # as truncate_prompt_tokens left it
     return out
 
   @app.post("/tokenize")

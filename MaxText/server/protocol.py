@@ -79,6 +79,8 @@ class SamplingFields(BaseModel):
   include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
   skip_special_tokens: bool = True  # vLLM's: False keeps BOS / EOS / PAD's text in the output text
   cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
+  truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: max_target_length)
+  truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts: left keeps the last
   # OpenAI's fields that change nothing here (IGNORED): accepted, documented in docs/sampling.md
   user: str | None = None
   metadata: dict | None = None
@@ -117,6 +119,18 @@ class SamplingFields(BaseModel):
   def logprob_counts(self) -> tuple[int | None, int | None]:
     """(N for the generated tokens, N for the prompt's); None = not asked."""
     return None, None
+
+  def truncated(self, prompt: list[int], max_length: int) -> list[int]:
+    """A prompt's ids as truncate_prompt_tokens leaves them (vLLM's: the last k, or the first k with truncation_side
+    "right"; -1 = max_target_length); a k outside -1, 1..max_length is a 400 naming the field."""
+    k = self.truncate_prompt_tokens
+    if k is None:
+      return prompt
+    if not (k == -1 or 1 <= k <= max_length):
+      raise ApiError(400, f"truncate_prompt_tokens={k} is invalid: expected -1 (max_target_length) or an integer in "
+                     f"[1, {max_length}]", "truncate_prompt_tokens")
+    k = max_length if k == -1 else k
+    return prompt[-k:] if self.truncation_side == "left" else prompt[:k]
 
   def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs; a key that is not an integer is a 400 naming logit_bias."""

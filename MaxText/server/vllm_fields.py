@@ -33,7 +33,6 @@ IGNORED: dict[str, tuple[tuple[str, ...], str]] = {
   "media_io_kwargs": ((_BOTH,), "text only: no media"),
   "vllm_xargs": ((_BOTH,), "for vLLM's plugins; this server has none"),
   "length_penalty": ((_BOTH,), "beam search's (use_beam_search is refused)"),
-  "truncation_side": ((_BOTH,), "truncate_prompt_tokens's (refused)"),
   "guided_decoding_backend": ((_BOTH,), "the one grammar backend is llguidance"),
 }
 
@@ -46,7 +45,6 @@ OFF: dict[str, tuple[tuple[str, ...], tuple[Any, ...], str]] = {
   "allowed_token_ids": ((_BOTH,), (), "not implemented: use logit_bias, or structured_outputs"),
   "bad_words": ((_BOTH,), ([],), "not implemented: use logit_bias for single-token words"),
   "logprob_token_ids": ((_BOTH,), (), "not implemented: use logprobs / top_logprobs"),
-  "truncate_prompt_tokens": ((_BOTH,), (), "prompts are not truncated: send a shorter prompt"),
   "return_tokens_as_token_ids": ((_BOTH,), (False,), "not implemented: send return_token_ids for the ids"),
   "repetition_detection": ((_BOTH,), (), "not implemented"),
   "thinking_token_budget": ((_BOTH,), (-1,), "not implemented"),

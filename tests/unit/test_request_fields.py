@@ -282,6 +282,10 @@ CASES = [
   ("skip_special_tokens", {"skip_special_tokens": False}, "both", _plain),
   ("include_reasoning", {"include_reasoning": False}, "chat", _plain),
   ("cache_salt", {"cache_salt": "team-a"}, "both", _plain),
+  ("truncate_prompt_tokens", {"truncate_prompt_tokens": 3}, "both", _holds(lambda r: r["usage"] is None
+                                                                             or r["usage"]["prompt_tokens"] == 3)),
+  ("truncate_prompt_tokens_0", {"truncate_prompt_tokens": 0}, "both", _refuses("truncate_prompt_tokens")),
+  ("truncation_side", {"truncation_side": "right"}, "both", _plain),  # nothing to cut without truncate_prompt_tokens
   ("vllm_ignored", {"request_id": "r1", "spaces_between_special_tokens": False, "stream_interval": 4}, "both", _plain),
   ("vllm_off_at_default", {"use_beam_search": False, "priority": 0, "length_penalty": 1.0}, "both", _plain),
   ("vllm_off_set", {"use_beam_search": True}, "both", _refuses("use_beam_search")),
@@ -351,3 +355,12 @@ def test_tokenize_a_prompt_adds_bos_unless_add_special_tokens_is_false(served):
   assert client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"] == with_bos[1:]
   r = client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True})
   assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_or_with_truncation_side_right_the_first(served):
+  _, tok, _, client = served
+  ids = [tok.bos_id] + tok.encode(PROMPT)
+  for side, want in (("left", ids[-3:]), ("right", ids[:3])):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "return_token_ids": True,
+                                             "truncate_prompt_tokens": 3, "truncation_side": side}).json()
+    assert r["prompt_token_ids"] == want, (side, r)
