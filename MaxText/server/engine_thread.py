@@ -124,6 +124,11 @@ class EngineThread:
   # ---- the asyncio side
   async def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
     """Queues a request -> its stream once the engine accepted it; ApiError when refused."""
+    if self.state == "failed":  # a failed build or warmup; a lost process (its failure says the server is exiting)
+      raise ApiError(503, f"the engine failed ({self.failure}): this server takes no more requests", None,
+                     "engine_failed")
+    if self.state == "stopped":
+      raise ApiError(503, "the server is shutting down: it takes no more requests", None, "shutting_down")
     if self.state != "ready":
       raise ApiError(503, f"the engine is not ready ({self.state}): retry when GET /health is 200", None,
                      "engine_not_ready")

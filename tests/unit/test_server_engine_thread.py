@@ -183,3 +183,18 @@ def test_stop_does_not_wait_for_a_compile_with_no_request_to_end():
   t0 = time.monotonic()
   t.stop(10)
   assert time.monotonic() - t0 < 0.5 and len(eng.compiled) == 3
+
+
+def test_a_request_after_the_engine_failed_or_stopped_is_told_so_not_to_retry_when_ready(thread):
+  """After a lost process (fail(): the server exits) a new request hears that the server is shutting down, not
+  "not ready: retry when GET /health is 200"; after stop() likewise."""
+  t, _ = thread
+  t.fail(ApiError(503, "the server lost one of its processes (peer gone): it is shutting down", None, "engine_failed"))
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10))
+  assert e.value.status == 503 and e.value.code == "engine_failed", e.value.message
+  assert "shutting down" in e.value.message and "retry" not in e.value.message
+  t.state = "stopped"
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10))
+  assert e.value.code == "shutting_down" and "shutting down" in e.value.message
