@@ -172,8 +172,9 @@ class ServingEngine:
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
-      # the pools now lie as every step returns them (on the params' mesh): no recompile
-      self._noop(self.shards, self.t_decode, self.pages_per_seq)
+      # the pools now lie as every step returns them (on the params' mesh): no recompile. The program is
+      # programs()[0], the first a warmup compiles (a start compiles nothing twice)
+      self._noop(self.shards, self.t_decode, self.contexts[0])
     self.steps = 0
 
   def buckets(self) -> list[int]:
