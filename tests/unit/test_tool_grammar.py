@@ -133,6 +133,9 @@ CASES = [  # (schema, value, string flag, admitted)
   ({"type": "string", "enum": ["a<b", "</x>"]}, "a<b", T, True), ({"type": "string", "enum": ["a<b", "</x>"]},
                                                                   "</x>", T, True),
   ({"type": "string", "enum": ["a<b", "</x>"]}, "ab", T, False),
+  ({"type": "string", "enum": ["ab", "abc", "abcd"], "minLength": 3, "maxLength": 3}, "abc", T, True),
+  ({"type": "string", "enum": ["ab", "abc", "abcd"], "minLength": 3, "maxLength": 3}, "ab", T, False),
+  ({"type": "string", "enum": ["ab", "abc", "abcd"], "minLength": 3, "maxLength": 3}, "abcd", T, False),
   ({"type": "string", "pattern": "^[A-Z][a-z]+$"}, "Paris", T, True),
   ({"type": "string", "pattern": "^[A-Z][a-z]+$"}, "paris", T, False),
   ({"type": "string", "pattern": "^[A-Z][a-z]+$"}, "Paris1", T, False),
@@ -202,17 +205,18 @@ class Forecast(pydantic.BaseModel):
   where: Where
   unit: Unit = Unit.C
   days: int = pydantic.Field(ge=1, le=7)
+  also: list[Unit] = []  # a $ref inside a JSON value: %json resolves it in the tool's $defs
 
 
 def test_pydantic_schemas_with_refs_and_defs_hold_every_value(tok):
   schema = Forecast.model_json_schema()
   assert "$defs" in schema and "$ref" in json.dumps(schema["properties"])
   tools = [{"type": "function", "function": {"name": "forecast", "parameters": schema}}]
-  ok = {"where": {"city": "Paris", "country": None}, "unit": "f", "days": 3}
+  ok = {"where": {"city": "Paris", "country": None}, "unit": "f", "days": 3, "also": ["c", "f"]}
   assert _takes(tok, tools, _block([("forecast", ok)]))
   assert _takes(tok, tools, _block([("forecast", {"where": {"city": "Rome"}, "days": 7})]))  # unit: optional
   for bad in ({**ok, "unit": "k"}, {**ok, "days": 8}, {**ok, "where": {"city": "x" * 13}}, {"unit": "c", "days": 1},
-              {**ok, "where": {"country": "Italy"}}):
+              {**ok, "where": {"country": "Italy"}}, {**ok, "also": ["k"]}):
     assert not _takes(tok, tools, _block([("forecast", bad)])), bad
 
 
@@ -258,6 +262,9 @@ def test_the_budget_caps_a_free_string_exactly_and_leaves_enums_and_max_lengths_
   line = _line("city", "\0", T)
   for n, ok in ((cap, True), (cap + 1, False)):
     assert _takes(tok, [CHAT_MD], line.replace("\0", "a" * n) + TAIL.lstrip("\n"), name="get_weather", budget=128) == ok
+  worst = _line("city", "\U0001d11e" * cap, T) + TAIL.lstrip("\n")  # 4-byte characters, a token per byte
+  spare = 128 - len(worst.replace(D, "\0").encode())
+  assert 0 <= spare < 4 + 2  # it fits, with less than a character (and the longer string="false" head) to spare
   short = _tool({"type": "string", "maxLength": 2})
   assert ForcedCall(short, "f", True, None).caps(10) == {"f": None}  # no free string: nothing to cap
   assert _one(tok, {"type": "string", "minLength": 40}, "a" * 40, T, budget=64)  # never below a minLength
