@@ -2,7 +2,7 @@
 schema, in the two ways DSML writes a value (chat_dsv32.render_tool_calls, parse_tool_block):
 
   string="true">RAW</｜DSML｜parameter>    a JSON string, written raw: any characters (newlines, quotes, "<",
-                  "</") but the closing tag's own text, where the parser ends the value. The schema's string
+                  "</") but the closing tags' own text (ENDS), where the parser ends what it reads. The string
                   keywords hold RAW: enum / const, pattern (searched, as JSON schema and llguidance's JSON
                   grammar read it: a "^" first or a "$" last anchors it), minLength / maxLength (characters).
   string="false">JSON</｜DSML｜parameter>  any other value as JSON (json.dumps' layout) matching the schema with
@@ -12,7 +12,8 @@ schema, in the two ways DSML writes a value (chat_dsv32.render_tool_calls, parse
 A schema admitting strings and other values (no "type", a type list, anyOf / oneOf branches, a mixed enum)
 offers both; the flag the model writes decides which. "$ref" into the tool's own "$defs" / "definitions"
 (pydantic's style) is followed, in both ways; "allOf" of one schema is that schema. Not applied to RAW:
-"format" (an annotation unless a validator is asked to check it). A schema this cannot hold (a pattern
+"format" (an annotation unless a validator is asked to check it); to a string inside a JSON value: ENDS (the
+JSON grammar cannot leave them out; a model writes one there by a rare chance only). A schema this cannot hold (a pattern
 llguidance's regex cannot read, a "$ref" outside the tool, "allOf" of several schemas around a string) is a
 ChatFormatError naming its place (a 400).
 """
@@ -26,7 +27,11 @@ from typing import Any
 
 from MaxText.data import chat_dsv32 as fmt
 
-PARAMETER_CLOSE = f"</{fmt.DSML}parameter>"  # the text a raw value never holds (the parser ends it there)
+PARAMETER_CLOSE = f"</{fmt.DSML}parameter>"
+# The texts a raw value never holds: the parser ends the value, its invoke, its block or the completion at the
+# first of each (chat_dsv32.parse_completion, parse_tool_block). Each starts with its only "<", so a value
+# followed by PARAMETER_CLOSE never makes one across the seam.
+ENDS = (PARAMETER_CLOSE, f"</{fmt.DSML}invoke>", fmt.CALLS_CLOSE, fmt.EOS)
 NOT_STRING = ["number", "boolean", "null", "object", "array"]  # JSON's types but string ("integer" is a number)
 _MAX_REFS = 64  # "$ref"s followed for one value (a cycle of bare references ends here as a 400)
 
@@ -176,7 +181,7 @@ def raw_terminal(raws: list[Raw], end: str, cap: int | None) -> str | None:
   alts = []
   for r in raws:
     if r.enum is not None:
-      values = [v for v in r.enum if PARAMETER_CLOSE not in v and r.min_length <= len(v)
+      values = [v for v in r.enum if not any(e in v for e in ENDS) and r.min_length <= len(v)
                 and (r.max_length is None or len(v) <= r.max_length)]
       if not values:
         continue
@@ -188,7 +193,7 @@ def raw_terminal(raws: list[Raw], end: str, cap: int | None) -> str | None:
       if top is not None and top < r.min_length:
         continue  # maxLength < minLength: no string
       parts = [f"/(?s:.{{{r.min_length},{'' if top is None else top}}})/",
-               "~/(?s:.*)" + PARAMETER_CLOSE.replace("/", r"\/") + "(?s:.*)/"]
+               "~/(?s:.*)(" + "|".join(re.escape(e).replace("/", r"\/") for e in ENDS) + ")(?s:.*)/"]
     if r.pattern is not None:
       parts.append(f"/{_pattern(r.pattern)}/")
     alts.append("(" + " & ".join(parts) + ")")
@@ -207,4 +212,5 @@ def json_schema(v: Value, root: dict) -> dict | None:
   return {**schema, **defs}
 
 
-__all__ = ["Raw", "Value", "value", "raw_terminal", "json_schema", "check_pattern", "PARAMETER_CLOSE", "NOT_STRING"]
+__all__ = ["Raw", "Value", "value", "raw_terminal", "json_schema", "check_pattern", "PARAMETER_CLOSE", "ENDS",
+           "NOT_STRING"]

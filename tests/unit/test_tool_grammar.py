@@ -10,6 +10,7 @@ against its schema (llguidance's own JSON-schema grammar on the parsed arguments
 import enum
 import json
 import os
+import re
 
 import llguidance as llg
 import llguidance.numpy as lln
@@ -38,6 +39,7 @@ TOOLS = [
 ]
 CHAT_MD = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # docs/chat.md's tool
+ENDS = (f"</{D}parameter>", f"</{D}invoke>", f"</{D}function_calls>", fmt.EOS)  # where the parser stops reading
 PICK = {"type": "function", "function": {"name": "pick", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["n"]}}}
 
@@ -56,14 +58,13 @@ def _matcher(tok, spec: GrammarSpec):
 
 
 def _ids(tok, text, marker_token=True):
-  """Token ids of text: the marker as its token, or (marker_token False) everything as plain text's bytes."""
+  """Token ids of text: the marker as its token, or (marker_token False) everything, the format's special tokens
+  too, spelled in plain text's tokens."""
   if marker_token:
     return tok[0].encode(text)
-  spelled = [t for piece in ("｜", "DSML", "｜") for t in tok[0].encode(piece)]  # no marker token among them
-  ids = []
-  for i, part in enumerate(text.split(D)):
-    ids += (spelled if i else []) + tok[0].encode(part)
-  return ids
+  pieces = re.split("(" + "|".join(map(re.escape, fmt.SPECIAL_TOKENS)) + ")", text)
+  return [t for p in pieces for t in (tok[0].encode(p) if p not in fmt.SPECIAL_TOKENS else
+                                      [t for ch in p for t in tok[0].encode(ch)])]
 
 
 def _takes(tok, tools, text, name=None, parallel=True, budget=None, marker_token=True) -> bool:
@@ -180,13 +181,15 @@ def test_a_value_is_admitted_exactly_when_its_schema_takes_it(tok, schema, value
   assert _one(tok, schema, value, flag, marker_token=False) == admitted  # the marker as text: the same
 
 
-def test_a_raw_string_never_holds_the_closing_tags_text(tok):
-  """The parser ends a value at its first closing tag, so the grammar never writes one inside it (here spelled
-  in plain bytes beside the marker's token, which a byte-level tokenizer can)."""
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"enum": ["a</b", f"a</{D}param", *(f"a{e}b" for e in ENDS)]}])
+def test_a_raw_string_never_holds_a_closing_tags_text(tok, schema):
+  """The parser ends a value, its invoke, its block or the completion at the first closing tag (or EOS) in the
+  text, so the grammar never writes one inside a value (here spelled in plain bytes beside the marker's token,
+  as a byte-level tokenizer can)."""
   dsml = tok[0].encode(D)[0]
   head, tail = _line("x", "\0", T).split("\0")
-  for value, ok in (("a</b", True), (f"a</{D}parameter>b", False), (f"a</{D}param", True)):
-    m = _matcher(tok, tool_call_grammar(_tool({"type": "string"}), "f", True, dsml))
+  for value, ok in (("a</b", True), (f"a</{D}param", True), *((f"a{e}b", False) for e in ENDS)):
+    m = _matcher(tok, tool_call_grammar(_tool(schema), "f", True, dsml))
     ids = tok[0].encode(head) + _ids(tok, value, marker_token=False) + tok[0].encode(tail + TAIL.lstrip("\n"))
     assert (all(m.consume_token(t) for t in ids) and m.is_stopped()) == ok, value
 
