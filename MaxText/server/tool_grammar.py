@@ -17,12 +17,13 @@ Once the block closes the grammar is complete and the engine ends the request ("
 whole block and the reply is `tool_calls` with finish_reason "tool_calls". The DSML marker is matched as its
 token when the tokenizer has it as one token (a special token cannot be spelled as text).
 
-A forced call closes within its budget (the request's max_tokens): a string value without a maxLength (or with
-a longer one) is held to `cap` characters, so that the longest call the tool allows, at one token per byte of
-its fixed text and four tokens per character of its strings (a token is at least a byte, a character at most
-four), fits in the budget beside JSON_RESERVE tokens per JSON value. A value written as JSON (an integer, an
-array) has no such cap: a free-form one can still run into max_tokens (finish_reason "length"), and so can
-more calls than one with parallel_tool_calls.
+A forced call closes within its budget (the request's max_tokens; the rest of the context when it gives none):
+each string value other than an enum's is held to `room` UTF-8 bytes (tool_values._length: ASCII text that many
+characters, text with wider characters fewer), the same for each, so that the longest call the tool allows fits
+in the budget at one token per byte (a token is at least a byte, as a random writer may spell everything), with
+JSON_RESERVE tokens per value written as JSON. A value written as JSON (an integer, an array) is not held so: a
+free-form one can still run into max_tokens (finish_reason "length"), and so can more calls than one under
+"required" with parallel_tool_calls.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _tokens(text: str, dsml_token: bool) -> int:
 
 
 class _Tool:
-  """One offered tool's parameters: each property's Value, which are required, and the cap of its free strings."""
+  """One offered tool's parameters: each property's Value, which are required, and its strings' room."""
 
   def __init__(self, i: int, tool: dict):
     fn = tool["function"]
@@ -97,28 +98,27 @@ class _Tool:
         raise fmt.ChatFormatError(f"{where}.properties.{key}: a required property whose schema admits no value",
                                   f"{where}.properties.{key}")
 
-  def cap(self, budget: int | None, fixed: str, dsml_token: bool) -> int | None:
-    """The most characters a free string value may have so that the longest call fits in `budget` tokens
-    (fixed: the block's text around the parameters); None without a budget or a free string."""
-    free = [k for k, v in self.values.items() if any(not r.bounded for r in v.raw)]
+  def room(self, budget: int | None, fixed: str, dsml_token: bool) -> int | None:
+    """The UTF-8 bytes each string value other than an enum's may have so that the longest call fits in `budget`
+    tokens (fixed: the block's text around the parameters); None without a budget or such a value."""
+    free = [k for k, v in self.values.items() if any(r.enum is None for r in v.raw)]
     if budget is None or not free:
       return None
     used = _tokens(fixed, dsml_token)
     for key, v in self.values.items():
-      used += _tokens(max(_head(key, "true"), _head(key, "false"), key=len) + tv.PARAMETER_CLOSE + "\n", dsml_token)
-      longest = [len(e.encode()) for r in v.raw for e in (r.enum or ())] + [4 * r.max_length for r in v.raw
-                                                                            if r.enum is None and r.max_length]
-      used += max(longest + [JSON_RESERVE if v.json else 0])
-    return max(0, (budget - used) // (4 * len(free)))
+      head = _head(key, "false") if v.json else _head(key, "true")  # the longer of the ways it may be written
+      used += _tokens(head + tv.PARAMETER_CLOSE + "\n", dsml_token)
+      used += max([len(e.encode()) for r in v.raw for e in (r.enum or ())] + [JSON_RESERVE if v.json else 0])
+    return max(0, (budget - used) // len(free))
 
-  def params_rules(self, i: int, cap: int | None, dsml_token: bool) -> list[str]:
+  def params_rules(self, i: int, room: int | None, dsml_token: bool) -> list[str]:
     """Rules params{i} (the invoke's parameter lines) and each parameter's p{i}_{j}."""
     end = "</" if dsml_token else tv.PARAMETER_CLOSE  # what a raw value's lexeme ends with
     after = 'd "parameter>"' if dsml_token else ""
     rules, items = [], []
     for j, (key, v) in enumerate(self.values.items()):
       rule, alts = f"p{i}_{j}", []
-      raw = tv.raw_terminal(v.raw, end, cap)
+      raw = tv.raw_terminal(v.raw, end, room)
       if raw is not None:
         rules.append(f"S{i}_{j}: {raw}")
         alts.append(f"{_seq(_head(key, 'true'))} S{i}_{j} {after}")
@@ -145,21 +145,21 @@ class ForcedCall:
     self.names = [t["function"]["name"] for t in tools]
     self.tools = [(i, _Tool(i, t)) for i, t in enumerate(tools) if name is None or t["function"]["name"] == name]
 
-  def caps(self, budget: int | None) -> dict[str, int | None]:
-    """Each tool's cap on its free string values' characters under `budget` (None: no cap)."""
+  def rooms(self, budget: int | None) -> dict[str, int | None]:
+    """Each tool's room (UTF-8 bytes) for each of its string values other than an enum's under `budget`."""
     end = f"</{fmt.DSML}invoke>\n" + fmt.CALLS_CLOSE  # the invoke's opening too under "required"
-    return {t.name: t.cap(budget, ("" if self.name is not None else _invoke_head(t.name)) + end,
+    return {t.name: t.room(budget, ("" if self.name is not None else _invoke_head(t.name)) + end,
                           self.dsml_id is not None) for _, t in self.tools}
 
   def spec(self, budget: int | None = None) -> GrammarSpec:
-    """The grammar of the rest of the block; budget: the request's max_tokens (free strings capped to fit it),
-    None for no cap."""
+    """The grammar of the rest of the block; budget: the request's max_tokens (string values held to fit it),
+    None for no bound but their maxLength."""
     dsml_token = self.dsml_id is not None
     end_invoke, end_calls = f"</{fmt.DSML}invoke>", "\n" + fmt.CALLS_CLOSE
     rules = [f"d: <[{self.dsml_id}]>" if dsml_token else f"d: {_q(fmt.DSML)}"]
-    caps = self.caps(budget)
+    rooms = self.rooms(budget)
     for i, t in self.tools:
-      rules += t.params_rules(i, caps[t.name], dsml_token)
+      rules += t.params_rules(i, rooms[t.name], dsml_token)
       if self.name is None:
         rules.append(f"inv{i}: {_seq(_invoke_head(t.name))} params{i} {_seq(end_invoke)}")
     if self.name is not None:

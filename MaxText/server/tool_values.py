@@ -45,11 +45,6 @@ class Raw:
   min_length: int = 0
   max_length: int | None = None
 
-  @property
-  def bounded(self) -> bool:
-    """Its longest value is known without a cap (an enum or a maxLength)."""
-    return self.enum is not None or self.max_length is not None
-
 
 @dataclasses.dataclass
 class Value:
@@ -173,11 +168,31 @@ def check_pattern(pattern: str, where: str) -> None:
                               f"{error.splitlines()[0]}", f"{where}.pattern")
 
 
-def raw_terminal(raws: list[Raw], end: str, cap: int | None) -> str | None:
+_WIDTHS = ((1, r"[\x00-\x7F]"), (2, r"[\x00-\x{7FF}]"), (3, r"[\x00-\x{FFFF}]"), (4, r"(?s:.)"))  # UTF-8 bytes
+
+
+def _length(r: Raw, room: int | None) -> str | None:
+  """The regex of r's minLength / maxLength, and under `room` (bytes, None: no room given) of a string at most that
+  long in UTF-8: as many characters as room holds of the widest one it has (ASCII: room; up to 2-byte
+  characters: room // 2; ...), never fewer than minLength (a value that long may then not fit). None: no
+  string fits (maxLength < minLength)."""
+  if room is None:
+    top = "" if r.max_length is None else r.max_length
+    return f"/(?s:.{{{r.min_length},{top}}})/" if top == "" or top >= r.min_length else None
+  tiers = []
+  for width, chars in _WIDTHS:
+    top = max(room // width, r.min_length)
+    top = top if r.max_length is None else min(top, r.max_length)
+    if top >= r.min_length:
+      tiers.append(f"/{chars}{{{r.min_length},{top}}}/")
+  return "(" + " | ".join(tiers) + ")" if tiers else None
+
+
+def raw_terminal(raws: list[Raw], end: str, room: int | None) -> str | None:
   """The Lark terminal of a raw string value and the text `end` after it ("</" when the DSML marker is its own
   token, the whole closing tag when it is text): one lexeme, so that "<" and "</" inside the value never end it
-  early (llguidance's lexer does not back off). cap: the most characters a value without a maxLength (or with a
-  longer one) may have, None for no cap. None when no string is possible."""
+  early (llguidance's lexer does not back off). room: the most UTF-8 bytes a value other than an enum's may
+  have (None: no bound but its maxLength). None when no string is possible."""
   alts = []
   for r in raws:
     if r.enum is not None:
@@ -187,13 +202,10 @@ def raw_terminal(raws: list[Raw], end: str, cap: int | None) -> str | None:
         continue
       parts = ["(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in values) + ")"]
     else:
-      top = r.max_length
-      if cap is not None and (top is None or top > cap):
-        top = max(cap, r.min_length)  # the cap never goes below a minLength (a value that long may then not fit)
-      if top is not None and top < r.min_length:
-        continue  # maxLength < minLength: no string
-      parts = [f"/(?s:.{{{r.min_length},{'' if top is None else top}}})/",
-               "~/(?s:.*)(" + "|".join(re.escape(e).replace("/", r"\/") for e in ENDS) + ")(?s:.*)/"]
+      length = _length(r, room)
+      if length is None:
+        continue
+      parts = [length, "~/(?s:.*)(" + "|".join(re.escape(e).replace("/", r"\/") for e in ENDS) + ")(?s:.*)/"]
     if r.pattern is not None:
       parts.append(f"/{_pattern(r.pattern)}/")
     alts.append("(" + " & ".join(parts) + ")")

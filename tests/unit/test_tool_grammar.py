@@ -21,7 +21,7 @@ import pytest
 from MaxText.data import chat_dsv32 as fmt
 from MaxText.data.tokenizer import load_tokenizer
 from MaxText.inference.grammar import JSON_LAYOUT, GrammarSpec, llg_grammar
-from MaxText.server.tool_grammar import ForcedCall, tool_call_grammar
+from MaxText.server.tool_grammar import JSON_RESERVE, ForcedCall, tool_call_grammar
 from tests.conftest import REPO_ROOT
 
 TOKENIZER = os.path.join(REPO_ROOT, "tests", "data", "tokenizer.json")
@@ -258,19 +258,32 @@ def test_a_schema_the_grammar_cannot_hold_is_an_error_naming_its_place(params, f
   assert e.value.field == f"tools[0].function.parameters.{field}", e.value.field
 
 
-def test_the_budget_caps_a_free_string_exactly_and_leaves_enums_and_max_lengths_alone(tok):
-  caps = ForcedCall([CHAT_MD], "get_weather", True, tok[0].encode(D)[0]).caps(128)
-  cap = caps["get_weather"]
-  assert 0 < cap < 32 and ForcedCall([CHAT_MD], "get_weather", True, None).caps(None) == {"get_weather": None}
+def _spare(tok, tools, name, budget, args) -> int:
+  """budget less the tokens of the named call with these arguments at one token per byte (the marker one)."""
+  rest = _block([(name, args)]).split(">\n", 1)[1]  # after the forced invoke opening
+  return budget - len(rest.replace(D, "\0").encode())
+
+
+def test_the_budget_holds_a_string_to_its_room_in_utf8_bytes_exactly(tok):
+  room = ForcedCall([CHAT_MD], "get_weather", True, tok[0].encode(D)[0]).rooms(128)["get_weather"]
+  assert 16 < room < 64 and ForcedCall([CHAT_MD], "get_weather", True, None).rooms(None) == {"get_weather": None}
   line = _line("city", "\0", T)
-  for n, ok in ((cap, True), (cap + 1, False)):
-    assert _takes(tok, [CHAT_MD], line.replace("\0", "a" * n) + TAIL.lstrip("\n"), name="get_weather", budget=128) == ok
-  worst = _line("city", "\U0001d11e" * cap, T) + TAIL.lstrip("\n")  # 4-byte characters, a token per byte
-  spare = 128 - len(worst.replace(D, "\0").encode())
-  assert 0 <= spare < 4 + 2  # it fits, with less than a character (and the longer string="false" head) to spare
-  short = _tool({"type": "string", "maxLength": 2})
-  assert ForcedCall(short, "f", True, None).caps(10) == {"f": None}  # no free string: nothing to cap
+  for char, width in (("a", 1), ("é", 2), ("€", 3), ("\U0001d11e", 4)):
+    n = room // width
+    for value, ok in ((char * n, True), (char * (n + 1), False), ("a" + char * (n - 1), True)):
+      text = line.replace("\0", value) + TAIL.lstrip("\n")
+      assert _takes(tok, [CHAT_MD], text, name="get_weather", budget=128) == ok, (char, len(value))
+  assert _spare(tok, [CHAT_MD], "get_weather", 128, {"city": "a" * room}) == 0  # the longest call fits, exactly
+  two = _tool({"type": "string"}, extra={"properties": {"x": {"type": "string"}, "y": {"anyOf": [
+      {"type": "string"}, {"type": "integer", "maximum": 9}]}}})
+  room = ForcedCall(two, "f", True, tok[0].encode(D)[0]).rooms(200)["f"]
+  spare = _spare(tok, two, "f", 200, {"x": "a" * room, "y": "a" * room})  # two strings share the room; y may be
+  assert 0 <= spare < 2 + len("false") - len("true") + JSON_RESERVE      # JSON instead, which is budgeted too
+  assert _spare(tok, two, "f", 200, {"x": "a" * room, "y": -10 ** (JSON_RESERVE - 2)}) >= 0  # y as JSON fits too
+  assert _one(tok, {"type": "string", "maxLength": 2}, "ab", T, budget=10 ** 6)  # maxLength still holds
+  assert not _one(tok, {"type": "string", "maxLength": 2}, "abc", T, budget=10 ** 6)
   assert _one(tok, {"type": "string", "minLength": 40}, "a" * 40, T, budget=64)  # never below a minLength
+  assert _one(tok, {"enum": ["a" * 40]}, "a" * 40, T, budget=64)  # an enum is its own bound
 
 
 def _draw(tok, spec: GrammarSpec, rng, limit: int) -> list[int]:
