@@ -323,3 +323,13 @@ def test_random_tokens_drawn_under_the_grammar_close_within_the_budget_into_vali
     assert parsed.content == "" and len(parsed.tool_calls) == 1, (seed, text)
     call = parsed.tool_calls[0]["function"]
     assert _valid(tok, schemas[call["name"]], json.loads(call["arguments"])), call
+
+
+def test_sampling_md_states_the_room_the_grammar_gives_docs_chat_md_tool(tok):
+  with open(os.path.join(REPO_ROOT, "docs", "sampling.md"), encoding="utf-8") as f:
+    text = " ".join(f.read().split())
+  room = {(name, budget): ForcedCall([CHAT_MD], name, True, tok[0].encode(D)[0]).rooms(budget)["get_weather"]
+          for name in ("get_weather", None) for budget in (128, 256)}
+  assert (f"at `max_tokens=128` leaves a named call's city {room['get_weather', 128]} bytes, a \"required\" one's "
+          f"{room[None, 128]} (its invoke's opening is written too); at 256, {room['get_weather', 256]} and "
+          f"{room[None, 256]}.") in text
