@@ -2,7 +2,7 @@
 writer) in this process (MaxText/serve.py's create_server, MaxText/server/in_process.py): with docs/chat.md's
 own tool (a free string city) and an integer 1-7, greedy and sampled, every forced call closes within
 docs/chat.md's max_tokens=128 (finish_reason "tool_calls", never "length") and its arguments match the
-tool's schema. The grammar's own boundaries are tests/unit/test_tool_grammar.py's."""
+tool's schema, streamed as whole. The grammar's own boundaries are tests/unit/test_tool_grammar.py's."""
 
 import json
 import os
@@ -53,6 +53,20 @@ def test_forced_calls_close_within_max_tokens_and_their_arguments_match_the_sche
     (call,) = c["message"]["tool_calls"]
     args = json.loads(call["function"]["arguments"])
     assert call["function"]["name"] == name and VALID[name](args), (call, time.monotonic() - started)
+
+
+def test_a_streamed_forced_call_is_the_same_call_as_the_whole_reply(url):
+  import openai
+  client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+  kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=128,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0)
+  whole = client.chat.completions.create(**kw).choices[0]
+  calls, reasons = [], []
+  for chunk in client.chat.completions.create(stream=True, **kw):
+    calls += chunk.choices[0].delta.tool_calls or []
+    reasons.append(chunk.choices[0].finish_reason)
+  assert [c.function.arguments for c in calls] == [whole.message.tool_calls[0].function.arguments]
+  assert reasons[-1] == whole.finish_reason == "tool_calls" and calls[0].index == 0
 
 
 def test_a_tool_schema_the_grammar_cannot_hold_is_a_400_naming_its_place(url):
