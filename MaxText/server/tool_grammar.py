@@ -84,6 +84,7 @@ class _Tool:
       raise fmt.ChatFormatError(f"{where}.required must be a list of property names", f"{where}.required")
     self.required = set(required)
     self.values: dict[str, tv.Value] = {}
+    self.json: dict[str, dict | None] = {}  # each value's %json schema (None: a string only)
     for key in [*props, *(k for k in dict.fromkeys(required) if k not in props)]:
       if re.search(r'["<>]', key):
         raise fmt.ChatFormatError(f"{where}.properties: the name {key!r} cannot be written in DSML (no '\"', '<' or "
@@ -92,6 +93,9 @@ class _Tool:
       for r in v.raw:
         if r.pattern is not None:
           tv.check_pattern(r.pattern, f"{where}.properties.{key}")
+      self.json[key] = tv.json_schema(v, self.root)
+      if self.json[key] is not None:
+        tv.check_json(self.json[key], f"{where}.properties.{key}")
       if v.raw or v.json:
         self.values[key] = v
       elif key in self.required:
@@ -122,9 +126,8 @@ class _Tool:
       if raw is not None:
         rules.append(f"S{i}_{j}: {raw}")
         alts.append(f"{_seq(_head(key, 'true'))} S{i}_{j} {after}")
-      schema = tv.json_schema(v, self.root)
-      if schema is not None:
-        rules.append(f"{rule}_j: %json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}))
+      if self.json[key] is not None:
+        rules.append(f"{rule}_j: %json " + json.dumps({**self.json[key], "x-guidance": JSON_LAYOUT}))
         alts.append(f"{_seq(_head(key, 'false'))} {rule}_j {_seq(tv.PARAMETER_CLOSE)}")
       rules.append(f"{rule}: " + " | ".join(alts))
       items.append(f'{rule} "\\n"' if key in self.required else f'({rule} "\\n")?')

@@ -14,8 +14,8 @@ offers both; the flag the model writes decides which. "$ref" into the tool's own
 (pydantic's style) is followed, in both ways; "allOf" of one schema is that schema. Not applied to RAW:
 "format" (an annotation unless a validator is asked to check it); to a string inside a JSON value: ENDS (the
 JSON grammar cannot leave them out; a model writes one there by a rare chance only). A schema this cannot hold (a pattern
-llguidance's regex cannot read, a "$ref" outside the tool, "allOf" of several schemas around a string) is a
-ChatFormatError naming its place (a 400).
+llguidance's regex cannot read, a keyword its JSON grammar lacks, a "$ref" outside the tool, "allOf" of several
+schemas around a string) is a ChatFormatError naming its place (a 400).
 """
 
 from __future__ import annotations
@@ -214,6 +214,15 @@ def raw_terminal(raws: list[Raw], end: str, room: int | None) -> str | None:
   return "(" + " | ".join(alts) + ") " + json.dumps(end, ensure_ascii=False)
 
 
+def check_json(schema: dict, where: str) -> None:
+  """A ChatFormatError naming `where` when llguidance's JSON-schema grammar cannot hold the schema (a keyword it
+  does not implement, such as "not" or "if", an unknown type, bounds nothing satisfies)."""
+  import llguidance as llg
+  error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+  if error:
+    raise fmt.ChatFormatError(f"{where}: {error.splitlines()[0]}", where)
+
+
 def json_schema(v: Value, root: dict) -> dict | None:
   """The %json schema of a value's non-string branches, with the tool's "$defs" / "definitions" beside it (so
   that its "$ref"s resolve); None when the value is never anything but a string."""
@@ -224,5 +233,5 @@ def json_schema(v: Value, root: dict) -> dict | None:
   return {**schema, **defs}
 
 
-__all__ = ["Raw", "Value", "value", "raw_terminal", "json_schema", "check_pattern", "PARAMETER_CLOSE", "ENDS",
+__all__ = ["Raw", "Value", "value", "raw_terminal", "json_schema", "check_pattern", "check_json", "PARAMETER_CLOSE", "ENDS",
            "NOT_STRING"]

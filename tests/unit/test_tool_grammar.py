@@ -250,6 +250,9 @@ def test_a_required_name_without_a_property_takes_any_value_and_an_optional_impo
   ({"properties": {"x": {"anyOf": []}}}, "properties.x.anyOf"),
   ({"properties": {'a"b': {"type": "string"}}}, "properties"),
   ({"properties": {"x": {}}, "required": "x"}, "required"),
+  ({"properties": {"x": {"type": "integer", "not": {"const": 3}}}}, "properties.x"),  # llguidance lacks "not"
+  ({"properties": {"x": {"type": "integer", "minimum": 5, "maximum": 4}}}, "properties.x"),
+  ({"properties": {"x": {"type": "array", "items": {"$ref": "#/$defs/Nope"}}}}, "properties.x"),
 ])
 def test_a_schema_the_grammar_cannot_hold_is_an_error_naming_its_place(params, field):
   tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", **params}}}]
