@@ -231,6 +231,9 @@ def test_a_required_name_without_a_property_takes_any_value_and_an_optional_impo
   ({"properties": {"x": {"type": "string", "pattern": "("}}}, "properties.x.pattern"),
   ({"properties": {"x": {"$ref": "#/$defs/Nope"}}}, "properties.x.$ref"),
   ({"properties": {"x": {"$ref": "https://example.com/s.json"}}}, "properties.x.$ref"),
+  ({"properties": {"x": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}},
+   "properties.x.$ref"),  # a cycle of references
+
   ({"properties": {"x": {"enum": []}}, "required": ["x"]}, "properties.x"),
   ({"properties": {"x": {"type": "string", "minLength": -1}}}, "properties.x.minLength"),
   ({"properties": {"x": {"anyOf": []}}}, "properties.x.anyOf"),
