@@ -90,6 +90,8 @@ class _Tool:
         raise fmt.ChatFormatError(f"{where}.properties: the name {key!r} cannot be written in DSML (no '\"', '<' or "
                                   "'>')", f"{where}.properties")
       v = tv.value(props.get(key, True), self.root, f"{where}.properties.{key}")
+      if tv.raw_terminal(v.raw, "", None) is None:
+        v.raw = []  # no string fits (maxLength < minLength, an enum of texts the format cannot hold)
       for r in v.raw:
         if r.pattern is not None:
           tv.check_pattern(r.pattern, f"{where}.properties.{key}")

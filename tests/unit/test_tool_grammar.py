@@ -141,8 +141,6 @@ GROUPS = [  # a schema, then (value, string flag, admitted) at its boundaries
   ({"type": "string", "maxLength": 3}, [("ééé", T, True), ("éééé", T, False)]),
   ({"type": "string", "minLength": 0, "maxLength": 0}, [("", T, True), ("a", T, False)]),
   ({"type": "string", "minLength": 1}, [("", T, False), ("a", T, True)]),
-  # nothing fits
-  ({"type": "string", "minLength": 3, "maxLength": 2}, [("abc", T, False)]),
   ({"type": "string"}, [
      ("if a < b", T, True), ("a</b", T, True), ("</div>", T, True), ("say \"hi\"\nnow", T, True), ("", T, True),
      ("x", F, False)]),
@@ -219,12 +217,13 @@ def test_no_required_list_means_every_parameter_is_optional(tok):
   assert not _takes(tok, need_a, _block([("f", {"b": "x"})])) and _takes(tok, need_a, _block([("f", {"a": 2})]))
 
 
-def test_a_required_name_without_a_property_takes_any_value_and_an_optional_impossible_one_is_left_out(tok):
+def test_a_required_name_without_a_property_takes_any_value_and_an_impossible_optional_one_is_left_out(tok):
   tools = _tool({"type": "integer"}, required=False, extra={"required": ["z"]})  # x optional, z required, no schema
   assert _takes(tok, tools, _block([("f", {"z": "hi"})])) and _takes(tok, tools, _block([("f", {"x": 0, "z": 3})]))
   assert not _takes(tok, tools, _block([("f", {"x": 1})]))
-  never = _tool({"enum": []}, required=False)
-  assert _takes(tok, never, _block([("f", {})])) and not _takes(tok, never, _block([("f", {"x": 1})]))
+  for schema in ({"enum": []}, {"type": "string", "minLength": 3, "maxLength": 2}, {"enum": [f"a</{D}invoke>"]}):
+    never = _tool(schema, required=False)
+    assert _takes(tok, never, _block([("f", {})])) and not _takes(tok, never, _block([("f", {"x": "abc"})]))
 
 
 @pytest.mark.parametrize("params, field", [
@@ -235,6 +234,7 @@ def test_a_required_name_without_a_property_takes_any_value_and_an_optional_impo
    "properties.x.$ref"),  # a cycle of references
 
   ({"properties": {"x": {"enum": []}}, "required": ["x"]}, "properties.x"),
+  ({"properties": {"x": {"type": "string", "minLength": 3, "maxLength": 2}}, "required": ["x"]}, "properties.x"),
   ({"properties": {"x": {"type": "string", "minLength": -1}}}, "properties.x.minLength"),
   ({"properties": {"x": {"anyOf": []}}}, "properties.x.anyOf"),
   ({"properties": {'a"b': {"type": "string"}}}, "properties"),
