@@ -162,10 +162,10 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   jitted call (this host's per-call floor); medians of --iters calls, each waited for."""
   buf = step_feed.to_device(feed)
   t = feed["t"]
+  step, _ = engine.compile_programs(t, buf)
 
   def step_alone():
-    with engine._rules():
-      return engine._step_jit(t, False, False, engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
+    return step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
 
   def step_and_write():
     engine.pools, sampled, _ = engine.run(t, {"buf": buf})
@@ -188,11 +188,7 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
 def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
   """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
   buf = step_feed.to_device(feed)
-  with engine._rules():
-    step = engine._step_jit.lower(feed["t"], False, False, engine.params, engine.buffers, engine.pools,
-                                  engine.absorbed, buf).compile()
-    entries = step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[0]
-    write = engine._write_jit.lower(feed["t"], engine.pools, entries, buf).compile()
+  step, write = engine.compile_programs(feed["t"], buf)
   texts = [step.as_text(), write.as_text()]
   if args.hlo_out:  # the compiled programs' text, to read what an op is (its operands, layouts)
     os.makedirs(args.hlo_out, exist_ok=True)

@@ -18,19 +18,19 @@ import os
 import re
 
 
-def _ours(frames: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+def ours(frames: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
   """The frames in this repository's MaxText/ (innermost first), else all of them."""
   return [f for f in frames if "/MaxText/" in f[0]] or frames
 
 
 def part_of(frames: list[tuple[str, str, int]], parts) -> str:
   """A source line's part: the first of our frames (innermost first) that PARTS names, else its file."""
-  for file, func, _ in _ours(frames):
+  for file, func, _ in ours(frames):
     names = set(func.replace("<locals>", "").split("."))
     for part, suffix, funcs in parts:
       if file.endswith(suffix) and (funcs is None or names & set(funcs)):
         return part
-  return "other: " + "/".join(_ours(frames)[0][0].split("/")[-2:]) if frames else "other"
+  return "other: " + "/".join(ours(frames)[0][0].split("/")[-2:]) if frames else "other"
 
 
 def _table(text: str, name: str) -> dict:
@@ -119,7 +119,7 @@ def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hl
     base = op.split(" ")[0].lstrip("%")
     frames = sources.get(base, [])
     part = part_of(frames, parts)
-    file, func, line = _ours(frames)[0] if frames else ("", "", 0)
+    file, func, line = ours(frames)[0] if frames else ("", "", 0)
     by_line[(part, f"{'/'.join(file.split('/')[-2:])}:{line} {func}" if file else base)] += ns
     by_op[(part, base)] += ns
     by_part[part] += ns

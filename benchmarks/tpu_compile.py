@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"\nwhole arrays written outside fusions (>= {args.min_mb} MB; loop: once an iteration of a while loop, "
         f"a scanned stack's layer): {len(rows)}")
   for r in rows:
-    frames = profile_ops._ours(sources.get(r["op"], []))
+    frames = profile_ops.ours(sources.get(r["op"], []))
     r["source"] = f"{'/'.join(frames[0][0].split('/')[-2:])}:{frames[0][2]} {frames[0][1]}" if frames else ""
     r["estimated_ms"] = round(ops.get(r["op"], 0.0) / 1e6, 4)
     print(f"{r['mb']:>9.1f} MB {r['estimated_ms']:>8.3f} ms  {'loop' if r['in_loop'] else '':>4} {r['kind']:>11} "

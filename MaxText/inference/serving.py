@@ -194,7 +194,7 @@ class ServingEngine:
   def step_programs(self) -> int:
     """How many step programs are compiled so far: one per (rows, tokens, pages) shape and variant
     (with_logprobs, with_rollout, grammar mask), each compiled on first use."""
-    return self._step_jit._cache_size()
+    return self._step_jit._cache_size()  # noqa: SLF001 - jax's jit has no public count of its programs
 
   def shape(self, rows: list[Scheduled]) -> tuple[int, int]:
     """A step's (tokens per row, page-table width): the smallest width holding its widest row (1 + k
@@ -268,7 +268,7 @@ class ServingEngine:
     if self.spec is not None:
       return self.spec.step(rows)
     t, pages = self.shape(rows)
-    b, where = self._placement(rows)
+    b, where = self.placement(rows)
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
@@ -309,7 +309,7 @@ class ServingEngine:
     for r in grammar.advance(rows, made):
       self.scheduler.abort(r, "stop")
 
-  def _placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
+  def placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
     """(B, the batch row of each scheduled row): D page shards of B/D rows each, B/D a power of two;
     a row sits in its home shard's block (the shard of its pages), so its device holds its pages."""
     homes = [self.allocator.shard_of(row.request.pages[0]) for row in rows]
@@ -326,14 +326,21 @@ class ServingEngine:
     real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
     as a step's rows do). Speculating, the step is the speculative one (with the MTP pool)."""
     buf = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding(2))
-    with self._rules():
+    return (*self.compile_programs(t, buf), buf)
+
+  def compile_programs(self, t: int, buf):
+    """The step and write programs for rows of t tokens, compiled for buf (a step's input: an array or a
+    ShapeDtypeStruct) from the engine's params and pools -> (step, write). Called as step(params, buffers, pools,
+    absorbed, buf) -> (entries, sampled, lps, records) and write(pools, entries, buf) -> pools (the benchmarks
+    time and profile them alone)."""
+    with self.rules():
       step = self.spec.compile(t, buf) if self.spec is not None else \
           self._step_jit.lower(t, False, False, self.params, self.buffers, self.pools, self.absorbed,
                               buf).compile()
       entries = compiled_outputs(step)[0]  # both steps' first output: the stacks' new entries
-      return step, self._write_jit.lower(t, self.pools, entries, buf).compile(), buf
+      return step, self._write_jit.lower(t, self.pools, entries, buf).compile()
 
-  def _rules(self):
+  def rules(self):
     """The mesh's logical rules, active wherever the engine's programs trace (its step reads them)."""
     return sharding.logical_rules(self.config, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
@@ -353,11 +360,16 @@ class ServingEngine:
     routed_experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
     adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
-    with self._rules():
+    with self.rules():
       entries, sampled, lps, records = self._step_jit(t, with_logprobs, with_rollout, self.params, self.buffers,
                                                       self.pools, self.absorbed, buf, mask, adjust)
-      pools = self._write_jit(t, self.pools, entries, buf)
+      pools = self.write_pools(t, self.pools, entries, buf)
     return pools, sampled, (lps, records)
+
+  def write_pools(self, t: int, pools, entries, buf):
+    """The write program: a step's new entries (the stacks' keys and latents of its t tokens a row) into pools
+    (donated) at the feed's slots -> the pools after it."""
+    return self._write_jit(t, pools, entries, buf)
 
   def _forward(self, t, params, buffers, pools, absorbed, buf, every_position: bool):
     """The model over the pools for a step_feed's tokens [B,t] -> (the feed's fields, logits [B,1,V] at

@@ -89,7 +89,7 @@ class SpecStep:
   def step(self, rows: list[Scheduled]) -> list:
     e = self.engine
     t, pages = e.shape(rows)
-    b, where = e._placement(rows)
+    b, where = e.placement(rows)
     feed = step_feed.empty(b, t, pages)
     self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
@@ -125,10 +125,10 @@ class SpecStep:
   def run(self, t: int, feed: dict, mask=None) -> jax.Array:
     e = self.engine
     buf = step_feed.to_device(feed)
-    with e._rules():
+    with e.rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
                                                             (e.absorbed, self.absorbed), self.draft_q, buf, mask)
-      e.pools = e._write_jit(t, e.pools, entries, buf)
+      e.pools = e.write_pools(t, e.pools, entries, buf)
     return out
 
   def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf, mask=None):
