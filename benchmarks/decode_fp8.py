@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pools and the step)
 
 from MaxText.checkpoint import model_state  # noqa: E402
-from MaxText.inference import kv_cache, paged_cache  # noqa: E402
+from MaxText.inference import kv_cache, paged_cache, paged_pools  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.kernels import backend, paged_decode  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
@@ -51,8 +51,8 @@ class DequantizedFirst(paged_cache.PagedKeys):
   """PagedKeys scoring fp8 keys dequantized first (the loop before 2026-12-06): the comparison for section 1."""
 
   def block_keys(self, pages):
-    keys = paged_cache.page_values(self.idx_k, pages, self.page_size)[0]  # [width,d] codes
-    return kv_cache.dequantize_fp8(keys, paged_cache.page_values(self.idx_k_scale, pages, self.page_size)[0]), None
+    keys = paged_pools.page_values(self.idx_k, pages, self.page_size)[0]  # [width,d] codes
+    return kv_cache.dequantize_fp8(keys, paged_pools.page_values(self.idx_k_scale, pages, self.page_size)[0]), None
 
 
 class CodesAsF32(paged_cache.PagedKeys):
@@ -98,7 +98,7 @@ def rows_of(times: dict, **extra) -> list[dict]:
   return [dict(variant=name, wall_ms=round(w, 3), cpu_ms=round(c, 3), **extra) for name, (w, c) in times.items()]
 
 
-def layer_pool(engine: ServingEngine) -> paged_cache.PagedLayerCache:
+def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
   pool = next(iter(engine.pools.values()))
   return pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
 

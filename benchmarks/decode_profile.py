@@ -41,7 +41,7 @@ import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pool
 import profile_ops  # noqa: E402
 
 from MaxText.checkpoint import model_state  # noqa: E402
-from MaxText.inference import paged_cache, step_feed  # noqa: E402
+from MaxText.inference import paged_cache, paged_pools, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.kernels import backend, paged_decode, paged_decode_gpu  # noqa: E402
 from MaxText.kernels.sparse_attention import gather_attend  # noqa: E402
@@ -61,13 +61,14 @@ PARTS = (
     ("selection", "kernels/selection.py", None),
     ("selection", "kernels/selection_keys.py", None),
     ("selection", "kernels/topk_indices.py", None),
-    ("gather", "inference/paged_cache.py", ("gather_selected", "read", "_rows")),
+    ("gather", "inference/paged_cache.py", ("gather_selected", "read")),
+    ("gather", "inference/paged_pools.py", ("_rows",)),
     ("gather", "inference/kv_cache.py", None),
     ("gather", "kernels/cached_attention.py", ("merge_selected",)),
     ("attention", "kernels/sparse_attention.py", None),
     ("attention", "kernels/paged_decode.py", ("sparse_mla_decode", "_mla_kernel", "_dequant")),
     ("attention", "kernels/paged_decode_gpu.py", ("sparse_mla_decode", "_mla_kernel")),
-    ("write", "inference/paged_cache.py", ("write", "put_all", "slots")),
+    ("write", "inference/paged_pools.py", ("write", "put_all", "slots")),
     ("indexer q, k, w", "layers/indexer.py", None),
     ("MLA projections", "layers/attention_mla.py", None),
     ("weights: linears", "layers/linears.py", None),
@@ -89,7 +90,7 @@ def median_ms(fn, iters: int) -> float:
   return statistics.median(times) * 1e3
 
 
-def layer_pool(engine: ServingEngine) -> paged_cache.PagedLayerCache:
+def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
   pool = next(iter(engine.pools.values()))
   return pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
 

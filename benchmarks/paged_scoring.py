@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_cache, paged_pools
 from MaxText.kernels.cached_attention import ContiguousKeys
 from MaxText.kernels.index_scores import index_scores
 
@@ -42,7 +42,7 @@ def batched_blocks(keys: paged_cache.PagedKeys, q, w, pos, head_chunk: int):
 
   def block(i, out):
     pages = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)  # [b,per_block]
-    k = paged_cache.page_values(keys.idx_k, pages, page)  # [b,width,d]
+    k = paged_pools.page_values(keys.idx_k, pages, page)  # [b,width,d]
     valid = (i * width + jnp.arange(width))[None, None, :] <= pos[:, :, None]  # [b,tq,width]
     return jax.lax.dynamic_update_slice_in_dim(out, index_scores(q, w, k, valid, head_chunk=head_chunk), i * width, 2)
 

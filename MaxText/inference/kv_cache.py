@@ -234,7 +234,7 @@ def to_storage(x: jax.Array, dtype) -> jax.Array:
 def as_fields(store, **given) -> dict:
   """The new vectors {c_kv, k_pe, idx_k} (None: not given) as the store's fields hold them: an fp8
   field quantized, its scales as the `<name>_scale` field (k_pe is never quantized). `store` is a
-  LayerCache or a paged_cache.PagedLayerCache (the same field names)."""
+  LayerCache or a paged_pools.PagedLayerCache (the same field names)."""
   new = {}
   for name, x in given.items():
     if x is None:

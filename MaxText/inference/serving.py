@@ -74,7 +74,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import grammar, logprobs, paged_cache, penalties, rollout, step_channel, step_feed
+from MaxText.inference import grammar, logprobs, paged_pools, penalties, rollout, step_channel, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -106,11 +106,11 @@ class ServingEngine:
     self.pages_per_seq = -(-cfg.max_target_length // self.page_size)
     num_pages = cfg.serve_num_pages or cfg.serve_max_num_seqs * self.pages_per_seq
     self.mesh = sharding.active_mesh()[0] if sharding.active_mesh() else None
-    self.shards = paged_cache.page_shards(cfg, self.mesh)
+    self.shards = paged_pools.page_shards(cfg, self.mesh)
     for key, value in (("serve_max_num_seqs", cfg.serve_max_num_seqs), ("serve_num_pages", num_pages)):
       if value % self.shards:
         raise ConfigError(f"config key '{key}' = {value}: a multiple of the {self.shards} page shards (the mesh axes "
-                          f"{paged_cache.page_axes(cfg, self.mesh)} that shard the rows)")
+                          f"{paged_pools.page_axes(cfg, self.mesh)} that shard the rows)")
     self.abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
@@ -135,7 +135,7 @@ class ServingEngine:
     self.reset()
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
-          f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
+          f"({paged_pools.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
           f"{len(self.buckets()) * len(self.widths) * len(self.contexts)} step programs: [rows, tokens, pages] in "
           f"{self.buckets()} x {self.widths} x {self.contexts}"
@@ -167,7 +167,7 @@ class ServingEngine:
                                vocab_size=cfg.vocab_size, speculative=cfg.serve_speculative_tokens)
     self.rollouts.pages.clear()  # computed by the old weights, like the pages
     self.scheduler.rollout_shareable = self.rollouts.shareable
-    self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
+    self.pools = paged_pools.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
     self.held = grammar.Held()  # requests whose grammar compiles
     if self.spec is not None:
       self.spec.reset()
@@ -348,7 +348,7 @@ class ServingEngine:
     """A step input's sharding: its rows (axis 0) over the page shards' axes."""
     if self.mesh is None:
       return None
-    axes = paged_cache.page_axes(self.config, self.mesh)
+    axes = paged_pools.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
   def run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None,
@@ -431,8 +431,8 @@ class ServingEngine:
   def _write(self, t, pools, entries, buf):
     """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""
     f = step_feed.unpack(buf, t)
-    slot_ids = paged_cache.slots(f["table"], f["write_pos"], self.page_size, self.allocator.num_pages * self.page_size)
-    return write_stacks(pools, entries, lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
+    slot_ids = paged_pools.slots(f["table"], f["write_pos"], self.page_size, self.allocator.num_pages * self.page_size)
+    return write_stacks(pools, entries, lambda pool, **e: paged_pools.write(pool, slot_ids, **e))
 
   # ---- convenience
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.inference import paged_cache, step_feed
+from MaxText.inference import paged_pools, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
 from MaxText.inference.grammar import apply_bitmask
 from MaxText.inference.model_step import mtp_absorbed_weights, run_or_shape, step_head_chunk
@@ -67,7 +67,7 @@ class SpecStep:
   def reset(self) -> None:
     e = self.engine
     # [N, n] per field; its slots shard over pages as the stacks' pools do (each device its rows' pages)
-    self.mtp_pool = paged_cache.placed(e.config, lambda: paged_cache.init_layer_pools(
+    self.mtp_pool = paged_pools.placed(e.config, lambda: paged_pools.init_layer_pools(
         e.config, e.num_pages * e.page_size), e.mesh, abstract=e.abstract)
     q_shape = (e.max_seqs, self.k, e.config.vocab_size)  # draft_q [S,k,V]
     self.draft_q = jax.ShapeDtypeStruct(q_shape, jnp.float32) if e.abstract else jnp.zeros(q_shape, jnp.float32)
@@ -177,7 +177,7 @@ class SpecStep:
     m_logits, h, m_entries = model.mtp_cached(aux["hidden"], nxt, f["positions"], mview,
                                               last_index=at)  # [B,1,V], [B,t,D]
     num_slots = e.num_pages * e.page_size
-    write = lambda pool, wpos, ent: paged_cache.write(pool, paged_cache.slots(  # noqa: E731
+    write = lambda pool, wpos, ent: paged_pools.write(pool, paged_pools.slots(  # noqa: E731
         f["table"], wpos, e.page_size, num_slots), **ent)
     mtp_pool = write(mtp_pool, f["write_pos"], m_entries)
 

@@ -102,11 +102,11 @@ class Choices:
   paged_scoring: str = "xla"  # "xla" | "pallas" | "triton": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare" | "grouped": how topk_indices.mask_to_indices places its slots
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
-  rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
+  rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_pools.init_layer_pools)
   page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
   matmul_layout: str = "free"  # "free" | "few_rows_pinned": a few-row matmul output's layout (fp8_blocks.matmul)
   fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
-  key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_cache._paired_keys)
+  key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_pools.paired_keys)
   sparse_decode: str = "xla"  # "xla" | "triton": a paged decode step's attention over its selected slots
 
 
