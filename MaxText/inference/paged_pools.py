@@ -91,7 +91,7 @@ def _slots_a_row(config: Config, num_slots: int, words: int) -> int:
   that divides serve_page_size (pages, and so page shards, are whole rows); 1 where words does not divide a row
   or the rows do not divide the pool. The k_pe rows' (`_rope_rows`) and, under rope_storage "rows", the fp8
   latent's scales' (32 slots of 4 at the official sizes: as [N, 4] a v5e gathered them column-major, and a deep
-  stack's [L, N, 4] was relaid out whole inside the layer loop, O(L^2) a step; tpu_compile.py at 8 layers)."""
+  stack's [L, N, 4] was relaid out whole inside the layer loop, O(L^2) a step: decode_profile --compile-for)."""
   if ROW_WORDS % words:
     return 1
   rows = math.gcd(ROW_WORDS // words, config.serve_page_size)

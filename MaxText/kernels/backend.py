@@ -141,7 +141,7 @@ GPU_WAYS = {  # ways written for a GPU (Triton); no row takes them until measure
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
 # each block's dot on one YNNPACK thread; 4 rows' blocks in one iteration, a batched dot, wider blocks or YNNPACK off
 # measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (4 rows x 128K: 134.7
-# vs 134.7 ms CPU against dequantizing each block first in benchmarks/decode_fp8.py, 148.8 vs 163.5, 141.3 vs 146.0
+# vs 134.7 ms CPU against dequantizing each block first (decode_fp8.py, in git history), 148.8 vs 163.5, 141.3 vs 146.0
 # and 130.6 vs 134.2 in ad hoc runs: no slower, 0-9% less; docs/kernels.md, On the CPU).
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
@@ -164,10 +164,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 # The selected positions' page ids by a one-hot dot (page_lookup "onehot"): a [16, 2048] take_along_axis from the
-# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (benchmarks/scoring_pages.py, docs/kernels.md).
+# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (a probe in git history: scoring_pages.py).
 # A few-row matmul's output pinned row-major (matmul_layout "few_rows_pinned"): the 16-row 128K step's profile on the
 # v5e showed wq_b's weight relaid out every step (copy bf16[1,1536,24576], 0.335 ms); compiled for the v5e with the
-# pin, that copy and the indexer's wq_b one (25 MB) are gone (benchmarks/tpu_compile.py, docs/kernels.md). On the
+# pin, that copy and the indexer's wq_b one (25 MB) are gone (decode_profile --compile-for, docs/kernels.md). On the
 # CPU the pin cost the 4-row 128K fp8 sparse step ~8 ms (97 vs 89 ms, decode.py, trees side by side): not there.
 # fp8 codes strided in their words, unpacked by shifts a 128-block a piece (fp8_unpack "shifts"): compiled for the
 # v5e, the bitcast view's u32[16,2048,128,4] and the scales' f32[16,2048,4,128] (67 MB each) are gone; on the CPU
@@ -216,7 +216,7 @@ def pallas_interpret(interpret: bool | None, platform: str = "tpu") -> bool:
   """A Pallas kernel's `interpret` argument: None -> Pallas' interpreter wherever the backend the kernels are
   traced for (`forced`'s, else this process's) is not the kernel's `platform` ("tpu": Mosaic's lowering; "gpu":
   Triton's, kernels/paged_decode_gpu.py); a bool as given. Every kernel module asks here. forced("tpu") on a host
-  without one: Mosaic's lowering, for a compile-only TPU target (benchmarks/tpu_compile.py)."""
+  without one: Mosaic's lowering, for a compile-only TPU target (decode_profile --compile-for)."""
   if interpret is not None:
     return interpret
   return (_FORCED.get()[0] or jax.default_backend()) != platform
