@@ -41,7 +41,7 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                                                            ("triton": paged_decode_gpu's kernel for a
                                                            GPU; no row takes it until measured there)
   rope_storage       "bits": a paged pool's bf16 k_pe as    "bits" (gpu, others); tpu: "rows", int32
-                     uint16 [N, r] (paged_cache.py), the    words of 2, several slots a 128-word row
+                     uint16 [N, r] (paged_pools.py), the    words of 2, several slots a 128-word row
                      fp8 latent's scales f32 [N, 4]         (a v5e copied the [N, 64] uint16 pool whole
                                                            each step: 1.27 of 10.3 ms at 16 x 128K), and
                                                            the latent's scales 32 slots a row (as [L, N, 4]
@@ -122,11 +122,11 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
-    "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
+    "rope_storage": ("bits", "rows"),  # paged_pools: uint16 [N, r]; int32 pairs, 128-word rows of several slots
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
     "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
-    "key_order": ("natural", "paired"),  # paged_cache: an fp8 idx_k pool's rows in slot order; int8, paired
+    "key_order": ("natural", "paired"),  # paged_pools: an fp8 idx_k pool's rows in slot order; int8, paired
     "sparse_decode": ("xla",),  # the selected latents gathered, then gather_attend (the Mosaic kernel tied it: none)
 }
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
