@@ -11,8 +11,7 @@
 #                                                    dense, paged against contiguous where its copy fits
 #   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
 #                                                    train step (remat none), 1 and 2 x 2048 tokens, and its profile
-#   bash benchmarks/tpu_decode_check.sh kl OUT        benchmarks/kl_target.py: the indexer KL target's kernel beside
-#                                                    the XLA head_summed_probs, 1 and 2 x 2048 tokens
+#                                                    (splash and the KL target kernel among its parts)
 # A comparison with another tree is two runs of a part, one in each checkout. Expects .device_bundle
 # (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
 set -uo pipefail
@@ -41,8 +40,5 @@ case "$part" in
     { timeout 250 python3 benchmarks/train_mfu.py --set remat_policy=none --set remat_policy=full
       timeout 200 python3 benchmarks/train_mfu.py --no-trace --set global_batch_size=2 remat_policy=none \
         --set global_batch_size=2 remat_policy=full; } 2>&1 | tee "$out/mfu.log" ;;
-  kl)
-    { timeout 150 python3 benchmarks/kl_target.py --iters 9
-      timeout 150 python3 benchmarks/kl_target.py --batch 2 --iters 9; } 2>&1 | tee "$out/kl.log" ;;
-  *) echo "tpu_decode_check.sh: part must be step, profile, kernels, decode, mfu or kl, got '$part'" >&2; exit 2 ;;
+  *) echo "tpu_decode_check.sh: part must be step, profile, kernels, decode or mfu, got '$part'" >&2; exit 2 ;;
 esac
