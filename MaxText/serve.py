@@ -15,7 +15,7 @@ are token ids and the text of a choice is its ids joined by commas. Chat renders
 (chat_template_path, or chat_template in the tokenizer_config.json next to tokenizer_path), or, without
 one (DeepSeek-V3.2 ships none) or with chat_encoding=deepseek_v32, DeepSeek-V3.2's own format with
 thinking and tool calls (MaxText/server/chat.py).
-serve_host / serve_port: where it listens; serve_max_waiting: waiting requests before a 429;
+serve_host / serve_port (or serve_uds, a unix socket): where it listens; serve_warmup: what compiles before /health is 200; serve_max_waiting: waiting requests before a 429;
 serve_api_key (or $MAXTEXT_API_KEY): the bearer key every route but /health and /metrics needs;
 serve_max_request_bytes: the largest body (413); serve_request_timeout: seconds a request may run (408);
 serve_lora_adapters=[name=path,...]: LoRA adapters served beside the base (vLLM's --lora-modules), each a LoRA run's
@@ -109,7 +109,8 @@ def create_server(config: Config, log=_log, channel=None):
   log(f"serve: tokenizer {tokenizer.path if tokenizer else 'none (prompts are token ids)'}; chat template "
       f"{'yes' if fmt.template else 'none'}; chat format {fmt.encoding}")
   lost = None if channel is None else (lambda why: _lost(engine, why))
-  engine = EngineThread(make_engine, max_waiting=config.serve_max_waiting, log=log, on_step_failure=lost)
+  engine = EngineThread(make_engine, max_waiting=config.serve_max_waiting, log=log, on_step_failure=lost,
+                        warmup=config.serve_warmup)
   if channel is not None:
     channel.on_lost = lost
   server = Server(config, texts, engine, config.model_name, grammars=grammars)
@@ -140,7 +141,8 @@ def follow(config: Config, channel) -> None:
 
 def uvicorn_server(config: Config, app):
   import uvicorn
-  return uvicorn.Server(uvicorn.Config(app, host=config.serve_host, port=config.serve_port, log_level="warning",
+  where = dict(uds=config.serve_uds) if config.serve_uds else dict(host=config.serve_host, port=config.serve_port)
+  return uvicorn.Server(uvicorn.Config(app, **where, log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=config.serve_shutdown_timeout,
                                        timeout_keep_alive=config.serve_keep_alive))
 
@@ -158,7 +160,8 @@ def serve(config: Config) -> None:
   # uvicorn drains on SIGTERM, then raises the signal again: this handler makes that a clean exit 0.
   signal.signal(signal.SIGTERM, lambda *_: _log("serve: drained; exiting"))
   from MaxText.server.gate import describe
-  _log(f"serve: listening on http://{config.serve_host}:{config.serve_port} (GET /health is 200 once compiled); "
+  where = f"unix:{config.serve_uds}" if config.serve_uds else f"http://{config.serve_host}:{config.serve_port}"
+  _log(f"serve: listening on {where} (GET /health is 200 once compiled); "
        f"{describe(config)}")
   server.run()
 

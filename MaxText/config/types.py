@@ -253,6 +253,8 @@ class Serve(_Section):
   serve_prefix_caching: bool
   serve_host: str
   serve_port: Annotated[int, Field(ge=0, le=65535)]
+  serve_uds: str
+  serve_warmup: Literal["first", "all"]
   serve_max_waiting: PosInt
   serve_shutdown_timeout: Annotated[float, Field(ge=0)]
   chat_template_path: str

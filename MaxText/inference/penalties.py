@@ -2,7 +2,9 @@
 (vllm/v1/sample/sampler.py, ops/penalties.py, logits_processor/builtin.py):
 
   1. logit_bias: logits[id] += bias (OpenAI's, in [-100, 100]); min_tokens: while the output has
-     fewer than min_tokens tokens, EOS (unless ignore_eos) and every stop_token_ids id at -inf;
+     fewer than min_tokens tokens, EOS (unless ignore_eos) and every stop_token_ids id at -inf (not a
+     single-token stop string's id, stop_string_ids: vLLM bans only EOS and stop_token_ids, and merely
+     looks for stop strings from then on, scheduler.py);
   2. repetition_penalty r (vLLM's, 1 = off) over every id in the prompt or the output so far:
      logit / r where logit > 0, logit * r otherwise;
   3. frequency_penalty f and presence_penalty p (OpenAI's, in [-2, 2]) over the output so far:
@@ -13,8 +15,9 @@
 Stages 1-3 change greedy rows too. They need each row's history, which lives on the host: per step,
 `step_arrays` sends only the ids a row touches, ids [B,S] int32 (V past a row's entries: dropped) and
 their values [B,S,3] fp32 (bias, repetition factor, subtracted penalty), S the smallest power of two
->= 8 holding the step's fullest row; `apply` gathers, adjusts and scatters those [B,S] logits. A step
-whose rows adjust nothing sends None and runs the step program without this stage; any request's
+>= 8 holding the step's fullest row; `apply` gathers, adjusts and scatters those [B,S] logits. A row
+that adjusts can have no entries in a step (penalties alone before its first token; min_tokens alone
+once reached): it is left as padding. A step whose rows have no entries sends None and runs the step program without this stage; any request's
 values are data, so only S (a handful of powers of two) picks a program, never a request's numbers.
 """
 
@@ -42,7 +45,8 @@ def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: in
   for tok, bias in params.logit_bias:
     out[tok][0] += bias
   if len(output) < params.min_tokens:
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos or eos_id is None else {eos_id})
+    stops = set(params.stop_token_ids) - set(params.stop_string_ids)
+    stops |= set() if params.ignore_eos or eos_id is None else {eos_id}
     for tok in stops:
       out[tok][0] = -np.inf
   if params.repetition_penalty != 1.0:
@@ -55,9 +59,10 @@ def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: in
 
 
 def step_arrays(rows: Sequence, where: Sequence[int], b: int, vocab: int, eos_id: int | None):
-  """The step's (ids [b,S] int32, values [b,S,3] fp32) for its sampling rows that adjust, or None."""
-  per = {i: row_entries(row.request.params, row.request.prompt, row.request.output, eos_id)
-         for i, row in zip(where, rows) if row.samples and adjusts(row.request.params)}
+  """The step's (ids [b,S] int32, values [b,S,3] fp32) for its sampling rows that adjust, or None when
+  none has an entry this step."""
+  per = {i: entries for i, row in zip(where, rows) if row.samples and adjusts(row.request.params)
+         if (entries := row_entries(row.request.params, row.request.prompt, row.request.output, eos_id))}
   if not per:
     return None
   s = max(_MIN_WIDTH, 1 << (max(len(e) for e in per.values()) - 1).bit_length())

@@ -27,14 +27,17 @@ def kept_sorted(lg: jax.Array, temp: jax.Array, p: jax.Array, k: jax.Array):
   (0 = off)) -> (order [..., V] ids most likely first (ties lowest id first: a stable sort), sorted
   logits / temperature [..., V], keep [..., V] bool in that sorted order).
 
-  As vLLM and HF apply them: temperature, then top-k (the k most likely), then top-p over the top-k
-  RENORMALIZED (the fewest most likely whose mass reaches p: a token is kept while the mass strictly
-  ahead of it is < p). So probs [.5, .3, .2], k = 2, p = .6 keeps {0} (.5 / .8 >= .6), not {0, 1}. keep
-  is a prefix of the sorted order (its size is the set's size) and always holds the most likely token."""
+  As vLLM and HF apply them: temperature, then top-k (the k most likely AND every token tied with the
+  k-th: logits [2, 2, 1, 0], k = 1 keeps {0, 1}, as vLLM's and HF's `logits < kth value` mask), then
+  top-p over the top-k RENORMALIZED (the fewest most likely whose mass reaches p: a token is kept while
+  the mass strictly ahead of it is < p). So probs [.5, .3, .2], k = 2, p = .6 keeps {0} (.5 / .8 >= .6),
+  not {0, 1}. keep is a prefix of the sorted order (ties are adjacent in it; its size is the set's size)
+  and always holds the most likely token."""
   order = jnp.argsort(-lg, axis=-1, stable=True)  # [..., V], most likely first
   sorted_lg = jnp.take_along_axis(lg, order, axis=-1) / jnp.maximum(temp, 1e-6)[..., None]  # [..., V]
-  rank = jnp.arange(lg.shape[-1])  # [V]
-  in_top_k = (k[..., None] <= 0) | (rank < k[..., None])  # [..., V]
+  at = jnp.broadcast_to(jnp.clip(k - 1, 0, lg.shape[-1] - 1), sorted_lg.shape[:-1])[..., None]  # [..., 1]
+  kth = jnp.take_along_axis(sorted_lg, at, axis=-1)  # [..., 1]: the k-th largest
+  in_top_k = (k[..., None] <= 0) | (sorted_lg >= kth)  # [..., V]: the k most likely and their ties
   probs = jax.nn.softmax(jnp.where(in_top_k, sorted_lg, -jnp.inf), axis=-1)  # [..., V]: the top-k renormalized
   before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each token
   in_top_p = (before < p[..., None]) | (p[..., None] >= 1)  # p >= 1 is off: a mass rounded to 1 drops nothing

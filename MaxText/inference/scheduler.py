@@ -25,7 +25,7 @@ token; only entries of accepted positions count as computed, a rejected draft's 
 later and never published; a stop token or max_tokens inside the run ends it there): a page a
 step fills is published to the prefix cache at once (running requests share it too); a request whose every known token is now computed
 gets its next token; it finishes on a stop token (EOS unless ignore_eos, or one of
-stop_token_ids), at max_tokens, or when its sequence fills max_length; one that has run past its
+stop_token_ids; one of stop_string_ids only from its min_tokens + 1-th token on), at max_tokens, or when its sequence fills max_length; one that has run past its
 params.timeout since its arrival ends ("timeout") when the next step is scheduled. A finished request
 publishes its full pages to the prefix cache and releases them at once.
 
@@ -64,6 +64,8 @@ class SamplingParams:
   top_p: float = 1.0
   top_k: int = 0
   stop_token_ids: tuple[int, ...] = ()
+  stop_string_ids: tuple[int, ...] = ()  # those of stop_token_ids that are single-token stop strings: they
+  # end the output only from its min_tokens + 1-th token on and are never banned by min_tokens (vLLM's stop strings)
   ignore_eos: bool = False
   seed: int | None = None
   logprobs: int | None = None  # each generated token's logprob and the top N (inference/logprobs.py); None = off
@@ -79,6 +81,7 @@ class SamplingParams:
   min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
   timeout: float = 0.0  # seconds the request may take from its arrival (serve_request_timeout); 0 = no limit
   lora_adapter: int = 0  # the served LoRA adapter: serve_lora_adapters' k-th entry (1-based); 0 = the base model
+  cache_salt: str = ""  # vLLM's: only requests with the same salt (and adapter) share prefix-cached pages
 
   def check(self, vocab_size: int) -> None:
     """Raises RequestError naming the first bad field."""
@@ -88,6 +91,7 @@ class SamplingParams:
            ("top_k", self.top_k >= 0, "an integer >= 0 (0 = off)"),
            ("stop_token_ids", all(0 <= t < vocab_size for t in self.stop_token_ids),
             f"token ids in [0, {vocab_size})"),
+           ("stop_string_ids", set(self.stop_string_ids) <= set(self.stop_token_ids), "a subset of stop_token_ids"),
            ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "an integer in [0, 2**63)"),
            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "a number in [-2, 2]"),
            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "a number in [-2, 2]"),
@@ -126,9 +130,11 @@ class Request:
 
   @property
   def prefix_root(self) -> bytes:
-    """Where its pages' prefix keys start (page_allocator.page_hashes): its LoRA adapter's, so requests through
-    different adapters (or none) never share cached pages."""
-    return b"" if not self.params.lora_adapter else f"lora:{self.params.lora_adapter}".encode()
+    """Where its pages' prefix keys start (page_allocator.page_hashes): its LoRA adapter's and its cache_salt's,
+    so requests through different adapters (or none), or with different salts, never share cached pages."""
+    p = self.params
+    root = b"" if not p.lora_adapter else f"lora:{p.lora_adapter}".encode()
+    return root if not p.cache_salt else root + b"salt:" + p.cache_salt.encode()
 
   @property
   def prefilling(self) -> bool:
@@ -285,7 +291,7 @@ class Scheduler:
         if r.first_token_time is None:
           r.first_token_time = now
         for tok in run:
-          stop = tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok == self.eos_id)
+          stop = _stops(r.params, tok, len(r.output), self.eos_id)
           if not stop:
             r.output.append(tok)
           reason = "stop" if stop else ("length" if len(r.output) >= r.params.max_tokens
@@ -384,6 +390,13 @@ class Scheduler:
     self.allocator.release(r.pages)
     r.pages = []
     self.finished.append(r)
+
+
+def _stops(params: SamplingParams, tok: int, made: int, eos_id: int | None) -> bool:
+  """Whether token `tok`, made after `made` output tokens, ends the output (and is dropped from it)."""
+  if tok in params.stop_string_ids:
+    return made >= params.min_tokens  # a stop string counts from the min_tokens + 1-th token on (vLLM's)
+  return tok in params.stop_token_ids or (not params.ignore_eos and tok == eos_id)
 
 
 __all__ = ["Scheduler", "Request", "Scheduled", "SamplingParams", "RequestError"]

@@ -181,15 +181,21 @@ class ServingEngine:
     per = self.max_seqs // self.shards
     return sorted({self.shards * min(per, 1 << i) for i in range(per.bit_length() + 1)})
 
-  def warmup(self) -> int:
-    """Compiles every step and write program (each row bucket x width x context) on padding-only
-    input: every write is dropped, nothing changes. Returns how many step programs there are."""
-    self.channel.send("warmup")
-    for b in self.buckets():
-      for t in self.widths:
-        for pages in self.contexts:
-          self._noop(b, t, pages)
-    return len(self.buckets()) * len(self.widths) * len(self.contexts)
+  def programs(self, first: bool = False) -> list[tuple[int, int, int]]:
+    """Every step program's (rows, tokens, pages), smallest first: the shortest context, then the
+    fewest rows, then every width. first: only the smallest bucket's at the shortest context (one per
+    width): what one short request needs, its prefill then its decode (serve_warmup=first)."""
+    every = [(b, t, pages) for pages in self.contexts for b in self.buckets() for t in self.widths]
+    return every[:len(self.widths)] if first else every
+
+  def warmup(self, shapes=None) -> int:
+    """Compiles the step and write programs of `shapes` ((rows, tokens, pages) each; default: every one
+    of programs()) on padding-only input: every write is dropped, nothing changes. Returns how many."""
+    shapes = self.programs() if shapes is None else [tuple(int(v) for v in s) for s in shapes]
+    self.channel.send("warmup", np.asarray(shapes, np.int32).reshape(-1, 3))  # [n, 3]: the followers' same list
+    for b, t, pages in shapes:
+      self._noop(b, t, pages)
+    return len(shapes)
 
   def step_programs(self) -> int:
     """How many step programs are compiled so far: one per (rows, tokens, pages) shape and variant

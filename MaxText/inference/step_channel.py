@@ -16,7 +16,7 @@ the ServingEngine's device calls (CALLS: each a method every process runs with t
              whose rows span processes)
   spec_step  SpecStep.device_step(t, buf, mask): the same for the speculative (MTP) step
   reset      ServingEngine.reset(): empty pools (after a failed step or load)
-  warmup     ServingEngine.warmup(): every step program compiled on padding
+  warmup     ServingEngine.warmup(shapes): those step programs compiled on padding (shapes: [n, 3] int32)
   stop       the followers return (process 0 is shutting down)
 Page frees, prefix-cache hits and aborts touch no device state (pages are reference counts on process
 0): they reach the other processes only as the next step's page tables.

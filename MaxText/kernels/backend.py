@@ -85,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 import jax
 
@@ -220,6 +221,24 @@ def pallas_interpret(interpret: bool | None, platform: str = "tpu") -> bool:
   if interpret is not None:
     return interpret
   return (_FORCED.get()[0] or jax.default_backend()) != platform
+
+
+MOSAIC_LANES = 128  # a Mosaic block's last dimension: a multiple of 128 lanes (its second-last: of 8 sublanes) ...
+# ... unless the block spans that dimension of the array whole (Pallas' TPU lowering refuses any other block)
+
+
+def mosaic_block(n: int, want: int) -> tuple[int, int]:
+  """(block, padded length) for a Pallas TPU kernel's blocks along an axis of length n that is a block's last
+  dimension (MOSAIC_LANES, which also meets the second-last's 8): `want` where it is a multiple of 128 lanes,
+  else the smallest multiple of `want` that is (so a block is still whole units of `want`: pages, slots), or
+  the whole axis as one block where that block would be no shorter. The axis is padded to whole blocks (the
+  kernel masks the padding). Every Mosaic kernel of the decode step asks here: a shape it cannot tile is
+  padded, never refused."""
+  if want % MOSAIC_LANES:
+    want *= MOSAIC_LANES // math.gcd(want, MOSAIC_LANES)
+    if want >= n:
+      return n, n
+  return want, -(-n // want) * want
 
 
 def _check(backend: str | None, overrides: dict) -> None:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.backend import pallas_interpret
+from MaxText.kernels.backend import mosaic_block, pallas_interpret
 from MaxText.kernels.fp8_blocks import (
   PAIR_GROUP,
   PAIRED_DTYPE,
@@ -304,13 +304,11 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   fp8_scored_queries' e4m3 values, an f32 q in three), or with fp8 keys fp8 bits uint8 with q_scale [B,H]
   f32 (one scale per head's d = 128 values: fp8_queries); w [B,H] the per-head weights (index_weights); idx_k [N,d] as the pool holds it
   (uint8 fp8 bits with idx_k_scale [N,1], or f32); table [B,P] page ids (< 0: none, read as page 0
-  and masked only by pos); pos [B] each row's query position: slots > pos score -inf. P must be a
-  multiple of pages_per_block (pad the table)."""
+  and masked only by pos); pos [B] each row's query position: slots > pos score -inf. Blocks of
+  pages_per_block pages, or as backend.mosaic_block makes them tileable (the table padded to whole blocks)."""
   fp8, paired = idx_k_scale is not None, is_paired(idx_k)
   b, h, d = q.shape
   p = table.shape[1]
-  if p % pages_per_block:
-    raise ValueError(f"paged_index_scores: {p} pages is not a multiple of pages_per_block={pages_per_block}")
   if fp8 and idx_k_scale.shape[-1] != 1:
     raise ValueError(f"paged_index_scores: fp8 keys need one scale per key (d = 128), got {idx_k_scale.shape}")
   if (q.dtype == jnp.uint8) != (q_scale is not None) or (q_scale is not None and not fp8):
@@ -318,8 +316,9 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   if paired and (not fp8 or page % PAIR_GROUP):
     raise ValueError(f"paged_index_scores: a paired (int8) pool holds fp8 keys in pages of whole {PAIR_GROUP}-slot "
                      f"groups, got page {page}{'' if fp8 else ' and no scales'}")
-  n_blocks, width = p // pages_per_block, pages_per_block * page
-  table = jnp.maximum(table, 0).astype(jnp.int32)
+  width, slots = mosaic_block(p * page, pages_per_block * page)  # a block's slots: 128 lanes, or every slot
+  pages_per_block, n_blocks = width // page, slots // width
+  table = jnp.pad(jnp.maximum(table, 0).astype(jnp.int32), ((0, 0), (0, slots // page - p)))  # [B, P'] whole blocks
   w = w.astype(jnp.float32) * (1.0 if q_scale is None else q_scale)  # relu(qs x) = qs relu(x): the q scale joins w
   if paired:  # the kernel's keys carry 2^-120 (_paired_bf16): 2^60 on the queries (exact), 2^60 on the weights
     qv = as_values(q).astype(jnp.bfloat16 if q.dtype != jnp.float32 else jnp.float32)  # uint8: e4m3 -> bf16, exact
@@ -334,9 +333,9 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   scores = pl.pallas_call(
       kernel, grid=(b, n_blocks), in_specs=in_specs,
       out_specs=pl.BlockSpec((1, 1, width), lambda i, j: (i, 0, j)),
-      out_shape=jax.ShapeDtypeStruct((b, 1, p * page), jnp.float32), scratch_shapes=scratch,
+      out_shape=jax.ShapeDtypeStruct((b, 1, slots), jnp.float32), scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=pallas_interpret(interpret))(*ins)[:, 0]  # [B, P*page]; fp8: without the keys' scales
+      interpret=pallas_interpret(interpret))(*ins)[:, 0, :p * page]  # [B, P*page]; fp8: without the keys' scales
   if not fp8:
     return scores
   # sum_h w relu(s q.k) = s sum_h w relu(q.k) for a key scale s > 0 (-inf stays -inf): the scales apply to the
@@ -344,7 +343,7 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   # page 64). Read in the kernel as a [page, 1] column they cost 32 KiB a page in HBM (the f32 (8, 128) tile's lane
   # padding, 4x the keys' bytes) and a relayout of the whole pool's scales each step (docs/kernels.md).
   scale_pages = idx_k_scale.astype(jnp.float32).reshape(-1, page)  # [N/page, page]
-  scaled = scores * jnp.take(scale_pages, table, axis=0).reshape(b, p * page)  # [B, P*page]
+  scaled = scores * jnp.take(scale_pages, table[:, :p], axis=0).reshape(b, p * page)  # [B, P*page]
   return jnp.where(scores == NEG_INF, NEG_INF, scaled)  # a masked slot stays -inf whatever its scale (0 x -inf)
 
 
@@ -405,8 +404,8 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
                       k_pe: jax.Array, c_kv_scale: jax.Array | None, scale: float, *, block: int = 256,
                       interpret: bool | None = None) -> jax.Array:
   """o_lat [B,H,c] fp32 = softmax over each row's valid selected slots of (q_abs.c + q_pe.pe) * scale,
-  times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (K a
-  multiple of block; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
+  times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (in blocks of
+  `block`, or as backend.mosaic_block makes them tileable; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
   it (uint8 fp8 bits with c_kv_scale [N, c/128] or its rows [N/R', R'*c/128], or f32), k_pe [N,r] (f32, or uint16
   bf16 bits, or int32 pairs [N/R, R*r/2]: paged_cache's rows). A
   row with no valid slot gets 0.
@@ -420,9 +419,10 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   fp8 = c_kv_scale is not None
   b, h, c = q_abs.shape  # c_kv [N,c] (or uint32 words [N,c/4])
   r, k = q_pe.shape[-1], ids.shape[1]
-  if k % block:
-    raise ValueError(f"sparse_mla_decode: {k} slots is not a multiple of block={block}")
-  ids = jnp.clip(ids, 0, c_kv.shape[0] - 1).astype(jnp.int32)
+  block, padded = mosaic_block(k, block)  # slots a grid step: 128 lanes (valid's block), or all k
+  ids = jnp.pad(jnp.clip(ids, 0, c_kv.shape[0] - 1).astype(jnp.int32), ((0, 0), (0, padded - k)))  # [B,K']
+  valid = jnp.pad(valid, ((0, 0), (0, padded - k)))  # [B,K']: the padding's slots are not valid
+  k = padded
   pe = take_slots(k_pe, ids, c_kv.shape[0] // k_pe.shape[0])  # [B,K,r] (a packed pool: R slots a row)
   gathered = [_bytes(jnp.take(c_kv, ids, axis=0)), _bytes(pe)]  # [B,K,c], [B,K,r] as stored
   ins = [valid.astype(jnp.int32)[:, None], q_abs.astype(jnp.float32), q_pe.astype(jnp.float32), *gathered]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -32,38 +33,75 @@ from MaxText.config.types import ConfigError, Distributed
 _ANSWER_BYTES = 1 << 16
 
 
-def _cluster_detected() -> str | None:
-  """The name of the cluster environment JAX's initialize() would bootstrap from, or None."""
+def _cluster_detected():
+  """The cluster environment JAX's initialize() would bootstrap from (its name and, where it has one,
+  its class), or None."""
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    return "JAX_COORDINATOR_ADDRESS"
+    return "JAX_COORDINATOR_ADDRESS", None
   from jax._src import clusters  # the detectors jax.distributed.initialize() itself consults
   for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 - jax keeps its detectors private
     if not env.opt_in_only_method and env.is_env_present():
-      return env.__name__
+      return env.__name__, env
   return None
+
+
+_ONE_OR_MANY = ("for one process set distributed_num_processes=1; for several, "
+                "distributed_coordinator_address=host:port with distributed_num_processes and "
+                "distributed_process_id on each")
+
+
+def _detected_processes(name: str, env) -> int | None:
+  """How many processes the detected environment names (None: it does not say without a
+  coordinator, e.g. JAX_COORDINATOR_ADDRESS). A probe that fails (a TPU host whose metadata server
+  is unreachable: no network, a container, a machine outside GCE) is a ConfigError naming the keys
+  that choose one process or a coordinator."""
+  if env is None:
+    return None
+  try:
+    workers = getattr(env, "_get_worker_list_in_slice", None)  # a TPU slice's hosts (jax's TPU clusters)
+    if workers is not None:  # its slices from the environment (jax asks the metadata server for them too)
+      return len(workers()) * int(os.environ.get("MEGASCALE_NUM_SLICES") or 1)
+    return int(env.get_process_count())
+  except Exception as e:  # noqa: BLE001 - any failure of the probe is the same answer to the user
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    raise ConfigError(f"a {name} cluster environment was detected but asking it for the process count "
+                      f"failed ({type(e).__name__}: {first}); {_ONE_OR_MANY}") from None
 
 
 def initialize(d: Distributed) -> int:
   """Starts jax.distributed when the keys (or the environment) ask for several processes;
-  returns the global device count. Idempotent; raises ConfigError naming the key on a mistake."""
+  returns the global device count. Idempotent; raises ConfigError naming the key on a mistake.
+
+  One process never starts jax.distributed (it needs no coordinator): distributed_num_processes=1
+  (with or without an address), or no address and either no cluster environment or one that names
+  a single process (a one-host TPU VM, a 1-task SLURM job). Several: the address's rendezvous, or
+  the detected environment's own bootstrap (its failure one line naming the keys, not a traceback)."""
   import jax
   if jax.distributed.is_initialized():
     return jax.device_count()
   n, pid, address = d.distributed_num_processes, d.distributed_process_id, d.distributed_coordinator_address
   timeout = d.distributed_initialization_timeout
+  if n == 1:  # (the schema holds distributed_process_id to -1 or 0 then)
+    return jax.device_count()
   if not address:
-    cluster = _cluster_detected()
-    if cluster is None:
+    detected = _cluster_detected()
+    if detected is None:
       if n > 1:
         raise ConfigError(f"distributed_num_processes={n} needs distributed_coordinator_address=host:port "
                           "(no cluster environment such as SLURM, Open MPI or a TPU pod was detected)")
       return jax.device_count()
+    name, env = detected
+    if n < 0 and _detected_processes(name, env) == 1:
+      return jax.device_count()
     _use_gloo_on_cpu(jax)
-    jax.distributed.initialize(num_processes=None if n < 0 else n, process_id=None if pid < 0 else pid,
-                               initialization_timeout=timeout)
+    try:
+      jax.distributed.initialize(num_processes=None if n < 0 else n, process_id=None if pid < 0 else pid,
+                                 initialization_timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the environment's bootstrap failed: one line, the keys that decide
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      raise ConfigError(f"jax.distributed could not start from the detected {name} environment "
+                        f"({type(e).__name__}: {first}); {_ONE_OR_MANY}") from None
     _quiet_unless_main(jax)
-    return jax.device_count()
-  if n == 1:
     return jax.device_count()
   _rendezvous(address, n, pid, timeout)
   _use_gloo_on_cpu(jax)
@@ -356,10 +394,14 @@ class Silent:
 
 
 def run_main(main, argv) -> None:
-  """Runs an entry point's main(argv). With several processes, a failure (an exception, a
-  sys.exit != 0) ends this process at once with a non-zero code, skipping jax.distributed's
-  shutdown barrier, which would hold it for minutes waiting for peers that wait for it; the peers'
-  next collective then fails (connection closed by peer), so they end too. One process: as usual."""
+  """Runs an entry point's main(argv), then ends the process at once with its code (0, a sys.exit's,
+  1 on an exception), its output flushed. main has finished its own work by then (checkpoints
+  written, writers closed, the server stopped); what the interpreter's normal exit would still do,
+  joining threads and tearing the runtime down, can hold a process for minutes: on a TPU v5e
+  train.py lived 60+ s past its closing line. With several processes a clean end first passes
+  jax.distributed's shutdown barrier (so no process leaves while another still needs the
+  coordinator); a failure skips it, which would hold the process for minutes waiting for peers that
+  wait for it; the peers' next collective then fails (connection closed by peer), so they end too."""
   import jax
   code = 0
   try:
@@ -375,9 +417,9 @@ def run_main(main, argv) -> None:
       print(f"error: process {jax.process_index()} of {jax.process_count()} failed ({type(e).__name__}: "
             f"{first}); ending it, and with it the others", file=sys.stderr)
     code = 1
-  if code and jax.distributed.is_initialized():
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-  if code:
-    sys.exit(code)
+  if not code and jax.distributed.is_initialized():
+    jax.distributed.shutdown()
+  logging.shutdown()  # what atexit would have flushed
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)

@@ -96,7 +96,8 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   adapter = server.adapter_slot(body.model)
-  stop_ids, _ = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
+  prompts = [body.truncated(p, server.config.max_target_length) for p in prompts]
+  stop_ids = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
   spec = grammar_spec(body) or (grammar if server.grammars is not None else None)
@@ -122,7 +123,7 @@ async def _pieces(server: Server, index: int, stream: RequestStream, body: Sampl
                   arrival: float) -> AsyncIterator[Piece]:
   """One request's text as it comes; aborts the request if the caller stops listening. Stop strings
   count from the body's min_tokens-th token on (vLLM's)."""
-  detok = server.texts.detokenizer(stream.prompt)
+  detok = server.texts.detokenizer(stream.prompt, body.skip_special_tokens)
   stops = body.stop_strings
   stop = StopText(stops, keep=body.include_stop_str_in_output) if stops else None
   n, first, last, reason = 0, None, None, None
@@ -275,8 +276,10 @@ async def _event_stream(streams, gens, chunk, usage_chunk) -> AsyncIterator[str]
 
 # ---------------------------------------------------------------- the app
 
-ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, "
-          "POST /tokenize, POST /detokenize, GET /tokenizer_info")
+def routes(app: FastAPI) -> str:
+  """Every route the app serves, "METHOD /path" (what a 404 or 405 lists): read from the app itself, so the
+  list has FastAPI's /docs and /openapi.json and cannot fall behind a new route."""
+  return ", ".join(f"{m} {r.path}" for r in app.routes for m in sorted(getattr(r, "methods", None) or ()) if m != "HEAD")
 
 
 def body_error(errors: Sequence[dict]) -> ApiError:
@@ -320,7 +323,7 @@ def build_app(server: Server) -> FastAPI:
     if e.status_code in (404, 405):
       what = (f"{request.method} {request.url.path} is not a route of this server" if e.status_code == 404
               else f"{request.url.path} does not take {request.method}")
-      e = ApiError(e.status_code, f"{what}: it serves {ROUTES}", None,
+      e = ApiError(e.status_code, f"{what}: it serves {routes(app)}", None,
                    "not_found" if e.status_code == 404 else "method_not_allowed")
       return JSONResponse(e.body(), status_code=e.status)
     return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
@@ -349,7 +352,7 @@ def build_app(server: Server) -> FastAPI:
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request):
     arrival = time.perf_counter()
-    prompts = server.texts.prompts(body.prompt)
+    prompts = server.texts.prompts(body.prompt, body.add_special_tokens)
     score_only = body.max_tokens == 0  # echo: the prompt scored, the one token made is dropped
     streams = await _submit(server, body, prompts, 1 if score_only else body.max_tokens)
     gens = [_pieces(server, i, s, body, arrival) for i, s in enumerate(streams)]
@@ -369,7 +372,7 @@ def build_app(server: Server) -> FastAPI:
       ids, entries = p.token_ids, p.logprobs
       if body.echo and first:
         gap = "," if server.texts.tokenizer is None and p.text else ""  # ids joined by commas
-        c["text"] = server.texts.text_of(s.prompt) + gap + p.text
+        c["text"] = server.texts.text_of(s.prompt, body.skip_special_tokens) + gap + p.text
         ids, entries = s.prompt + ids, (s.prompt_logprobs or [None] * len(s.prompt)) + entries
       if body.logprobs is not None:
         c["logprobs"] = completion_logprobs(server.texts, ids, entries, offsets.get(p.index, 0))
@@ -433,7 +436,7 @@ def build_app(server: Server) -> FastAPI:
     out = {**head, "object": "chat.completion", "choices": [c], "usage": _usage(streams, [len(p.token_ids)])}
     if body.return_token_ids:
       c["token_ids"] = p.token_ids
-      out["prompt_token_ids"] = prompt
+      out["prompt_token_ids"] = streams[0].prompt  # as truncate_prompt_tokens left it
     return out
 
   @app.post("/tokenize")

@@ -15,6 +15,15 @@ parameters match their schemas (server/tool_grammar.py), so a tool is called; th
 first call; `response_format` goes into the system prompt. The EOS marker is a stop token. A request with a
 grammar (response_format json_object / json_schema, structured_outputs: server/structured.py) runs with
 thinking off, so the grammar constrains the whole reply, its content; with tool_choice forcing a call it is a 400.
+
+vLLM's rendering fields, both formats: `continue_final_message` leaves the last message open (the reply continues
+it: the jinja text cut after its content, as transformers does; in V3.2's format an assistant message without its
+<｜end▁of▁sentence｜>); `add_special_tokens` puts BOS before the template's text (never a second one); `echo` starts
+the reply's content with the last message's when that message is the assistant's; `include_reasoning: false` drops
+reasoning_content; `reasoning_effort` turns thinking on ("none": off) where chat_template_kwargs does not say.
+Jinja only: `add_generation_prompt` (V3.2's format writes <｜Assistant｜> as part of each user turn, as the release's
+encoder and vLLM's DeepSeek-V3.2 renderer do, so there it changes nothing), `documents` and chat_template_kwargs
+as the template's variables.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ class ChatTurn:
   parallel_tool_calls: bool = True
   calls: int = 0
   grammar: Any = None  # a forced tool call's grammar (server/tool_grammar.py), or None
+  include_reasoning: bool = True
+  echo: str = ""  # the content the reply starts with (echo: the last message's); sent with the first delta
 
   def _calls(self, delta: Delta) -> list[dict]:
     calls = delta.tool_calls if self.parallel_tool_calls else delta.tool_calls[:max(0, 1 - self.calls)]
@@ -63,10 +74,11 @@ class ChatTurn:
       end = self.parser.finish()
       d = Delta(d.reasoning_content + end.reasoning_content, d.content + end.content, d.tool_calls + end.tool_calls)
     out: dict = {}
-    if d.reasoning_content:
+    if d.reasoning_content and self.include_reasoning:
       out["reasoning_content"] = d.reasoning_content
-    if d.content:
-      out["content"] = d.content
+    content, self.echo = self.echo + d.content, ""
+    if content:
+      out["content"] = content
     if calls := self._calls(d):
       out["tool_calls"] = calls
     return out
@@ -76,7 +88,7 @@ class ChatTurn:
     d = self.delta(text, final=True)
     calls = [{k: v for k, v in c.items() if k != "index"} for c in d.get("tool_calls", [])]
     msg: dict = {"role": "assistant", "content": d.get("content", "") if not calls or d.get("content") else None}
-    if self.thinking:
+    if self.thinking and self.include_reasoning:
       msg["reasoning_content"] = d.get("reasoning_content", "")
     if calls:
       msg["tool_calls"] = calls
@@ -87,19 +99,36 @@ class ChatTurn:
 
 
 def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
-  if texts.chat_encoding != "deepseek_v32":
-    return ChatTurn(texts.chat_prompt(body.messages), _PlainParser())
+  last = body.messages[-1] if body.messages else None
+  echo = last.text() if body.echo and last is not None and last.role == "assistant" else ""
+  special = bool(body.add_special_tokens)
   kwargs = body.chat_template_kwargs or {}
+  thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+  if thinking is None:
+    thinking = texts.thinking if body.reasoning_effort is None else body.reasoning_effort != "none"
+  if texts.chat_encoding != "deepseek_v32":
+    reserved = ("messages", "add_generation_prompt", *texts.special_tokens)
+    variables = {k: v for k, v in kwargs.items() if k not in reserved} | {
+        "documents": body.documents, "continue_final_message": body.continue_final_message,
+        "reasoning_effort": body.reasoning_effort} | ({"enable_thinking": thinking} if body.reasoning_effort else {})
+    prompt = texts.chat_prompt(body.messages, generation_prompt=body.generation_prompt,
+                               continue_final=body.continue_final_message, special=special, kwargs=variables)
+    return ChatTurn(prompt, _PlainParser(), echo=echo)
   constrained = grammar_spec(body) is not None  # the grammar is the reply's: no thinking before it
-  thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", texts.thinking))) and not constrained
+  thinking = bool(thinking) and not constrained
   try:
     tools = fmt.check_tools(body.tools)
     forced = _forced_start(body.tool_choice, tools)
     if forced and constrained:
       raise fmt.ChatFormatError(f"tool_choice={body.tool_choice!r} forces a tool call, which a response_format "
                                 "or structured_outputs grammar would forbid: send one of them", "tool_choice")
+    if forced and body.continue_final_message:
+      raise fmt.ChatFormatError(f"tool_choice={body.tool_choice!r} starts a new reply with a tool call: "
+                                "continue_final_message continues the last one; send one of them", "tool_choice")
     text = fmt.render([m.as_dict() for m in body.messages], thinking=thinking and forced is None,
                       tools=tools if body.tool_choice != "none" else None, response_format=body.response_format)
+    if body.continue_final_message:
+      text = _open_final(text, last)
   except fmt.ChatFormatError as e:
     raise ApiError.bad_field(e) from None
   parser = CompletionParser(thinking=text.endswith(fmt.THINK_START))
@@ -111,9 +140,18 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
     dsml = texts.tokenizer.encode(fmt.DSML)
     name = None if body.tool_choice == "required" else body.tool_choice["function"]["name"]
     grammar = tool_call_grammar(tools, name, body.parallel_tool_calls, dsml[0] if len(dsml) == 1 else None)
-  return ChatTurn(texts.encode(text + (forced or ""), bos=False), parser, tuple(eos) if len(eos) == 1 else (),
-                  thinking=text.endswith(fmt.THINK_START), parallel_tool_calls=body.parallel_tool_calls,
-                  grammar=grammar)
+  return ChatTurn(texts.encode(text + (forced or ""), bos=None if special else False), parser,
+                  tuple(eos) if len(eos) == 1 else (), thinking=text.endswith(fmt.THINK_START),
+                  parallel_tool_calls=body.parallel_tool_calls, grammar=grammar,
+                  include_reasoning=body.include_reasoning, echo=echo)
+
+
+def _open_final(text: str, last) -> str:
+  """V3.2's prompt with its last message left open: an assistant message (without tool calls) minus its EOS."""
+  if last.role != "assistant" or getattr(last, "tool_calls", None) or not text.endswith(fmt.EOS):
+    raise fmt.ChatFormatError("continue_final_message needs the last message to be the assistant's, without "
+                              f"tool_calls (it is {last.role!r})", "continue_final_message")
+  return text[:-len(fmt.EOS)]
 
 
 def _forced_start(tool_choice: Any, tools: list[dict]) -> str | None:

@@ -85,11 +85,17 @@ class RequestStream:
 
 class EngineThread:
   def __init__(self, make_engine: Callable[[], ContextManager], *, max_waiting: int, log=print,
-               on_step_failure: Callable[[str], None] | None = None):
+               on_step_failure: Callable[[str], None] | None = None, warmup: str = "all"):
     """make_engine(): a context manager that yields the ServingEngine (entered in the engine thread,
     so a mesh or sharding context it sets holds for every call). on_step_failure(why): called instead
-    of resetting the engine when a step raises (several processes: the step's peers are not all there)."""
+    of resetting the engine when a step raises (several processes: the step's peers are not all there).
+    warmup (serve_warmup): "all" compiles every step program before the engine is ready; "first" only
+    engine.programs(first=True), the rest one at a time while the engine is idle, smallest first (a
+    step that needs one not compiled yet compiles it then)."""
     self._make_engine, self.max_waiting, self.log = make_engine, max_waiting, log
+    self._warmup = warmup
+    self._pending: list = []  # step programs still to compile while idle (engine thread only)
+    self._compiling = False  # the engine thread is compiling with no request to serve (stop need not wait)
     self._on_step_failure = on_step_failure
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.state = "starting"  # starting -> compiling -> ready | failed; stopped at the end
@@ -106,14 +112,23 @@ class EngineThread:
     self._thread.start()
 
   def stop(self, timeout: float = 30.0) -> None:
-    """Aborts what still runs and ends the thread."""
+    """Aborts what still runs and ends the thread, waiting up to `timeout` s. While it only compiles (the
+    warmup, or a step program while idle: no request to end) it is not waited for: it is a daemon, a compile
+    cannot be cut short, and the process exits without it (distributed.run_main)."""
     if self._thread.is_alive():
       self._inbox.put(("stop",))
-      self._thread.join(timeout)
+      deadline = time.monotonic() + timeout
+      while self._thread.is_alive() and not self._compiling and time.monotonic() < deadline:
+        self._thread.join(0.05)
 
   # ---- the asyncio side
   async def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
     """Queues a request -> its stream once the engine accepted it; ApiError when refused."""
+    if self.state == "failed":  # a failed build or warmup; a lost process (its failure says the server is exiting)
+      raise ApiError(503, f"the engine failed ({self.failure}): this server takes no more requests", None,
+                     "engine_failed")
+    if self.state == "stopped":
+      raise ApiError(503, "the server is shutting down: it takes no more requests", None, "shutting_down")
     if self.state != "ready":
       raise ApiError(503, f"the engine is not ready ({self.state}): retry when GET /health is 200", None,
                      "engine_not_ready")
@@ -133,10 +148,14 @@ class EngineThread:
   def _main(self) -> None:
     try:
       with self._make_engine() as engine:
-        self.state = "compiling"
+        self.state, self._compiling = "compiling", True
         t0 = time.perf_counter()
-        n = engine.warmup()
-        self.log(f"serve: compiled {n} step programs in {time.perf_counter() - t0:.1f} s; ready")
+        first = engine.programs(first=self._warmup == "first")
+        n = engine.warmup(first)
+        self._compiling = False
+        self._pending = [p for p in engine.programs() if p not in set(first)]
+        self.log(f"serve: compiled {n} step programs in {time.perf_counter() - t0:.1f} s; ready"
+                 + (f" (the other {len(self._pending)} compile while idle, smallest first)" if self._pending else ""))
         self.stats = engine.stats()
         self.state = "ready"
         self._loop(engine)
@@ -150,14 +169,22 @@ class EngineThread:
       self.state = "stopped"
 
   def _loop(self, engine) -> None:
+    ready = time.perf_counter()
     while True:
-      if not self._read_inbox(engine, block=engine.idle):
+      if not self._read_inbox(engine, block=engine.idle and not self._pending):
         for stream in list(self._streams.values()):
           engine.abort(stream.request)
         self._finish(engine)
         return
       if not engine.idle:
         self._step(engine)
+      elif self._pending:  # idle: the next step program (a request waits for one compile at most)
+        self._compiling = True
+        engine.warmup(self._pending[:1])
+        self._compiling = False
+        del self._pending[0]
+        if not self._pending:
+          self.log(f"serve: every step program compiled, {time.perf_counter() - ready:.1f} s after ready")
       if self.state == "failed":  # fail(): a lost process; the server exits
         return
       self.stats = engine.stats()

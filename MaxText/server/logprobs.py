@@ -88,11 +88,14 @@ def chat_logprobs(texts: Texts, tokens: Sequence[int], entries: Sequence[Any]) -
 
 class TokenizeRequest(ChatRequest):
   """vLLM's /tokenize: a `prompt`, or `messages` with every field /v1/chat/completions renders them with
-  (tools, tool_choice, chat_template_kwargs, response_format, structured_outputs, ...): the ids are exactly
-  the prompt ids that endpoint runs (its `return_token_ids`)."""
+  (tools, tool_choice, chat_template_kwargs, response_format, add_generation_prompt, continue_final_message,
+  ...): the ids are exactly the prompt ids that endpoint runs (its `return_token_ids`). add_special_tokens:
+  BOS (add_bos) before a prompt unless false; before messages only when true (vLLM's defaults for each);
+  return_token_strs: each id's vocabulary entry too."""
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
-  add_special_tokens: bool = True
+  add_special_tokens: bool | None = None
+  return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -105,9 +108,15 @@ def tokenize(texts: Texts, body: TokenizeRequest, chat_prompt, max_model_len: in
   ids renders the request as /v1/chat/completions does."""
   if (body.prompt is None) == (body.messages is None):
     raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)", "prompt")
-  ids = chat_prompt(body) if body.messages is not None else \
-      texts.encode(body.prompt, bos=None if body.add_special_tokens else False)
-  return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+  if body.messages is not None:
+    body.check()
+    ids = chat_prompt(body)
+  else:
+    ids = texts.prompts(body.prompt, body.add_special_tokens is not False)[0]
+  out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+  if body.return_token_strs:
+    out["token_strs"] = [texts.tokenizer.token_str(i) if texts.tokenizer is not None else str(i) for i in ids]
+  return out
 
 
 def tokenizer_info(texts: Texts, max_model_len: int) -> dict:

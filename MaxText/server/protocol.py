@@ -1,12 +1,13 @@
 """OpenAI's wire format: request bodies, error bodies, and the text side of a request (prompts to ids,
 stop strings, chat templates, ids to text).
 
-Requests follow OpenAI's /v1/completions and /v1/chat/completions fields, plus vLLM's extensions
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `include_stop_str_in_output`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`, `prompt_logprobs` and `structured_outputs` (server/structured.py).
-A field we do not implement is a 400 naming it (extra="forbid"), except IGNORED: fields OpenAI clients
-send that change nothing a server computes (docs/sampling.md lists all three kinds). Every bad field is
-an `ApiError` whose `param` names it.
+Requests follow OpenAI's /v1/completions and /v1/chat/completions fields and vLLM's (its
+ChatCompletionRequest, CompletionRequest and TokenizeRequest are the contract): the ones with a meaning
+here are declared below (vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`add_special_tokens`, `skip_special_tokens`, `add_generation_prompt`, `continue_final_message`, ...);
+vLLM's others are accepted where they change nothing, or at their off value (server/vllm_fields.py); any
+other name is a 400 naming it (extra="forbid"), except IGNORED: OpenAI's bookkeeping fields
+(docs/sampling.md lists every kind). Every bad field is an `ApiError` whose `param` names it.
 
 Without a tokenizer (a model trained on synthetic ids) a prompt is token ids and a choice's text
 is its ids joined by commas, as decode.py prints them.
@@ -14,7 +15,7 @@ is its ids joined by commas, as decode.py prints them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -22,6 +23,7 @@ from MaxText.data.chat_template import compile_template, load_chat_template  # n
 from MaxText.data.tokenizer import Tokenizer
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.runtime.cli import FieldError
+from MaxText.server import vllm_fields
 
 
 class ApiError(Exception):
@@ -75,6 +77,10 @@ class SamplingFields(BaseModel):
   min_p: float = 0.0  # vLLM's
   min_tokens: int = 0  # vLLM's: no stop (EOS, stop_token_ids, stop strings) before this many tokens
   include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
+  skip_special_tokens: bool = True  # vLLM's: False keeps BOS / EOS / PAD's text in the output text
+  cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
+  truncate_prompt_tokens: int | None = None  # vLLM's: keep this many prompt tokens (-1: max_target_length)
+  truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts: left keeps the last
   # OpenAI's fields that change nothing here (IGNORED): accepted, documented in docs/sampling.md
   user: str | None = None
   metadata: dict | None = None
@@ -89,11 +95,19 @@ class SamplingFields(BaseModel):
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
 
+  ENDPOINT: ClassVar[str] = "completions"  # which of vLLM's field lists (server/vllm_fields.py) the body takes
+
   @model_validator(mode="before")
   @classmethod
   def _null_is_default(cls, data):
-    """Clients send null for a field they leave unset: it takes the default."""
-    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    """Clients send null for a field they leave unset: it takes the default. vLLM's fields without a meaning
+    here go (server/vllm_fields.py): accepted when they change nothing, else a 400 naming the field."""
+    if not isinstance(data, dict):
+      return data
+    data, bad = vllm_fields.split({k: v for k, v in data.items() if v is not None}, cls.ENDPOINT)
+    if bad is not None:
+      raise ApiError(400, bad[1], bad[0])
+    return data
 
   def check_logprobs(self, most: int) -> None:
     """400 naming the field when a logprobs count is outside [0, serve_max_logprobs]."""
@@ -105,6 +119,18 @@ class SamplingFields(BaseModel):
   def logprob_counts(self) -> tuple[int | None, int | None]:
     """(N for the generated tokens, N for the prompt's); None = not asked."""
     return None, None
+
+  def truncated(self, prompt: list[int], max_length: int) -> list[int]:
+    """A prompt's ids as truncate_prompt_tokens leaves them (vLLM's: the last k, or the first k with truncation_side
+    "right"; -1 = max_target_length); a k outside -1, 1..max_length is a 400 naming the field."""
+    k = self.truncate_prompt_tokens
+    if k is None:
+      return prompt
+    if not (k == -1 or 1 <= k <= max_length):
+      raise ApiError(400, f"truncate_prompt_tokens={k} is invalid: expected -1 (max_target_length) or an integer in "
+                     f"[1, {max_length}]", "truncate_prompt_tokens")
+    k = max_length if k == -1 else k
+    return prompt[-k:] if self.truncation_side == "left" else prompt[:k]
 
   def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs; a key that is not an integer is a 400 naming logit_bias."""
@@ -128,6 +154,8 @@ class SamplingFields(BaseModel):
       raise ApiError(400, f"best_of={self.best_of} is not supported: only best_of=1 (the one choice made)", "best_of")
     if self.stream_options is not None and not self.stream:
       raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= 1024:
+      raise ApiError(400, f"cache_salt has {len(self.cache_salt)} characters: expected 1 to 1024", "cache_salt")
 
   @property
   def include_usage(self) -> bool:
@@ -144,6 +172,7 @@ class CompletionRequest(SamplingFields):
   logprobs: int | None = None  # each token's logprob and the top N (server/logprobs.py)
   echo: bool = False  # the prompt in the text (with logprobs: its tokens' logprobs too)
   prompt_logprobs: int | None = None  # vLLM's: every prompt token's logprob and the top N
+  add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS (add_bos); False: none
 
   def check(self) -> None:
     super().check()
@@ -176,8 +205,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(SamplingFields):
+  ENDPOINT: ClassVar[str] = "chat"
   messages: list[ChatMessage]
   max_completion_tokens: int | None = None
+  # vLLM's rendering fields (server/chat.py): the generation prompt (default: on unless continue_final_message),
+  # the last message left open for the reply to continue, BOS on top of the template's, and the last message's
+  # text before the reply's (echo: when the reply continues that message)
+  add_generation_prompt: bool | None = None
+  continue_final_message: bool = False
+  add_special_tokens: bool | None = False
+  echo: bool = False
+  documents: list[dict] | None = None  # a jinja template's `documents` (RAG); DeepSeek-V3.2's format has none
+  reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None  # thinking on
+  # unless "none" (as vLLM's enable_thinking), where chat_template_kwargs does not say
+  include_reasoning: bool = True  # False: the reply's reasoning is not returned (vLLM's)
   # Read by the DeepSeek-V3.2 format (MaxText/server/chat.py); the jinja path ignores them.
   tools: list[Any] | None = None
   tool_choice: str | dict | None = None
@@ -196,6 +237,13 @@ class ChatRequest(SamplingFields):
       raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     if not self.messages:
       raise ApiError(400, "messages is empty: give at least one message", "messages")
+    if self.continue_final_message and self.add_generation_prompt:
+      raise ApiError(400, "continue_final_message and add_generation_prompt are both true: the reply either continues "
+                     "the last message or starts a new one", "continue_final_message")
+
+  @property
+  def generation_prompt(self) -> bool:
+    return not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
 
 
 # ---------------------------------------------------------------- the text side of a request
@@ -220,83 +268,124 @@ class Texts:
     """{bos_token, eos_token}: their text from the tokenizer_config.json ("" when it names none)."""
     return dict(self._special)
 
-  def prompts(self, prompt: Any) -> list[list[int]]:
-    """A completions `prompt` (a string, token ids, or a list of either) -> ids per prompt."""
+  def prompts(self, prompt: Any, special: bool = True) -> list[list[int]]:
+    """A completions `prompt` (a string, token ids, or a list of either) -> ids per prompt; special
+    (vLLM's add_special_tokens): a text prompt gets BOS when add_bos asks for it (token ids go as sent)."""
+    bos = None if special else False
     if isinstance(prompt, str):
-      return [self.encode(prompt)]
+      return [self.encode(prompt, bos=bos)]
     if prompt and all(isinstance(p, int) for p in prompt):
       return [list(prompt)]
     if not prompt:
       raise ApiError(400, "prompt is empty", "prompt")
-    return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [self.encode(p, bos=bos) if isinstance(p, str) else list(p) for p in prompt]
 
   def encode(self, text: str, *, bos: bool | None = None) -> list[int]:
-    if self.tokenizer is None:
-      raise ApiError(400, "prompt must be token ids (a list of integers): the server has no tokenizer_path", "prompt")
     """text -> ids, BOS first when add_bos (or `bos`) asks for it and the text does not already start
     with the BOS token itself (a prompt rendered with its BOS, as lm-evaluation-harness and chat
     renderers send, keeps one BOS, not two)."""
+    if self.tokenizer is None:
+      raise ApiError(400, "prompt must be token ids (a list of integers): the server has no tokenizer_path", "prompt")
     ids = self.tokenizer.encode(text)
     add = (self.add_bos if bos is None else bos) and ids[:1] != [self.tokenizer.bos_id]
     return ([self.tokenizer.bos_id] if add else []) + ids
 
-  def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-    """The messages rendered by the chat template (as transformers' apply_chat_template), tokenized."""
+  def chat_prompt(self, messages: Sequence[ChatMessage], *, generation_prompt: bool = True,
+                  continue_final: bool = False, special: bool = False, kwargs: dict | None = None) -> list[int]:
+    """The messages rendered by the chat template (as transformers' apply_chat_template), tokenized.
+    continue_final: the text ends where the last message's content does (its end-of-turn cut off), so the
+    reply continues it; special (vLLM's add_special_tokens): BOS on top of the template's (add_bos; never two);
+    kwargs: the template's further variables (chat_template_kwargs, documents, reasoning_effort)."""
     if self._template is None:
       raise ApiError(400, "no chat template: set chat_template_path=<a jinja2 file>, or put chat_template in "
                      f"the tokenizer_config.json next to tokenizer_path ({self.chat_template_source})",
                      "chat_template_path")
     import jinja2
     try:
-      text = self._template.render(messages=[m.as_dict() for m in messages], add_generation_prompt=True,
-                                   **self._special)
+      text = self._template.render(**(kwargs or {}), messages=[m.as_dict() for m in messages],
+                                   add_generation_prompt=generation_prompt, **self._special)
     except jinja2.TemplateError as e:
       raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-    return self.encode(text, bos=False)  # the template writes BOS itself when the model wants one
+    if continue_final:
+      text = _open_final(text, messages[-1].text())
+    return self.encode(text, bos=None if special else False)  # the template writes BOS itself when the model wants one
 
   def stop_plan(self, stops: Sequence[str], stop_token_ids: Sequence[int] | None,
-                keep_stop: bool = False) -> tuple[tuple[int, ...], list[str]]:
-    """-> (token ids the engine stops on, strings to find in the decoded text). A stop string that
-    is one token is both: the engine stops at once, the text check catches other spellings; not with
-    keep_stop (include_stop_str_in_output: the engine would drop the token whose text must stay)."""
+                keep_stop: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """-> (token ids the engine stops on, those of them that are single-token stop strings). A stop
+    string that is one token is both: the engine stops at once (from min_tokens on: never banned, as
+    vLLM's stop strings), the text check catches other spellings; not with keep_stop
+    (include_stop_str_in_output: the engine would drop the token whose text must stay)."""
     ids = list(stop_token_ids or [])
     if stops and self.tokenizer is None:
       raise ApiError(400, "stop strings need a tokenizer (the server has no tokenizer_path): use stop_token_ids",
                      "stop")
+    strings = []
     for s in stops:
       if not s:
         raise ApiError(400, "stop has an empty string", "stop")
       one = self.tokenizer.encode(s)
-      if len(one) == 1 and self.tokenizer.decode(one) == s and not keep_stop:
-        ids.append(one[0])
-    return tuple(dict.fromkeys(ids)), list(stops)
+      if len(one) == 1 and self.tokenizer.decode(one) == s and not keep_stop and one[0] not in ids:
+        strings.append(one[0])
+    return tuple(dict.fromkeys(ids + strings)), tuple(dict.fromkeys(strings))
 
   def sampling(self, body: SamplingFields, prompt: Sequence[int], max_tokens: int | None,
-               stop_ids: tuple[int, ...], max_length: int) -> SamplingParams:
-    """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length)."""
+               stop_ids: tuple[tuple[int, ...], tuple[int, ...]], max_length: int) -> SamplingParams:
+    """The engine's SamplingParams; max_tokens None = the rest of the context (max_target_length); stop_ids:
+    stop_plan's."""
     if len(prompt) >= max_length:
       raise ApiError(400, f"prompt has {len(prompt)} tokens: the context (max_target_length={max_length}) leaves "
                      "no room to generate", "prompt")
     logprobs, prompt_logprobs = body.logprob_counts()
     return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
                           temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, seed=body.seed,
+                          stop_token_ids=stop_ids[0], stop_string_ids=stop_ids[1], ignore_eos=body.ignore_eos, seed=body.seed,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
-                          min_p=body.min_p, min_tokens=body.min_tokens)
+                          min_p=body.min_p, min_tokens=body.min_tokens, cache_salt=body.cache_salt or "")
 
-  def text_of(self, ids: Sequence[int]) -> str:
-    """Token ids as text (joined by commas without a tokenizer)."""
-    return ",".join(map(str, ids)) if self.tokenizer is None else self.tokenizer.decode(ids)
+  def text_of(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    """Token ids as text (joined by commas without a tokenizer); skip_special False (vLLM's
+    skip_special_tokens): BOS, EOS and PAD as their own text too."""
+    if self.tokenizer is None:
+      return ",".join(map(str, ids))
+    return (self.tokenizer if skip_special else _KeepSpecial(self.tokenizer)).decode(ids)
 
-  def detokenizer(self, prompt: Sequence[int]):
+  def detokenizer(self, prompt: Sequence[int], skip_special: bool = True):
     """-> an object with push(token id) -> the text it adds, and flush() -> the text held back at the
-    end (incremental detokenization; ids joined by commas without a tokenizer)."""
+    end (incremental detokenization; ids joined by commas without a tokenizer); skip_special as text_of's."""
     if self.tokenizer is None:
       return _IdsText()
     from MaxText.data.tokenizer import TextStreamer
-    return TextStreamer(self.tokenizer, prompt)
+    return TextStreamer(self.tokenizer if skip_special else _KeepSpecial(self.tokenizer), prompt)
+
+
+def _open_final(text: str, final: str) -> str:
+  """A rendered chat cut right after its last message's content (transformers' continue_final_message)."""
+  for content in (final, final.strip()):
+    if content and content in text:
+      return text[:text.rindex(content) + len(content)]
+  raise ApiError(400, "continue_final_message: the chat template's text does not hold the last message's content "
+                 "(an empty message has nothing to continue)", "continue_final_message")
+
+
+class _KeepSpecial:
+  """A tokenizer's decode that keeps the special tokens it drops (BOS, EOS, PAD) as their vocabulary text."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tok = tokenizer
+    self._special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out, run = [], []
+    for i in map(int, ids):
+      if i in self._special:
+        out += [self._tok.decode(run), self._tok.token_str(i)]
+        run = []
+      else:
+        run.append(i)
+    return "".join(out + [self._tok.decode(run)])
 
 
 class _IdsText:

@@ -91,6 +91,40 @@ def test_health_then_sigterm_drains_the_running_stream_and_exits_0():
   assert "Traceback" not in proc.stderr.read()
 
 
+def test_a_unix_socket_server_answers_and_exits_0_soon_after_sigterm(tmp_path):
+  """serve_uds: where no TCP socket may be opened (the lent TPU host), the server listens on a unix socket;
+  idle, it exits 0 within 10 s of SIGTERM."""
+  path = str(tmp_path / "serve.sock")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "MaxText.serve", "configs/base.yml", f"serve_uds={path}", "max_target_length=64",
+       "serve_max_num_seqs=1", "serve_page_size=8", "prefill_chunk_size=1"],
+      cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  client = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://localhost", timeout=30)
+  try:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+      try:
+        if client.get("/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.1)
+    r = client.post("/v1/completions", json={"prompt": [1, 17, 42], "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert proc.wait(30) == 0
+    assert time.monotonic() - t0 < 10
+  finally:
+    client.close()
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  err = proc.stderr.read()
+  assert f"listening on unix:{path}" in err and "Traceback" not in err, err
+
+
 def test_a_bad_config_is_one_error_line_naming_the_key():
   r = subprocess.run([sys.executable, "-m", "MaxText.serve", "configs/base.yml", "chat_template_path=/no/such.jinja"],
                      cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)

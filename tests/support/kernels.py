@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.support.precision import f32_rtol
+
 
 def bits(x, dtype):
   """Values -> the bits a pool holds: fp8 (e4m3) as uint8, bf16 as uint16."""
@@ -12,8 +14,9 @@ def bits(x, dtype):
 
 
 def close(got, ref, rtol):
-  """got finite exactly where ref is, and within rtol of ref's largest |value| there."""
-  got, ref = np.asarray(got), np.asarray(ref)
+  """got finite exactly where ref is, and within rtol of ref's largest |value| there (rtol as the backend's
+  matmul precision keeps it: precision.f32_rtol)."""
+  got, ref, rtol = np.asarray(got), np.asarray(ref), f32_rtol(rtol)
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
   fin = np.isfinite(ref)
   assert np.max(np.abs(got[fin] - ref[fin])) <= rtol * np.max(np.abs(ref[fin])), np.max(np.abs(got[fin] - ref[fin]))

@@ -26,7 +26,10 @@ class SchedulerEngine:
     self.scheduler = Scheduler(self.allocator, max_num_seqs=self.max_seqs, max_num_tokens=s["max_num_tokens"],
                                chunk=s["chunk"], max_length=s["max_length"], eos_id=s["eos_id"], vocab_size=512)
 
-  def warmup(self):
+  def programs(self, first=False):
+    return []
+
+  def warmup(self, shapes=None):
     self.warmed = True
     return 0
 

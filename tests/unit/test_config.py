@@ -236,3 +236,22 @@ def test_a_run_folders_config_yml_reads_the_same_files_from_any_directory(tmp_pa
   RunFolder(config).check_same_run(1)  # the relative keys still name the run's files: a resume is allowed
   (tmp_path / "r" / "config.yml").write_text(pyconfig.to_yaml(config))  # a run written before: relative
   RunFolder(config).check_same_run(1)
+
+
+OPTIMIZER_KEYS = ("learning_rate", "warmup_steps", "cosine_learning_rate_final_fraction", "adam_b1", "adam_b2",
+                  "adam_weight_decay", "gradient_clipping_threshold")
+
+
+@pytest.mark.parametrize("model", ["deepseek3.2-v5e", "deepseek3.2-671b"])
+def test_a_model_file_of_real_size_carries_the_optimizer_that_size_trains_with(model):
+  """base.yml's optimizer is the 0.4M-parameter tiny model's (peak 3e-3 in 10 steps): a file of real width sets its
+  own (DeepSeek-V3's AdamW, peak 2.2e-4 after a warm-up, clipping on), so train.py with its defaults does not
+  diverge (the v5e file under base.yml's: loss 12.1 -> 101 in 20 steps on a v5e)."""
+  with open(os.path.join(REPO, "configs", "models", f"{model}.yml")) as f:
+    own = yaml.safe_load(f)
+  assert set(OPTIMIZER_KEYS) <= set(own), sorted(set(OPTIMIZER_KEYS) - set(own))
+  cfg = init("base.yml", f"model_name={model}")
+  base = init("base.yml")
+  assert cfg.learning_rate == pytest.approx(2.2e-4) and cfg.learning_rate < base.learning_rate / 10
+  assert cfg.warmup_steps >= 2 * base.warmup_steps and cfg.gradient_clipping_threshold == 1.0
+  assert (cfg.adam_b1, cfg.adam_b2, cfg.adam_weight_decay) == (0.9, 0.95, 0.1)

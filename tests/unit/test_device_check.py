@@ -35,3 +35,47 @@ def test_table_rows_read_a_result_of_each_section():
   assert dc._fmt("decode", dict(status="ok", seconds=1, rows=[dict(context=4096, sparse_ms=2.0, dense_ms=5.0)])) \
       == "4096 context: sparse 2.0 ms, dense 5.0 ms (2.5x)"
   assert dc._fmt("selection", dict(status="timeout (9 s)", seconds=9, error="boom")) == "boom"
+
+
+def _run(lines, rc=0, end=None):
+  lines = [(float(t), text) for t, text in lines]
+  return dict(rc=rc, seconds=end if end is not None else lines[-1][0], lines=lines,
+              exit_after_last_s=round((end or lines[-1][0]) - lines[-1][0], 1))
+
+
+TRAIN = [(1, "run outputs/readme: ..."), (5, "step 1/150 | loss 6.3000 | lm 6.2000 | indexer 0.1000 | 10 tok/s"),
+         (40, "step 150/150 | loss 1.9000 | lm 1.8000 | indexer 0.0200 | 10 tok/s"), (41, "done: steps 1-150 ...")]
+
+
+@pytest.mark.parametrize("end,rc,lines,why", [
+    (41.0, 0, TRAIN, ""),
+    (51.0, 0, TRAIN, ""),                                  # exactly EXIT_S after done: still in time
+    (51.2, 0, TRAIN, "exited 10.2 s after its done: line"),
+    (41.0, 1, TRAIN, "exit 1"),
+    (41.0, None, TRAIN, "exit None"),                      # killed at the section's limit
+    (41.0, 0, TRAIN[:1] + TRAIN[2:], "the loss did not fall"),  # one step line: nothing to compare
+    (41.0, 0, TRAIN[:1] + [TRAIN[2], TRAIN[1], TRAIN[3]], "the loss did not fall"),
+    (41.0, 0, TRAIN[:3], "no done: line"),
+])
+def test_a_readme_train_run_passes_only_with_a_falling_loss_and_a_prompt_exit(end, rc, lines, why):
+  r = dc.readme_check._train_figures(_run(lines, rc, end), "train")
+  assert r["ok"] == (why == "") and r["why"].startswith(why), r
+  if r["ok"]:
+    assert (r["first_lm"], r["last_lm"], r["steps"], r["done_s"]) == (6.2, 1.8, 150, 41.0)
+    assert "150 steps, lm 6.2 -> 1.8, done at 41.0 s" in dc._fmt("readme_train", dict(r, status="ok", seconds=end))
+
+
+@pytest.mark.parametrize("out,why", [
+    (dict(ready_s=20.0, answers=[dict(path="/v1/completions", status=200, seconds=0.5, body={})], rc=0,
+          exit_after_sigterm_s=2.0), ""),
+    (dict(ready_s=20.0, answers=[], rc=0, exit_after_sigterm_s=10.0), ""),
+    (dict(ready_s=20.0, answers=[], rc=0, exit_after_sigterm_s=10.5), "alive 10.5 s after SIGTERM"),
+    (dict(ready_s=20.0, answers=[], rc=None, exit_after_sigterm_s=None), "alive 60 s after SIGTERM"),
+    (dict(ready_s=20.0, answers=[], rc=1, exit_after_sigterm_s=1.0), "exit 1 after SIGTERM"),
+    (dict(ready_s=None, answers=[], rc=2, exit_after_sigterm_s=0.1, log_tail="error: x"), "no /health 200: error: x"),
+    (dict(ready_s=5.0, answers=[dict(path="/v1/chat/completions", status=500, seconds=0.1, body={"e": 1})], rc=0,
+          exit_after_sigterm_s=1.0), "/v1/chat/completions answered 500"),
+])
+def test_a_readme_server_passes_only_ready_answering_and_ending_after_sigterm(out, why):
+  got = dc.readme_check._serve_verdict(out)
+  assert got.startswith(why) and (got == "") == (why == ""), got

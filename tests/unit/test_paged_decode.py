@@ -1,5 +1,6 @@
-"""The Pallas decode kernels (kernels/paged_decode.py) in interpret mode against their XLA references,
-and the paged key source taking the scoring kernel where backend.py's table says so."""
+"""The Pallas decode kernels (kernels/paged_decode.py) against their XLA references (interpreted off a TPU,
+compiled by Mosaic on one: `pytest -m device` there), lowered to Mosaic for a TPU on any host, and the paged key
+source taking the scoring kernel where backend.py's table says so."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
 from MaxText.kernels.fp8_blocks import to_pairs
 from tests.support.kernels import bits, close, mla_case
+
+pytestmark = pytest.mark.device  # runs unchanged on a TPU: the kernels compiled by Mosaic there
 
 B, PAGE, P = 2, 8, 4  # 2 rows of 4 pages of 8 slots; the pool holds exactly their pages
 N = B * P * PAGE
@@ -28,12 +31,22 @@ def test_bit_decoding_is_exact_for_every_fp8_code_and_bf16_values():
   np.testing.assert_array_equal(pd._bf16_bits_to_f32(bits(x, jnp.bfloat16)), x.astype(jnp.float32))
 
 
-@pytest.fixture(scope="module")
-def scoring_case():
+def _scoring(page: int) -> dict:
+  """B rows of P pages of `page` slots, the pool exactly their pages in a shuffled table."""
   k = jax.random.split(jax.random.key(1), 4)
   table = jnp.asarray(np.random.default_rng(0).permutation(B * P).reshape(B, P), jnp.int32)
   return dict(q=jax.random.normal(k[0], (B, 4, 128)), w=jax.random.uniform(k[1], (B, 4)),
-              keys=jax.random.normal(k[2], (N, 128)), table=table, pos=jnp.array([P * PAGE - 1, 13]))
+              keys=jax.random.normal(k[2], (B * P * page, 128)), table=table, pos=jnp.array([P * page - 1, 13]))
+
+
+@pytest.fixture(scope="module")
+def scoring_case():
+  return _scoring(PAGE)
+
+
+@pytest.fixture(scope="module")
+def scoring_case_64():
+  return _scoring(64)  # 2 pages a block are 128 slots: the smallest block Mosaic tiles (backend.mosaic_block)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "fp8_keys", "fp8_keys_and_queries"])
@@ -48,36 +61,74 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
   if dtype == "fp8_keys_and_queries":
     q, q_scale = pd.fp8_queries(q)
   args = (q, q_scale, c["w"], keys, k_scale, c["table"], c["pos"], PAGE)
-  got = pd.paged_index_scores(*args, pages_per_block=2, interpret=True)
+  got = pd.paged_index_scores(*args, pages_per_block=2)
   ref = pd.paged_index_scores_xla(*args)
   assert np.isinf(np.asarray(got)[1, 14:]).all() and np.isfinite(np.asarray(got)[1, :14]).all()  # past pos: -inf
   close(got, ref, 1e-5)  # fp32 rounding: the same dequantized values on both sides
 
 
-@pytest.mark.parametrize("pos", [(-1, 13), (0, 16), (15, 31), (40, 13)])  # a padding row; block edges (2 pages =
-# 16 slots); a position past the table's 32 slots: every slot scored (the kernel clamps its last block to the
-# table's, so it starts no DMA it would not wait for: neither interpreter reports an un-waited one, so that part is
-# read, not tested)
-def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case, pos, monkeypatch):
+@pytest.mark.parametrize("pos", [(-1, 13), (0, 128), (127, 255), (300, 13)])  # a padding row; block edges (2 pages
+# of 64 = 128 slots); a position past the table's 256 slots: every slot scored (the kernel clamps its last block to
+# the table's, so it starts no DMA it would not wait for: neither interpreter reports an un-waited one, so that part
+# is read, not tested)
+def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case_64, pos, monkeypatch):
   """Blocks past a row's position are not read (no DMA started, every score -inf): the scores equal the XLA
   path's for rows ending at a block's first or last slot, or before any (pos -1: all -inf)."""
-  c = scoring_case
+  c, page = scoring_case_64, 64
   kq, ks = kv_cache.quantize_fp8(c["keys"])
-  args = (c["q"], None, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), PAGE)
-  got = np.asarray(pd.paged_index_scores(*args, pages_per_block=2, interpret=True))
+  args = (c["q"], None, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), page)
+  got = np.asarray(pd.paged_index_scores(*args, pages_per_block=2))
   ref = np.asarray(pd.paged_index_scores_xla(*args))
   for r, p in enumerate(pos):
     assert np.isinf(got[r, p + 1:]).all() and np.isfinite(got[r, :p + 1]).all()
   if max(pos) >= 0:
     close(got, ref, 1e-5)
   # PagedKeys' XLA loop (the CPU's) skips the same blocks: blocks of 2 pages there too
-  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * PAGE * 128 * 4)
-  src = PagedKeys(args[3], args[4], c["table"], PAGE)
+  monkeypatch.setattr(paged_cache, "KEY_BLOCK_BYTES", 2 * page * 128 * 4)
+  src = PagedKeys(args[3], args[4], c["table"], page)
   xla = np.asarray(src.scores(c["q"][:, None], c["w"][:, None] * 128 ** 0.5, args[6][:, None], head_chunk=4))[:, 0]
   # (PagedKeys takes the weights before index_weights' d**-0.5: the kernel's w is this test's as given)
   np.testing.assert_array_equal(np.isfinite(xla), np.isfinite(got))
   if max(pos) >= 0:
     close(xla, ref, 1e-5)
+
+
+@pytest.mark.parametrize("n,want,block,padded", [
+    (32, 16, 32, 32),      # 16 lanes: the smallest tileable multiple (128) covers the axis: one block, whole
+    (128, 16, 128, 128),   # ... exactly
+    (256, 16, 128, 256),   # two blocks of 8 x 16
+    (200, 16, 128, 256),   # padded to whole blocks
+    (256, 48, 256, 256),   # lcm(48, 128) = 384 >= 256: one block, the whole axis
+    (1024, 48, 384, 1152),  # 384 = 8 x 48 slots, 3 blocks
+    (512, 256, 256, 512),  # tileable as asked
+    (300, 256, 256, 512),  # tileable as asked, padded
+    (100, 128, 128, 128),  # one block, padded
+])
+def test_mosaic_block_is_a_multiple_of_128_lanes_of_whole_units_or_the_whole_axis(n, want, block, padded):
+  assert backend.mosaic_block(n, want) == (block, padded)
+  got, total = backend.mosaic_block(n, want)
+  assert got % want == 0 or got == n
+  assert total % got == 0 and total >= n and (got % 128 == 0 or got == total == n)
+
+
+def test_every_kernel_shape_of_these_tests_lowers_to_mosaic():
+  """The blocks the kernels are asked for here (2 pages of 8 slots, 16 selected slots) are not tileable by
+  Mosaic: each kernel pads or widens them (backend.mosaic_block) and lowers for a TPU (jax.export on the CPU),
+  where it raised "the last two dimensions of your block shape are divisible by 8 and 128"."""
+  from jax import export
+  s = jax.ShapeDtypeStruct
+  for dtype, scale in ((jnp.float32, None), (jnp.uint8, s((N, 1), jnp.float32))):
+    args = (s((B, 4, 128), jnp.float32), s((B, 4), jnp.float32), s((N, 128), dtype), scale, s((B, P), jnp.int32),
+            s((B,), jnp.int32))
+    fn = jax.jit(lambda q, w, k, ks, t, pos: pd.paged_index_scores(q, None, w, k, ks, t, pos, PAGE, pages_per_block=2,
+                                                                   interpret=False))
+    assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(*args).mlir_module()
+  for fp8 in (False, True):
+    args = (s((B, 4, 128), jnp.float32), s((B, 4, 64), jnp.float32), s((B, 32), jnp.int32), s((B, 32), jnp.bool_),
+            s((N, 128), jnp.uint8 if fp8 else jnp.float32), s((N, 64), jnp.float32),
+            s((N, 1), jnp.float32) if fp8 else None)
+    fn = jax.jit(lambda *a: pd.sparse_mla_decode(*a, 0.1, block=16, interpret=False))
+    assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(*args).mlir_module()
 
 
 def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
@@ -88,7 +139,7 @@ def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
   exact = pd.paged_index_scores_xla(c["q"], None, c["w"], c["keys"], None, c["table"], c["pos"], PAGE)
   kq, ks = kv_cache.quantize_fp8(c["keys"])
   fp8 = pd.paged_index_scores(q8, qs, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], c["pos"], PAGE,
-                              pages_per_block=4, interpret=True)
+                              pages_per_block=4)
   close(fp8, exact, 0.1)
 
 
@@ -96,13 +147,13 @@ def test_fp8_queries_stay_within_their_rounding_of_f32_scores(scoring_case):
 def test_sparse_mla_decode_equals_the_xla_path(fp8):
   r = 64
   q_abs, q_pe, ids, valid, c_kv, k_pe, scale = mla_case(fp8, rows=B, slots=N, heads=4, selected=32, r=r)
-  got = pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1, block=16, interpret=True)
+  got = pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1, block=16)
   ref = pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, k_pe, scale, 0.1)
   close(got, ref, 1e-5)
   if fp8:  # k_pe as paged_cache's tpu row holds it: int32 pairs, 4 slots a 128-word row
     rows = to_pairs(k_pe).reshape(N // 4, 4 * r // 2)  # [N/4, 128]
     np.testing.assert_array_equal(pd.sparse_mla_decode(q_abs, q_pe, ids, valid, c_kv, rows, scale, 0.1, block=16,
-                                                       interpret=True), got)
+                                                       ), got)
     np.testing.assert_array_equal(pd.sparse_mla_decode_xla(q_abs, q_pe, ids, valid, c_kv, rows, scale, 0.1), ref)
   assert np.all(np.asarray(got)[1] == 0)
   assert np.max(np.abs(np.asarray(got)[0])) > 0.1
@@ -165,14 +216,14 @@ def test_the_kernel_scores_bf16_queries_in_one_mxu_pass(scoring_case):
 
   def stacked(q):  # does the kernel stack three bf16 parts [3H, d] for its dot?
     jaxpr = str(jax.make_jaxpr(lambda q: pd.paged_index_scores(q, None, wv, keys, ks, c["table"], c["pos"], PAGE,
-                                                                pages_per_block=2, interpret=True))(q))
+                                                                pages_per_block=2))(q))
     assert f"bf16[{h},128]" in jaxpr
     return f"bf16[{3 * h},128]" in jaxpr
 
   assert not stacked(qv)
   assert stacked(qv.astype(jnp.float32))
   args = (wv, keys, ks, c["table"], c["pos"], PAGE)
-  close(pd.paged_index_scores(qv, None, *args, pages_per_block=2, interpret=True),
+  close(pd.paged_index_scores(qv, None, *args, pages_per_block=2),
          pd.paged_index_scores_xla(qv, None, *args), 1e-5)
 
 

@@ -16,7 +16,15 @@ from MaxText.kernels import paged_decode_gpu as pg
 from MaxText.kernels.fp8_blocks import PAIRED_DTYPE, to_words
 from tests.support.kernels import bits, close, mla_case
 
-pytestmark = pytest.mark.device  # runs unchanged on one GPU (the kernels compiled there) or TPU
+pytestmark = pytest.mark.device  # runs unchanged on one GPU (the kernels compiled there)
+
+
+@pytest.fixture(autouse=True)
+def _triton_runs_here():
+  """Triton's kernels run on a GPU, or in Pallas' interpreter on the CPU (CI); a TPU has neither (interpreted
+  there, the dots take the TPU's bf16 passes: not the kernels' arithmetic)."""
+  if jax.default_backend() not in ("cpu", "gpu"):
+    pytest.skip(f"Triton kernels: a GPU or the CPU's interpreter, not {jax.default_backend()}")
 
 B, PAGE, P, H = 2, 16, 4, 16  # 2 rows of 4 pages of 16 slots, 16 heads (Triton: blocks powers of 2 >= 16)
 N = B * P * PAGE

@@ -5,7 +5,9 @@ adjusts nothing untouched), and min_p as softmax(logits / T) >= min_p * max."""
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from MaxText.inference import penalties
 from MaxText.inference.scheduler import SamplingParams
@@ -78,3 +80,80 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_the_most_likely_after_tempe
   np.testing.assert_array_equal(np.isfinite(got[0]), want)
   np.testing.assert_array_equal(got[0][want], logits[0][want])
   np.testing.assert_array_equal(got[1:], logits[1:])  # greedy, and min_p 0: unchanged
+
+
+def test_a_row_with_no_entries_this_step_is_padding_not_a_failed_step():
+  """presence / frequency penalty alone before the first token, min_tokens alone once reached: the row adjusts
+  but has nothing to adjust yet; alone the step runs without the stage, beside a row with entries it is padding."""
+  alone = [_row(SamplingParams(max_tokens=8, presence_penalty=1.0), [1, 2], []),
+           _row(SamplingParams(max_tokens=8, frequency_penalty=-0.5), [1, 2], []),
+           _row(SamplingParams(max_tokens=8, min_tokens=1), [1, 2], [5])]
+  assert penalties.step_arrays(alone, [0, 1, 2], 3, V, EOS) is None
+  biased = _row(SamplingParams(max_tokens=8, logit_bias=((4, 2.0),)), [1], [])
+  ids, vals = penalties.step_arrays([*alone, biased], [0, 1, 2, 3], 4, V, EOS)
+  assert (np.asarray(ids[:3]) == V).all() and np.asarray(ids[3, 0]) == 4  # the three are padding rows
+  logits = np.zeros((4, V), np.float32)
+  got = np.asarray(penalties.apply(jnp.asarray(logits), ids, vals))
+  np.testing.assert_array_equal(got[:3], 0.0)
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", ((3, 0.5),)), ("min_tokens", 1), ("repetition_penalty", 1.2),
+                                         ("repetition_penalty", 0.5), ("frequency_penalty", 0.1),
+                                         ("frequency_penalty", -0.1), ("presence_penalty", 0.1),
+                                         ("presence_penalty", -0.1)])
+def test_each_field_alone_adjusts_and_changes_its_row(field, value):
+  """adjusts() is true for each stage-1-3 field on its own, and the row's logits change (repetition over the
+  prompt, the penalties over an output that repeats id 3, min_tokens banning EOS)."""
+  params = SamplingParams(max_tokens=8, **{field: value})
+  assert penalties.adjusts(params)
+  logits = np.full((1, V), 1.0, np.float32)
+  out = penalties.step_arrays([_row(params, [3, 4], [] if field == "min_tokens" else [3, 3])], [0], 1, V, EOS)
+  got = np.asarray(penalties.apply(jnp.asarray(logits), *out))
+  assert not np.array_equal(got, logits), field
+
+
+def test_the_defaults_and_their_falsy_spellings_adjust_nothing():
+  for params in (SamplingParams(), SamplingParams(logit_bias=(), min_tokens=0, repetition_penalty=1.0,
+                                                  frequency_penalty=0.0, presence_penalty=-0.0)):
+    assert not penalties.adjusts(params)
+  assert penalties.row_entries(SamplingParams(max_tokens=8, logit_bias=((5, 0.0),)), [1], [], EOS) == {5: [0.0, 1.0, 0.0]}
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_but_not_a_single_token_stop_string():
+  """vLLM bans only EOS and stop_token_ids; a stop string (its one-token id in stop_string_ids) is merely looked
+  for from min_tokens on (the scheduler's _stops)."""
+  params = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(9, 11), stop_string_ids=(11,))
+  entries = penalties.row_entries(params, [1], [4], EOS)
+  assert set(entries) == {EOS, 9} and all(np.isneginf(v[0]) for v in entries.values())
+  from MaxText.inference.scheduler import _stops
+  assert [_stops(params, 11, made, EOS) for made in range(5)] == [False, False, False, True, True]
+  assert all(_stops(params, 9, made, EOS) for made in range(5))  # banned before, a stop whenever it comes
+  assert _stops(params, EOS, 0, EOS) and not _stops(SamplingParams(ignore_eos=True), EOS, 0, EOS)
+
+
+def test_min_p_keeps_the_argmax_and_its_ties_at_min_p_1_and_an_id_exactly_at_the_threshold():
+  logits = np.log(np.array([[0.4, 0.4, 0.2, 0.0 + 1e-9] + [1e-9] * (V - 4)], np.float32))
+  got = np.asarray(penalties.min_p_filter(logits, np.array([1.0], np.float32), np.array([1.0], np.float32)))
+  assert np.isfinite(got[0]).tolist()[:3] == [True, True, False] and np.isfinite(got).sum() == 2
+  half = np.log(np.array([[0.5, 0.25, 0.125] + [1e-9] * (V - 3)], np.float32))  # dyadic: 0.25 is exactly 0.5 * max
+  got = np.asarray(penalties.min_p_filter(half, np.array([1.0], np.float32), np.array([0.5], np.float32)))
+  assert np.isfinite(got[0]).tolist()[:3] == [True, True, False]
+
+
+@pytest.mark.parametrize("field,good,bad", [
+    ("repetition_penalty", (1e-6, 1.0, 100.0), (0.0, -1.0, 100.5)),
+    ("presence_penalty", (-2.0, 0.0, 2.0), (-2.01, 2.01)),
+    ("frequency_penalty", (-2.0, 0.0, 2.0), (-2.01, 2.01)),
+    ("min_p", (0.0, 1.0), (-0.01, 1.01)),
+    ("min_tokens", (0, 8), (-1, 9)),
+    ("logit_bias", ((), ((0, -100.0),), ((V - 1, 100.0),)), (((0, -100.5),), ((V, 1.0),), ((-1, 1.0),)))])
+def test_each_penalty_field_is_checked_at_its_boundaries(field, good, bad):
+  """The scheduler's check: its range's ends are accepted, one step past them is a RequestError naming the field
+  (repetition_penalty 0 would divide the logits by zero: +inf)."""
+  from MaxText.inference.scheduler import RequestError
+  for v in good:
+    SamplingParams(max_tokens=8, **{field: v}).check(V)
+  for v in bad:
+    with pytest.raises(RequestError) as e:
+      SamplingParams(max_tokens=8, **{field: v}).check(V)
+    assert e.value.field == field, v

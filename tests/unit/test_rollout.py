@@ -20,7 +20,7 @@ OPTIONS = [(1.0, 1.0, 0), (1.0, 0.6, 0), (0.7, 1.0, 5), (1.3, 0.6, 4), (0.0, 0.5
 
 
 def np_kept_and_logprob(lg, tok, temp, p, k):
-  """float64: the kept ids (sorted by logit, ties lowest id first; rank < top_k, then the mass strictly
+  """float64: the kept ids (sorted by logit, ties lowest id first; rank < top_k or tied with the k-th, then the mass strictly
   ahead < top_p over the top-k renormalized, as vLLM / HF) and tok's log-prob renormalized over them at
   temperature (greedy or unfiltered: every id; greedy scores the raw log-softmax)."""
   lg = np.asarray(lg, np.float64)
@@ -29,7 +29,7 @@ def np_kept_and_logprob(lg, tok, temp, p, k):
     return np.argsort(-lg, kind="stable").tolist(), z[tok] - np.log(np.exp(z - z.max()).sum()) - z.max()
   order = np.argsort(-lg, kind="stable")
   z = lg[order] / temp
-  top = order[:k] if k > 0 else order
+  top = order[z >= z[k - 1]] if k > 0 else order  # the k most likely and their ties
   zk = z[:len(top)]
   probs = np.exp(zk - zk.max()) / np.exp(zk - zk.max()).sum()  # the top-k renormalized
   before = np.cumsum(probs) - probs
@@ -64,6 +64,19 @@ def test_top_p_is_measured_over_the_top_k_renormalized():
   assert int(kept[0]) == 1 and np.asarray(kept_ids[0]).tolist() == [0, -1, -1]
   keep = np.asarray(sampling.kept_mask(logits, 1.0, 0.6, 2))
   assert keep.tolist() == [[True, False, False]]
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_in_the_engine_and_the_rl_set_alike():
+  """vLLM's and HF's top-k: logits [2, 2, 1, 0], k = 1 keep {0, 1} (not the lowest id alone); the engine's draws
+  and the set RL records are that one set."""
+  logits = jnp.asarray([[2.0, 2.0, 1.0, 0.0]])
+  one = lambda a: jnp.asarray([a])  # noqa: E731
+  assert np.asarray(sampling.kept_mask(logits, 1.0, 1.0, 1)).tolist() == [[True, True, False, False]]
+  _, kept, kept_ids = sampled_logprobs(logits, one(1), one(1.0), one(1.0), one(1))
+  assert int(kept[0]) == 2 and np.asarray(kept_ids[0]).tolist()[:2] == [0, 1]
+  keys = jax.random.split(jax.random.key(0), 200)
+  draws = jax.vmap(lambda k: sampling.sample_rows(logits, k[None], one(1.0), one(1.0), one(1)))(keys)  # [n,1]
+  assert set(np.asarray(draws).ravel().tolist()) == {0, 1}
 
 
 def test_trainer_scores_the_recorded_kept_set_at_the_recorded_temperature():

@@ -50,8 +50,8 @@ def test_greedy_ids_are_argmax_with_ties_lowest_first():
   assert (np.asarray(greedy_ids(x)) == np.argmax(np.asarray(x), axis=-1)).all()
 
 
-# Kept sets computed by hand (not through sampling.py's helpers): top_k keeps the k most likely (ties
-# lowest id first), then top_p the fewest most likely of those whose renormalized mass reaches top_p
+# Kept sets computed by hand (not through sampling.py's helpers): top_k keeps the k most likely and every
+# token tied with the k-th (vLLM's and HF's `logits < kth` mask), then top_p the fewest most likely of those whose renormalized mass reaches top_p
 # (the most likely always). Ids are out of probability order; dyadic probabilities make the boundary ties exact.
 FILTER_CASES = [  # probs by id, temperature, top_p, top_k, kept ids
     ([.1, .4, .2, .3], 1.0, 0.3, 0, {1}),  # below the top token's mass: the top token alone
@@ -62,7 +62,8 @@ FILTER_CASES = [  # probs by id, temperature, top_p, top_k, kept ids
     ([.125, .5, .125, .25], 1.0, 0.875, 0, {0, 1, 3}),  # a tie at the boundary: the lower id
     ([.125, .5, .125, .25], 1.0, 0.876, 0, {0, 1, 2, 3}),
     ([.125, .5, .125, .25], 1.0, 1.0, 2, {1, 3}),
-    ([.125, .5, .125, .25], 1.0, 1.0, 3, {0, 1, 3}),  # top_k at a tie: the lower id
+    ([.125, .5, .125, .25], 1.0, 1.0, 3, {0, 1, 2, 3}),  # top_k at a tie: both tied ids (vLLM, HF)
+    ([.375, .375, .125, .125], 1.0, 1.0, 1, {0, 1}),  # the logits [2, 2, 1, 0]-like tie at k = 1
     ([.125, .5, .125, .25], 1.0, 1.0, 1, {1}),
     ([.125, .5, .125, .25], 1.0, 0.6, 3, {1, 3}),  # both: the smaller set
     ([.125, .5, .125, .25], 1.0, 0.9, 2, {1, 3}),

@@ -201,5 +201,8 @@ def test_a_body_that_is_not_json_and_an_unknown_route_answer_openais_error_body(
   r = httpx.post(f"{url}/v1/tokenize", timeout=10, json={"prompt": "hi"})
   err = r.json()["error"]
   assert r.status_code == 404 and err["code"] == "not_found" and "/v1/tokenize" in err["message"]
-  assert "POST /tokenize" in err["message"]  # the routes it does serve
-  assert httpx.get(f"{url}/v1/completions", timeout=10).json()["error"]["code"] == "method_not_allowed"
+  assert "POST /tokenize" in err["message"]  # the routes it does serve, every one of them:
+  for route in ("GET /docs", "GET /openapi.json"):
+    assert route in err["message"] and httpx.get(url + route.split()[1], timeout=10).status_code == 200, route
+  err = httpx.get(f"{url}/v1/completions", timeout=10).json()["error"]
+  assert err["code"] == "method_not_allowed" and "GET /openapi.json" in err["message"]

@@ -86,3 +86,30 @@ def test_chat_top_logprobs_come_most_likely_first(texts):
   assert [t["logprob"] for t in out[0]["top_logprobs"]] == [-0.1, -0.5, -2.0]
   assert [t["token"] for t in out[0]["top_logprobs"]] == [texts.tokenizer.decode([i]) for i in (7, 9, 8)]
   assert out[0]["bytes"] == list(texts.tokenizer.decode([9]).encode("utf-8"))
+
+
+def test_v32_rendering_fields_continue_echo_reasoning_effort_and_include_reasoning(texts):
+  """DeepSeek-V3.2's format: continue_final_message leaves the assistant message open (no EOS: the reply continues
+  its content, as content); echo starts the reply with it; reasoning_effort turns thinking on ("none" off) where
+  chat_template_kwargs does not say; include_reasoning false drops reasoning_content; add_special_tokens adds no
+  second BOS; a last message that is not the assistant's cannot be continued (400 naming the field)."""
+  dec = texts.tokenizer.decode
+  open_ = USER + [{"role": "assistant", "content": "The answer is"}]
+  turn = chat_turn(texts, ChatRequest(messages=open_, continue_final_message=True, echo=True))
+  prompt = dec(turn.prompt)
+  assert prompt.endswith(fmt.THINK_END + "The answer is") and not turn.thinking
+  assert turn.message(" 7")["content"] == "The answer is 7"
+  closed = chat_turn(texts, ChatRequest(messages=open_))
+  assert texts.tokenizer.encode(fmt.EOS)[0] in closed.prompt[-2:] and closed.message(" 7")["content"] == " 7"
+  think = lambda **kw: chat_turn(texts, ChatRequest(messages=USER, **kw)).thinking  # noqa: E731
+  assert think(reasoning_effort="high") and not think(reasoning_effort="none")
+  assert not think(reasoning_effort="high", chat_template_kwargs={"thinking": False})  # the kwargs say
+  hidden = chat_turn(texts, ChatRequest(messages=USER, reasoning_effort="high", include_reasoning=False))
+  assert hidden.thinking and "reasoning_content" not in hidden.message("7" + fmt.THINK_END + "8")
+  fresh = chat_turn(texts, ChatRequest(messages=USER, reasoning_effort="high", include_reasoning=False))
+  assert fresh.message("") == {"role": "assistant", "content": ""}
+  with_bos = chat_turn(texts, ChatRequest(messages=USER, add_special_tokens=True)).prompt
+  assert with_bos == chat_turn(texts, ChatRequest(messages=USER)).prompt  # the format writes BOS: not a second one
+  with pytest.raises(Exception) as e:
+    chat_turn(texts, ChatRequest(messages=USER, continue_final_message=True))
+  assert getattr(e.value, "param", None) == "continue_final_message"

@@ -12,7 +12,7 @@ import pytest
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.server.engine_thread import EngineThread
 from MaxText.server.protocol import ApiError
-from tests.support.server_harness import ScriptedEngine
+from tests.support.server_harness import ScriptedEngine, wait_for
 
 
 @pytest.fixture
@@ -131,3 +131,70 @@ def test_over_several_processes_a_failing_step_is_a_lost_process_every_request_e
   with pytest.raises(ApiError) as e:
     asyncio.run(t.submit([1], SamplingParams(max_tokens=1)))
   assert e.value.status == 503
+
+
+class _Compiling(ScriptedEngine):
+  """programs() and warmup(shapes) as ServingEngine has them: each compile takes compile_s."""
+  PROGRAMS = [(1, 1, 16), (1, 16, 16), (2, 1, 16), (2, 16, 16), (1, 1, 32), (1, 16, 32)]
+
+  def __init__(self, compile_s=0.2):
+    super().__init__()
+    self.compile_s, self.compiled = compile_s, []
+
+  def programs(self, first=False):
+    return self.PROGRAMS[:2] if first else list(self.PROGRAMS)
+
+  def warmup(self, shapes=None):
+    for s in self.PROGRAMS if shapes is None else shapes:
+      time.sleep(self.compile_s)
+      self.compiled.append(tuple(s))
+    return len(self.PROGRAMS if shapes is None else shapes)
+
+
+@pytest.mark.parametrize("warmup", ["first", "all"])
+def test_ready_after_the_first_programs_the_rest_compile_while_idle_smallest_first(warmup):
+  eng = _Compiling()
+  lines = []
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lines.append, warmup=warmup)
+  t.start()
+  try:
+    wait_for(lambda: t.ready, "ready")
+    at_ready = list(eng.compiled)
+    assert at_ready == (_Compiling.PROGRAMS[:2] if warmup == "first" else _Compiling.PROGRAMS)
+    # a request sent now is served between two compiles, not after them all
+    assert asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10)) == ([102, 103], "length")
+    assert len(eng.compiled) < len(_Compiling.PROGRAMS) or warmup == "all"  # 4 x 0.2 s still to compile
+    wait_for(lambda: len(eng.compiled) == len(_Compiling.PROGRAMS), "every program")
+    assert eng.compiled == _Compiling.PROGRAMS  # each once, smallest first
+    assert ("the other 4 compile while idle" in lines[0]) == (warmup == "first")
+    assert any("every step program compiled" in line for line in lines) == (warmup == "first")
+  finally:
+    t.stop(10)
+  assert t.state == "stopped"
+
+
+def test_stop_does_not_wait_for_a_compile_with_no_request_to_end():
+  """SIGTERM while the engine compiles an idle step program: the server exits now (the CPU's chat server waited
+  15 s for its compiles), not after it; the thread is a daemon."""
+  eng = _Compiling(compile_s=1.0)
+  t = EngineThread(lambda: contextlib.nullcontext(eng), max_waiting=4, log=lambda line: None, warmup="first")
+  t.start()
+  wait_for(lambda: len(eng.compiled) == 3, "the first idle compile to finish")
+  t0 = time.monotonic()
+  t.stop(10)
+  assert time.monotonic() - t0 < 0.5 and len(eng.compiled) == 3
+
+
+def test_a_request_after_the_engine_failed_or_stopped_is_told_so_not_to_retry_when_ready(thread):
+  """After a lost process (fail(): the server exits) a new request hears that the server is shutting down, not
+  "not ready: retry when GET /health is 200"; after stop() likewise."""
+  t, _ = thread
+  t.fail(ApiError(503, "the server lost one of its processes (peer gone): it is shutting down", None, "engine_failed"))
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10))
+  assert e.value.status == 503 and e.value.code == "engine_failed", e.value.message
+  assert "shutting down" in e.value.message and "retry" not in e.value.message
+  t.state = "stopped"
+  with pytest.raises(ApiError) as e:
+    asyncio.run(asyncio.wait_for(_tokens(t, [1, 2], 2), 10))
+  assert e.value.code == "shutting_down" and "shutting down" in e.value.message

@@ -48,12 +48,14 @@ def test_add_bos_puts_one_bos_before_a_text_prompt_even_one_that_starts_with_it(
   assert texts.encode("hello", bos=False) == hello
 
 
-def test_one_token_stop_strings_go_to_the_engine_and_every_stop_is_checked_in_text():
+def test_one_token_stop_strings_go_to_the_engine_as_stop_string_ids_never_banned_by_min_tokens():
   texts = _texts()
   tok = texts.tokenizer
   one = next(w for w in (" the", " sea", "the", ".") if len(tok.encode(w)) == 1)
   ids, strings = texts.stop_plan([one, "the sea is"], [7])
-  assert ids == (7, tok.encode(one)[0]) and strings == [one, "the sea is"]
+  assert ids == (7, tok.encode(one)[0]) and strings == (tok.encode(one)[0],)
+  assert texts.stop_plan([one], [tok.encode(one)[0]]) == ((tok.encode(one)[0],), ())  # also a stop token id: banned
+  assert texts.stop_plan([one], [], keep_stop=True) == ((), ())  # include_stop_str_in_output: the text check only
   with pytest.raises(ApiError) as e:
     _texts(tokenizer=False).stop_plan(["x"], None)
   assert e.value.param == "stop"

@@ -17,6 +17,9 @@ picks its sizes from the backend (SIZES: "cpu", or "accelerator" for any other):
              selection, kernels/backend.py forced) vs lax.top_k vs lax.approx_max_k
   decode     one decode step at 128K context, sparse vs dense (benchmarks/decode.py)
   serving    benchmarks/serving.py --quick (a one-point speculative ladder): its JSON line
+  readme_*   the README's own commands as a user runs them (readme_check.py): train (the loss falls, the
+             process exits), decode from that run, the chat server (a completion and a chat; SIGTERM), a LoRA
+             SFT served by adapter name; v5e_train: the v5e model file trained by train.py's defaults
 
 Prints progress on stderr, then a table and one JSON line on stdout; each section's own output is
 in --out (default: a new temporary folder).
@@ -35,6 +38,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import readme_check  # noqa: E402 - beside this file (tools/device is no package)
+
 RESULT = "DEVICE_CHECK_RESULT "  # a section's one result line on its stdout
 
 
@@ -71,10 +77,13 @@ SIZES = {
         decode=dict(contexts=[131072], topk=2048, iters=5),
     ),
 }
-LIMITS = {"cpu": dict(tests=300, mfu_tiny=240, mfu_large=300, selection=240, decode=300, serving=300),
-          "accelerator": dict(tests=180, mfu_tiny=150, mfu_large=240, selection=120, decode=120, serving=240)}
-BUDGET = {"cpu": 900, "accelerator": 480}  # seconds for all sections: a section gets what is left, at most its limit
-SECTIONS = ("tests", "mfu_tiny", "mfu_large", "selection", "decode", "serving")
+README_SECTIONS = tuple(readme_check.SECTIONS)
+LIMITS = {"cpu": dict(tests=300, mfu_tiny=240, mfu_large=300, selection=240, decode=300, serving=300,
+                      readme_train=400, readme_decode=200, readme_serve=400, readme_lora=600, v5e_train=30),
+          "accelerator": dict(tests=480, mfu_tiny=150, mfu_large=240, selection=120, decode=120, serving=240,
+                              readme_train=300, readme_decode=180, readme_serve=300, readme_lora=420, v5e_train=400)}
+BUDGET = {"cpu": 2400, "accelerator": 2400}  # seconds for all sections: a section gets what is left, at most its limit
+SECTIONS = ("tests", "mfu_tiny", "mfu_large", "selection", "decode", "serving") + README_SECTIONS
 
 
 def _sizes(backend: str) -> dict:
@@ -239,7 +248,11 @@ def serving(backend: str) -> dict:
   return dict(note="ran benchmarks/serving.py", **got)
 
 
-def run_section(name: str, backend: str) -> None:
+def run_section(name: str, backend: str, out: str) -> None:
+  if name in readme_check.SECTIONS:
+    work = os.path.join(out, "readme_work")  # one folder: decode and the LoRA SFT use readme_train's run
+    os.makedirs(work, exist_ok=True)
+    return _emit(readme_check.SECTIONS[name]("cpu" if backend == "cpu" else "accelerator", work))
   fn = {"probe": lambda _: probe(), "mfu_tiny": mfu_tiny, "mfu_large": mfu_large, "selection": selection,
         "decode": decode, "serving": serving}[name]
   _emit(fn(backend))
@@ -265,13 +278,15 @@ def _child(args: list[str], log: str, limit: float, env: dict | None = None) -> 
 
 
 def _section(name: str, backend: str, out: str, limit: float) -> dict:
-  status, secs, text = _child([sys.executable, os.path.abspath(__file__), "--section", name, "--backend", backend],
-                              os.path.join(out, f"{name}.log"), limit)
+  status, secs, text = _child([sys.executable, os.path.abspath(__file__), "--section", name, "--backend", backend,
+                               "--out", out], os.path.join(out, f"{name}.log"), limit)
   results = [ln[len(RESULT):] for ln in text.splitlines() if ln.startswith(RESULT)]
   got = json.loads(results[-1]) if results else {}
   if status == "ok" and not results:
     status = "no result"
-  if status != "ok":
+  if status == "ok" and got.get("ok") is False:
+    status = "failed"
+  if status not in ("ok", "failed"):  # a failed section says why in its result
     tail = [ln for ln in text.splitlines() if ln.strip()][-3:]
     got["error"] = " | ".join(tail)[-300:]
   return dict(got, status=status, seconds=round(secs, 1))
@@ -281,7 +296,7 @@ def _tests(backend: str, out: str, limit: float) -> dict:
   s = _sizes(backend)["tests"]
   env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   args = [sys.executable, "-m", "pytest", "-m", "device", "-q", "-p", "no:cacheprovider", *s["args"]]
-  if s["workers"]:
+  if s["workers"] and backend != "tpu":  # a TPU: one process holds the chip
     args += ["-n", str(s["workers"])]
   status, secs, text = _child(args, os.path.join(out, "tests.log"), limit, env)
   counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)}
@@ -293,8 +308,10 @@ def _tests(backend: str, out: str, limit: float) -> dict:
 
 def _fmt(name: str, r: dict) -> str:
   """One table row's figures."""
-  if "error" in r and r.get("status") not in ("ok", "failures"):
+  if "error" in r and r.get("status") not in ("ok", "failures", "failed"):
     return r["error"]
+  if name in readme_check.SECTIONS:
+    return readme_check.fmt(name, r)
   if name == "tests":
     c = r["counts"]
     return ", ".join(f"{c[w]} {w}" for w in ("passed", "failed", "errors", "error", "skipped") if w in c) + \
@@ -321,11 +338,11 @@ def main() -> None:
   ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run only these sections")
   ap.add_argument("--out", default=None, help="folder for each section's log and results.json, rewritten after "
                   "each section (default: a new temporary one)")
-  ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: 480 on an "
-                  "accelerator, 900 on the CPU); a section that would start with under 20 s left is skipped")
+  ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: 2400 on an "
+                  "accelerator and on the CPU); a section that would start with under 20 s left is skipped")
   args = ap.parse_args()
   if args.section:
-    return run_section(args.section, args.backend)
+    return run_section(args.section, args.backend, args.out)
 
   out = args.out or tempfile.mkdtemp(prefix="device_check_")
   os.makedirs(out, exist_ok=True)
@@ -350,9 +367,9 @@ def main() -> None:
 
   print(f"device check: {device.get('device_kind')} ({backend}, {device.get('device_count')} device(s), "
         f"jax {device.get('jax')}), {total:.0f} s")
-  print(f"{'section':<10} {'status':<14} {'s':>6}  figures")
+  print(f"{'section':<14} {'status':<14} {'s':>6}  figures")
   for name, r in results.items():
-    print(f"{name:<10} {r['status']:<14} {r['seconds']:>6}  {_fmt(name, r)}")
+    print(f"{name:<14} {r['status']:<14} {r['seconds']:>6}  {_fmt(name, r)}")
   print(json.dumps(dict(device=device, seconds=round(total, 1), sections=results)))
 
 
