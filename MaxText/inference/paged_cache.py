@@ -142,7 +142,7 @@ def select_over_pages(pools: PagedLayerCache, page_table: jax.Array, page_size: 
   """fn(keys, *rows) with keys the rows' PagedKeys (page_table [B,P]) and rows arrays [B,...]: on a
   mesh each device runs fn on its own rows over its own page shard (shard_map; no pool moves), its
   outputs [B,...] sharded over rows. The indexer's selection (cache_view.CacheView.select_indexer).
-  layer (every read here): pools are a stack's [L, N, n], layer `layer` read in place (_layer_of)."""
+  layer (every read here): pools are a stack's [L, N, n], layer `layer` read in place (paged_pools.layer_of)."""
   present = _present(pools, ("idx_k", "idx_k_scale"))
 
   def run(stores, arrays, first):  # on a page shard: stores [N_l, n], table [B_l,P], rows [B_l,...]
@@ -232,7 +232,7 @@ def lookup_pages(table: jax.Array, pages: jax.Array) -> jax.Array:
 
 def _local_slots(table: jax.Array, idx: jax.Array, page_size: int, first) -> jax.Array:
   """Selected positions idx [B,m] through a page shard's table [B,P] -> their slots in the shard's pools [B,m]
-  (first: the shard's first slot, _on_shards')."""
+  (first: the shard's first slot, paged_pools.on_shards')."""
   return lookup_pages(table, idx // page_size) * page_size + idx % page_size - first
 
 
@@ -281,7 +281,7 @@ def attend_selected(pools: PagedLayerCache, page_table: jax.Array, idx: jax.Arra
   sparse_decode "triton": paged_decode_gpu.sparse_mla_decode; no [B,k,c] gather to HBM first): idx [B,k]
   positions with valid [B,k], q_abs [B,H,c], q_pe [B,H,r] -> (o_lat [B,H,c] fp32, lse [B,H]: the log of the
   softmax's denominator, -inf for a row with nothing valid). On a mesh each device attends its own rows over
-  its own page shard (a row's pages lie in its device's shard: module doc), as gather_selected reads."""
+  its own page shard (a row's pages lie in its device's shard: paged_pools' module doc), as gather_selected reads."""
   present = _present(pools, LATENT_FIELDS)
   k = idx.shape[1]
   pad = -k % SELECTED_BLOCK  # the kernel's loop takes whole blocks: padding slots invalid
