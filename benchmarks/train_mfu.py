@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
       ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
     overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
     with backend.forced(**force):
-      r = device_check._train_step(  # noqa: SLF001 - the device check's train step; public there once tools/device allows
+      r = device_check.train_step(
           overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
     if args.compile_only:
       print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, compile_only=True, **r)), flush=True)
