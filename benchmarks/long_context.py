@@ -1,0 +1,186 @@
+"""Long-context train step on one device: the sparse stage's gather path beside the dense mask path, per length.
+
+    python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K at the v5e file's shapes
+    python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
+    python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
+    python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
+
+The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes: 128 heads, q_lora 1536,
+kv_lora 512, 64 indexer heads of 128, top-k 2048) at max_target_length = each length, one sequence a step. The
+step is train.py's (tools/device/device_check.py train_step: compiled from abstract inputs, unscanned layers, its
+memory analysis checked against the device's memory BEFORE anything is allocated, then --steps steps timed after
+a warm-up, median). Paths (PATHS), each a set of config overrides:
+
+  gather        the sparse stage (indexer_training_stage=sparse: attention over the indexer's top-k, the indexer
+                trained by its KL over the selection) on the gather path (sparse_attention_impl=gather)
+  gather_fixed  the same with the indexer not trained (indexer_training_stage=none: a fixed selector; no KL, no
+                indexer gradient): "ours with the indexer trained" over this is issue 69's 1.1x target
+  mask          the dense step: no indexer (use_indexer=false), attention over every valid key on MLA's mask path,
+                which runs in splash on a TPU (kernels/backend.py mask_attention; XLA's [b,h,t,s] elsewhere)
+  mask_topk     the sparse stage on the mask path (sparse_attention_impl=mask: a [b,t,s] top-k mask over XLA's
+                dense [b,h,t,s] logits): what the gather path replaces; does not fit a v5e from 8K on
+
+Per length the rungs of --set (largest first; default LADDER: thinner where memory needs) are tried in order: the
+first rung at which the first path fits is that length's rung, and every other path runs at the same rung (a path
+that does not fit there is stated, not moved to another rung: equal shapes side by side). What does not fit is
+skipped with its compiled peak. --budget: a length or path that would start with less than MIN_START_S left is
+skipped (the device tool's 10 minutes a command). Printed: a line per run as it ends (so a run cut short keeps
+them), a table, and one JSON line. Asserts nothing about time.
+
+Model MFU = model FLOPs / step / the device's bf16 peak (runtime/metrics.py), model FLOPs per token = 6 x active
+params + attention over min(indexer_topk, keys) keys for the sparse paths, all keys for `mask`
+(metrics.model_flops_per_token): the sparse paths do less work, so compare their step times, not their MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
+
+from MaxText.kernels import backend  # noqa: E402
+
+PATHS = {
+    "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather"),
+    "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather"),
+    "mask": dict(use_indexer=False),
+    "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
+}
+LENGTHS = (8192, 16384, 32768, 65536)
+# Rungs tried per length, largest first (KEY=VALUE lists). remat full keeps one layer's activations at a time; a
+# single dense layer (the MoE layer dropped) is the thinnest that still has the attention and indexer shapes.
+LADDER = (
+    ("remat_policy=full",),
+    ("remat_policy=full", "num_decoder_layers=1", "first_num_dense_layers=1"),
+)
+# --quick: the v5e file's layout at CPU size (2 layers, 1 dense + 1 MoE), lengths past its top-k of 64
+QUICK = dict(lengths=(256, 512), steps=2, rung=("emb_dim=128", "mlp_dim=256", "moe_mlp_dim=64", "num_query_heads=4",
+                                                "q_lora_rank=32", "kv_lora_rank=32", "qk_nope_head_dim=32",
+                                                "qk_rope_head_dim=16", "v_head_dim=32", "indexer_n_heads=4",
+                                                "indexer_head_dim=32", "indexer_topk=64", "vocab_size=512",
+                                                "sparse_attention_query_block=128", "remat_policy=full",
+                                                "dtype=float32", "weight_dtype=float32"))
+MIN_START_S = 60  # a run that would start with less budget left is skipped
+
+
+def parse_rung(rung) -> dict:
+  """KEY=VALUE strings -> overrides (YAML values)."""
+  if bad := [a for a in rung if "=" not in a]:
+    raise ValueError(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
+  return {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)}
+
+
+def overrides(model: str, length: int, rung, path: str, base=()) -> dict:
+  """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung."""
+  return dict(model_name=model, max_target_length=length, max_prefill_length=length, global_batch_size=1,
+              **{**parse_rung(base), **parse_rung(rung)}, **PATHS[path])
+
+
+def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=()):
+  """Each length's rung and each path's train_step result there -> rows (one dict per (length, path))."""
+  rows = []
+
+  def run(length, rung, path):
+    if time.perf_counter() > deadline - MIN_START_S:
+      r = dict(skipped=f"out of budget (under {MIN_START_S} s left)")
+    else:
+      with backend.forced(**force):
+        r = device_check.train_step(overrides(model, length, rung, path, base), steps, None, compile_only)
+    r = dict(length=length, path=path, rung=" ".join(rung), **r)
+    print("run " + json.dumps(r), flush=True)
+    return r
+
+  for length in lengths:
+    for rung in ladder:  # every rung tried stays a row: what did not fit, with its peak
+      first = run(length, rung, paths[0])
+      rows.append(first)
+      if first.get("fits") or "skipped" in first:
+        break
+    if first.get("fits"):
+      rows.extend(run(length, rung, path) for path in paths[1:])
+    else:
+      rows.extend(dict(length=length, path=path, rung=None, skipped=f"no rung fits {paths[0]}") for path in paths[1:])
+  return rows
+
+
+def fmt(r: dict) -> str:
+  """One table row's figures."""
+  if "skipped" in r:
+    return f"skipped: {r['skipped']}"
+  if not r.get("fits"):
+    return f"does not fit: {r.get('peak_gib')} GiB > {r.get('limit_gib')} GiB"
+  mem = f"peak {r['peak_gib']} GiB, compile {r['compile_s']} s"
+  if "step_ms" not in r:
+    return mem
+  return f"{r['step_ms']:.1f} ms, model MFU {r['model_mfu']:.1%}, loss {r['loss']}; {mem}"
+
+
+def ratios(rows) -> dict:
+  """Per length, each fitted path's step time over the gather path's (> 1: gather is that much faster)."""
+  out = {}
+  for r in rows:
+    g = next((x for x in rows if x["length"] == r["length"] and x["path"] == "gather" and "step_ms" in x), None)
+    if g and "step_ms" in r and r["path"] != "gather" and r.get("rung") == g["rung"]:
+      out[f"{r['length']}:{r['path']}/gather"] = round(r["step_ms"] / g["step_ms"], 3)
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
+  ap.add_argument("--lengths", default=None, help=f"comma-separated tokens a sequence (default {LENGTHS})")
+  ap.add_argument("--paths", default="gather,mask", help=f"comma-separated, of {', '.join(PATHS)}; the first picks "
+                  "each length's rung")
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="append",
+                  help="overrides of one rung; repeat --set for further rungs (largest first; default LADDER)")
+  ap.add_argument("--steps", type=int, default=None, help="timed steps (median) after a warm-up (default 5)")
+  ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
+  ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
+                  help="kernels/backend.py choices other than the device's row (backend.forced)")
+  ap.add_argument("--compile-only", action="store_true",
+                  help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
+  ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
+                  "256 and 512 tokens, 2 steps, unless given")
+  args = ap.parse_args(argv)
+  try:
+    force = backend.parse_forced(args.force)
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
+        list(QUICK["lengths"] if args.quick else LENGTHS)
+    paths = args.paths.split(",")
+    if bad := [p for p in paths if p not in PATHS]:
+      raise ValueError(f"--paths: no path {bad[0]!r}; the paths are {', '.join(PATHS)}")
+    ladder = args.set or ([[]] if args.quick else list(LADDER))
+    for rung in ladder:
+      parse_rung(rung)
+  except ValueError as e:
+    ap.error(str(e))
+  steps = args.steps or (QUICK["steps"] if args.quick else 5)
+  deadline = time.perf_counter() + (args.budget or float("inf"))
+  rows = measure(args.model, lengths, paths, ladder, steps, args.compile_only, force, deadline,
+                 QUICK["rung"] if args.quick else ())
+
+  mask_way = backend.choice("mask_attention") if "mask_attention" not in force else force["mask_attention"]
+  print(f"long-context train step, {args.model}{' at --quick sizes' if args.quick else ''}, 1 sequence a step, "
+        f"median of {steps} steps "
+        f"(mask path's dense attention: {mask_way})")
+  print(f"{'tokens':>7} {'path':<13} {'rung':<60} figures")
+  for r in rows:
+    print(f"{r['length']:>7} {r['path']:<13} {(r.get('rung') or '-')[-60:]:<60} {fmt(r)}")
+  got = ratios(rows)
+  for name, v in got.items():
+    print(f"{name}: {v}x the gather path's step time")
+  print(json.dumps(dict(benchmark="long_context", model=args.model, quick=args.quick, steps=steps,
+                        compile_only=args.compile_only,
+                        forced=args.force, mask_attention=mask_way, ratios=got, rows=rows)))
+
+
+if __name__ == "__main__":
+  main()
