@@ -23,7 +23,7 @@ a warm-up, median). Paths (PATHS), each a set of config overrides:
 Per length the rungs of --set (largest first; default LADDER: thinner where memory needs) are tried in order: the
 first rung at which the first path fits is that length's rung, and every other path runs at the same rung (a path
 that does not fit there is stated, not moved to another rung: equal shapes side by side). What does not fit is
-skipped with its compiled peak. --budget: a length or path that would start with less than MIN_START_S left is
+skipped with its compiled peak; one that fails to compile or run is a row with its error. --budget: a length or path that would start with less than MIN_START_S left is
 skipped (the device tool's 10 minutes a command). Printed: a line per run as it ends (so a run cut short keeps
 them), a table, and one JSON line. Asserts nothing about time.
 
@@ -92,8 +92,11 @@ def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline,
     if time.perf_counter() > deadline - MIN_START_S:
       r = dict(skipped=f"out of budget (under {MIN_START_S} s left)")
     else:
-      with backend.forced(**force):
-        r = device_check.train_step(overrides(model, length, rung, path, base), steps, None, compile_only)
+      try:
+        with backend.forced(**force):
+          r = device_check.train_step(overrides(model, length, rung, path, base), steps, None, compile_only)
+      except Exception as e:  # a path that fails to compile or run is a row; the others still run
+        r = dict(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     r = dict(length=length, path=path, rung=" ".join(rung), **r)
     print("run " + json.dumps(r), flush=True)
     return r
@@ -113,8 +116,8 @@ def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline,
 
 def fmt(r: dict) -> str:
   """One table row's figures."""
-  if "skipped" in r:
-    return f"skipped: {r['skipped']}"
+  if "skipped" in r or "failed" in r:
+    return f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['failed']}"
   if not r.get("fits"):
     return f"does not fit: {r.get('peak_gib')} GiB > {r.get('limit_gib')} GiB"
   mem = f"peak {r['peak_gib']} GiB, compile {r['compile_s']} s"

@@ -14,6 +14,8 @@
 T6=${T6:-$PWD/.peer}; source "$T6/common.sh"
 LENGTHS=${1:-8192,16384,32768}; OUT=${2:-$OUT}; mkdir -p "$OUT"
 REMAT=${REMAT:-full}
+# long_context.py's rung, in MaxText's keys (replacing mt_v5e_args.sh's): one dense layer, a vocabulary of 8192
+THIN=${THIN-"base_num_decoder_layers=1 first_num_dense_layers=1 vocab_size=8192"}
 MT_ATTN=${MT_ATTN:-"attention=flash use_tokamax_splash=true"}
 export STEPS=${STEPS:-8}
 mt_env || exit 1
@@ -21,7 +23,8 @@ python3 -c 'import jax, jaxlib, importlib.metadata as m; print(jax.__version__, 
 chunk() { case $1 in 8192) echo 8 ;; 16384) echo 2 ;; *) echo 1 ;; esac; }
 mt_long() {  # NAME LENGTH REMAT: one MaxText run (mt_v5e_args.sh's shapes at LENGTH, sparse training), its summary
   source "$T6/mt_v5e_args.sh"
-  local model="${MT_MODEL/max_target_length=2048/max_target_length=$2}"
+  local model="${MT_MODEL/max_target_length=2048/max_target_length=$2}" kv
+  for kv in $THIN; do model=$(sed -E "s/(^| )${kv%%=*}=[^ ]*/\1$kv/" <<< "$model"); done
   local runargs="${MT_RUN/indexer_loss_scaling_factor=0.0/indexer_loss_scaling_factor=1.0}"
   mkdir -p /tmp/mtrun
   run "$1" "${MTLIM:-280}" env MT_PRINT_PARAMS=1 bash -c "cd /tmp/mtrun && python3 '$T6/mt_launch.py' \

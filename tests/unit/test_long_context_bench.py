@@ -49,6 +49,22 @@ def test_a_length_no_rung_fits_and_a_run_past_the_budget_are_stated_not_run(monk
   assert calls == [(65536, "full", "gather")] and "out of budget" in rows[0]["skipped"]
 
 
+def test_a_path_that_fails_is_a_row_with_its_error_and_the_next_still_runs(monkeypatch):
+  calls = []
+  fake = _fake_train_step({(8192, "full", "gather"): 10.0, (16384, "full", "gather"): 10.0}, calls)
+
+  def step(overrides, *a):
+    if overrides.get("use_indexer") is False:
+      raise RuntimeError("Mosaic failed to compile\nmore lines")
+    return fake(overrides, *a)
+
+  monkeypatch.setattr(bench.device_check, "train_step", step)
+  rows = bench.measure("m", [8192, 16384], ["gather", "mask"], [["remat_policy=full"]], 3, False, {}, float("inf"))
+  assert rows[1]["failed"] == "RuntimeError: Mosaic failed to compile"
+  assert bench.fmt(rows[1]) == "failed: RuntimeError: Mosaic failed to compile"
+  assert [r["length"] for r in rows] == [8192, 8192, 16384, 16384] and "step_ms" in rows[2]
+
+
 def test_bad_paths_and_rungs_are_one_usage_line():
   with pytest.raises(SystemExit) as e:
     bench.main(["--paths", "gather,dense"])
