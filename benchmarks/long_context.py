@@ -1,15 +1,15 @@
 """Long-context train step on one device: the sparse stage's gather path beside the dense mask path, per length.
 
-    python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K at the v5e file's shapes
+    python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K; gather and mask
     python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
     python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
 
 The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes: 128 heads, q_lora 1536,
-kv_lora 512, 64 indexer heads of 128, top-k 2048) at max_target_length = each length, one sequence a step. The
-step is train.py's (tools/device/device_check.py train_step: compiled from abstract inputs, unscanned layers, its
-memory analysis checked against the device's memory BEFORE anything is allocated, then --steps steps timed after
-a warm-up, median). Paths (PATHS), each a set of config overrides:
+kv_lora 512, 64 indexer heads of 128, top-k 2048), thinned per rung (below), at max_target_length = each length,
+one sequence a step. The step is train.py's (tools/device/device_check.py train_step: compiled from abstract inputs,
+unscanned layers, its memory analysis checked against the device's memory BEFORE anything is allocated, then
+--steps steps timed after a warm-up, median). Paths (PATHS), each a set of config overrides:
 
   gather        the sparse stage (indexer_training_stage=sparse: attention over the indexer's top-k, the indexer
                 trained by its KL over the selection) on the gather path (sparse_attention_impl=gather)
@@ -20,15 +20,16 @@ a warm-up, median). Paths (PATHS), each a set of config overrides:
   mask_topk     the sparse stage on the mask path (sparse_attention_impl=mask: a [b,t,s] top-k mask over XLA's
                 dense [b,h,t,s] logits): what the gather path replaces; does not fit a v5e from 8K on
 
-Per length the rungs of --set (largest first; default LADDER: thinner where memory needs) are tried in order: the
-first rung at which the first path fits is that length's rung, and every other path runs at the same rung (a path
-that does not fit there is stated, not moved to another rung: equal shapes side by side). What does not fit is
-skipped with its compiled peak; one that fails to compile or run is a row with its error. --budget: a length or path that would start with less than MIN_START_S left is
-skipped (the device tool's 10 minutes a command). Printed: a line per run as it ends (so a run cut short keeps
-them), a table, and one JSON line. Asserts nothing about time.
+Per length the rungs of --set are tried in order, largest first (default LADDER: one dense layer, a vocabulary of
+8192, remat full; then 64, then 32 heads): the first rung at which the first path fits is that length's rung, and
+every other path runs at the same rung (a path that does not fit there is stated, not moved to another rung: equal
+shapes side by side). What does not fit is skipped with its compiled peak; what fails to compile or run is a row
+with its error. --budget: a length or path that would start with less than MIN_START_S left is skipped (the device
+tool's 10 minutes a command). Printed: a line per run as it ends (a run cut short keeps them), a table, and one
+JSON line. Asserts nothing about time.
 
 Model MFU = model FLOPs / step / the device's bf16 peak (runtime/metrics.py), model FLOPs per token = 6 x active
-params + attention over min(indexer_topk, keys) keys for the sparse paths, all keys for `mask`
+params + attention over min(indexer_topk, keys) keys for the sparse paths, half the keys (causal) for `mask`
 (metrics.model_flops_per_token): the sparse paths do less work, so compare their step times, not their MFU.
 """
 
@@ -55,12 +56,13 @@ PATHS = {
     "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
 }
 LENGTHS = (8192, 16384, 32768, 65536)
-# Rungs tried per length, largest first (KEY=VALUE lists). remat full keeps one layer's activations at a time; a
-# single dense layer (the MoE layer dropped) is the thinnest that still has the attention and indexer shapes.
-LADDER = (
-    ("remat_policy=full",),
-    ("remat_policy=full", "num_decoder_layers=1", "first_num_dense_layers=1"),
-)
+# Rungs tried per length, largest first (KEY=VALUE lists), from XLA:CPU's memory analysis of this step (an upper
+# bound; docs/benchmarks.md): the v5e file's 2 layers and 32K vocabulary (2 x 32768 x 7168 embedding and head, [t, V]
+# f32 logits) leave too little for 8K tokens, so every rung has one dense layer (the MoE layer dropped), a vocabulary
+# of 8192 and remat full; then half and a quarter of the 128 heads (the gather path keeps each query's absorbed
+# [h, c+r] for its backward pass, splash its [h, 192] q and k: both grow with the heads).
+THIN = ("remat_policy=full", "num_decoder_layers=1", "first_num_dense_layers=1", "vocab_size=8192")
+LADDER = (THIN, THIN + ("num_query_heads=64",), THIN + ("num_query_heads=32",))
 # --quick: the v5e file's layout at CPU size (2 layers, 1 dense + 1 MoE), lengths past its top-k of 64
 QUICK = dict(lengths=(256, 512), steps=2, rung=("emb_dim=128", "mlp_dim=256", "moe_mlp_dim=64", "num_query_heads=4",
                                                 "q_lora_rank=32", "kv_lora_rank=32", "qk_nope_head_dim=32",
