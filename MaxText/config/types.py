@@ -61,6 +61,7 @@ class MlaAttention(_Section):
   sparse_attention_impl: Literal["auto", "mask", "gather"]
   sparse_attention_gather_min_length: NonNegInt
   sparse_attention_query_block: PosInt
+  sparse_attention_block_remat: bool
 
 
 class Rope(_Section):

@@ -19,8 +19,10 @@ Training and prefill run `sparse_mla_attention`: a lax.map over blocks of
 `sparse_attention_query_block` queries. Each block scores its queries against all s keys with
 the lightning indexer ([b,blk,s], heads chunked as in indexer.index_scores), selects top-k
 indices, gathers, attends and un-absorbs. Memory: O(blk*s + blk*k*(c+r)) per block, and
-O(t*(k + h*(c+r))) kept for the backward pass: never [t,s] for attention, never [t,s,h] for
-the indexer; linear in t. Blocks are strided (block j holds queries j, j+n, j+2n, ...), so a
+O(t*(k + h*(nope+r))) kept for the backward pass (spec.block_remat, sparse_attention_block_remat: a block's
+absorbed queries and attention are recomputed from its q_nope, q_pe and indices; without it O(t*(k + h*(2c+r))),
+at 128 heads and 8K tokens 4.3 GiB of f32 on XLA:CPU): never [t,s] for attention, never [t,s,h] for the indexer;
+linear in t. Blocks are strided (block j holds queries j, j+n, j+2n, ...), so a
 sequence sharded over the `context` mesh axis keeps each block spread over all devices and
 each device runs its own queries (the keys are all-gathered: a query may select any key).
 
@@ -282,6 +284,7 @@ class SparseSpec(NamedTuple):
   with_kl: bool = False  # compute the sparse stage's indexer KL over the selected sets
   precision: object = None
   query_loop: bool | None = None  # one query at a time inside a block (None: backend.py's query_loop)
+  block_remat: bool = True  # recompute a block's attention in the backward pass from its queries and indices
 
 
 class SparseOutput(NamedTuple):
@@ -308,7 +311,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
   q_nope, q_pe, index_q, index_w, q_pos, q_seg = queries
   c_kv, k_pe, index_k, kv_pos, kv_seg = keys
   num_heads, nope, v, scale, topk, query_block, head_chunk, approx, recall_target, with_kl, precision, \
-      query_loop = spec
+      query_loop, block_remat = spec
   b, t = q_nope.shape[:2]
   c = c_kv.shape[-1]
   dt = q_nope.dtype
@@ -343,13 +346,19 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
     scores = constrain(scores, ("activation_batch", "activation_length", None))  # [b,blk,s]
     return topk_indices(scores, topk, approx=approx, recall_target=recall_target)
 
-  def block(xs_j):
-    qn, qp, iq, iw, qpos, qseg = xs_j  # [b,blk,h,nope], [b,blk,h,r], [b,blk,H,d], [b,blk,H], [b,blk] x2
-    idx, ok = select(iq, iw, qpos, qseg)  # [b,blk,k'] x2
+  def attend(qn, qp, idx, ok):  # block_remat: the map keeps a block's queries, not its [b,blk,h,c+r] and o_lat
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
     o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
-    out = unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,v]
+    return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision), p_heads  # [b,blk,h,v]
+
+  if block_remat:
+    attend = jax.checkpoint(attend)
+
+  def block(xs_j):
+    qn, qp, iq, iw, qpos, qseg = xs_j  # [b,blk,h,nope], [b,blk,h,r], [b,blk,H,d], [b,blk,H], [b,blk] x2
+    idx, ok = select(iq, iw, qpos, qseg)  # [b,blk,k'] x2
+    out, p_heads = attend(qn, qp, idx, ok)  # [b,blk,h,v], [b,blk,k']
     if with_kl:
       kl_sum, n_rows = kl_of_block(lax.stop_gradient(p_heads), iq, iw, idx, ok)
     else:

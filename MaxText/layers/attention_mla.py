@@ -235,7 +235,8 @@ class MLA(nnx.Module):
                       topk=cfg.indexer_topk, query_block=cfg.sparse_attention_query_block,
                       head_chunk=cfg.indexer_head_chunk, approx=cfg.indexer_use_approx_top_k,
                       recall_target=cfg.indexer_approx_top_k_recall,
-                      with_kl=indexer_stage(cfg).indexer_loss, precision=self.precision)
+                      with_kl=indexer_stage(cfg).indexer_loss, precision=self.precision,
+                      block_remat=cfg.sparse_attention_block_remat)
 
   def attend_gather(self, x: jax.Array, q_nope: jax.Array, q_pe: jax.Array, q_lat: jax.Array, c_kv: jax.Array,
                     k_pe: jax.Array, positions: jax.Array, segment_ids: jax.Array | None

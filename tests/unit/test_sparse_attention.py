@@ -327,24 +327,33 @@ def _driver_inputs(seed=30, b=2, t=11, s=11, h=3, nope=4, r=2, v=5, c=6, H=2, d=
               positions=pos), dict(num_heads=h, nope=nope, v=v)
 
 
+_DIFF = ("q_nope", "q_pe", "c_kv", "k_pe", "wkv_b_kernel", "index_q", "index_w", "index_k")
+
+
+def _driver_grad(arrays, dims, **spec):
+  """jit(value_and_grad) of sparse_mla_attention's output (a fixed projection) + KL in every float input
+  (_DIFF), its outputs as aux; spec: SparseSpec's fields beyond dims and scale. -> (the jitted fn, its args)"""
+  def loss(*xs):
+    a = dict(arrays, **dict(zip(_DIFF, xs)))
+    queries = sa.SparseQueries(a["q_nope"], a["q_pe"], a["index_q"], a["index_w"], a["positions"], None)
+    keys = sa.SparseKeys(a["c_kv"], a["k_pe"], a["index_k"], a["positions"], None)
+    out, idx, ok, kl = sa.sparse_mla_attention(queries, keys, a["wkv_b_kernel"], sa.SparseSpec(**dims, scale=0.3, **spec))
+    return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))) + kl, (out, idx, ok, kl)
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(_DIFF))), has_aux=True)), \
+      tuple(arrays[n] for n in _DIFF)
+
+
 @pytest.mark.parametrize("b", [1, 2])
 def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
   """The CPU schedule (a loop over queries, the keys' cotangent scatter-added in place) equals the
   vmapped one (other backends), with one block or several padded ones; b = 1 skips the vmap."""
   arrays, dims = _driver_inputs(b=b)
-  diff = ("q_nope", "q_pe", "c_kv", "k_pe", "wkv_b_kernel", "index_q", "index_w", "index_k")
+  diff = _DIFF
 
   def run(query_block, query_loop):
-    def loss(*xs):
-      a = dict(arrays, **dict(zip(diff, xs)))
-      queries = sa.SparseQueries(a["q_nope"], a["q_pe"], a["index_q"], a["index_w"], a["positions"], None)
-      keys = sa.SparseKeys(a["c_kv"], a["k_pe"], a["index_k"], a["positions"], None)
-      spec = sa.SparseSpec(**dims, scale=0.3, topk=4, query_block=query_block, head_chunk=1, with_kl=True,
-                           query_loop=query_loop)
-      out, idx, ok, kl = sa.sparse_mla_attention(queries, keys, a["wkv_b_kernel"], spec)
-      return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))) + kl, (out, idx, ok, kl)
-    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(diff))), has_aux=True))(
-        *(arrays[n] for n in diff))
+    fn, args = _driver_grad(arrays, dims, topk=4, query_block=query_block, head_chunk=1, with_kl=True,
+                            query_loop=query_loop)
+    return fn(*args)
 
   (_, (out1, idx1, ok1, kl1)), g1 = run(11, False)  # one block, vmapped
   (_, (out2, idx2, ok2, kl2)), g2 = run(4, True)  # 3 blocks of 4 (one padding row), a loop over queries
@@ -354,6 +363,27 @@ def test_query_loop_vmap_and_block_sizes_agree_in_values_and_gradients(b):
   for name, a, b_ in zip(diff, g1, g2):
     assert np.abs(np.asarray(a)).max() > 0, name
     assert rel_err(b_, a) <= 1e-5, name
+
+
+def test_block_remat_keeps_a_blocks_queries_not_its_absorbed_ones_and_changes_no_value():
+  """sparse_attention_block_remat: the lax.map's residuals for the backward pass are a block's q_nope and q_pe
+  ([t,h,nope+r]), not its absorbed queries and latent outputs ([t,h,c+r] and [t,h,c]); values and gradients
+  the same (the attention recomputed from the same inputs)."""
+  arrays, dims = _driver_inputs(b=1, t=512, s=512, h=16, nope=8, r=4, v=8, c=64, H=2, d=8)
+  got, temp = {}, {}
+  for remat in (True, False):
+    fn, args = _driver_grad(arrays, dims, topk=8, query_block=32, head_chunk=1, with_kl=True, query_loop=False,
+                            block_remat=remat)
+    temp[remat] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    got[remat] = fn(*args)
+  stacked = 512 * 16 * (64 + 4 + 64) * 4  # the absorbed queries and latent outputs of every block, f32
+  assert temp[False] - temp[True] >= stacked // 2, temp
+  (_, (out1, idx1, _, kl1)), g1 = got[True]
+  (_, (out0, idx0, _, kl0)), g0 = got[False]
+  np.testing.assert_array_equal(np.asarray(idx1), np.asarray(idx0))
+  assert rel_err(out1, out0) <= 1e-6 and abs(float(kl1) - float(kl0)) <= 1e-6 * abs(float(kl0))
+  for name, a, b_ in zip(_DIFF, g0, g1):
+    assert rel_err(b_, a) <= 1e-6, name
 
 
 # ---------------------------------------------------------------- context parallelism
