@@ -15,6 +15,8 @@ unscanned layers, its memory analysis checked against the device's memory BEFORE
                 trained by its KL over the selection) on the gather path (sparse_attention_impl=gather)
   gather_fixed  the same with the indexer not trained (indexer_training_stage=none: a fixed selector; no KL, no
                 indexer gradient): "ours with the indexer trained" over this is issue 69's 1.1x target
+  gather_saved  `gather` keeping each block's absorbed queries and latent outputs for the backward pass
+                (sparse_attention_block_remat=false): what recomputing them costs in time, and saves in memory
   mask          the dense step: no indexer (use_indexer=false), attention over every valid key on MLA's mask path,
                 which runs in splash on a TPU (kernels/backend.py mask_attention; XLA's [b,h,t,s] elsewhere)
   mask_topk     the sparse stage on the mask path (sparse_attention_impl=mask: a [b,t,s] top-k mask over XLA's
@@ -52,6 +54,7 @@ from MaxText.kernels import backend  # noqa: E402
 PATHS = {
     "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather"),
     "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather"),
+    "gather_saved": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=False),
     "mask": dict(use_indexer=False),
     "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
 }
@@ -59,8 +62,8 @@ LENGTHS = (8192, 16384, 32768, 65536)
 # Rungs tried per length, largest first (KEY=VALUE lists), from XLA:CPU's memory analysis of this step (an upper
 # bound; docs/benchmarks.md): the v5e file's 2 layers and 32K vocabulary (2 x 32768 x 7168 embedding and head, [t, V]
 # f32 logits) leave too little for 8K tokens, so every rung has one dense layer (the MoE layer dropped), a vocabulary
-# of 8192 and remat full; then half and a quarter of the 128 heads (the gather path keeps each query's absorbed
-# [h, c+r] for its backward pass, splash its [h, 192] q and k: both grow with the heads).
+# of 8192 and remat full; then half and a quarter of the 128 heads (the gather path keeps each query's [h, nope+r]
+# for its backward pass, splash its [h, 192] q and k: both grow with the heads).
 THIN = ("remat_policy=full", "num_decoder_layers=1", "first_num_dense_layers=1", "vocab_size=8192")
 LADDER = (THIN, THIN + ("num_query_heads=64",), THIN + ("num_query_heads=32",))
 # --quick: the v5e file's layout at CPU size (2 layers, 1 dense + 1 MoE), lengths past its top-k of 64
