@@ -8,7 +8,7 @@
 # and mt_parse.py. What MaxText computes at top-k < the sequence (its attention_mla.py): the indexer's scores and a
 # [b,t,s] top-k mask, attention in splash under that mask (attention=flash use_tokamax_splash=true, as side_by_side.sh),
 # the indexer's KL over the selection with the main attention's [b,c,t,s] f32 probabilities, c = mla_qk_head_chunk_size
-# heads at a time (CHUNK below: ~2 GiB of them live at 8K and 16K, 4 GiB at 32K; 0 would be all 128 heads, 32 GiB at
+# heads at a time (chunk() below: ~2 GiB of them live at 8K and 16K, 4 GiB at 32K; 0 would be all 128 heads, 32 GiB at
 # 8K). Each length runs under the run tool's 10 minutes (BUDGET, common.sh), its step times from step 3 on (mt_parse.py);
 # out of memory at REMAT it tries remat full once. Ours at the same shapes: benchmarks/long_context.py (the gather path).
 T6=${T6:-$PWD/.peer}; source "$T6/common.sh"
