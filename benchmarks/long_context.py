@@ -52,8 +52,8 @@ import device_check  # noqa: E402  (tools/device/device_check.py: the train step
 from MaxText.kernels import backend  # noqa: E402
 
 PATHS = {
-    "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather"),
-    "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather"),
+    "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=True),
+    "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather", sparse_attention_block_remat=True),
     "gather_saved": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=False),
     "mask": dict(use_indexer=False),
     "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
