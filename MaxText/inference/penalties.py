@@ -13,13 +13,18 @@
      likely one's are dropped (a sampling row's; greedy keeps its argmax anyway); then top_k/top_p.
 
 Stages 1-3 change greedy rows too. Stage 1 is fixed per request (min_tokens: until reached): per step
-`History.step_arrays` sends only the ids it touches, ids [B,S] int32 (V past a row's entries: dropped)
-and their biases [B,S] fp32, S the smallest power of two >= 8 holding the step's fullest row.
+`History.step_arrays` sends only the ids it touches, ids [B,S] int32 (V past a row's entries: dropped),
+their biases [B,S] fp32 and bans [B,S] int32 (min_tokens: how many positions from the step's first the
+id stays at -inf), S the smallest power of two >= 8 holding the step's fullest row.
 Stages 2-3 need each row's history, kept on the device (`State`: seen [N,V] bool, prompt or output;
 counts [N,V] int32, output only; N = serve_max_num_seqs rows, one per running request that penalizes,
 its slot): each step sends only the tokens a row's slot has not seen yet (its whole prompt once, then
 its new tokens: ids [B,D], D a power of two >= 8) and `update` adds them (O(new tokens) on the host and
-in what travels, multi-process included); `apply` adjusts the [B,V] logits densely from the slots.
+in what travels, multi-process included); `apply` adjusts the [B,T,V] logits densely from the slots.
+Speculative decoding (step_spec.py) verifies drafts at T = 1 + k positions: position j's history is the
+slot's plus the row's drafts before j, and its min_tokens count is made + j, so each drawn token sees
+what vLLM's rejection sampler gives it (the drafter's own distribution q is left as drawn: rejection
+sampling keeps the adjusted target's distribution whatever q is).
 A request that leaves the running set (finished, preempted) frees its slot; one that comes back gets
 a fresh slot and sends its history again. `from_scratch` is the whole-history twin (the former per-step
 rebuild): tests/unit/test_penalties.py checks the two agree over multi-step runs, benchmarks/penalties.py
@@ -51,22 +56,15 @@ def penalizes(params) -> bool:
   return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty)
 
 
-def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: int | None,
-                history: bool = True) -> dict[int, list]:
-  """One row's adjusted ids -> [bias, repetition factor, subtracted penalty] (host side, stages 1-3; with
-  history False stage 1 only: prompt and output are not read, only len(output))."""
+def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: int | None) -> dict[int, list]:
+  """One row's adjusted ids -> [bias, repetition factor, subtracted penalty] (from_scratch's, stages 1-3)."""
   out: dict[int, list] = collections.defaultdict(lambda: [0.0, 1.0, 0.0])
-  for tok, bias in params.logit_bias:
-    out[tok][0] += bias
-  if len(output) < params.min_tokens:
-    stops = set(params.stop_token_ids) - set(params.stop_string_ids)
-    stops |= set() if params.ignore_eos or eos_id is None else {eos_id}
-    for tok in stops:
-      out[tok][0] = -np.inf
-  if history and params.repetition_penalty != 1.0:
+  for tok, (bias, ban) in stage1(params, len(output), eos_id).items():
+    out[tok][0] = -np.inf if ban else bias
+  if params.repetition_penalty != 1.0:
     for tok in set(prompt) | set(output):
       out[tok][1] = params.repetition_penalty
-  if history and (params.frequency_penalty or params.presence_penalty):
+  if (params.frequency_penalty or params.presence_penalty):
     for tok, n in collections.Counter(output).items():
       out[tok][2] = params.frequency_penalty * n + params.presence_penalty
   return out
@@ -118,7 +116,7 @@ class History:
   def step_arrays(self, rows: Sequence, where: Sequence[int], b: int, vocab: int, eos_id: int | None,
                   running: Sequence):
     """The step's (bias, pen) for its sampling rows that adjust, or None when none does. bias: (ids [b,S] int32
-    (V: none), biases [b,S] fp32); pen: (slot [b] int32 (`slots`: none), reset [b] bool (a slot's first step:
+    (V: none), biases [b,S] fp32, bans [b,S] int32: stage1's); pen: (slot [b] int32 (`slots`: none), reset [b] bool (a slot's first step:
     zeroed before its tokens), ids [b,D] int32 (V: none), out [b,D] bool (an output token, counted; else a prompt
     one, only seen), factors [b,3] fp32 (repetition, frequency, presence; (1, 0, 0) for a row without)). Both are
     sent whenever a row adjusts, padding where nothing is (one step variant, not one per mix of stages).
@@ -154,15 +152,29 @@ class History:
     return slot, reset, ids, out, factors
 
 
+def stage1(params, made: int, eos_id: int | None) -> dict[int, list]:
+  """One row's stage 1 from the tokens it has made: id -> [bias, ban], ban the number of positions from here on
+  at which the id is at -inf (min_tokens - made for EOS and stop_token_ids while min_tokens is not reached)."""
+  out: dict[int, list] = collections.defaultdict(lambda: [0.0, 0])
+  for tok, bias in params.logit_bias:
+    out[tok][0] += bias
+  if made < params.min_tokens:
+    stops = set(params.stop_token_ids) - set(params.stop_string_ids)
+    stops |= set() if params.ignore_eos or eos_id is None else {eos_id}
+    for tok in stops:
+      out[tok][1] = params.min_tokens - made
+  return out
+
+
 def _bias_arrays(rows: list, b: int, vocab: int, eos_id: int | None):
-  """bias of step_arrays for rows [(batch row, Request)]: stage 1's (ids [b,S], biases [b,S])."""
-  per = {i: e for i, r in rows if (e := row_entries(r.params, (), r.output, eos_id, history=False))}
+  """bias of step_arrays for rows [(batch row, Request)]: stage 1's (ids [b,S], biases [b,S], bans [b,S])."""
+  per = {i: e for i, r in rows if (e := stage1(r.params, len(r.output), eos_id))}
   s = _width(max((len(e) for e in per.values()), default=0))
-  ids, biases = np.full((b, s), vocab, np.int32), np.zeros((b, s), np.float32)
+  ids, biases, bans = np.full((b, s), vocab, np.int32), np.zeros((b, s), np.float32), np.zeros((b, s), np.int32)
   for i, entries in per.items():
     ids[i, :len(entries)] = list(entries)
-    biases[i, :len(entries)] = [v[0] for v in entries.values()]
-  return ids, biases
+    biases[i, :len(entries)], bans[i, :len(entries)] = zip(*entries.values())
+  return ids, biases, bans
 
 
 State = tuple  # (seen [N,V] bool: the id is in the slot's prompt or output; counts [N,V] int32: in its output)
@@ -194,16 +206,26 @@ def update(state: State, slot, reset, ids, out) -> State:
   return _update_donated(state, *(jnp.asarray(a) for a in (slot, reset, ids, out)))
 
 
-def apply(logits: jax.Array, bias, pen) -> jax.Array:
-  """Stages 1-3 on logits [B,V] fp32. bias: (ids [B,S] (V = none), biases [B,S]); pen: (State, slot [B]
-  (N = none), factors [B,3]). A row without a slot has factors (1, 0, 0): its logits unchanged."""
-  ids, biases = bias
-  rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)  # [B,S]
-  logits = logits.at[rows, ids].add(biases, mode="drop")  # -inf: a banned stop
+def apply(logits: jax.Array, bias, pen, drafts: jax.Array | None = None) -> jax.Array:
+  """Stages 1-3 on logits [B,T,V] fp32 at T consecutive positions of each row, position j after the row's
+  tokens and its drafts[:, :j] (speculative verification: T = 1 + k; else T = 1 and drafts None).
+  bias: (ids [B,S] (V = none), biases [B,S], bans [B,S]: the id is at -inf at positions j < ban); pen: (State,
+  slot [B] (N = none), factors [B,3]); drafts [B,T-1] (V = none). A row without a slot has factors (1, 0, 0):
+  its logits are unchanged by stages 2-3."""
+  b, t, v = logits.shape
+  ids, biases, bans = bias
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)  # [B,S]
+  add = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(biases, mode="drop")  # [B,V]
+  ban = jnp.zeros((b, v), jnp.int32).at[rows, ids].max(bans, mode="drop")  # [B,V]
+  logits = jnp.where(jnp.arange(t)[None, :, None] < ban[:, None], -jnp.inf, logits + add[:, None])  # [B,T,V]
   (seen, counts), slot, factors = pen
   at = jnp.minimum(slot, seen.shape[0] - 1)  # [B]
-  seen, counts = seen[at], counts[at].astype(jnp.float32)  # [B,V] each
-  r, f, p = factors[:, 0:1], factors[:, 1:2], factors[:, 2:3]  # [B,1] each
+  seen, counts = seen[at][:, None], counts[at][:, None].astype(jnp.float32)  # [B,1,V] each
+  if drafts is not None:  # position j's history also holds drafts[:, :j] (output tokens)
+    hot = jax.nn.one_hot(drafts, v, dtype=jnp.float32)  # [B,T-1,V]; V: a zero row
+    before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.float32), jnp.cumsum(hot, axis=1)], axis=1)  # [B,T,V]
+    seen, counts = seen | (before > 0), counts + before  # [B,T,V] each
+  r, f, p = (factors[:, None, i:i + 1] for i in range(3))  # [B,1,1] each
   logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
   return logits - f * counts - p * (counts > 0)
 
@@ -223,5 +245,5 @@ def min_p_filter(logits: jax.Array, temperature: jax.Array, min_p: jax.Array) ->
   return jax.lax.cond(jnp.any(on), cut, lambda: logits)
 
 
-__all__ = ["History", "State", "adjusts", "penalizes", "row_entries", "from_scratch", "apply_entries", "init_state",
+__all__ = ["History", "State", "adjusts", "penalizes", "row_entries", "stage1", "from_scratch", "apply_entries", "init_state",
            "update", "apply", "min_p_filter"]

@@ -228,11 +228,10 @@ class ServingEngine:
     if params.rollout and self.spec is not None:
       raise RequestError("rollout is not recorded with speculative decoding (serve_speculative_tokens="
                          f"{self.config.serve_speculative_tokens}): use serve_speculative_tokens=0", "rollout")
-    if (penalties.adjusts(params) or params.min_p > 0) and (params.rollout or self.spec is not None):
-      field = "rollout" if params.rollout else "serve_speculative_tokens"
+    if (penalties.adjusts(params) or params.min_p > 0) and params.rollout:
       raise RequestError("presence/frequency/repetition penalties, logit_bias, min_p and min_tokens are not applied "
-                         f"with {field} (a rollout's logprobs, a draft's verification would not see them): "
-                         "leave them at their defaults", field)
+                         "with rollout (the trainer recomputes a rollout's logprobs without them): leave them at their "
+                         "defaults", "rollout")
     adapters = len(self.config.serve_lora_adapters)
     if not 0 <= params.lora_adapter <= adapters:
       raise RequestError(f"LoRA adapter {params.lora_adapter} is not served: this engine serves {adapters} "
@@ -410,7 +409,7 @@ class ServingEngine:
     masked; with adjust (adjust_inputs'), the requests' bias and penalties; with a grammar bitmask
     [B, ceil(V/32)], the ids it disallows; then min_p (penalties.min_p_filter) and sample_rows' kept set."""
     logits = self.mask_vocab(logits.astype(jnp.float32))
-    logits = logits if adjust is None else penalties.apply(logits, *adjust)
+    logits = logits if adjust is None else penalties.apply(logits[:, None], *adjust)[:, 0]  # [B,V]
     logits = logits if mask is None else grammar.apply_bitmask(logits, mask)
     logits = penalties.min_p_filter(logits, f["temp"], f["min_p"])
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
