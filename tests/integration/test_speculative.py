@@ -204,26 +204,29 @@ def test_load_weights_serves_other_weights_without_recompiling(model):
 
 
 def test_penalties_bias_and_min_tokens_apply_at_every_verified_position_as_without_drafts(model):
-  """Greedy rows with repetition, frequency and presence penalties, a logit_bias and min_tokens banning a stop
-  token: with 2 drafts a step the outputs equal the unspeculated engine's, and drafts that are those outputs
-  are all accepted (position j's history holds the drafts before it, its min_tokens count made + j). A sampled
-  row with min_p runs beside them."""
+  """Greedy rows with repetition, frequency and presence penalties, logit_bias and min_tokens: with 2 drafts a
+  step the outputs equal the unspeculated engine's, and drafts that are those outputs are all accepted
+  (position j's history holds the drafts before it, its min_tokens count is made + j). Row 2's biased stop
+  token is banned for its first 3 tokens and ends it right after, inside a verified run; row 3's two biased
+  ids come one after the other only if the second position sees the first's draft penalized. A sampled row
+  with min_p and a penalty runs too."""
   adjusted = [SamplingParams(max_tokens=NEW, repetition_penalty=0.6, presence_penalty=-1.5, frequency_penalty=0.3),
-              SamplingParams(max_tokens=NEW, logit_bias=((5, 3.0),), frequency_penalty=-0.5)]
-  stop = model[3][2][1]  # the plain output's second token: banned until min_tokens, a stop after
-  adjusted.append(SamplingParams(max_tokens=NEW, min_tokens=4, stop_token_ids=(stop,), presence_penalty=0.5))
-  want = [r.output for r in _engine(model).generate(PROMPTS[:3], adjusted)]
-  assert all(w != model[3][i] for i, w in enumerate(want)), (want, model[3][:3])  # the adjustments bite
+              SamplingParams(max_tokens=NEW, logit_bias=((5, 3.0),), frequency_penalty=-0.5),
+              SamplingParams(max_tokens=NEW, min_tokens=3, stop_token_ids=(300,), logit_bias=((300, 10.0),),
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=NEW, logit_bias=((20, 8.0), (21, 7.0)), presence_penalty=2.0,
+                             repetition_penalty=5.0)]
+  want = [r.output for r in _engine(model).generate(PROMPTS[:4], adjusted)]
+  assert all(w != model[3][i] for i, w in enumerate(want)), (want, model[3][:4])  # the adjustments bite
+  assert len(want[2]) == 3 and want[3][:2] == [20, 21], want
   truth = lambda i, r: want[i][len(r.output):len(r.output) + 2]  # noqa: E731
   for oracle in (None, truth):
     eng = _engine(model, serve_speculative_tokens=2)
-    got = eng.generate(PROMPTS[:3], adjusted) if oracle is None else None
-    if oracle is not None:
-      got = [eng.add_request(PROMPTS[i], adjusted[i]) for i in range(3)]
-      while not eng.idle:
-        eng.step()
-        for i, r in enumerate(got):
-          r.drafts = truth(i, r) if r.drafts else []
+    got = [eng.add_request(PROMPTS[i], adjusted[i]) for i in range(4)]
+    while not eng.idle:
+      eng.step()
+      for i, r in enumerate(got):
+        r.drafts = oracle(i, r) if oracle and r.drafts else r.drafts
     assert [r.output for r in got] == want
     if oracle is not None:
       s = eng.stats()

@@ -30,7 +30,8 @@ def _incremental(history, state, rows, logits, running=None):
     return np.asarray(logits), state
   bias, (slot, reset, ids, out, factors) = adjust
   state = penalties.update(state, slot, reset, ids, out)
-  return np.asarray(penalties.apply(jnp.asarray(logits), bias, (state, jnp.asarray(slot), jnp.asarray(factors)))), state
+  pen = (state, jnp.asarray(slot), jnp.asarray(factors))
+  return np.asarray(penalties.apply(jnp.asarray(logits)[:, None], bias, pen)[:, 0]), state
 
 
 def _vllm(logits, params, prompt, output):
@@ -222,3 +223,30 @@ def test_each_penalty_field_is_checked_at_its_boundaries(field, good, bad):
     with pytest.raises(RequestError) as e:
       SamplingParams(max_tokens=8, **{field: v}).check(V)
     assert e.value.field == field, v
+
+
+def test_each_verified_position_sees_the_drafts_before_it_as_output():
+  """Speculative verification: apply at T = 1 + k positions with drafts equals, at position j, from_scratch's
+  logits for the row whose output has drafts[:j] appended (its penalties and its min_tokens count made + j);
+  a row's drafts past its own (V) change nothing."""
+  rng = np.random.default_rng(5)
+  k = 3
+  params = [SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.6, presence_penalty=-0.4),
+            SamplingParams(max_tokens=16, min_tokens=4, stop_token_ids=(9,), logit_bias=((9, 5.0), (3, -2.0)),
+                           presence_penalty=0.8),
+            SamplingParams(max_tokens=16, frequency_penalty=-1.0)]
+  rows = [_row(p, rng.integers(0, V, 12), rng.integers(0, V, 2)) for p in params]
+  drafts = np.array([[4, 4, 7], [9, 3, 9], [6, V, V]], np.int32)  # row 2: one draft
+  logits = rng.normal(size=(3, k + 1, V)).astype(np.float32) * 3
+  adjust = penalties.History(3).step_arrays(rows, range(3), 3, V, EOS, [row.request for row in rows])
+  bias, (slot, reset, ids, out, factors) = adjust
+  state = penalties.update(penalties.init_state(3, V), slot, reset, ids, out)
+  got = np.asarray(penalties.apply(jnp.asarray(logits), bias, (state, jnp.asarray(slot), jnp.asarray(factors)),
+                                   drafts=jnp.asarray(drafts)))
+  for j in range(k + 1):
+    ahead = [_row(p, row.request.prompt, row.request.output + [d for d in drafts[i, :j] if d < V])
+             for i, (p, row) in enumerate(zip(params, rows))]
+    want = np.asarray(penalties.apply_entries(jnp.asarray(logits[:, j]), *penalties.from_scratch(ahead, range(3), 3,
+                                                                                                 V, EOS)))
+    np.testing.assert_allclose(got[:, j], want, rtol=1e-6, atol=1e-5, err_msg=f"position {j}")
+  assert np.isneginf(got[1, :2, 9]).all() and np.isfinite(got[1, 2:, 9]).all()  # made 2: banned at j < 2
