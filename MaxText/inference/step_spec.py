@@ -26,6 +26,11 @@ Structured outputs (grammar.py): a row with a grammar drafts nothing (its drafts
 step), so its step verifies no draft and draws one token from the target's logits under the grammar's
 bitmask (the masked variant of this program, given a mask [B, ceil(V/32)]): no token is taken unchecked.
 
+Penalties, logit_bias, min_tokens and min_p (penalties.py) apply to the target's logits at each verified
+position, before the grammar's mask, as vLLM v1's rejection sampler applies them: position j sees the row's
+history on the device plus its drafts d_1..d_j as output tokens, and made + j tokens for min_tokens; the
+drafter's q stays as drawn (rejection sampling keeps the adjusted target's distribution whatever q is).
+
 Keys: position P's draws use fold_in(key(seed), P): split for the accept test and the residual
 draw; fold_in(., 1) for the draft of P. So a request's tokens depend on its seed and its drafts,
 whatever else shares the batch (a preempted sampling request redraws from where it resumes).
