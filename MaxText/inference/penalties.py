@@ -206,6 +206,14 @@ def update(state: State, slot, reset, ids, out) -> State:
   return _update_donated(state, *(jnp.asarray(a) for a in (slot, reset, ids, out)))
 
 
+def device_inputs(state: State | None, adjust, slots: int, vocab: int, sharding=None):
+  """History.step_arrays' host arrays -> (the State with their new tokens (made here when None), apply's (bias,
+  pen) on the device)."""
+  bias, (slot, reset, ids, out, factors) = adjust
+  state = update(init_state(slots, vocab, sharding) if state is None else state, slot, reset, ids, out)
+  return state, (tuple(jnp.asarray(a) for a in bias), (state, jnp.asarray(slot), jnp.asarray(factors)))
+
+
 def apply(logits: jax.Array, bias, pen, drafts: jax.Array | None = None) -> jax.Array:
   """Stages 1-3 on logits [B,T,V] fp32 at T consecutive positions of each row, position j after the row's
   tokens and its drafts[:, :j] (speculative verification: T = 1 + k; else T = 1 and drafts None).
@@ -246,4 +254,4 @@ def min_p_filter(logits: jax.Array, temperature: jax.Array, min_p: jax.Array) ->
 
 
 __all__ = ["History", "State", "adjusts", "penalizes", "row_entries", "stage1", "from_scratch", "apply_entries", "init_state",
-           "update", "apply", "min_p_filter"]
+           "update", "device_inputs", "apply", "min_p_filter"]

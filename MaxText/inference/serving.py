@@ -313,12 +313,10 @@ class ServingEngine:
     the slots' pen_state first takes the rows' new tokens (every process alike: a device call's part)."""
     if adjust is None:
       return None
-    bias, (slot, reset, ids, out, factors) = adjust
-    if self.pen_state is None:
-      where = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      self.pen_state = penalties.init_state(self.max_seqs, self.config.vocab_size, where)
-    self.pen_state = penalties.update(self.pen_state, slot, reset, ids, out)
-    return tuple(jnp.asarray(a) for a in bias), (self.pen_state, jnp.asarray(slot), jnp.asarray(factors))
+    where = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.pen_state, inputs = penalties.device_inputs(self.pen_state, adjust, self.max_seqs, self.config.vocab_size,
+                                                     where)
+    return inputs
 
   def step_mask(self, rows: list[Scheduled], where: list[int], b: int) -> np.ndarray | None:
     """The step's grammar bitmask [b, ceil(V/32)] int32 on the host, or None (no sampling row has a grammar)."""

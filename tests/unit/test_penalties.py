@@ -28,10 +28,8 @@ def _incremental(history, state, rows, logits, running=None):
   adjust = history.step_arrays(rows, range(b), b, V, EOS, running)
   if adjust is None:
     return np.asarray(logits), state
-  bias, (slot, reset, ids, out, factors) = adjust
-  state = penalties.update(state, slot, reset, ids, out)
-  pen = (state, jnp.asarray(slot), jnp.asarray(factors))
-  return np.asarray(penalties.apply(jnp.asarray(logits)[:, None], bias, pen)[:, 0]), state
+  state, inputs = penalties.device_inputs(state, adjust, len(state[0]), V)
+  return np.asarray(penalties.apply(jnp.asarray(logits)[:, None], *inputs)[:, 0]), state
 
 
 def _vllm(logits, params, prompt, output):
@@ -239,10 +237,8 @@ def test_each_verified_position_sees_the_drafts_before_it_as_output():
   drafts = np.array([[4, 4, 7], [9, 3, 9], [6, V, V]], np.int32)  # row 2: one draft
   logits = rng.normal(size=(3, k + 1, V)).astype(np.float32) * 3
   adjust = penalties.History(3).step_arrays(rows, range(3), 3, V, EOS, [row.request for row in rows])
-  bias, (slot, reset, ids, out, factors) = adjust
-  state = penalties.update(penalties.init_state(3, V), slot, reset, ids, out)
-  got = np.asarray(penalties.apply(jnp.asarray(logits), bias, (state, jnp.asarray(slot), jnp.asarray(factors)),
-                                   drafts=jnp.asarray(drafts)))
+  _, inputs = penalties.device_inputs(None, adjust, 3, V)
+  got = np.asarray(penalties.apply(jnp.asarray(logits), *inputs, drafts=jnp.asarray(drafts)))
   for j in range(k + 1):
     ahead = [_row(p, row.request.prompt, row.request.output + [d for d in drafts[i, :j] if d < V])
              for i, (p, row) in enumerate(zip(params, rows))]
