@@ -56,6 +56,20 @@ def penalizes(params) -> bool:
   return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty)
 
 
+def stage1(params, made: int, eos_id: int | None) -> dict[int, list]:
+  """One row's stage 1 from the tokens it has made: id -> [bias, ban], ban the number of positions from here on
+  at which the id is at -inf (min_tokens - made for EOS and stop_token_ids while min_tokens is not reached)."""
+  out: dict[int, list] = collections.defaultdict(lambda: [0.0, 0])
+  for tok, bias in params.logit_bias:
+    out[tok][0] += bias
+  if made < params.min_tokens:
+    stops = set(params.stop_token_ids) - set(params.stop_string_ids)
+    stops |= set() if params.ignore_eos or eos_id is None else {eos_id}
+    for tok in stops:
+      out[tok][1] = params.min_tokens - made
+  return out
+
+
 def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: int | None) -> dict[int, list]:
   """One row's adjusted ids -> [bias, repetition factor, subtracted penalty] (from_scratch's, stages 1-3)."""
   out: dict[int, list] = collections.defaultdict(lambda: [0.0, 1.0, 0.0])
@@ -64,7 +78,7 @@ def row_entries(params, prompt: Sequence[int], output: Sequence[int], eos_id: in
   if params.repetition_penalty != 1.0:
     for tok in set(prompt) | set(output):
       out[tok][1] = params.repetition_penalty
-  if (params.frequency_penalty or params.presence_penalty):
+  if params.frequency_penalty or params.presence_penalty:
     for tok, n in collections.Counter(output).items():
       out[tok][2] = params.frequency_penalty * n + params.presence_penalty
   return out
@@ -115,11 +129,12 @@ class History:
 
   def step_arrays(self, rows: Sequence, where: Sequence[int], b: int, vocab: int, eos_id: int | None,
                   running: Sequence):
-    """The step's (bias, pen) for its sampling rows that adjust, or None when none does. bias: (ids [b,S] int32
-    (V: none), biases [b,S] fp32, bans [b,S] int32: stage1's); pen: (slot [b] int32 (`slots`: none), reset [b] bool (a slot's first step:
-    zeroed before its tokens), ids [b,D] int32 (V: none), out [b,D] bool (an output token, counted; else a prompt
-    one, only seen), factors [b,3] fp32 (repetition, frequency, presence; (1, 0, 0) for a row without)). Both are
-    sent whenever a row adjusts, padding where nothing is (one step variant, not one per mix of stages).
+    """The step's (bias, pen) for its sampling rows that adjust, or None when none does.
+    bias: (ids [b,S] int32 (V: none), biases [b,S] fp32, bans [b,S] int32), stage1's entries;
+    pen: (slot [b] int32 (`slots`: none), reset [b] bool (a slot's first step: zeroed before its tokens),
+    ids [b,D] int32 (V: none), out [b,D] bool (an output token, counted; else a prompt one, only seen),
+    factors [b,3] fp32 (repetition, frequency, presence; (1, 0, 0) for a row without)).
+    Both are sent whenever a row adjusts, padding where nothing is (one step variant, not one per mix of stages).
     running: the scheduler's running requests (the others' slots are freed)."""
     adjusting = [(i, row.request) for i, row in zip(where, rows) if row.samples and adjusts(row.request.params)]
     if not adjusting:
@@ -150,20 +165,6 @@ class History:
       ids[i, :len(toks)] = toks
       out[i, prompt:len(toks)] = True
     return slot, reset, ids, out, factors
-
-
-def stage1(params, made: int, eos_id: int | None) -> dict[int, list]:
-  """One row's stage 1 from the tokens it has made: id -> [bias, ban], ban the number of positions from here on
-  at which the id is at -inf (min_tokens - made for EOS and stop_token_ids while min_tokens is not reached)."""
-  out: dict[int, list] = collections.defaultdict(lambda: [0.0, 0])
-  for tok, bias in params.logit_bias:
-    out[tok][0] += bias
-  if made < params.min_tokens:
-    stops = set(params.stop_token_ids) - set(params.stop_string_ids)
-    stops |= set() if params.ignore_eos or eos_id is None else {eos_id}
-    for tok in stops:
-      out[tok][1] = params.min_tokens - made
-  return out
 
 
 def _bias_arrays(rows: list, b: int, vocab: int, eos_id: int | None):
@@ -253,5 +254,5 @@ def min_p_filter(logits: jax.Array, temperature: jax.Array, min_p: jax.Array) ->
   return jax.lax.cond(jnp.any(on), cut, lambda: logits)
 
 
-__all__ = ["History", "State", "adjusts", "penalizes", "row_entries", "stage1", "from_scratch", "apply_entries", "init_state",
-           "update", "device_inputs", "apply", "min_p_filter"]
+__all__ = ["History", "State", "adjusts", "penalizes", "stage1", "row_entries", "from_scratch", "apply_entries",
+           "init_state", "update", "device_inputs", "apply", "min_p_filter"]
