@@ -169,6 +169,8 @@ class ServingEngine:
     self.scheduler.rollout_shareable = self.rollouts.shareable
     self.pools = paged_pools.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
     self.held = grammar.Held()  # requests whose grammar compiles
+    self.history = penalties.History(self.max_seqs)  # stages 2-3: each penalizing request's slot of pen_state
+    self.pen_state = None  # penalties.State on the device, made by the first step that penalizes
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
@@ -226,11 +228,10 @@ class ServingEngine:
     if params.rollout and self.spec is not None:
       raise RequestError("rollout is not recorded with speculative decoding (serve_speculative_tokens="
                          f"{self.config.serve_speculative_tokens}): use serve_speculative_tokens=0", "rollout")
-    if (penalties.adjusts(params) or params.min_p > 0) and (params.rollout or self.spec is not None):
-      field = "rollout" if params.rollout else "serve_speculative_tokens"
+    if (penalties.adjusts(params) or params.min_p > 0) and params.rollout:
       raise RequestError("presence/frequency/repetition penalties, logit_bias, min_p and min_tokens are not applied "
-                         f"with {field} (a rollout's logprobs, a draft's verification would not see them): "
-                         "leave them at their defaults", field)
+                         "with rollout (the trainer recomputes a rollout's logprobs without them): leave them at their "
+                         "defaults", "rollout")
     adapters = len(self.config.serve_lora_adapters)
     if not 0 <= params.lora_adapter <= adapters:
       raise RequestError(f"LoRA adapter {params.lora_adapter} is not served: this engine serves {adapters} "
@@ -279,7 +280,7 @@ class ServingEngine:
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
-    adjust = penalties.step_arrays(rows, where, b, self.config.vocab_size, self.eos_id)
+    adjust = self.history.step_arrays(rows, where, b, self.config.vocab_size, self.eos_id, self.scheduler.running)
     sampled, lps, records = self.device_step(t, feed["buf"], logprobs.wants(rows), ro, self.step_mask(rows, where, b),
                                              adjust)
     if records is not None:
@@ -298,14 +299,24 @@ class ServingEngine:
   def device_step(self, t: int, buf: np.ndarray, with_logprobs: bool, with_rollout: bool, mask, adjust):
     """A step's device call, every process's (step_channel.CALLS' "step"): the step and write programs on
     the step feed's buf [b, W] -> on the host: (sampled [b], lps or None, records or None) as `run` says.
-    mask: the grammar bitmask [b, ceil(V/32)] or None; adjust: penalties.step_arrays' or None."""
+    mask: the grammar bitmask [b, ceil(V/32)] or None; adjust: penalties.History.step_arrays' or None."""
     self.channel.send("step", int(t), buf, bool(with_logprobs), bool(with_rollout), mask, adjust)
     mask = None if mask is None else jnp.asarray(mask)
-    adjust = None if adjust is None else tuple(jnp.asarray(a) for a in adjust)
+    adjust = self.adjust_inputs(adjust)
     self.pools, sampled, (lps, records) = self.run(t, {"buf": buf}, with_logprobs, with_rollout, mask, adjust)
     sampled = to_host(sampled)  # these reads, in this order, are every process's (collective over processes)
     records = None if records is None else tuple(to_host(a) for a in records)
     return sampled, None if lps is None else tuple(to_host(a) for a in lps), records
+
+  def adjust_inputs(self, adjust):
+    """penalties.History.step_arrays' host arrays (or None) -> the step's (bias, pen) on the device (or None):
+    the slots' pen_state first takes the rows' new tokens (every process alike: a device call's part)."""
+    if adjust is None:
+      return None
+    where = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.pen_state, inputs = penalties.device_inputs(self.pen_state, adjust, self.max_seqs, self.config.vocab_size,
+                                                     where)
+    return inputs
 
   def step_mask(self, rows: list[Scheduled], where: list[int], b: int) -> np.ndarray | None:
     """The step's grammar bitmask [b, ceil(V/32)] int32 on the host, or None (no sampling row has a grammar)."""
@@ -365,7 +376,7 @@ class ServingEngine:
     lps with with_logprobs the logprob step's (token logprobs [B,t], ranks [B,t], top values [B,t,N],
     top ids [B,t,N]), else None; records with with_rollout the rollout's (logp [B], kept [B], kept_ids [B,C],
     routed_experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
-    adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
+    adjust: adjust_inputs' (bias, pen) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
     with self.rules():
       entries, sampled, lps, records = self._step_jit(t, with_logprobs, with_rollout, self.params, self.buffers,
@@ -393,10 +404,10 @@ class ServingEngine:
 
   def _sample(self, f: dict, logits: jax.Array, mask=None, adjust=None) -> jax.Array:
     """Each row's token [B] from its logits [B,V] by its request's options and key: ids past sample_vocab
-    masked; with adjust (penalties.step_arrays'), the requests' bias and penalties; with a grammar bitmask
+    masked; with adjust (adjust_inputs'), the requests' bias and penalties; with a grammar bitmask
     [B, ceil(V/32)], the ids it disallows; then min_p (penalties.min_p_filter) and sample_rows' kept set."""
     logits = self.mask_vocab(logits.astype(jnp.float32))
-    logits = logits if adjust is None else penalties.apply(logits, *adjust)
+    logits = logits if adjust is None else penalties.apply(logits[:, None], *adjust)[:, 0]  # [B,V]
     logits = logits if mask is None else grammar.apply_bitmask(logits, mask)
     logits = penalties.min_p_filter(logits, f["temp"], f["min_p"])
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(f["seeds"], f["draw_at"])  # [B]
@@ -406,7 +417,7 @@ class ServingEngine:
             adjust=None):
     """The model over the pools for a step_feed's tokens [B,t] -> (the new entries, the sampled token per row
     [B], lps, records). mask: a grammar bitmask [B, ceil(V/32)] (a separately compiled variant), or None; adjust:
-    penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None.
+    adjust_inputs' (bias, pen) (the adjusting variant), or None.
     with_logprobs (a row asks for logprobs): the model keeps every row position's logits and lps is
     logprobs.step_logprobs there (token logprobs [B,t], ranks [B,t], top values [B,t,N], top ids [B,t,N]),
     N = serve_max_logprobs (the model's own logits: a grammar's mask changes only what is drawn); else None.

@@ -14,7 +14,7 @@ the ServingEngine's device calls (CALLS: each a method every process runs with t
              options and seeds; a per-row adapter id when it carries one), the grammar bitmask [b, ceil(V/32)]
              and the penalties' (ids, values), then the host reads of the outputs (collective on a mesh
              whose rows span processes)
-  spec_step  SpecStep.device_step(t, buf, mask): the same for the speculative (MTP) step
+  spec_step  SpecStep.device_step(t, buf, mask, adjust): the same for the speculative (MTP) step
   reset      ServingEngine.reset(): empty pools (after a failed step or load)
   warmup     ServingEngine.warmup(shapes): those step programs compiled on padding (shapes: [n, 3] int32)
   stop       the followers return (process 0 is shutting down)

@@ -26,6 +26,11 @@ Structured outputs (grammar.py): a row with a grammar drafts nothing (its drafts
 step), so its step verifies no draft and draws one token from the target's logits under the grammar's
 bitmask (the masked variant of this program, given a mask [B, ceil(V/32)]): no token is taken unchecked.
 
+Penalties, logit_bias, min_tokens and min_p (penalties.py) apply to the target's logits at each verified
+position, before the grammar's mask, as vLLM v1's rejection sampler applies them: position j sees the row's
+history on the device plus its drafts d_1..d_j as output tokens, and made + j tokens for min_tokens; the
+drafter's q stays as drawn (rejection sampling keeps the adjusted target's distribution whatever q is).
+
 Keys: position P's draws use fold_in(key(seed), P): split for the accept test and the residual
 draw; fold_in(., 1) for the draft of P. So a request's tokens depend on its seed and its drafts,
 whatever else shares the batch (a preempted sampling request redraws from where it resumes).
@@ -40,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.inference import paged_pools, step_feed
+from MaxText.inference import paged_pools, penalties, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
 from MaxText.inference.grammar import apply_bitmask
 from MaxText.inference.model_step import mtp_absorbed_weights, run_or_shape, step_head_chunk
@@ -93,7 +98,8 @@ class SpecStep:
     feed = step_feed.empty(b, t, pages)
     self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
-    got = self.device_step(t, feed["buf"], e.step_mask(rows, where, b))[where]  # [rows, 2k+2]
+    adjust = e.history.step_arrays(rows, where, b, e.config.vocab_size, e.eos_id, e.scheduler.running)
+    got = self.device_step(t, feed["buf"], e.step_mask(rows, where, b), adjust)[where]  # [rows, 2k+2]
     out, accepted, drafts = got[:, :self.k + 1], got[:, self.k + 1], got[:, self.k + 2:]
     made = [len(row.request.output) if row.samples else None for row in rows]  # before update grows them
     samples = [row.samples for row in rows]  # (update changes what `samples` reads)
@@ -116,24 +122,28 @@ class SpecStep:
     return self._jit.lower(t, e.params, e.buffers, e.pools, self.mtp_pool, (e.absorbed, self.absorbed),
                            self.draft_q, buf).compile()
 
-  def device_step(self, t: int, buf, mask) -> np.ndarray:
+  def device_step(self, t: int, buf, mask, adjust=None) -> np.ndarray:
     """The speculative step's device call, every process's (step_channel "spec_step"): run on the step feed's
-    buf [b, W] and a grammar bitmask (numpy, or None) -> [b, 2k+2] on the host."""
-    self.engine.channel.send("spec_step", int(t), buf, mask)
-    return to_host(self.run(t, {"buf": buf}, None if mask is None else jnp.asarray(mask)))
+    buf [b, W], a grammar bitmask (numpy, or None) and penalties.History.step_arrays' (or None) -> [b, 2k+2] on
+    the host."""
+    e = self.engine
+    e.channel.send("spec_step", int(t), buf, mask, adjust)
+    return to_host(self.run(t, {"buf": buf}, None if mask is None else jnp.asarray(mask), e.adjust_inputs(adjust)))
 
-  def run(self, t: int, feed: dict, mask=None) -> jax.Array:
+  def run(self, t: int, feed: dict, mask=None, adjust=None) -> jax.Array:
     e = self.engine
     buf = step_feed.to_device(feed)
     with e.rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
-                                                            (e.absorbed, self.absorbed), self.draft_q, buf, mask)
+                                                            (e.absorbed, self.absorbed), self.draft_q, buf, mask,
+                                                            adjust)
       e.pools = e.write_pools(t, e.pools, entries, buf)
     return out
 
-  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf, mask=None):
+  def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf, mask=None, adjust=None):
     """-> (the stacks' new entries, the MTP pool, draft_q [S,k,V], [B, 2k+2]: the run's tokens [k+1],
-    accepted, the next drafts [k]). mask: a grammar bitmask [B, ceil(V/32)] or None. See the module docstring."""
+    accepted, the next drafts [k]). mask: a grammar bitmask [B, ceil(V/32)] or None; adjust: the engine's
+    adjust_inputs (the requests' bias and penalties at each verified position) or None. See the module docstring."""
     e, k = self.engine, self.k
     f = step_feed.unpack(buf, t)
     absorbed, mtp_absorbed = absorbed
@@ -143,11 +153,15 @@ class SpecStep:
                         page_size=e.page_size)
     verify_at = jnp.clip(f["last"][:, None] + jnp.arange(k + 1), 0, t - 1)  # [B,k+1]
     logits, aux = model(f["tokens"], f["positions"], cache=views, last_index=verify_at)  # [B,k+1,V]
+    drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]
+    if adjust is not None:  # position j after the row's drafts[:j]: its history and min_tokens count hold them
+      real_drafts = jnp.where(jnp.arange(k)[None] < f["num_drafts"][:, None], drafts, logits.shape[-1])  # [B,k]
+      logits = penalties.apply(e.mask_vocab(logits.astype(jnp.float32)), *adjust, drafts=real_drafts)
     if mask is not None:  # a constrained row has no drafts: its position 0 is the one drawn from
       logits = apply_bitmask(logits, mask)  # [B,k+1,V]
+    logits = jax.vmap(penalties.min_p_filter, in_axes=(1, None, None), out_axes=1)(logits, f["temp"], f["min_p"])
     opts = (f["temp"], f["top_p"], f["top_k"])
     all_greedy = jnp.all(f["temp"] <= 0)  # then verification and drafting need no distributions (lax.cond)
-    drafts = jnp.take_along_axis(f["tokens"], verify_at[:, 1:], axis=1)  # [B,k]
     fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))  # keys [B], positions [B,m] -> [B,m]
     key_at = lambda pos: fold(jax.vmap(jax.random.key)(f["seeds"]), pos)  # noqa: E731  (inside the sampled branches)
 

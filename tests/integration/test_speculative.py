@@ -201,3 +201,36 @@ def test_load_weights_serves_other_weights_without_recompiling(model):
   assert eng.spec._jit._cache_size() == compiled  # the same steps again: nothing recompiled
   with pytest.raises(ValueError, match="another tree"):
     eng.load_weights(b, p)
+
+
+def test_penalties_bias_and_min_tokens_apply_at_every_verified_position_as_without_drafts(model):
+  """Greedy rows with repetition, frequency and presence penalties, logit_bias and min_tokens: with 2 drafts a
+  step the outputs equal the unspeculated engine's, and drafts that are those outputs are all accepted
+  (position j's history holds the drafts before it, its min_tokens count is made + j). Row 2's biased stop
+  token is banned for its first 3 tokens and ends it right after, inside a verified run; row 3's two biased
+  ids come one after the other only if the second position sees the first's draft penalized. A sampled row
+  with min_p and a penalty runs too."""
+  adjusted = [SamplingParams(max_tokens=NEW, repetition_penalty=0.6, presence_penalty=-1.5, frequency_penalty=0.3),
+              SamplingParams(max_tokens=NEW, logit_bias=((5, 3.0),), frequency_penalty=-0.5),
+              SamplingParams(max_tokens=NEW, min_tokens=3, stop_token_ids=(300,), logit_bias=((300, 10.0),),
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=NEW, logit_bias=((20, 8.0), (21, 7.0)), presence_penalty=2.0,
+                             repetition_penalty=5.0)]
+  want = [r.output for r in _engine(model).generate(PROMPTS[:4], adjusted)]
+  assert all(w != model[3][i] for i, w in enumerate(want)), (want, model[3][:4])  # the adjustments bite
+  assert len(want[2]) == 3 and want[3][:2] == [20, 21], want
+  truth = lambda i, r: want[i][len(r.output):len(r.output) + 2]  # noqa: E731
+  for oracle in (None, truth):
+    eng = _engine(model, serve_speculative_tokens=2)
+    got = [eng.add_request(PROMPTS[i], adjusted[i]) for i in range(4)]
+    while not eng.idle:
+      eng.step()
+      for i, r in enumerate(got):
+        r.drafts = oracle(i, r) if oracle and r.drafts else r.drafts
+    assert [r.output for r in got] == want
+    if oracle is not None:
+      s = eng.stats()
+      assert s["spec_accepted"] == s["spec_drafted"] > 0
+  sampled = SamplingParams(max_tokens=NEW, temperature=1.0, seed=4, min_p=0.3, repetition_penalty=1.3)
+  out = _engine(model, serve_speculative_tokens=2).generate([PROMPTS[0]], sampled)[0].output
+  assert len(out) == NEW and max(out) < 512

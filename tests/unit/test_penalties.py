@@ -1,6 +1,7 @@
 """MaxText/inference/penalties.py against vLLM's definitions in float64 numpy: logit_bias, min_tokens,
-repetition, frequency and presence penalties as one step's [B,S] arrays (any mix of rows, a row that
-adjusts nothing untouched), and min_p as softmax(logits / T) >= min_p * max."""
+repetition, frequency and presence penalties (any mix of rows, a row that adjusts nothing untouched), both
+the whole-history twin (from_scratch) and the engine's incremental path (History + the device State) over
+multi-step runs, and min_p as softmax(logits / T) >= min_p * max."""
 
 import types
 
@@ -10,14 +11,25 @@ import numpy as np
 import pytest
 
 from MaxText.inference import penalties
-from MaxText.inference.scheduler import SamplingParams
+from MaxText.inference.scheduler import Request, SamplingParams
 
 V, EOS = 40, 2
 
 
 def _row(params, prompt, output, samples=True):
-  return types.SimpleNamespace(request=types.SimpleNamespace(params=params, prompt=prompt, output=output),
-                               samples=samples)
+  return types.SimpleNamespace(request=Request(list(prompt), params, output=list(output)), samples=samples)
+
+
+def _incremental(history, state, rows, logits, running=None):
+  """The engine's path on one step of rows at batch rows 0.. -> (logits [B,V] after stages 1-3, the State).
+  running: the scheduler's running requests (default: the rows')."""
+  b = len(rows)
+  running = [row.request for row in rows] if running is None else running
+  adjust = history.step_arrays(rows, range(b), b, V, EOS, running)
+  if adjust is None:
+    return np.asarray(logits), state
+  state, inputs = penalties.device_inputs(state, adjust, len(state[0]), V)
+  return np.asarray(penalties.apply(jnp.asarray(logits)[:, None], *inputs)[:, 0]), state
 
 
 def _vllm(logits, params, prompt, output):
@@ -45,15 +57,61 @@ def test_bias_and_penalties_equal_vllms_definitions_row_by_row():
     _row(SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=(9,), presence_penalty=1.0), [1], [3, 3]),
     _row(SamplingParams(max_tokens=8, repetition_penalty=0.8, frequency_penalty=2.0), list(range(30)), [30, 31, 30]),
   ]
-  ids, vals = penalties.step_arrays(rows, [0, 1, 2, 3], 4, V, EOS)
+  ids, vals = penalties.from_scratch(rows, [0, 1, 2, 3], 4, V, EOS)
   assert ids.shape[1] == 32  # the fullest row's 32 ids -> a power of two
-  got = np.asarray(jax.jit(penalties.apply)(logits, ids, vals))
-  for i, row in enumerate(rows):
-    r = row.request
-    want = _vllm(logits[i], r.params, r.prompt, r.output)
-    np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
-  assert np.isneginf(got[2, [EOS, 9]]).all()  # min_tokens 4 > 2 made: neither can end the output yet
-  np.testing.assert_array_equal(got[1], logits[1])
+  scratch = np.asarray(jax.jit(penalties.apply_entries)(logits, ids, vals))
+  incremental, _ = _incremental(penalties.History(4), penalties.init_state(4, V), rows, logits)
+  for got in (scratch, incremental):
+    for i, row in enumerate(rows):
+      r = row.request
+      want = _vllm(logits[i], r.params, r.prompt, r.output)
+      np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
+    assert np.isneginf(got[2, [EOS, 9]]).all()  # min_tokens 4 > 2 made: neither can end the output yet
+    np.testing.assert_array_equal(got[1], logits[1])
+
+
+def test_incremental_penalties_equal_the_whole_history_ones_over_a_multi_step_run():
+  """Rows that join, sample for steps, leave (their slot reused by a later request) and come back (a preempted
+  request: a fresh slot, its history sent again): each step the engine's path (History's new tokens only, the
+  device State) equals from_scratch's rebuild and vLLM's float64 definitions, repetition over prompt + output,
+  presence and frequency over the output only. Each step sends only the tokens a slot lacks."""
+  rng = np.random.default_rng(3)
+  kinds = [dict(repetition_penalty=1.4), dict(presence_penalty=1.5), dict(frequency_penalty=-0.7),
+           dict(repetition_penalty=0.7, frequency_penalty=0.4, presence_penalty=-1.1, logit_bias=((3, 2.0),)),
+           dict(min_tokens=3, presence_penalty=0.5), dict()]
+  history, state = penalties.History(4), penalties.init_state(4, V)
+  live = [Request(list(rng.integers(0, V, 24)), SamplingParams(max_tokens=64, **kinds[i])) for i in range(4)]
+  joined = 4
+  for step in range(40):
+    if step % 9 == 8:  # one leaves, a new request takes its place (and its slot)
+      live[step % 4] = Request(list(rng.integers(0, V, 5 + step)), SamplingParams(max_tokens=64, **kinds[joined % 6]))
+      joined += 1
+    rows = [types.SimpleNamespace(request=r, samples=True) for r in live]
+    if step == 20:  # live[1:] preempted: a step runs live[0] alone, then they are back with their history
+      _, state = _incremental(history, state, rows[:1], np.zeros((1, V), np.float32))
+      assert set(history.slot) == {live[0]}
+    logits = rng.normal(size=(4, V)).astype(np.float32) * 3
+    got, state = _incremental(history, state, rows, logits)
+    scratch = penalties.from_scratch(rows, range(4), 4, V, EOS)
+    want = logits if scratch is None else np.asarray(penalties.apply_entries(jnp.asarray(logits), *scratch))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    for i, r in enumerate(live):
+      np.testing.assert_allclose(got[i], _vllm(logits[i], r.params, r.prompt, r.output), rtol=1e-6, atol=1e-5)
+    for r in live:
+      r.output.append(int(rng.integers(0, V)) if rng.random() < 0.6 else (r.output or r.prompt)[-1])  # repeats
+  assert joined > 6 and 0 < sum(np.asarray(state[1]).ravel()) < 4 * 40
+
+
+def test_a_step_sends_only_the_tokens_a_slot_lacks():
+  """The prompt once (and the output so far), then one token a step: what travels is O(new tokens)."""
+  r = Request(list(range(20)), SamplingParams(max_tokens=8, repetition_penalty=1.2), output=[5])
+  history, row = penalties.History(2), types.SimpleNamespace(request=r, samples=True)
+  _, pen = history.step_arrays([row], [0], 1, V, EOS, [r])
+  assert pen[1].tolist() == [True] and pen[2].shape == (1, 32) and (pen[2][0, :21] == [*range(20), 5]).all()
+  assert pen[3][0].tolist() == [False] * 20 + [True] + [False] * 11  # the prompt's only seen, the output counted
+  r.output.append(7)
+  _, pen = history.step_arrays([row], [0], 1, V, EOS, [r])
+  assert pen[1].tolist() == [False] and pen[2].shape == (1, 8) and pen[2][0].tolist() == [7] + [V] * 7
 
 
 def test_min_tokens_lets_the_stops_back_once_reached_and_keeps_eos_under_ignore_eos():
@@ -66,7 +124,8 @@ def test_min_tokens_lets_the_stops_back_once_reached_and_keeps_eos_under_ignore_
 def test_a_step_whose_rows_adjust_nothing_runs_without_the_stage():
   plain = _row(SamplingParams(max_tokens=8, temperature=1.0, top_p=0.5), [1, 2], [3])
   prefill = _row(SamplingParams(max_tokens=8, presence_penalty=1.0), [1, 2], [], samples=False)
-  assert penalties.step_arrays([plain, prefill], [0, 1], 2, V, EOS) is None
+  assert penalties.from_scratch([plain, prefill], [0, 1], 2, V, EOS) is None
+  assert penalties.History(2).step_arrays([plain, prefill], [0, 1], 2, V, EOS, []) is None
 
 
 def test_min_p_keeps_the_tokens_at_least_min_p_times_the_most_likely_after_temperature():
@@ -88,13 +147,16 @@ def test_a_row_with_no_entries_this_step_is_padding_not_a_failed_step():
   alone = [_row(SamplingParams(max_tokens=8, presence_penalty=1.0), [1, 2], []),
            _row(SamplingParams(max_tokens=8, frequency_penalty=-0.5), [1, 2], []),
            _row(SamplingParams(max_tokens=8, min_tokens=1), [1, 2], [5])]
-  assert penalties.step_arrays(alone, [0, 1, 2], 3, V, EOS) is None
+  assert penalties.from_scratch(alone, [0, 1, 2], 3, V, EOS) is None
   biased = _row(SamplingParams(max_tokens=8, logit_bias=((4, 2.0),)), [1], [])
-  ids, vals = penalties.step_arrays([*alone, biased], [0, 1, 2, 3], 4, V, EOS)
+  ids, vals = penalties.from_scratch([*alone, biased], [0, 1, 2, 3], 4, V, EOS)
   assert (np.asarray(ids[:3]) == V).all() and np.asarray(ids[3, 0]) == 4  # the three are padding rows
   logits = np.zeros((4, V), np.float32)
-  got = np.asarray(penalties.apply(jnp.asarray(logits), ids, vals))
+  got = np.asarray(penalties.apply_entries(jnp.asarray(logits), ids, vals))
   np.testing.assert_array_equal(got[:3], 0.0)
+  got, _ = _incremental(penalties.History(4), penalties.init_state(4, V), [*alone, biased], logits)
+  np.testing.assert_array_equal(got[:3], 0.0)
+  assert got[3, 4] == 2.0
 
 
 @pytest.mark.parametrize("field,value", [("logit_bias", ((3, 0.5),)), ("min_tokens", 1), ("repetition_penalty", 1.2),
@@ -107,8 +169,10 @@ def test_each_field_alone_adjusts_and_changes_its_row(field, value):
   params = SamplingParams(max_tokens=8, **{field: value})
   assert penalties.adjusts(params)
   logits = np.full((1, V), 1.0, np.float32)
-  out = penalties.step_arrays([_row(params, [3, 4], [] if field == "min_tokens" else [3, 3])], [0], 1, V, EOS)
-  got = np.asarray(penalties.apply(jnp.asarray(logits), *out))
+  rows = [_row(params, [3, 4], [] if field == "min_tokens" else [3, 3])]
+  got = np.asarray(penalties.apply_entries(jnp.asarray(logits), *penalties.from_scratch(rows, [0], 1, V, EOS)))
+  assert not np.array_equal(got, logits), field
+  got, _ = _incremental(penalties.History(1), penalties.init_state(1, V), rows, logits)
   assert not np.array_equal(got, logits), field
 
 
@@ -157,3 +221,28 @@ def test_each_penalty_field_is_checked_at_its_boundaries(field, good, bad):
     with pytest.raises(RequestError) as e:
       SamplingParams(max_tokens=8, **{field: v}).check(V)
     assert e.value.field == field, v
+
+
+def test_each_verified_position_sees_the_drafts_before_it_as_output():
+  """Speculative verification: apply at T = 1 + k positions with drafts equals, at position j, from_scratch's
+  logits for the row whose output has drafts[:j] appended (its penalties and its min_tokens count made + j);
+  a row's drafts past its own (V) change nothing."""
+  rng = np.random.default_rng(5)
+  k = 3
+  params = [SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.6, presence_penalty=-0.4),
+            SamplingParams(max_tokens=16, min_tokens=4, stop_token_ids=(9,), logit_bias=((9, 5.0), (3, -2.0)),
+                           presence_penalty=0.8),
+            SamplingParams(max_tokens=16, frequency_penalty=-1.0)]
+  rows = [_row(p, rng.integers(0, V, 12), rng.integers(0, V, 2)) for p in params]
+  drafts = np.array([[4, 4, 7], [9, 3, 9], [6, V, V]], np.int32)  # row 2: one draft
+  logits = rng.normal(size=(3, k + 1, V)).astype(np.float32) * 3
+  adjust = penalties.History(3).step_arrays(rows, range(3), 3, V, EOS, [row.request for row in rows])
+  _, inputs = penalties.device_inputs(None, adjust, 3, V)
+  got = np.asarray(penalties.apply(jnp.asarray(logits), *inputs, drafts=jnp.asarray(drafts)))
+  for j in range(k + 1):
+    ahead = [_row(p, row.request.prompt, row.request.output + [d for d in drafts[i, :j] if d < V])
+             for i, (p, row) in enumerate(zip(params, rows))]
+    want = np.asarray(penalties.apply_entries(jnp.asarray(logits[:, j]), *penalties.from_scratch(ahead, range(3), 3,
+                                                                                                 V, EOS)))
+    np.testing.assert_allclose(got[:, j], want, rtol=1e-6, atol=1e-5, err_msg=f"position {j}")
+  assert np.isneginf(got[1, :2, 9]).all() and np.isfinite(got[1, 2:, 9]).all()  # made 2: banned at j < 2
