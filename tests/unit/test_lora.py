@@ -165,15 +165,18 @@ def test_fp8_matmul_never_dequantizes_the_whole_weight():
   assert "1024x256xf32" not in hlo and "128x256xf32" in hlo
 
 
-def test_merged_kernel_equals_the_unmerged_linear():
+def test_merged_kernel_equals_the_unmerged_linear_and_kernel_value_is_the_base_alone():
   cfg = make_config(lora_rank=4, matmul_precision="highest")
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   lin = model.mtp[0].layer.attention.wkv_b
   lin.lora_b[...] = jax.random.normal(jax.random.key(2), lin.lora_b.shape) * 0.1
   x = jax.random.normal(jax.random.key(3), (2, 7, 32))
-  merged = jnp.einsum("bti,io->bto", x, lin.kernel_value(), precision=jax.lax.Precision.HIGHEST)
-  np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(merged), rtol=1e-5, atol=1e-5)
+  merged = lin.kernel[...] + lin.lora_scale * lin.lora_a[...] @ lin.lora_b[...]  # [in, out]
+  want = jnp.einsum("bti,io->bto", x, merged, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
+  # the adapter is never added into the kernel (kernels/low_rank.py): absorbed MLA adds it apart
+  np.testing.assert_array_equal(np.asarray(lin.kernel_value()), np.asarray(lin.kernel[...]))
 
 
 @pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)
