@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config
@@ -87,6 +88,24 @@ def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
     else:
       out[name] = have if scale is None else dequantize_if(BlockFP8(jnp.asarray(have), jnp.asarray(scale)),
                                                            jnp.float32)
+  return out
+
+
+def dequantized(tree: dict) -> dict:
+  """A params pure dict with every block-quantized weight (`<name>` fp8 with `<name>_scale` beside it) dequantized
+  to fp32 and its scale dropped; every other leaf as it is (the float model's layout: a float export of an fp8
+  base, hf_export.merged_parameters)."""
+  out = {}
+  for name, v in tree.items():
+    if isinstance(v, dict):
+      out[name] = dequantized(v)
+    elif name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in tree:
+      continue  # read with its weight
+    elif name + SCALE_SUFFIX in tree:
+      out[name] = np.asarray(dequantize_if(BlockFP8(jnp.asarray(v), jnp.asarray(tree[name + SCALE_SUFFIX])),
+                                           jnp.float32))
+    else:
+      out[name] = v
   return out
 
 
