@@ -26,7 +26,7 @@ def _adapted(model) -> list[str]:
   return [re_path for re_path, m in lora.linears(model) if m.lora_a is not None]
 
 
-def test_default_regex_adapts_mla_q_kv_o_and_the_dense_and_shared_mlps_only():
+def test_default_regex_adapts_mla_q_kv_o_the_dense_and_shared_mlps_and_the_indexers_q_and_k_only():
   cfg = make_config(lora_rank=4)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   got = set(_adapted(model))
@@ -35,7 +35,9 @@ def test_default_regex_adapts_mla_q_kv_o_and_the_dense_and_shared_mlps_only():
       assert f"{stack}/attention/{name}" in got
   for name in ("gate", "up", "down"):
     assert f"dense_layers/layers/mlp/{name}" in got and f"moe_layers/layers/mlp/shared_experts/{name}" in got
-  assert not any("indexer" in p or p in ("output_head", "mtp/0/projection") for p in got)
+  for stack in ("dense_layers/layers", "moe_layers/layers", "mtp/0/layer"):  # the indexer follows the adapted attention
+    assert {f"{stack}/attention/indexer/wq_b", f"{stack}/attention/indexer/wk"} <= got
+  assert not any(p.endswith("weights_proj") or p in ("output_head", "mtp/0/projection") for p in got)
   a = model.moe_layers.layers.attention.wq_b
   assert a.lora_a.shape == (3, 32, 4) and a.lora_b.shape == (3, 4, 96)  # stacked [L, in, r], [L, r, out]
   assert a.lora_a.get_metadata()["logical_axes"] == ("q_lora", "lora_rank")
