@@ -222,12 +222,12 @@ def main(argv) -> None:
     pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
   virtual_devices.setup_or_exit(argv)
   config = pyconfig.initialize_or_exit(argv, __doc__)
-  from MaxText.inference import paged_cache
+  from MaxText.inference import paged_pools
   from MaxText.runtime import sharding
 
   hbm = config.compile_hbm_gib
   if hbm and not config.serve_num_pages:  # size the pools by what hbm leaves: probe with one request per shard
-    shards = paged_cache.page_shards(config, sharding.create_mesh(config))
+    shards = paged_pools.page_shards(config, sharding.create_mesh(config))
     pages_per_seq = -(-config.max_target_length // config.serve_page_size)
     probe = _report_or_exit(pyconfig.initialize_or_exit(argv, __doc__, serve_num_pages=shards * pages_per_seq))
     pages = pages_within(probe, hbm)

@@ -28,10 +28,12 @@ import time
 def compile_train_step(config):
   """The train step of train.py for `config` on jax.devices(), compiled from abstract inputs.
   Returns (compiled, abstract state, abstract batch, compile seconds)."""
+  import jax
+
   from MaxText import train
   from MaxText.runtime import sharding
   mesh = sharding.create_mesh(config)
-  with mesh, sharding.logical_rules(config, mesh):
+  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):  # as train.py (`with mesh:` is deprecated)
     state, batch, step_fn = train.abstract_train_step(config, mesh)
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()

@@ -19,6 +19,14 @@ sparse path timed alone on the same pools (scoring, selection, gather, attention
    backend's row), the gather of the k selected latents (gather_selected, fp8 dequantized), and the
    attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention). The kernels are
    this backend's: Triton's (kernels/paged_decode_gpu.py) on a GPU, else Mosaic's (interpreted off a TPU).
+4. `--compile-for v5e:1x1`: nothing runs. The same step and write compiled for a TPU topology on a host without
+   one (libtpu installed aside, as MaxText's train_compile does), from abstract parameters under the tpu row, the
+   Pallas kernels lowered by Mosaic: XLA's estimated cycles per part / source line / op (a map of the work, not a
+   time), and every whole array written outside a fusion (copies, broadcasts, pads: HBM traffic a fused program
+   would not have). The loop for changing the step's HLO between device sessions:
+
+    pip install --target /tmp/libtpu libtpu==0.0.42.1      # once: jax 0.10.2's TPU compiler, kept aside
+    PYTHONPATH=/tmp/libtpu:. python benchmarks/decode_profile.py --compile-for v5e:1x1 --set serve_page_size=256
 
 Prints the tables, then one JSON line. Asserts nothing about time.
 """
@@ -41,7 +49,7 @@ import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pool
 import profile_ops  # noqa: E402
 
 from MaxText.checkpoint import model_state  # noqa: E402
-from MaxText.inference import paged_cache, step_feed  # noqa: E402
+from MaxText.inference import paged_cache, paged_pools, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.kernels import backend, paged_decode, paged_decode_gpu  # noqa: E402
 from MaxText.kernels.sparse_attention import gather_attend  # noqa: E402
@@ -61,13 +69,14 @@ PARTS = (
     ("selection", "kernels/selection.py", None),
     ("selection", "kernels/selection_keys.py", None),
     ("selection", "kernels/topk_indices.py", None),
-    ("gather", "inference/paged_cache.py", ("gather_selected", "read", "_rows")),
+    ("gather", "inference/paged_cache.py", ("gather_selected", "read")),
+    ("gather", "inference/paged_pools.py", ("_rows",)),
     ("gather", "inference/kv_cache.py", None),
     ("gather", "kernels/cached_attention.py", ("merge_selected",)),
     ("attention", "kernels/sparse_attention.py", None),
     ("attention", "kernels/paged_decode.py", ("sparse_mla_decode", "_mla_kernel", "_dequant")),
     ("attention", "kernels/paged_decode_gpu.py", ("sparse_mla_decode", "_mla_kernel")),
-    ("write", "inference/paged_cache.py", ("write", "put_all", "slots")),
+    ("write", "inference/paged_pools.py", ("write", "put_all", "slots")),
     ("indexer q, k, w", "layers/indexer.py", None),
     ("MLA projections", "layers/attention_mla.py", None),
     ("weights: linears", "layers/linears.py", None),
@@ -89,7 +98,7 @@ def median_ms(fn, iters: int) -> float:
   return statistics.median(times) * 1e3
 
 
-def layer_pool(engine: ServingEngine) -> paged_cache.PagedLayerCache:
+def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
   pool = next(iter(engine.pools.values()))
   return pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
 
@@ -162,10 +171,10 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   jitted call (this host's per-call floor); medians of --iters calls, each waited for."""
   buf = step_feed.to_device(feed)
   t = feed["t"]
+  step, _ = engine.compile_programs(t, buf)
 
   def step_alone():
-    with engine._rules():
-      return engine._step_jit(t, False, False, engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
+    return step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
 
   def step_and_write():
     engine.pools, sampled, _ = engine.run(t, {"buf": buf})
@@ -185,20 +194,21 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   return rows
 
 
-def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
-  """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
-  buf = step_feed.to_device(feed)
-  with engine._rules():
-    step = engine._step_jit.lower(feed["t"], False, False, engine.params, engine.buffers, engine.pools,
-                                  engine.absorbed, buf).compile()
-    entries = step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[0]
-    write = engine._write_jit.lower(feed["t"], engine.pools, entries, buf).compile()
-  texts = [step.as_text(), write.as_text()]
-  if args.hlo_out:  # the compiled programs' text, to read what an op is (its operands, layouts)
+def save_hlo(texts: list[str], args) -> None:
+  """The compiled step's and write's text in --hlo-out, to read what an op is (its operands, layouts)."""
+  if args.hlo_out:
     os.makedirs(args.hlo_out, exist_ok=True)
     for name, text in zip(("step", "write"), texts):
       with open(os.path.join(args.hlo_out, f"{name}_{args.rows}.hlo.txt"), "w") as f:
         f.write(text)
+
+
+def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
+  """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
+  buf = step_feed.to_device(feed)
+  step, write = engine.compile_programs(feed["t"], buf)
+  texts = [step.as_text(), write.as_text()]
+  save_hlo(texts, args)
   trace = os.path.join(args.out, "trace")
   jax.block_until_ready(run())
   with jax.profiler.trace(trace):
@@ -222,11 +232,15 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--hlo-chars", type=int, default=240, help="characters of each top op's HLO line printed")
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
-  ap.add_argument("--hlo-out", default=None, help="folder for the compiled step's and write's HLO text (traced runs)")
+  ap.add_argument("--hlo-out", default=None, help="folder for the step's and write's HLO text (traced, --compile-for)")
   ap.add_argument("--no-pieces", action="store_true")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (decode.py's)")
   ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
                   help="backend.py choices forced over this backend's row (e.g. index_placement=search: the row before)")
+  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
+                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc, 4")
+  ap.add_argument("--clock-ghz", type=float, default=1.5, help="--compile-for: the clock of XLA's cycles")
+  ap.add_argument("--min-mb", type=float, default=4.0, help="--compile-for: the smallest whole-array write listed")
   args = ap.parse_args(argv)
   if bad := [a for a in args.set if "=" not in a]:
     ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
@@ -234,8 +248,33 @@ def main(argv: list[str] | None = None) -> None:
     force = backend.parse_forced(args.force)
   except ValueError as e:
     ap.error(str(e))
+  if args.compile_for:
+    compile_for(args, force)
+    return
   with backend.forced(**force):
     run_all(args)
+
+
+def compile_for(args, force: dict) -> None:
+  """The step and write compiled for --compile-for's TPU topology, nothing run (module doc, 4)."""
+  devices = profile_ops.topology_devices(args.compile_for)
+  if devices is None:
+    sys.exit(2)
+  t0 = time.perf_counter()
+  cfg = config_of(args)
+  mesh = sharding.create_mesh(cfg, devices)
+  with backend.forced("tpu", **force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    graphdef, params, buffers = model_state.abstract_on_mesh(cfg, mesh)
+    engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
+    step, write, _ = engine.compile_step(args.rows, 1)
+  texts = [step.as_text(), write.as_text()]
+  save_hlo(texts, args)
+  print(f"{args.rows} rows x {args.context}, {args.layers} layer(s), {args.cache_dtype} cache, top-k {args.topk}; "
+        f"{' '.join(args.set)}; forced {force}; compiled for {args.compile_for} in {time.perf_counter() - t0:.0f} s "
+        f"(nothing run)")
+  report = profile_ops.compiled_report(texts, args.clock_ghz, PARTS, args.top, args.min_mb)
+  print(json.dumps(dict(benchmark="decode_profile", compile_for=args.compile_for, rows=args.rows, context=args.context,
+                        layers=args.layers, cache_dtype=args.cache_dtype, overrides=args.set, forced=force, **report)))
 
 
 def config_of(args):

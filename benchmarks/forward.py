@@ -54,7 +54,7 @@ def main():
   args = ap.parse_args()
   torch.manual_seed(0)
   hf = transformers.DeepseekV32ForCausalLM(hf_config(args.topk)).eval()
-  hf.config._attn_implementation = "eager"
+  hf.set_attn_implementation("eager")
   with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(os.path.join(d, "hf"))
     out = os.path.join(d, "maxtext")

@@ -80,7 +80,7 @@ def inputs(rows: int, context: int, fp8: bool, seed: int = 0) -> dict:
   return d
 
 
-def scoring_fns(d: dict, interpret: bool, blocks=(8,), f32_queries: bool = False, module=pd) -> dict:
+def scoring_fns(d: dict, interpret: bool, blocks=(32,), f32_queries: bool = False, module=pd) -> dict:
   """kernel (at blocks[0] pages a grid step; kernel@n at the others), xla, engine. f32_queries: fp8 keys
   scored with fp32 queries (the engine's arithmetic) instead of fp8 queries."""
   w = pd.index_weights(d["w"], D_I)
@@ -181,11 +181,15 @@ def main(argv=None) -> None:
   ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
                   choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")
   ap.add_argument("--kernels", nargs="+", default=["scoring", "mla"], choices=["scoring", "mla"])
-  ap.add_argument("--pages-per-block", type=int, nargs="+", default=[8],
-                  help="scoring: pages a grid step reads; the first is `kernel`, the others `kernel@n`")
-  ap.add_argument("--f32-queries", action="store_true", help="scoring over fp8 keys with fp32 queries (the engine's)")
+  ap.add_argument("--pages-per-block", type=int, nargs="+", default=None,
+                  help="scoring: pages a grid step (a program) reads; the first is `kernel`, the others `kernel@n` "
+                       "(default: the engine's, paged_cache.SCORE_BLOCK_SLOTS / GPU_SCORE_BLOCK_SLOTS keys)")
+  ap.add_argument("--f32-queries", action="store_true",
+                  help="scoring over fp8 keys with fp32 queries (indexer_fp8_queries=false)")
   args = ap.parse_args(argv)
   module = {"mosaic": pd, "triton": pg}[args.module or ("triton" if jax.default_backend() == "gpu" else "mosaic")]
+  slots = paged_cache.GPU_SCORE_BLOCK_SLOTS if module is pg else paged_cache.SCORE_BLOCK_SLOTS
+  args.pages_per_block = args.pages_per_block or [max(1, slots // PAGE)]
   args.bandwidth, source = bandwidth(args.bandwidth)
   extra = [f"kernel@{n}" for n in args.pages_per_block[1:]]
   if module is pg:  # (kernel@native: scoring and MLA; parts1, native1 and the configs: MLA)

@@ -3,8 +3,9 @@
 compiled HLO's metadata (each instruction's stack frame: file, function, line).
 
 `summarize(trace_dir, hlo_texts, parts, steps, top)` prints three tables (per part, per source line,
-per op with its HLO line) and returns the per-part rows; `tables` does the same for any {op: ns}
-(benchmarks/tpu_compile.py: XLA's estimated cycles of a program compiled for a TPU it does not run on). A part is named by `parts`: (part, file
+per op with its HLO line) and returns the per-part rows; `tables` does the same for any {op: ns}, and
+`compiled_report` reads a program compiled for a TPU it does not run on (decode_profile.py --compile-for: XLA's
+estimated cycles, and the whole arrays written outside fusions). A part is named by `parts`: (part, file
 suffix, function names or None) triples, the first match over the op's frames in MaxText/ (innermost
 first) wins; an op no triple names is "other: <its innermost file>". Used by
 benchmarks/decode_profile.py and benchmarks/train_mfu.py.
@@ -14,23 +15,24 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import re
 
 
-def _ours(frames: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+def ours(frames: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
   """The frames in this repository's MaxText/ (innermost first), else all of them."""
   return [f for f in frames if "/MaxText/" in f[0]] or frames
 
 
 def part_of(frames: list[tuple[str, str, int]], parts) -> str:
   """A source line's part: the first of our frames (innermost first) that PARTS names, else its file."""
-  for file, func, _ in _ours(frames):
+  for file, func, _ in ours(frames):
     names = set(func.replace("<locals>", "").split("."))
     for part, suffix, funcs in parts:
       if file.endswith(suffix) and (funcs is None or names & set(funcs)):
         return part
-  return "other: " + "/".join(_ours(frames)[0][0].split("/")[-2:]) if frames else "other"
+  return "other: " + "/".join(ours(frames)[0][0].split("/")[-2:]) if frames else "other"
 
 
 def _table(text: str, name: str) -> dict:
@@ -111,7 +113,7 @@ def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int 
 
 def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hlo_chars: int = 240,
            what: str = "device time") -> list[dict]:
-  """ops {op name: ns} (a trace's, or a compiled program's estimates: benchmarks/tpu_compile.py) per part / source
+  """ops {op name: ns} (a trace's, or a compiled program's estimates: decode_profile --compile-for) per part / source
   line / op, per step (ops summed over `steps` steps); prints the three tables. Returns [{part, ms}] largest first."""
   sources, lines = hlo_sources(hlo_texts), hlo_lines(hlo_texts)
   by_line, by_part, by_op = collections.Counter(), collections.Counter(), collections.Counter()
@@ -119,7 +121,7 @@ def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hl
     base = op.split(" ")[0].lstrip("%")
     frames = sources.get(base, [])
     part = part_of(frames, parts)
-    file, func, line = _ours(frames)[0] if frames else ("", "", 0)
+    file, func, line = ours(frames)[0] if frames else ("", "", 0)
     by_line[(part, f"{'/'.join(file.split('/')[-2:])}:{line} {func}" if file else base)] += ns
     by_op[(part, base)] += ns
     by_part[part] += ns
@@ -138,3 +140,115 @@ def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hl
   for (part, op), ns in by_op.most_common(top):
     print(f"{part:>32} {ns / steps / 1e6:>9.3f}  {op}: {lines.get(op, '?')[:hlo_chars]}")
   return out
+
+
+MATERIALIZING = ("copy", "broadcast", "pad", "transpose", "concatenate", "reduce")  # ops that write a whole array
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+          "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\](\{[^}]*\})?\s+([\w\-]+)\(", re.M)
+
+
+def topology_devices(name: str):
+  """The devices of a TPU topology (e.g. "v5e:1x1"), compile-only; None (after one line) without libtpu."""
+  from jax.experimental import topologies
+  try:
+    chips = [int(x) for x in name.split(":")[-1].split("x")]  # "v5e:2x2" -> one host's chips 2x2x1 (libtpu's default)
+    bounds = tuple((chips + [1, 1, 1])[:3]) if math.prod(chips) <= 4 else (2, 2, 1)
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds,
+                                        chip_config_name="default", num_slices=1).devices
+  except Exception as e:  # no libtpu, or a topology it does not know
+    err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    print(f"decode_profile --compile-for: no TPU compiler for topology {name!r} ({err}); "
+          f"install libtpu aside (pip install --target DIR libtpu==0.0.42.1) and put DIR on PYTHONPATH")
+    return None
+
+
+def estimated_ns(text: str, clock_ghz: float) -> dict:
+  """{instruction name: ns} from a compiled TPU program's backend configs (estimated_cycles / clock)."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*\"estimated_cycles\":\"(\d+)\"", text, re.M):
+    out[m.group(1)] = out.get(m.group(1), 0) + int(m.group(2)) / clock_ghz
+  return out
+
+
+def fused_names(text: str) -> set:
+  """The instructions inside fused computations (what a fusion computes in registers / VMEM, not HBM)."""
+  names, inside = set(), False
+  for line in text.splitlines():
+    if re.match(r"^%?[\w.\-]+ .*\{$", line) or line.startswith("ENTRY"):
+      inside = bool(re.match(r"^%?(fused_computation|[\w.\-]*fusion)[\w.\-]* ", line))
+    elif inside:
+      m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
+      if m:
+        names.add(m.group(1))
+  return names
+
+
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
+                    r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def looped_names(text: str) -> set:
+  """The instructions of computations a while loop runs (its body and condition, and what they call, to any
+  depth): an op there runs once an iteration (a scanned stack's: once a layer), so a whole-array write in it
+  costs L times a step."""
+  comps, calls, comp = {}, {}, None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{$", line)
+    if head and not line.startswith(" "):
+      comp = head.group(1)
+      comps[comp], calls[comp] = set(), []
+      continue
+    op = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
+    if comp is None or not op:
+      continue
+    comps[comp].add(op.group(1))
+    for kind, targets in _CALLS.findall(line):
+      names = [t.strip().lstrip("%") for t in targets.strip("{}").split(",") if t.strip()]
+      calls[comp] += [(kind in ("body", "condition"), n) for n in names]
+  looped = {n for c in calls for is_loop, n in calls[c] if is_loop}
+  todo = list(looped)
+  while todo:  # what a loop's computations call runs in the loop too
+    for _, n in calls.get(todo.pop(), []):
+      if n not in looped:
+        looped.add(n)
+        todo.append(n)
+  return set().union(*(comps.get(c, set()) for c in looped))
+
+
+def materialized(text: str, min_bytes: int) -> list[dict]:
+  """The unfused ops of MATERIALIZING kinds writing >= min_bytes: [{op, kind, shape, layout, mb, in_loop}] largest
+  first; in_loop: inside a while loop's computations (looped_names: once an iteration)."""
+  inner, looped, out = fused_names(text), looped_names(text), []
+  for m in _INSTR.finditer(text):
+    name, dtype, dims, layout, kind = m.groups()
+    if name in inner or kind not in MATERIALIZING or dtype not in _BYTES:
+      continue
+    n = math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype]
+    if n >= min_bytes:
+      out.append(dict(op=name, kind=kind, shape=f"{dtype}[{dims}]", layout=layout or "", mb=round(n / 1e6, 2),
+                      in_loop=name in looped))
+  return sorted(out, key=lambda r: -r["mb"])
+
+
+def compiled_report(texts: list[str], clock_ghz: float, parts, top: int, min_mb: float) -> dict:
+  """A program compiled for a TPU it does not run on (texts: the step's and write's HLO): XLA's estimated cycles at
+  clock_ghz per part / source line / op (`tables`: each op once, a loop's trip count not applied, the Pallas calls
+  not in it: a map of the work, not a time), and every whole array written outside a fusion of >= min_mb
+  (`materialized`), each with its source line. Prints both; returns them for the JSON line."""
+  ops = {**estimated_ns(texts[0], clock_ghz), **estimated_ns(texts[1], clock_ghz)}
+  customs = len(re.findall(r'custom_call_target="tpu_custom_call"', texts[0] + texts[1]))
+  got = tables(ops, texts, parts, 1, top, 200, f"XLA's estimate at {clock_ghz} GHz (each op once; {customs} Pallas "
+               "calls not in it)")
+  rows = materialized(texts[0], int(min_mb * 1e6)) + [dict(r, program="write")
+                                                      for r in materialized(texts[1], int(min_mb * 1e6))]
+  sources = hlo_sources(texts)
+  print(f"\nwhole arrays written outside fusions (>= {min_mb} MB; loop: once an iteration of a while loop, "
+        f"a scanned stack's layer): {len(rows)}")
+  for r in rows:
+    frames = ours(sources.get(r["op"], []))
+    r["source"] = f"{'/'.join(frames[0][0].split('/')[-2:])}:{frames[0][2]} {frames[0][1]}" if frames else ""
+    r["estimated_ms"] = round(ops.get(r["op"], 0.0) / 1e6, 4)
+    print(f"{r['mb']:>9.1f} MB {r['estimated_ms']:>8.3f} ms  {'loop' if r['in_loop'] else '':>4} {r['kind']:>11} "
+          f"{r['shape']}{r['layout']}  {r['source']}")
+  return dict(estimated_ms=round(sum(ops.values()) / 1e6, 3), pallas_calls=customs, parts=got, materialized=rows)

@@ -26,25 +26,13 @@ time to first token (TTFT: arrival -> first token) and time per output token (TP
 first token) / (tokens - 1)), p50 and p99.
 Then a shared-prefix workload (a --system-token system prompt + 8 tokens of question each, one
 request every --prefix-gap s) with and without the prefix cache: its TTFT.
-Speculative decoding (`speculative`, also alone with --spec-only): a model of the tiny widths with
---spec-layers decoder layers (default 12) and one MTP module, trained on the synthetic progressions;
-at each of --spec-checkpoints training steps (an MTP module drafts better as it trains, so the
-checkpoints give a ladder of acceptance rates) the weights are loaded into the same two engines
-(ServingEngine.load_weights), serve_speculative_tokens=0 and =--spec-tokens, and the same requests
-(progression prefixes from a PRNG of their own: --spec-requests, prompts 8-32 tokens, outputs 16-64,
-all arriving at once) run through both, --spec-repeats times interleaved (median tokens/s):
-acceptance (accepted / drafted) and speedup (output tokens/s with / without) per checkpoint; the
-last checkpoint's are spec_acceptance and spec_speedup, spec_min_speedup_at_acceptance_0.6 the
-smallest speedup among checkpoints accepting >= 0.6. Why 12 layers: the drafter is one more layer
-over the step's k + 1 tokens a row, 1/(L + 1) of the layers (DeepSeek-V3.2: 1 of 62); with the
-4-layer tiny model it is a fifth of the step and does not pay on this CPU (--spec-layers 4 measures it).
-Structured outputs (`structured`, also alone with --structured-only): --seqs (16) free rows at temperature 1
-and beside them 0, 1 and 8 rows constrained by a regex (inference/grammar.py: llguidance's mask filled
-on the host each step, the masked step program), all arriving at once, every row --structured-tokens
-tokens (EOS ignored; the regex never completes, so a constrained row runs as long as a free one);
-the three runs side by side in one engine (compiled before the clock, both variants), --spec-repeats
-times interleaved (median): output tokens/s of all rows and of the free rows, and the host's mask-fill
-time per step.
+Speculative decoding (`speculative`, alone with --spec-only): a model of the tiny widths with --spec-layers decoder
+layers and one MTP module, trained on the synthetic progressions; at each of --spec-checkpoints training steps (a
+ladder of acceptance rates) the same requests run with serve_speculative_tokens=0 and =--spec-tokens, --spec-repeats
+times interleaved: acceptance and speedup per checkpoint (the drafter is 1/(L + 1) of the layers: with 4 layers it
+does not pay on a CPU, hence 12). Structured outputs (`structured`, alone with --structured-only): --seqs free rows
+beside 0, 1 and 8 rows constrained by a regex (inference/grammar.py's host-filled mask), every row
+--structured-tokens tokens: output tokens/s of all rows and of the free rows, and the mask fill per step.
 A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
 Ratios are measured side by side in one process; never a timed assert.
 """

@@ -5,9 +5,9 @@
     python benchmarks/train_mfu.py --set emb_dim=256 mlp_dim=256 moe_mlp_dim=64 num_query_heads=4 \
         q_lora_rank=32 kv_lora_rank=32 indexer_n_heads=4 indexer_topk=64 vocab_size=512 max_target_length=256 \
         --steps 2                                                    # a CPU smoke run
-    python benchmarks/train_mfu.py --force mask_attention=splash   # the mask path in the splash kernel (TPU)
+    python benchmarks/train_mfu.py --force mask_attention=xla      # the XLA mask path beside the tpu row's splash
 
-The train step is train.py's (tools/device/device_check.py `_train_step`: compiled from abstract
+The train step is train.py's (the device check's, tools/device/device_check.py: compiled from abstract
 inputs, unscanned layers, its memory analysis checked against the device before anything is
 allocated, then --steps steps timed after a warm-up, median). Each --set is one rung: the first that
 fits the device is run (largest first: `--set A B --set C D` tries "A B", then "C D").
@@ -20,8 +20,7 @@ TPU v5e 197 TFLOP/s):
                 train.py logs as mfu); active params = all but the unrouted experts' (train.active_params)
   compiled    = the compiled step's cost-analysis FLOPs (rematerialized recompute, the indexer and
                 the optimizer counted) over the same
---force NAME=VALUE takes a kernels/backend.py choice other than the device's row (backend.forced: e.g.
-mask_attention=splash, the mask path in the flash kernel, beside the row's XLA path in one session). Then 2 steps
+--force NAME=VALUE takes a kernels/backend.py choice other than the device's row (backend.forced). Then 2 steps
 under jax.profiler (benchmarks/profile_ops.py): device time per part of the model
 (PARTS), per source line and per op. Prints one JSON line. Asserts nothing about time.
 """
@@ -91,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
       ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
     overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
     with backend.forced(**force):
-      r = device_check._train_step(overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
+      r = device_check.train_step(
+          overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
     if args.compile_only:
       print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, compile_only=True, **r)), flush=True)
       continue

@@ -1,7 +1,7 @@
 """What a layer reads of its cache during inference: the one interface MLA.attend_cached uses.
 
 A CacheView wraps one layer's storage, contiguous (kv_cache.LayerCache, [b,S,n] per row) or
-paged (paged_cache.PagedLayerCache plus the step's page table), and answers the same
+paged (paged_pools.PagedLayerCache plus the step's page table), and answers the same
 questions either way, so the model's math is written once for both:
 
     length              S, the slots a row can see (positions >= a row's length are masked)
@@ -17,7 +17,7 @@ questions either way, so the model's math is written once for both:
 A view is a pytree; for a scanned layer stack every array has a leading L axis (the page table
 too, broadcast), so the stack scans layers and views together. A paged stack's view also holds
 `layer` [L] (its layers' indices): the scan then takes the stacked pools whole, unsliced
-(`scan_parts` / `with_store`), and each layer reads its part of them in place (paged_cache._layer_of):
+(`scan_parts` / `with_store`), and each layer reads its part of them in place (paged_pools.layer_of):
 sliced by the scan, every layer's pool was copied out whole each step (a v5e's 4-layer 16 x 128K fp8
 step 26 ms, not ~4 x 3). `mode` ("sparse" | "dense") and `index_head_chunk` are static.
 """
@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_cache, paged_pools
 from MaxText.kernels import backend
 from MaxText.kernels.cached_attention import Absorbed, ContiguousKeys, latent_attention_dense, merge_row, select_spliced
 from MaxText.kernels.paged_decode import fp8_scored_queries
@@ -38,7 +38,7 @@ from MaxText.kernels.paged_decode import fp8_scored_queries
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheView:
-  store: kv_cache.LayerCache | paged_cache.PagedLayerCache
+  store: kv_cache.LayerCache | paged_pools.PagedLayerCache
   absorbed: Absorbed | None  # the layer's head-major wkv_b (None: split from the parameters)
   page_table: jax.Array | None = None  # [B,P] int32 (paged only)
   page_size: int = dataclasses.field(default=0, metadata=dict(static=True))

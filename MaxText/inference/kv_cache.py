@@ -96,7 +96,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, dtype=jnp.float32, block: int
   backend.py's fp8_unpack "bitcast" (cpu, portable): the codes viewed [..., nb, block] times the scales (what XLA:CPU
   fuses best). "shifts" (tpu): each block a slice of whole lanes times its scale column, the slices concatenated: no [..., nb, block] view,
   which a TPU tiles (8, 128) over nb (4 padded to 8) and so wrote the scales out broadcast, f32[16,2048,4,128]
-  (67 MB) in the 16-row 128K decode step (benchmarks/tpu_compile.py). q may be the pool's uint32 words
+  (67 MB) in the 16-row 128K decode step (decode_profile --compile-for). q may be the pool's uint32 words
   (fp8_blocks.to_words, [..., n/4]): where a word piece holds whole blocks (n/4 a multiple of block: the 512-wide
   latent) each block is decoded from its piece's byte directly, never the [..., n] codes in between (XLA wrote
   those out, f32[16,2048,512], to slice them)."""
@@ -234,7 +234,7 @@ def to_storage(x: jax.Array, dtype) -> jax.Array:
 def as_fields(store, **given) -> dict:
   """The new vectors {c_kv, k_pe, idx_k} (None: not given) as the store's fields hold them: an fp8
   field quantized, its scales as the `<name>_scale` field (k_pe is never quantized). `store` is a
-  LayerCache or a paged_cache.PagedLayerCache (the same field names)."""
+  LayerCache or a paged_pools.PagedLayerCache (the same field names)."""
   new = {}
   for name, x in given.items():
     if x is None:

@@ -74,7 +74,7 @@ import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config, ConfigError
-from MaxText.inference import grammar, logprobs, paged_cache, penalties, rollout, step_channel, step_feed
+from MaxText.inference import grammar, logprobs, paged_pools, penalties, rollout, step_channel, step_feed
 from MaxText.inference.cache_view import stack_views, write_stacks
 from MaxText.inference.model_step import (
   compiled_outputs,
@@ -106,11 +106,11 @@ class ServingEngine:
     self.pages_per_seq = -(-cfg.max_target_length // self.page_size)
     num_pages = cfg.serve_num_pages or cfg.serve_max_num_seqs * self.pages_per_seq
     self.mesh = sharding.active_mesh()[0] if sharding.active_mesh() else None
-    self.shards = paged_cache.page_shards(cfg, self.mesh)
+    self.shards = paged_pools.page_shards(cfg, self.mesh)
     for key, value in (("serve_max_num_seqs", cfg.serve_max_num_seqs), ("serve_num_pages", num_pages)):
       if value % self.shards:
         raise ConfigError(f"config key '{key}' = {value}: a multiple of the {self.shards} page shards (the mesh axes "
-                          f"{paged_cache.page_axes(cfg, self.mesh)} that shard the rows)")
+                          f"{paged_pools.page_axes(cfg, self.mesh)} that shard the rows)")
     self.abstract = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
     self.max_seqs = cfg.serve_max_num_seqs
     self.chunk = min(cfg.prefill_chunk_size or cfg.max_prefill_length, cfg.serve_max_num_tokens)
@@ -135,7 +135,7 @@ class ServingEngine:
     self.reset()
     if log is not None:
       log(f"serve: {num_pages} pages of {self.page_size} tokens per pool "
-          f"({paged_cache.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
+          f"({paged_pools.pool_bytes(cfg, num_pages, self.page_size) / 2**20:.1f} MiB), up to {self.max_seqs} "
           f"sequences and {cfg.serve_max_num_tokens} tokens a step; attention {self.mode}; at most "
           f"{len(self.buckets()) * len(self.widths) * len(self.contexts)} step programs: [rows, tokens, pages] in "
           f"{self.buckets()} x {self.widths} x {self.contexts}"
@@ -167,13 +167,14 @@ class ServingEngine:
                                vocab_size=cfg.vocab_size, speculative=cfg.serve_speculative_tokens)
     self.rollouts.pages.clear()  # computed by the old weights, like the pages
     self.scheduler.rollout_shareable = self.rollouts.shareable
-    self.pools = paged_cache.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
+    self.pools = paged_pools.init_pools(cfg, self.num_pages, self.page_size, self.mesh, abstract=self.abstract)
     self.held = grammar.Held()  # requests whose grammar compiles
     if self.spec is not None:
       self.spec.reset()
     if not self.abstract:
-      # the pools now lie as every step returns them (on the params' mesh): no recompile
-      self._noop(self.shards, self.t_decode, self.pages_per_seq)
+      # the pools now lie as every step returns them (on the params' mesh): no recompile. The program is
+      # programs()[0], the first a warmup compiles (a start compiles nothing twice)
+      self._noop(self.shards, self.t_decode, self.contexts[0])
     self.steps = 0
 
   def buckets(self) -> list[int]:
@@ -200,7 +201,7 @@ class ServingEngine:
   def step_programs(self) -> int:
     """How many step programs are compiled so far: one per (rows, tokens, pages) shape and variant
     (with_logprobs, with_rollout, grammar mask), each compiled on first use."""
-    return self._step_jit._cache_size()
+    return self._step_jit._cache_size()  # noqa: SLF001 - jax's jit has no public count of its programs
 
   def shape(self, rows: list[Scheduled]) -> tuple[int, int]:
     """A step's (tokens per row, page-table width): the smallest width holding its widest row (1 + k
@@ -274,7 +275,7 @@ class ServingEngine:
     if self.spec is not None:
       return self.spec.step(rows)
     t, pages = self.shape(rows)
-    b, where = self._placement(rows)
+    b, where = self.placement(rows)
     feed = step_feed.empty(b, t, pages)
     step_feed.fill(feed, rows, where)
     ro = rollout.wants(rows)
@@ -315,7 +316,7 @@ class ServingEngine:
     for r in grammar.advance(rows, made):
       self.scheduler.abort(r, "stop")
 
-  def _placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
+  def placement(self, rows: list[Scheduled]) -> tuple[int, list[int]]:
     """(B, the batch row of each scheduled row): D page shards of B/D rows each, B/D a power of two;
     a row sits in its home shard's block (the shard of its pages), so its device holds its pages."""
     homes = [self.allocator.shard_of(row.request.pages[0]) for row in rows]
@@ -332,14 +333,21 @@ class ServingEngine:
     real) params and pools -> (step, write, the step's row inputs as ShapeDtypeStructs: they shard
     as a step's rows do). Speculating, the step is the speculative one (with the MTP pool)."""
     buf = step_feed.abstract(b, t, self.pages_per_seq, self._row_sharding(2))
-    with self._rules():
+    return (*self.compile_programs(t, buf), buf)
+
+  def compile_programs(self, t: int, buf):
+    """The step and write programs for rows of t tokens, compiled for buf (a step's input: an array or a
+    ShapeDtypeStruct) from the engine's params and pools -> (step, write). Called as step(params, buffers, pools,
+    absorbed, buf) -> (entries, sampled, lps, records) and write(pools, entries, buf) -> pools (the benchmarks
+    time and profile them alone)."""
+    with self.rules():
       step = self.spec.compile(t, buf) if self.spec is not None else \
           self._step_jit.lower(t, False, False, self.params, self.buffers, self.pools, self.absorbed,
                               buf).compile()
       entries = compiled_outputs(step)[0]  # both steps' first output: the stacks' new entries
-      return step, self._write_jit.lower(t, self.pools, entries, buf).compile(), buf
+      return step, self._write_jit.lower(t, self.pools, entries, buf).compile()
 
-  def _rules(self):
+  def rules(self):
     """The mesh's logical rules, active wherever the engine's programs trace (its step reads them)."""
     return sharding.logical_rules(self.config, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
@@ -347,7 +355,7 @@ class ServingEngine:
     """A step input's sharding: its rows (axis 0) over the page shards' axes."""
     if self.mesh is None:
       return None
-    axes = paged_cache.page_axes(self.config, self.mesh)
+    axes = paged_pools.page_axes(self.config, self.mesh)
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes or None, *[None] * (ndim - 1)))
 
   def run(self, t: int, feed: dict, with_logprobs: bool = False, with_rollout: bool = False, mask=None,
@@ -359,11 +367,16 @@ class ServingEngine:
     routed_experts [B,t,L,k]), else None. mask: the grammar bitmask [B, ceil(V/32)] (the masked variant), or None;
     adjust: penalties.step_arrays' (ids [B,S], values [B,S,3]) (the adjusting variant), or None."""
     buf = step_feed.to_device(feed)
-    with self._rules():
+    with self.rules():
       entries, sampled, lps, records = self._step_jit(t, with_logprobs, with_rollout, self.params, self.buffers,
                                                       self.pools, self.absorbed, buf, mask, adjust)
-      pools = self._write_jit(t, self.pools, entries, buf)
+      pools = self.write_pools(t, self.pools, entries, buf)
     return pools, sampled, (lps, records)
+
+  def write_pools(self, t: int, pools, entries, buf):
+    """The write program: a step's new entries (the stacks' keys and latents of its t tokens a row) into pools
+    (donated) at the feed's slots -> the pools after it."""
+    return self._write_jit(t, pools, entries, buf)
 
   def _forward(self, t, params, buffers, pools, absorbed, buf, every_position: bool):
     """The model over the pools for a step_feed's tokens [B,t] -> (the feed's fields, logits [B,1,V] at
@@ -425,8 +438,8 @@ class ServingEngine:
   def _write(self, t, pools, entries, buf):
     """Writes the step's entries at their slots (padding dropped), every layer of a stack at once."""
     f = step_feed.unpack(buf, t)
-    slot_ids = paged_cache.slots(f["table"], f["write_pos"], self.page_size, self.allocator.num_pages * self.page_size)
-    return write_stacks(pools, entries, lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
+    slot_ids = paged_pools.slots(f["table"], f["write_pos"], self.page_size, self.allocator.num_pages * self.page_size)
+    return write_stacks(pools, entries, lambda pool, **e: paged_pools.write(pool, slot_ids, **e))
 
   # ---- convenience
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

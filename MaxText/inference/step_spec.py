@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from MaxText.inference import paged_cache, step_feed
+from MaxText.inference import paged_pools, step_feed
 from MaxText.inference.cache_view import CacheView, stack_views
 from MaxText.inference.grammar import apply_bitmask
 from MaxText.inference.model_step import mtp_absorbed_weights, run_or_shape, step_head_chunk
@@ -67,7 +67,7 @@ class SpecStep:
   def reset(self) -> None:
     e = self.engine
     # [N, n] per field; its slots shard over pages as the stacks' pools do (each device its rows' pages)
-    self.mtp_pool = paged_cache.placed(e.config, lambda: paged_cache.init_layer_pools(
+    self.mtp_pool = paged_pools.placed(e.config, lambda: paged_pools.init_layer_pools(
         e.config, e.num_pages * e.page_size), e.mesh, abstract=e.abstract)
     q_shape = (e.max_seqs, self.k, e.config.vocab_size)  # draft_q [S,k,V]
     self.draft_q = jax.ShapeDtypeStruct(q_shape, jnp.float32) if e.abstract else jnp.zeros(q_shape, jnp.float32)
@@ -89,7 +89,7 @@ class SpecStep:
   def step(self, rows: list[Scheduled]) -> list:
     e = self.engine
     t, pages = e.shape(rows)
-    b, where = e._placement(rows)
+    b, where = e.placement(rows)
     feed = step_feed.empty(b, t, pages)
     self._assign_slots(rows)
     step_feed.fill(feed, rows, where)
@@ -125,10 +125,10 @@ class SpecStep:
   def run(self, t: int, feed: dict, mask=None) -> jax.Array:
     e = self.engine
     buf = step_feed.to_device(feed)
-    with e._rules():
+    with e.rules():
       entries, self.mtp_pool, self.draft_q, out = self._jit(t, e.params, e.buffers, e.pools, self.mtp_pool,
                                                             (e.absorbed, self.absorbed), self.draft_q, buf, mask)
-      e.pools = e._write_jit(t, e.pools, entries, buf)
+      e.pools = e.write_pools(t, e.pools, entries, buf)
     return out
 
   def _step(self, t, params, buffers, pools, mtp_pool, absorbed, draft_q, buf, mask=None):
@@ -177,7 +177,7 @@ class SpecStep:
     m_logits, h, m_entries = model.mtp_cached(aux["hidden"], nxt, f["positions"], mview,
                                               last_index=at)  # [B,1,V], [B,t,D]
     num_slots = e.num_pages * e.page_size
-    write = lambda pool, wpos, ent: paged_cache.write(pool, paged_cache.slots(  # noqa: E731
+    write = lambda pool, wpos, ent: paged_pools.write(pool, paged_pools.slots(  # noqa: E731
         f["table"], wpos, e.page_size, num_slots), **ent)
     mtp_pool = write(mtp_pool, f["write_pos"], m_entries)
 

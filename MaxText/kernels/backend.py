@@ -41,7 +41,7 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                                                            ("triton": paged_decode_gpu's kernel for a
                                                            GPU; no row takes it until measured there)
   rope_storage       "bits": a paged pool's bf16 k_pe as    "bits" (gpu, others); tpu: "rows", int32
-                     uint16 [N, r] (paged_cache.py), the    words of 2, several slots a 128-word row
+                     uint16 [N, r] (paged_pools.py), the    words of 2, several slots a 128-word row
                      fp8 latent's scales f32 [N, 4]         (a v5e copied the [N, 64] uint16 pool whole
                                                            each step: 1.27 of 10.3 ms at 16 x 128K), and
                                                            the latent's scales 32 slots a row (as [L, N, 4]
@@ -103,11 +103,11 @@ class Choices:
   paged_scoring: str = "xla"  # "xla" | "pallas" | "triton": the paged indexer scores of a decode step
   index_placement: str = "search"  # "search" | "compare" | "grouped": how topk_indices.mask_to_indices places its slots
   mask_attention: str = "xla"  # "xla" | "splash": MLA's mask path where its support is every valid key
-  rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_cache.init_layer_pools)
+  rope_storage: str = "bits"  # "bits" | "rows": how a paged pool holds the bf16 k_pe (paged_pools.init_layer_pools)
   page_lookup: str = "gather"  # "gather" | "onehot": the selected positions' page ids (paged_cache.lookup_pages)
   matmul_layout: str = "free"  # "free" | "few_rows_pinned": a few-row matmul output's layout (fp8_blocks.matmul)
   fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
-  key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_cache._paired_keys)
+  key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_pools.paired_keys)
   sparse_decode: str = "xla"  # "xla" | "triton": a paged decode step's attention over its selected slots
 
 
@@ -123,11 +123,11 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "paged_scoring": ("xla", "pallas"),  # the XLA path, a Pallas kernel (kernels/paged_decode.py)
     "index_placement": ("search", "compare"),  # topk_indices.mask_to_indices: a binary search, counting
     "mask_attention": ("xla", "splash"),  # MLA.attend's [b,h,t,s] tensors, kernels/flash_attention.py
-    "rope_storage": ("bits", "rows"),  # paged_cache: uint16 [N, r]; int32 pairs, 128-word rows of several slots
+    "rope_storage": ("bits", "rows"),  # paged_pools: uint16 [N, r]; int32 pairs, 128-word rows of several slots
     "page_lookup": ("gather", "onehot"),  # paged_cache.lookup_pages: take_along_axis; a one-hot dot
     "matmul_layout": ("free", "few_rows_pinned"),  # fp8_blocks.matmul: XLA's choice; row-major below K rows
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
-    "key_order": ("natural", "paired"),  # paged_cache: an fp8 idx_k pool's rows in slot order; int8, paired
+    "key_order": ("natural", "paired"),  # paged_pools: an fp8 idx_k pool's rows in slot order; int8, paired
     "sparse_decode": ("xla",),  # the selected latents gathered, then gather_attend (the Mosaic kernel tied it: none)
 }
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
@@ -142,7 +142,7 @@ GPU_WAYS = {  # ways written for a GPU (Triton); no row takes them until measure
 # paged_scoring "xla" on the CPU: PagedKeys' page-block loop, one row and one L2-sized block at a time (XLA:CPU runs
 # each block's dot on one YNNPACK thread; 4 rows' blocks in one iteration, a batched dot, wider blocks or YNNPACK off
 # measured no faster), fp8 keys scored as their codes with each key's scale applied to its score (4 rows x 128K: 134.7
-# vs 134.7 ms CPU against dequantizing each block first in benchmarks/decode_fp8.py, 148.8 vs 163.5, 141.3 vs 146.0
+# vs 134.7 ms CPU against dequantizing each block first (decode_fp8.py, in git history), 148.8 vs 163.5, 141.3 vs 146.0
 # and 130.6 vs 134.2 in ad hoc runs: no slower, 0-9% less; docs/kernels.md, On the CPU).
 CPU = Choices(exact_selection="binned", approx_selection="binned", row_blocks="cache", query_loop="loop",
               grouped_matmul="blocked", moe_exchange="all_to_all", gather_min_length=3072)
@@ -165,10 +165,10 @@ PORTABLE = Choices(exact_selection="top_k", approx_selection="approx_max_k", row
 # The bf16 k_pe pool as int32 words in 128-word rows (rope_storage "rows"): as uint16 [N, 64] XLA laid it out
 # column-major and copied all of it (1.27 ms) for each 16-row 128K step's row gather (docs/kernels.md).
 # The selected positions' page ids by a one-hot dot (page_lookup "onehot"): a [16, 2048] take_along_axis from the
-# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (benchmarks/scoring_pages.py, docs/kernels.md).
+# [16, P] table 0.363 ms, the dot 0.086 (P 2048) / 0.058 ms (P 512) (a probe in git history: scoring_pages.py).
 # A few-row matmul's output pinned row-major (matmul_layout "few_rows_pinned"): the 16-row 128K step's profile on the
 # v5e showed wq_b's weight relaid out every step (copy bf16[1,1536,24576], 0.335 ms); compiled for the v5e with the
-# pin, that copy and the indexer's wq_b one (25 MB) are gone (benchmarks/tpu_compile.py, docs/kernels.md). On the
+# pin, that copy and the indexer's wq_b one (25 MB) are gone (decode_profile --compile-for, docs/kernels.md). On the
 # CPU the pin cost the 4-row 128K fp8 sparse step ~8 ms (97 vs 89 ms, decode.py, trees side by side): not there.
 # fp8 codes strided in their words, unpacked by shifts a 128-block a piece (fp8_unpack "shifts"): compiled for the
 # v5e, the bitcast view's u32[16,2048,128,4] and the scales' f32[16,2048,4,128] (67 MB each) are gone; on the CPU
@@ -217,7 +217,7 @@ def pallas_interpret(interpret: bool | None, platform: str = "tpu") -> bool:
   """A Pallas kernel's `interpret` argument: None -> Pallas' interpreter wherever the backend the kernels are
   traced for (`forced`'s, else this process's) is not the kernel's `platform` ("tpu": Mosaic's lowering; "gpu":
   Triton's, kernels/paged_decode_gpu.py); a bool as given. Every kernel module asks here. forced("tpu") on a host
-  without one: Mosaic's lowering, for a compile-only TPU target (benchmarks/tpu_compile.py)."""
+  without one: Mosaic's lowering, for a compile-only TPU target (decode_profile --compile-for)."""
   if interpret is not None:
     return interpret
   return (_FORCED.get()[0] or jax.default_backend()) != platform

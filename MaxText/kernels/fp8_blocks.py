@@ -124,7 +124,7 @@ def rows_major_if_few(y: jax.Array, k: int) -> jax.Array:
   """A matmul's output y [..., N] (of a weight [K, N]) pinned row-major where it has fewer rows than the weight
   (prod(y.shape[:-1]) < K): a decode step's. Left free, XLA's TPU layout assignment gave the q projections'
   M = 16 outputs their heads minor and so relaid out the WEIGHT every step, a whole-weight copy (wq_b's 75.5 MB,
-  0.33 ms, and the indexer's wq_b, 25 MB, in the 16-row 128K step: benchmarks/tpu_compile.py); pinned, any
+  0.33 ms, and the indexer's wq_b, 25 MB, in the 16-row 128K step: decode_profile --compile-for); pinned, any
   relayout is of the output, the smaller. backend.py's matmul_layout: the tpu row's (on the CPU the constraint
   cost the 4-row 128K decode step ~8 ms: XLA:CPU fuses less around it)."""
   if math.prod(y.shape[:-1]) >= k or backend.choice("matmul_layout") != "few_rows_pinned":
@@ -149,7 +149,7 @@ def to_words(codes: jax.Array) -> jax.Array:
   "shifts" (tpu): strided, with w = n/4 word i holds codes i, w + i, 2w + i, 3w + i (byte j, from the least
   significant: code j*w + i), so unpacking is 4 shifts and a concatenation of whole [..., w] pieces, and at
   n = 512 piece j is the latent's 128-block j; adjacent codes made the TPU's unpacking a lane interleave (XLA
-  wrote the 16-row 128K step's gathered words out as u32[16,2048,128,4], 67 MB: benchmarks/tpu_compile.py)."""
+  wrote the 16-row 128K step's gathered words out as u32[16,2048,128,4], 67 MB: decode_profile --compile-for)."""
   bits = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes.astype(FP8), jnp.uint8)
   if backend.choice("fp8_unpack") != "shifts":
     return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, WORD_CODES), jnp.uint32)  # [..., n/4]
@@ -186,7 +186,7 @@ def to_pairs(bits: jax.Array) -> jax.Array:
   each decode step's row gather (1.27 of 10.3 ms at 16 rows x 128K, docs/kernels.md); as words in lane-dense
   rows (`take_slots`) it is gathered where it lies. Strided as to_words: with w = n/2, word i holds values i (low
   half) and w + i (high half), so from_pairs is a shift, a mask and a concatenation (adjacent values a word made
-  it an interleave: XLA wrote the 16-row step's gathered k_pe out as u32[16,2048,32,2], benchmarks/tpu_compile.py)."""
+  it an interleave: XLA wrote the 16-row step's gathered k_pe out as u32[16,2048,32,2]: --compile-for)."""
   w = bits.shape[-1] // PAIR_VALUES
   words = bits[..., :w].astype(jnp.uint32) | (bits[..., w:].astype(jnp.uint32) << 16)  # [..., w]
   return jax.lax.bitcast_convert_type(words, jnp.int32)

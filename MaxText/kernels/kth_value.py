@@ -13,7 +13,7 @@ Rows padded to a multiple of 8 and keys to a multiple of CHUNK with -inf: a -inf
 t <= _to_keys(-inf), where the count already holds every real key (k <= s). Fewer than k finite keys in a row:
 its value is -inf (a NaN key comes back as -inf), as topk_threshold's contract says. Tests: interpret mode on
 the CPU against lax.top_k's k-th value (tests/unit/test_kth_value.py); the Mosaic lowering is checked by
-compiling for a TPU (benchmarks/tpu_compile.py --force exact_selection=pallas).
+compiling for a TPU (decode_profile --compile-for --force exact_selection=pallas).
 """
 
 from __future__ import annotations

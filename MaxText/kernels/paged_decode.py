@@ -407,7 +407,7 @@ def sparse_mla_decode(q_abs: jax.Array, q_pe: jax.Array, ids: jax.Array, valid: 
   times c (module doc). q_abs [B,H,c], q_pe [B,H,r] f32; ids [B,K] slot ids of the pool (in blocks of
   `block`, or as backend.mosaic_block makes them tileable; invalid ones may hold anything), valid [B,K] bool; c_kv [N,c] as the pool holds
   it (uint8 fp8 bits with c_kv_scale [N, c/128] or its rows [N/R', R'*c/128], or f32), k_pe [N,r] (f32, or uint16
-  bf16 bits, or int32 pairs [N/R, R*r/2]: paged_cache's rows). A
+  bf16 bits, or int32 pairs [N/R, R*r/2]: paged_pools' rows). A
   row with no valid slot gets 0.
 
   The K selected rows are gathered AS STORED by XLA (B*K*(c + 2r + 16) bytes in fp8: 2048 rows of

@@ -74,7 +74,7 @@ def onehot_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 GROUP_WORDS = 16  # _place_by_groups' words a group (512 keys). The 16-row 128K step compiled for a v5e
-# (benchmarks/tpu_compile.py), XLA's estimate of the selection: 8 / 16 / 32 / 64 words 1.045 / 0.999 / 1.092 /
+# (decode_profile --compile-for), XLA's estimate of the selection: 8 / 16 / 32 / 64 words 1.045 / 0.999 / 1.092 /
 # 1.375 ms (the one-hot rows' output, k x (2g+1) x 4 values, grows with g; the group compare, k x L/g, shrinks)
 
 

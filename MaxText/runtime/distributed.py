@@ -39,7 +39,7 @@ def _cluster_detected():
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return "JAX_COORDINATOR_ADDRESS", None
   from jax._src import clusters  # the detectors jax.distributed.initialize() itself consults
-  for env in clusters.ClusterEnv._cluster_types:
+  for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 - jax keeps its detectors private
     if not env.opt_in_only_method and env.is_env_present():
       return env.__name__, env
   return None

@@ -92,7 +92,8 @@ class Piece:
 async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[int]],
                   max_tokens: int | None, stop_ids: Sequence[int] = (), grammar=None) -> list[RequestStream]:
   """Every prompt's request, accepted by the engine, or none (ApiError). stop_ids: the chat format's own;
-  grammar: the chat format's own (a forced tool call's), applied when the server has grammars."""
+  grammar: the chat format's own (a forced tool call's ForcedCall, its spec for the request's max_tokens),
+  applied when the server has grammars."""
   body.check()
   body.check_logprobs(server.config.serve_max_logprobs)
   adapter = server.adapter_slot(body.model)
@@ -100,7 +101,9 @@ async def _submit(server: Server, body: SamplingFields, prompts: Sequence[list[i
   stop_ids = server.texts.stop_plan(body.stop_strings, [*(body.stop_token_ids or []), *stop_ids],
                                        keep_stop=body.include_stop_str_in_output)
   params = [server.texts.sampling(body, p, max_tokens, stop_ids, server.config.max_target_length) for p in prompts]
-  spec = grammar_spec(body) or (grammar if server.grammars is not None else None)
+  spec = grammar_spec(body)
+  if spec is None and grammar is not None and server.grammars is not None:
+    spec = grammar.spec(params[0].max_tokens)  # one prompt: a chat turn's
   if spec is not None:
     await compiled(server.grammars, spec)  # a bad schema is a 400 here; the engine then finds it compiled
     params = [dataclasses.replace(p, grammar=spec) for p in params]

@@ -35,7 +35,7 @@ from MaxText.data import chat_dsv32 as fmt
 from MaxText.data.chat_dsv32_stream import CompletionParser, Delta
 from MaxText.server.protocol import ApiError, ChatRequest, Texts
 from MaxText.server.structured import grammar_spec
-from MaxText.server.tool_grammar import tool_call_grammar
+from MaxText.server.tool_grammar import ForcedCall
 
 
 class _PlainParser:
@@ -57,7 +57,7 @@ class ChatTurn:
   thinking: bool = False
   parallel_tool_calls: bool = True
   calls: int = 0
-  grammar: Any = None  # a forced tool call's grammar (server/tool_grammar.py), or None
+  grammar: Any = None  # a forced tool call's ForcedCall (server/tool_grammar.py: .spec(max_tokens)), or None
   include_reasoning: bool = True
   echo: str = ""  # the content the reply starts with (echo: the last message's); sent with the first delta
 
@@ -139,7 +139,10 @@ def chat_turn(texts: Texts, body: ChatRequest) -> ChatTurn:
   if forced and texts.tokenizer is not None:
     dsml = texts.tokenizer.encode(fmt.DSML)
     name = None if body.tool_choice == "required" else body.tool_choice["function"]["name"]
-    grammar = tool_call_grammar(tools, name, body.parallel_tool_calls, dsml[0] if len(dsml) == 1 else None)
+    try:
+      grammar = ForcedCall(tools, name, body.parallel_tool_calls, dsml[0] if len(dsml) == 1 else None)
+    except fmt.ChatFormatError as e:
+      raise ApiError.bad_field(e) from None
   return ChatTurn(texts.encode(text + (forced or ""), bos=None if special else False), parser,
                   tuple(eos) if len(eos) == 1 else (), thinking=text.endswith(fmt.THINK_START),
                   parallel_tool_calls=body.parallel_tool_calls, grammar=grammar,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from MaxText import decode
 from MaxText.checkpoint import model_state
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_pools
 from MaxText.inference.cache_view import CacheView, stack_views, write_stacks
 from MaxText.inference.model_step import model_absorbed_weights
 from MaxText.inference.scheduler import SamplingParams
@@ -58,12 +58,12 @@ def _rel_rows(got, want):
 
 def _paged_decode(cfg, graphdef, params, buffers, tokens, prompt_len, mode="sparse"):
   """Logits [b,T,V] over paged pools, as a serving step computes them (cache_view.stack_views over
-  the pools and a page table, the model's call with that cache, paged_cache.write of its entries):
+  the pools and a page table, the model's call with that cache, paged_pools.write of its entries):
   the prompt in one call, then one token per call. Row i holds pages i*P .. i*P + P - 1."""
   b, t = tokens.shape
   page = cfg.serve_page_size
   per_row = -(-t // page)
-  pools = paged_cache.init_pools(cfg, b * per_row, page)
+  pools = paged_pools.init_pools(cfg, b * per_row, page)
   table = jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row)  # [b,P]
 
   @functools.partial(jax.jit, static_argnums=0)
@@ -72,8 +72,8 @@ def _paged_decode(cfg, graphdef, params, buffers, tokens, prompt_len, mode="spar
     views = stack_views(pools, model_absorbed_weights(model), mode=mode, index_head_chunk=head_chunk,
                         page_table=table, page_size=page)
     logits, aux = model(tokens, positions, cache=views)  # [b,n,V]
-    slot_ids = paged_cache.slots(table, positions, page, b * per_row * page)
-    return logits, write_stacks(pools, aux["cache_entries"], lambda pool, **e: paged_cache.write(pool, slot_ids, **e))
+    slot_ids = paged_pools.slots(table, positions, page, b * per_row * page)
+    return logits, write_stacks(pools, aux["cache_entries"], lambda pool, **e: paged_pools.write(pool, slot_ids, **e))
 
   out = []
   for lo, hi in [(0, prompt_len)] + [(i, i + 1) for i in range(prompt_len, t)]:

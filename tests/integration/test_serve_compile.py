@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_pools
 from tests.conftest import REPO_ROOT, make_config
 
 KEYS = dict(ici_data_parallelism=2, ici_expert_parallelism=4, num_decoder_layers=2, first_num_dense_layers=1,
@@ -50,7 +50,7 @@ def test_the_json_keys_agree(explicit):
   assert r["cache_tokens"] == pages * 16
   assert r["requests_at_max_target_length"] == r["cache_tokens"] // r["max_target_length"] == 24
   cfg = make_config(num_devices=8, **KEYS)
-  assert r["cache_bytes_per_device"] == paged_cache.pool_bytes(cfg, pages, 16) // SHARDS  # pages sharded
+  assert r["cache_bytes_per_device"] == paged_pools.pool_bytes(cfg, pages, 16) // SHARDS  # pages sharded
   assert r["rows"] == 8 and r["tokens_per_row"] == 16
   assert r["draft_bytes_per_device"] == 0  # not speculating
   assert r["peak_bytes_per_device"] == (r["weight_bytes_per_device"] + r["cache_bytes_per_device"]

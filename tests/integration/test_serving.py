@@ -104,11 +104,11 @@ def test_logit_bias_and_penalties_steer_a_row_alone_and_new_values_compile_nothi
   biased = SamplingParams(max_tokens=NEW, logit_bias=((77, 100.0),))
   out = eng.generate([PROMPTS[0], PROMPTS[1]], [biased, SamplingParams(max_tokens=NEW)])
   assert out[0].output == [77] * NEW and out[1].output == alone[1]  # the greedy neighbour is unaffected
-  programs = eng._step_jit._cache_size()
+  programs = eng.step_programs()
   other = SamplingParams(max_tokens=NEW, logit_bias=((78, 100.0),), presence_penalty=1.5, repetition_penalty=1.2,
                          min_p=0.2, temperature=0.9, seed=3)
   assert eng.generate([PROMPTS[1]], other)[0].output == [78] * NEW
-  assert eng._step_jit._cache_size() == programs  # a request's values are data: no new program
+  assert eng.step_programs() == programs  # a request's values are data: no new program
   with pytest.raises(RequestError) as e:
     eng.add_request(PROMPTS[0], SamplingParams(max_tokens=NEW, temperature=1.0, min_p=0.1, rollout=True))
   assert e.value.field == "rollout"

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from MaxText.checkpoint import model_state
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_pools
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import aot, sharding
@@ -20,7 +20,7 @@ from tests.conftest import make_config
 BASE = dict(max_target_length=40, max_prefill_length=24, indexer_topk=8, param_init_std=0.2, mtp_num_layers=0,
             serve_page_size=8, serve_max_num_seqs=8, serve_max_num_tokens=64, prefill_chunk_size=8,
             num_decoder_layers=3, first_num_dense_layers=1, moe_capacity_factor=-1.0, matmul_precision="highest",
-            # 2 MoE layers: a scanned stack read by layer index on each device's page shard (paged_cache._layer_of)
+            # 2 MoE layers: a scanned stack read by layer index on each device's page shard (paged_pools.layer_of)
             serve_num_pages=56,  # 448 slots: a size no weight has, to find the pool in the HLO
             serve_width_buckets=1, serve_context_buckets=1)  # few step shapes: few compiles (the server tests run the defaults)
 SYSTEM = [1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # one full page and a half, shared
@@ -91,5 +91,5 @@ def test_speculative_decoding_on_a_data_x_expert_mesh_equals_one_device(single):
 
 def test_context_parallel_prefill_chunk_equals_one_device(single):
   eng, got, _ = _serve(8, ici_data_parallelism=2, ici_context_parallelism=2, ici_expert_parallelism=2)
-  assert eng.shards == 4 and paged_cache.page_axes(eng.config, eng.mesh) == ("data", "expert")
+  assert eng.shards == 4 and paged_pools.page_axes(eng.config, eng.mesh) == ("data", "expert")
   assert got == single

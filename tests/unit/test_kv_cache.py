@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_pools
 from MaxText.kernels import backend
 from MaxText.kernels.paged_decode import e4m3_to_f32
 from tests.conftest import make_config
@@ -29,7 +29,7 @@ def test_bytes_per_token_per_layer_is_latent_plus_rope_plus_indexer_key(dtype, i
   cfg = _cfg(kv_cache_dtype=dtype)
   want = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.indexer_head_dim) * itemsize
   assert kv_cache.bytes_per_token_per_layer(cfg) == want
-  pools = paged_cache.init_pools(cfg, 3, 8)  # what is really allocated: 3 pages of 8 tokens
+  pools = paged_pools.init_pools(cfg, 3, 8)  # what is really allocated: 3 pages of 8 tokens
   assert _allocated(pools) == want * cfg.num_decoder_layers * 3 * 8
 
 
@@ -38,7 +38,7 @@ def test_fp8_bytes_count_the_scales_and_a_bf16_rope():
   c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer_head_dim
   want = c + 4 * -(-c // 128) + 2 * r + d + 4 * -(-d // 128)
   assert kv_cache.bytes_per_token_per_layer(cfg) == want
-  assert _allocated(paged_cache.init_pools(cfg, 2, 8)) == want * cfg.num_decoder_layers * 2 * 8
+  assert _allocated(paged_pools.init_pools(cfg, 2, 8)) == want * cfg.num_decoder_layers * 2 * 8
   print(f"\ntiny fp8: {want} bytes/token/layer vs fp32 {(c + r + d) * 4}")
 
 
@@ -54,16 +54,16 @@ def test_671b_cache_sizes():
 
 def test_without_the_indexer_there_is_no_indexer_cache():
   cfg = _cfg(use_indexer=False)
-  assert paged_cache.init_pools(cfg, 1, 8)["moe_layers"].idx_k is None
+  assert paged_pools.init_pools(cfg, 1, 8)["moe_layers"].idx_k is None
   assert kv_cache.init_layer_cache(cfg, 1).idx_k is None
   assert kv_cache.bytes_per_token_per_layer(cfg) == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
 
 
 def test_layouts_follow_scan_layers():
-  stacked = paged_cache.init_pools(_cfg(scan_layers=True), 4, 8)
+  stacked = paged_pools.init_pools(_cfg(scan_layers=True), 4, 8)
   assert stacked["moe_layers"].c_kv.shape == (3, 32, 32)  # [L,N,kv_lora], N = 4 pages x 8
   assert stacked["dense_layers"].idx_k.shape == (1, 32, 16)  # [L,N,d]
-  per_layer = paged_cache.init_pools(_cfg(scan_layers=False), 4, 8)
+  per_layer = paged_pools.init_pools(_cfg(scan_layers=False), 4, 8)
   assert isinstance(per_layer["moe_layers"], list) and len(per_layer["moe_layers"]) == 3
   assert per_layer["moe_layers"][0].k_pe.shape == (32, 8)
   contiguous = kv_cache.init_layer_cache(_cfg(), 2, num_layers=3)
@@ -206,8 +206,8 @@ def test_indexer_queries_are_rounded_to_fp8_in_one_place_for_every_scoring_path(
   contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, b), jnp.zeros((b,), jnp.int32), c_kv=c, k_pe=r,
                               idx_k=keys)
   table = jnp.asarray(np.random.default_rng(2).permutation(b * s // page).reshape(b, s // page), jnp.int32)
-  pools = paged_cache.init_layer_pools(cfg, b * s)
-  pools = paged_cache.write(pools, paged_cache.slots(table, jnp.tile(jnp.arange(s), (b, 1)), page, b * s),
+  pools = paged_pools.init_layer_pools(cfg, b * s)
+  pools = paged_pools.write(pools, paged_pools.slots(table, jnp.tile(jnp.arange(s), (b, 1)), page, b * s),
                             c_kv=c, k_pe=r, idx_k=keys)
   rng = np.random.default_rng(7)
   q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)

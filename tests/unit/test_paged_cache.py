@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_cache, paged_pools
 from MaxText.kernels import backend, paged_decode
 from MaxText.kernels.cached_attention import ContiguousKeys, latent_attention_dense, merge_selected
 from MaxText.kernels.index_scores import index_scores
@@ -33,7 +33,7 @@ def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys
   # rows share their first page (the same prompt prefix), then hold their own pages in any order
   table = jnp.asarray([[3, 7, 1, -1], [3, 0, -1, -1]], jnp.int32)  # [B,P]; -1: no page
   s = table.shape[1] * PAGE
-  pools = paged_cache.init_layer_pools(cfg, PAGES * PAGE)
+  pools = paged_pools.init_layer_pools(cfg, PAGES * PAGE)
   contiguous = kv_cache.init_layer_cache(cfg, 2, length=s)
   first = _entries(cfg, 1, PAGE, seed=0)  # the shared page's tokens, the same in both rows
   rest = _entries(cfg, 2, s - PAGE, seed=1)
@@ -43,7 +43,7 @@ def test_paged_writes_read_back_as_the_contiguous_cache_and_select_the_same_keys
   for lo in range(0, s, 5):  # chunks of 5 new tokens (the last one partly padding)
     pos = positions[:, lo:lo + 5]
     chunk = {k: v[:, lo:lo + 5] for k, v in both.items()}
-    pools = paged_cache.write(pools, paged_cache.slots(table, pos, PAGE, PAGES * PAGE), **chunk)
+    pools = paged_pools.write(pools, paged_pools.slots(table, pos, PAGE, PAGES * PAGE), **chunk)
     contiguous = kv_cache.write(contiguous, jnp.full((2,), lo, jnp.int32), **chunk)
 
   view = paged_cache.sequence_view(pools, table, PAGE)
@@ -90,11 +90,11 @@ def test_padding_and_positions_past_the_table_are_dropped_not_written():
   cfg = make_config()
   n = PAGES * PAGE
   table = jnp.asarray([[2, 5]], jnp.int32)
-  ids = paged_cache.slots(table, jnp.asarray([[0, 5, -1, 8, 3]], jnp.int32), PAGE, n)
+  ids = paged_pools.slots(table, jnp.asarray([[0, 5, -1, 8, 3]], jnp.int32), PAGE, n)
   np.testing.assert_array_equal(np.asarray(ids), [[8, 21, n, n, 11]])
-  pools = paged_cache.init_layer_pools(cfg, n)
+  pools = paged_pools.init_layer_pools(cfg, n)
   e = _entries(cfg, 1, 5, seed=3)
-  got = paged_cache.write(pools, ids, **e)
+  got = paged_pools.write(pools, ids, **e)
   written = np.asarray(got.c_kv)
   np.testing.assert_array_equal(written[[8, 21, 11]], np.asarray(e["c_kv"])[0, [0, 1, 4]])
   others = np.ones(n, bool)
@@ -105,11 +105,11 @@ def test_padding_and_positions_past_the_table_are_dropped_not_written():
 def test_a_stack_writes_every_layer_at_its_slots():
   cfg = make_config()
   layers, n = 3, PAGES * PAGE
-  pools = paged_cache.init_layer_pools(cfg, n, num_layers=layers)
+  pools = paged_pools.init_layer_pools(cfg, n, num_layers=layers)
   table = jnp.asarray([[4], [9]], jnp.int32)
-  ids = paged_cache.slots(table, jnp.asarray([[0, 1], [2, -1]], jnp.int32), PAGE, n)
+  ids = paged_pools.slots(table, jnp.asarray([[0, 1], [2, -1]], jnp.int32), PAGE, n)
   e = {k: jnp.stack([v * (i + 1) for i in range(layers)]) for k, v in _entries(cfg, 2, 2, seed=4).items()}
-  got = paged_cache.write(pools, ids, **e)
+  got = paged_pools.write(pools, ids, **e)
   for i in range(layers):
     view = paged_cache.sequence_view(jax.tree.map(lambda a: a[i], got), table, PAGE)
     np.testing.assert_array_equal(np.asarray(view.c_kv)[0, :2], np.asarray(e["c_kv"])[i, 0])
@@ -121,7 +121,7 @@ def test_a_stack_writes_every_layer_at_its_slots():
     if a is not None and a.shape[-2] == n:
       touched = {(i, s) for i, s in zip(*np.nonzero(np.asarray(a).reshape(layers, n, -1).any(axis=-1)))}
       assert touched <= written, (name, sorted(touched - written))
-  assert paged_cache.pool_bytes(cfg, PAGES, PAGE) == \
+  assert paged_pools.pool_bytes(cfg, PAGES, PAGE) == \
       kv_cache.bytes_per_token_per_layer(cfg) * cfg.num_decoder_layers * n
 
 
@@ -134,8 +134,8 @@ def test_dense_attention_over_the_pages_equals_it_over_the_contiguous_cache(monk
   b, t, h, s = 2, 3, 4, 4 * PAGE
   table = jnp.asarray([[3, 7, 1, 6], [2, 0, 9, 4]], jnp.int32)  # [B,P]
   e = _entries(cfg, b, s, seed=5)
-  pools = paged_cache.write(paged_cache.init_layer_pools(cfg, PAGES * PAGE),
-                            paged_cache.slots(table, jnp.broadcast_to(jnp.arange(s), (b, s)), PAGE, PAGES * PAGE), **e)
+  pools = paged_pools.write(paged_pools.init_layer_pools(cfg, PAGES * PAGE),
+                            paged_pools.slots(table, jnp.broadcast_to(jnp.arange(s), (b, s)), PAGE, PAGES * PAGE), **e)
   contiguous = kv_cache.write(kv_cache.init_layer_cache(cfg, b, length=s), jnp.zeros((b,), jnp.int32), **e)
   rng = np.random.default_rng(6)
   f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -187,11 +187,11 @@ def test_a_write_into_bf16_or_fp8_pools_updates_them_in_place(dtype):
   convert, its temporaries stay under one pool field, and what it wrote reads back."""
   cfg = make_config(kv_cache_dtype=dtype)
   n = 4096  # slots: the pool fields (128-256 KiB) outweigh the write's own temporaries
-  pools = paged_cache.init_layer_pools(cfg, n)
+  pools = paged_pools.init_layer_pools(cfg, n)
   assert {a.dtype for a in pools if a is not None} <= {jnp.dtype(t) for t in (jnp.uint8, jnp.uint16, jnp.int32, jnp.float32)}
   e = _entries(cfg, 2, 1, seed=3)
   ids = jnp.asarray([[5], [n]], jnp.int32)  # row 1: padding, dropped
-  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  write = jax.jit(paged_pools.write, donate_argnums=(0,))
   compiled = write.lower(pools, ids, **e).compile()
   hlo = compiled.as_text()
   pool_shapes = {f"[{a.shape[0]},{a.shape[-1]}]" for a in pools if a is not None}  # k_pe as int32 rows: [n/R, R*w]
@@ -233,13 +233,13 @@ def test_the_fp8_latent_pool_is_32bit_words_gathered_and_written_without_a_pool_
   exactly what the contiguous cache holds."""
   cfg = make_config(kv_cache_dtype="fp8", kv_lora_rank=512)
   n = 64 * PAGE
-  pools = paged_cache.init_layer_pools(cfg, n)
+  pools = paged_pools.init_layer_pools(cfg, n)
   assert pools.c_kv.dtype == jnp.uint32 and pools.c_kv.shape == (n, 128)
   assert pools.idx_k.dtype == jnp.uint8  # 128 codes: a row of its own (the scoring kernel's page DMAs)
   e = _entries(cfg, 2, 3, seed=4)
   table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
-  ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)  # row 1's last: padding
-  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  ids = paged_pools.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)  # row 1's last: padding
+  write = jax.jit(paged_pools.write, donate_argnums=(0,))
   wrote = _pool_sized(write.lower(pools, ids, **e).compile().as_text(), n * 128)
   assert not wrote, wrote
   pools = write(pools, ids, **e)
@@ -255,9 +255,9 @@ def test_the_fp8_latent_pool_is_32bit_words_gathered_and_written_without_a_pool_
 def _rows_and_bits(cfg, n, num_layers=None):
   """The same config's pools under rope_storage "rows" (the tpu row) and "bits" (the cpu row)."""
   with backend.forced(rope_storage="rows"):
-    rows = paged_cache.init_layer_pools(cfg, n, num_layers)
+    rows = paged_pools.init_layer_pools(cfg, n, num_layers)
   with backend.forced(rope_storage="bits"):
-    bits = paged_cache.init_layer_pools(cfg, n, num_layers)
+    bits = paged_pools.init_layer_pools(cfg, n, num_layers)
   return rows, bits
 
 
@@ -275,8 +275,8 @@ def test_a_k_pe_pool_of_int32_rows_reads_back_what_the_bits_pool_does(monkeypatc
   table = jnp.asarray([[3, 7, 1], [2, 0, 9]], jnp.int32)  # [B,P]
   positions = jnp.where(jnp.arange(s)[None] < jnp.asarray([[s], [s - 3]]), jnp.arange(s)[None], -1)  # row 1: padding
   e = {k: jnp.stack([v, -2 * v]) for k, v in _entries(cfg, b, s, seed=7).items()}  # [2,B,S,n]: two layers
-  ids = paged_cache.slots(table, positions, PAGE, n)
-  rows, bits = (paged_cache.write(p, ids, **e) for p in (rows, bits))
+  ids = paged_pools.slots(table, positions, PAGE, n)
+  rows, bits = (paged_pools.write(p, ids, **e) for p in (rows, bits))
   assert np.asarray(rows.k_pe).any()
   idx = jnp.asarray([[0, 11, 5, 4], [8, 1, 2, 0]], jnp.int32)
   rng = np.random.default_rng(8)
@@ -306,14 +306,14 @@ def test_the_tpu_rows_k_pe_pool_is_lane_dense_and_gathered_and_written_without_a
                     serve_page_size=PAGE)
   n = 64 * PAGE
   with backend.forced("tpu"):
-    pools = paged_cache.init_layer_pools(cfg, n)
+    pools = paged_pools.init_layer_pools(cfg, n)
   _, bits = _rows_and_bits(cfg, n)
   assert pools.k_pe.dtype == jnp.int32 and pools.k_pe.shape == (n // 4, 128)
   assert pools.c_kv_scale.shape == (n // PAGE, PAGE * 4)  # 32 slots a 128-word row, or a page's at pages under 32
   e = _entries(cfg, 2, 3, seed=9)
   table = jnp.asarray([[5, 2], [9, 1]], jnp.int32)
-  ids = paged_cache.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)
-  write = jax.jit(paged_cache.write, donate_argnums=(0,))
+  ids = paged_pools.slots(table, jnp.asarray([[0, 1, 2], [0, 1, -1]], jnp.int32), PAGE, n)
+  write = jax.jit(paged_pools.write, donate_argnums=(0,))
   wrote = _pool_sized(write.lower(pools, ids, **e).compile().as_text(), n * 32)  # k_pe: n x 32 words
   assert not wrote, wrote
   pools, bits = write(pools, ids, **e), write(bits, ids, **e)
@@ -439,7 +439,7 @@ def test_a_scanned_stacks_step_and_write_read_and_write_each_layers_pool_where_i
   """A scanned stack's pools [L, N, n]: the scan sliced them, so every layer's pool was copied out whole
   each step, and the write's 3-D scatter was laid out layer-minor (every stacked pool copied into that
   layout and back): a v5e's 4-layer 16-row 128K fp8 step took 50 ms, 13x a layer's 3.6. The step reads
-  each layer in place (CacheView.layer, paged_cache._layer_of) and writes every layer by one 2-D scatter:
+  each layer in place (CacheView.layer, paged_pools.layer_of) and writes every layer by one 2-D scatter:
   neither program has an op the size of a layer's pool field but in-place ones (the engine's results
   themselves: test_decode)."""
   from MaxText import serve_compile

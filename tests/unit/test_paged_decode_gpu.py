@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_cache, paged_pools
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
@@ -305,7 +305,7 @@ def test_attend_selected_on_page_shards_equals_one_device():
   cfg = make_config(kv_cache_dtype="fp8", num_query_heads=16, kv_lora_rank=512, qk_rope_head_dim=16,
                     indexer_head_dim=128, serve_page_size=PAGE, ici_data_parallelism=2, num_devices=2)
   pages, layers = 8, 2  # 4 pages a shard; row 0's pages on shard 0, row 1's on shard 1
-  pools = paged_cache.init_layer_pools(cfg, pages * PAGE, layers)
+  pools = paged_pools.init_layer_pools(cfg, pages * PAGE, layers)
   k = jax.random.split(jax.random.key(7), 8)
   codes = jax.random.randint(k[0], (layers, pages * PAGE, 512), 0, 126, jnp.int32).astype(jnp.uint8)  # finite e4m3
   assert pools.c_kv.dtype == jnp.uint32  # the gpu row's latent: 4 codes a word
@@ -321,7 +321,7 @@ def test_attend_selected_on_page_shards_equals_one_device():
   one_o, one_lse = paged_cache.attend_selected(pools, *args)
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-    sharded = jax.device_put(pools, paged_cache.pool_shardings(cfg, mesh, pools))
+    sharded = jax.device_put(pools, paged_pools.pool_shardings(cfg, mesh, pools))
     o, lse = jax.jit(lambda p, *a: paged_cache.attend_selected(p, *a, PAGE, 0.1, layer))(sharded, *args[:5])
   close(o, one_o, 1e-6)
   np.testing.assert_allclose(lse, one_lse, rtol=1e-6)

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from MaxText.inference import kv_cache, paged_cache
+from MaxText.inference import kv_cache, paged_cache, paged_pools
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
 from MaxText.kernels.fp8_blocks import PAIR_GROUP, flush_subnormals, natural_rows, paired_rows
@@ -108,16 +108,16 @@ def _config(page: int, dtype: str = "fp8"):
 
 def test_pools_are_paired_only_under_the_way_for_fp8_keys_of_one_block_in_whole_groups():
   with backend.forced(key_order="paired"):
-    assert paged_cache.init_layer_pools(_config(256), 512).idx_k.dtype == jnp.int8
-    assert paged_cache.init_layer_pools(_config(64), 512).idx_k.dtype == jnp.uint8  # pages of part of a group
+    assert paged_pools.init_layer_pools(_config(256), 512).idx_k.dtype == jnp.int8
+    assert paged_pools.init_layer_pools(_config(64), 512).idx_k.dtype == jnp.uint8  # pages of part of a group
     bf16 = _config(256, "bfloat16")
-    assert paged_cache.init_layer_pools(bf16, 512).idx_k.dtype == jnp.uint16
+    assert paged_pools.init_layer_pools(bf16, 512).idx_k.dtype == jnp.uint16
   with backend.forced(key_order="natural"):
-    assert paged_cache.init_layer_pools(_config(256), 512).idx_k.dtype == jnp.uint8
+    assert paged_pools.init_layer_pools(_config(256), 512).idx_k.dtype == jnp.uint8
 
 
 def test_a_paired_pool_written_and_read_through_the_pages_equals_the_natural_one(pools):
-  """paged_cache.write places each slot at its paired row (flushing subnormals); page_values and PagedKeys' XLA
+  """paged_pools.write places each slot at its paired row (flushing subnormals); page_values and PagedKeys' XLA
   and kernel paths read the pages back in slot order: the same scores as over the natural pool."""
   c = pools
   cfg = _config(PAGE)
@@ -126,14 +126,14 @@ def test_a_paired_pool_written_and_read_through_the_pages_equals_the_natural_one
   out = {}
   for order in ("natural", "paired"):
     with backend.forced(key_order=order):
-      pool = paged_cache.init_layer_pools(cfg, N)
-      pool = paged_cache.write(pool, slot_ids, idx_k=x)
+      pool = paged_pools.init_layer_pools(cfg, N)
+      pool = paged_pools.write(pool, slot_ids, idx_k=x)
       out[order] = pool
   assert out["paired"].idx_k.dtype == jnp.int8 and out["natural"].idx_k.dtype == jnp.uint8
   flushed = flush_subnormals(out["natural"].idx_k)
   assert not np.array_equal(np.asarray(flushed), np.asarray(out["natural"].idx_k))  # the natural pool keeps them
   pages = jnp.arange(N // PAGE)[None]  # [1, G]: every page
-  got = paged_cache.page_values(out["paired"].idx_k, pages, PAGE)[0]
+  got = paged_pools.page_values(out["paired"].idx_k, pages, PAGE)[0]
   np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)), np.asarray(flushed))
   np.testing.assert_array_equal(out["paired"].idx_k_scale, out["natural"].idx_k_scale)
   q, w, pos = c["q"][:, None], c["w"][:, None], c["pos"][:, None]

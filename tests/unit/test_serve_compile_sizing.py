@@ -8,7 +8,7 @@ import pytest
 
 from MaxText import serve_compile
 from MaxText.config.types import ConfigError
-from MaxText.inference import paged_cache
+from MaxText.inference import paged_pools
 from MaxText.runtime import aot, sharding
 from tests.conftest import make_config
 
@@ -21,7 +21,7 @@ def test_speculating_counts_the_mtp_pool_its_weights_and_the_drafts():
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     engine = serve_compile.build_engine(cfg)
   held = serve_compile.resident_bytes(engine)
-  assert held["cache"] == paged_cache.pool_bytes(cfg, 8, 16)  # the stacks' layers + the MTP layer's
+  assert held["cache"] == paged_pools.pool_bytes(cfg, 8, 16)  # the stacks' layers + the MTP layer's
   target = aot.bytes_per_device((engine.params, engine.buffers, engine.absorbed))
   assert held["weights"] - target == aot.bytes_per_device(engine.spec.absorbed) > 0  # the MTP layer's absorbed
   assert held["draft"] == 4 * 1 * cfg.vocab_size * 4  # draft_q [S,k,V] fp32

@@ -28,6 +28,7 @@ in --out (default: a new temporary folder).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -38,8 +39,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import readme_check  # noqa: E402 - beside this file (tools/device is no package)
+_spec = importlib.util.spec_from_file_location("readme_check", os.path.join(os.path.dirname(__file__), "readme_check.py"))
+readme_check = importlib.util.module_from_spec(_spec)  # beside this file (tools/device is no package)
+_spec.loader.exec_module(readme_check)
 
 RESULT = "DEVICE_CHECK_RESULT "  # a section's one result line on its stdout
 
@@ -105,7 +107,7 @@ def probe() -> dict:
               jax=jax.__version__, memory_bytes=stats.get("bytes_limit"))
 
 
-def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, compile_only: bool = False) -> dict:
+def train_step(overrides: dict, steps: int, trace_dir: str | None = None, compile_only: bool = False) -> dict:
   """Compile the train step of train.py (from abstract inputs), check it fits, then run it. trace_dir:
   2 more steps under jax.profiler.trace there, and the compiled step's HLO text under "hlo" (for
   benchmarks/profile_ops.summarize). compile_only: the memory figures alone (nothing allocated)."""
@@ -177,14 +179,14 @@ def _train_step(overrides: dict, steps: int, trace_dir: str | None = None, compi
 
 def mfu_tiny(backend: str) -> dict:
   s = _sizes(backend)
-  return dict(config="tiny (configs/base.yml)", **_train_step(s["tiny"]["overrides"], s["tiny"]["steps"]))
+  return dict(config="tiny (configs/base.yml)", **train_step(s["tiny"]["overrides"], s["tiny"]["steps"]))
 
 
 def mfu_large(backend: str) -> dict:
   s = _sizes(backend)
   tried = []
   for name, overrides in s["large"]:
-    r = _train_step(overrides, s["large_steps"])
+    r = train_step(overrides, s["large_steps"])
     if r["fits"]:
       return dict(config=name, tried_first=tried, **r)
     tried.append(f"{name}: {r['peak_gib']} GiB > {r['limit_gib']} GiB")

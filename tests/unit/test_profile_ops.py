@@ -1,7 +1,7 @@
-"""benchmarks/tpu_compile.py's reading of a compiled TPU program (on a synthetic HLO text: CI has no libtpu), and
-its one line where no TPU compiler is at hand."""
+"""benchmarks/profile_ops.py's reading of a program compiled for a TPU (decode_profile.py --compile-for), on a
+synthetic HLO text (CI has no libtpu), and its one line where no TPU compiler is at hand."""
 
-from benchmarks import tpu_compile
+from benchmarks import profile_ops
 
 HLO = """HloModule jit_step
 
@@ -25,23 +25,23 @@ ENTRY %main.1 (x.1: f32[4096,1024]) -> f32[4096,1024] {
 
 
 def test_materialized_lists_the_unfused_whole_array_writes_at_or_above_the_floor():
-  rows = tpu_compile.materialized(HLO, 2_000_000)
+  rows = profile_ops.materialized(HLO, 2_000_000)
   # copy.3 (16.8 MB) and pad.5 (8 MB, at the floor's side of 2 MB); broadcast.4 is 2 MB: listed too (>=); the
   # broadcast and copy inside fused computations are not HBM writes; the fusion is not a materializing kind
   assert [(r["op"], r["kind"], r["mb"]) for r in rows] == [("copy.3", "copy", 16.78), ("pad.5", "pad", 8.0),
                                                            ("broadcast.4", "broadcast", 2.0)]
   assert rows[0]["shape"] == "f32[1024,4096]" and rows[0]["layout"] == "{0,1:T(8,128)}"
-  assert [r["op"] for r in tpu_compile.materialized(HLO, 2_000_001)] == ["copy.3", "pad.5"]
+  assert [r["op"] for r in profile_ops.materialized(HLO, 2_000_001)] == ["copy.3", "pad.5"]
 
 
 def test_estimated_ns_reads_each_ops_cycles_at_the_clock():
-  assert tpu_compile.estimated_ns(HLO, 1.5) == {"copy.3": 2000.0, "fusion.2": 1000.0}
+  assert profile_ops.estimated_ns(HLO, 1.5) == {"copy.3": 2000.0, "fusion.2": 1000.0}
 
 
 def test_no_tpu_compiler_is_one_line_not_a_traceback(capsys):
-  assert tpu_compile.topology_devices("nope:1x1") is None
+  assert profile_ops.topology_devices("nope:1x1") is None
   out = capsys.readouterr().out
-  assert out.count("\n") == 1 and "tpu_compile: no TPU compiler for topology 'nope:1x1'" in out
+  assert out.count("\n") == 1 and "decode_profile --compile-for: no TPU compiler for topology 'nope:1x1'" in out
   assert "pip install --target DIR libtpu" in out
 
 
@@ -76,5 +76,5 @@ ENTRY %main.1 (x.1: f32[4096,1024]) -> f32[4096,1024] {
 def test_materialized_marks_the_writes_a_while_loop_repeats():
   # a scanned stack's layer loop: a whole-array write in its body (or in what the body calls) runs once a layer,
   # L times a step (the O(L^2) relayout of a stacked pool found at 8 layers, docs/kernels.md); the entry's, once
-  rows = {r["op"]: r["in_loop"] for r in tpu_compile.materialized(LOOPED, 1_000_000)}
+  rows = {r["op"]: r["in_loop"] for r in profile_ops.materialized(LOOPED, 1_000_000)}
   assert rows == {"copy.51": True, "copy.71": True, "copy.3": False, "copy.9": False}
