@@ -2,7 +2,8 @@
 path of MLA's wkv_b: the training mask path (the Linear's forward), the training gather path (absorbed, >= 3072
 tokens on the 671B) and the cached serving step (absorbed: RL rollouts, decode). Tiny dims.
 
-The mask path's figure is noisier (more bf16 roundings between wkv_b and the output: 0.63 to 1.05 over four
+The MLA-level tests take over 5 s of CPU (slow); the fast lane holds the pieces: the Linear's forward, and absorb_q /
+unabsorb_out with the adapter's fp32 term. The mask path's figure is noisier (more bf16 roundings between wkv_b and the output: 0.63 to 1.05 over four
 inputs at 0.07%), so its wkv_b is checked at the Linear itself.
 
 `kept` is the share of the exact adapter effect (fp32 compute, highest precision, the same fp8 weights) that a
@@ -18,7 +19,9 @@ from flax import nnx
 
 from MaxText.inference import kv_cache
 from MaxText.inference.cache_view import CacheView
-from MaxText.kernels.fp8_blocks import BlockFP8, dequantize
+from MaxText.kernels import low_rank
+from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, quantize
+from MaxText.kernels.sparse_attention import absorb_q, unabsorb_out
 from MaxText.layers import lora
 from MaxText.layers.attention_mla import MLA
 from tests.conftest import make_config
@@ -66,6 +69,7 @@ def _kept(path: str, rel: float) -> float:
   return float(np.sum(d["bfloat16"] * exact) / np.sum(exact * exact))
 
 
+@pytest.mark.slow  # over 5 s of CPU (two MLAs, four forwards); the fast lane checks the pieces below
 @pytest.mark.parametrize("path", ["gather", "cached"])
 def test_a_small_adapter_on_an_fp8_wkv_b_keeps_its_effect_in_the_absorbed_paths_in_bf16(path):
   kept = _kept(path, 2e-3)
@@ -87,3 +91,42 @@ def test_a_small_adapter_keeps_its_effect_through_a_bf16_linear_over_fp8_blocks(
   kept = float(np.sum(d * exact) / np.sum(exact * exact))
   assert 0.95 < kept < 1.05, f"a 0.07% adapter kept {kept:.3f} of its effect"
   assert np.abs(np.asarray(x, np.float64) @ w + exact - np.asarray(lin(x), np.float64)).max() < 0.01 * np.abs(base).max()
+
+
+def _share(d: np.ndarray, exact: np.ndarray) -> float:
+  return float(np.sum(d * exact) / np.sum(exact * exact))
+
+
+def _absorbed_shares(rel: float) -> tuple[float, float, float]:
+  """(absorb_q's, unabsorb_out's share of an exact `rel` wkv_b adapter with it apart, absorb_q's with it merged into
+  the bf16 kernel): bf16 inputs, an fp8 wkv_b [c, h*(nope+v)] in 16 x 16 blocks."""
+  h, nope, v, c, r = 4, 16, 16, 32, 4
+  w = quantize(jax.random.normal(jax.random.key(0), (c, h * (nope + v))) * 0.05, (16, 16))
+  w_bf16 = dequantize(w, jnp.bfloat16)
+  a = np.asarray(jax.random.normal(jax.random.key(1), (c, r)), np.float64)
+  b = np.asarray(jax.random.normal(jax.random.key(2), (r, h * (nope + v))), np.float64)
+  b *= rel * np.linalg.norm(np.asarray(dequantize(w), np.float64)) / np.linalg.norm(a @ b)
+  lr = low_rank.LowRank(jnp.asarray(a[None], jnp.float32), jnp.asarray(b[None], jnp.float32))
+  ab = (a @ b).reshape(c, h, nope + v)  # the adapter's update [c,h,nope+v]
+  q = jax.random.normal(jax.random.key(3), (2, 64, h, nope)).astype(jnp.bfloat16)  # q_nope [b,t,h,nope]
+  o = jax.random.normal(jax.random.key(4), (2, 64, h, c)).astype(jnp.bfloat16)  # o_lat [b,t,h,c]
+  f64 = lambda z: np.asarray(z, np.float64)  # noqa: E731
+  base_q, base_o = f64(absorb_q(q, w_bf16, h, nope, v)), f64(unabsorb_out(o, w_bf16, h, nope, v))
+  got_q = absorb_q(q, w_bf16, h, nope, v, delta=low_rank.absorbed_q_delta(q, lr, nope, jnp.bfloat16))
+  got_o = unabsorb_out(o, w_bf16, h, nope, v, delta=low_rank.absorbed_out_delta(o, lr, nope, jnp.bfloat16))
+  assert got_q.dtype == got_o.dtype == jnp.bfloat16
+  exact_q = np.einsum("bthd,chd->bthc", f64(q), ab[..., :nope])  # [b,t,h,c]
+  exact_o = np.einsum("bthc,chv->bthv", f64(o), ab[..., nope:])  # [b,t,h,v]
+  merged = (w_bf16.astype(jnp.float32) + jnp.asarray(a @ b, jnp.float32)).astype(jnp.bfloat16)  # kernel_value before
+  return (_share(f64(got_q) - base_q, exact_q), _share(f64(got_o) - base_o, exact_o),
+          _share(f64(absorb_q(q, merged, h, nope, v)) - base_q, exact_q))
+
+
+def test_absorb_q_and_unabsorb_out_keep_a_small_wkv_b_adapter_in_bf16():
+  """The absorbed paths' two contractions with wkv_b's adapter apart (low_rank.absorbed_q_delta / absorbed_out_delta
+  added to the fp32 product, rounded once) keep a 0.2% adapter's effect (1.01, 1.00); merged into the bf16 kernel
+  (kernel_value before) a 0.07% adapter kept less than half of it."""
+  q_share, o_share, _ = _absorbed_shares(2e-3)
+  assert 0.95 < q_share < 1.05 and 0.95 < o_share < 1.05, (q_share, o_share)
+  merged_share = _absorbed_shares(7e-4)[2]
+  assert merged_share < 0.5, merged_share
