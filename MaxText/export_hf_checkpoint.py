@@ -12,7 +12,9 @@ is read from the checkpoint itself. fp8 block-quantized weights (weight_quantiza
 written as they are, with their weight_scale_inv and config.json's quantization_config; --dtype applies
 to the float weights. A LoRA run (lora_rank > 0, e.g. --config outputs/<run>/config.yml) is exported merged
 (--lora merged, the default): the base from its load_parameters_path with the adapters of --checkpoint merged into
-their kernels; or, with --lora peft, as peft's adapter_config.json + adapter_model.safetensors (transformers' module
+their kernels (over an fp8 base the merged weights are quantized again to e4m3: a small adapter mostly rounds
+away); with --lora merged-float, the same merged into the base dequantized, the whole model written in --dtype
+(no quantization_config: the adapters' effect kept, twice the fp8 bytes); or, with --lora peft, as peft's adapter_config.json + adapter_model.safetensors (transformers' module
 names; the adapters float32, as trained) to load over the base's own HF export (docs/lora.md).
 """
 
@@ -39,7 +41,9 @@ def main(argv=None) -> None:
   ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file before sharding with "
                   "model.safetensors.index.json (e.g. 5GB, 200MB, 100KiB); default 5GB")
   ap.add_argument("--lora", default="merged", choices=LORA_FORMATS, help="a LoRA run's checkpoint: merged into "
-                  "the base (HF safetensors of the whole model), or peft's adapter files only; default merged")
+                  "the base (HF safetensors of the whole model; an fp8 base stays fp8, its merged weights rounded to "
+                  "e4m3), merged-float (the same, every weight in --dtype: keeps a small adapter's effect over an fp8 "
+                  "base), or peft's adapter files only; default merged")
   ap.add_argument("--base-model", default=None, help="with --lora peft: adapter_config.json's base_model_name_or_path "
                   "(the HF base the adapter is loaded over, e.g. its hub name or the folder of the base's export)")
   ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides over --config")

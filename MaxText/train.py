@@ -145,6 +145,29 @@ def lm_loss_fn(config: Config, graphdef, params, buffers, mb):
   return total, (metrics, loads)
 
 
+def loss_legend(config: Config) -> str:
+  """The console line's losses named, as lm_loss_fn adds them: `loss` is what the step minimizes, each part with its
+  weight; `lm` alone is the language model's progress (an indexer KL that grows can hide a falling lm in `loss`)."""
+  stage = indexer_stage(config)
+  parts = []
+  if stage.trains_main_model:
+    parts.append("lm")
+    if config.z_loss_weight:
+      parts.append(f"z_loss ({config.z_loss_weight:g} x log Z^2)")
+    if config.mtp_num_layers:
+      parts.append(f"{config.mtp_loss_scaling_factor:g} x mtp")
+    if config.load_balance_loss_weight:
+      parts.append("load balance")
+  if stage.indexer_loss:
+    parts.append(f"{config.indexer_loss_weight:g} x indexer")
+  said = [f"loss = {' + '.join(parts)}", "lm: next-token cross-entropy (the language model's progress)"]
+  if stage.indexer_loss:
+    said.append("indexer: KL(attention || indexer scores) over the keys attended to (trains the indexer alone)")
+  if config.mtp_num_layers:
+    said.append("mtp: the MTP module's cross-entropy")
+  return "losses: " + "; ".join(said)
+
+
 def prepare_batch(config: Config, batch: dict) -> dict:
   """Host-side, in ORIGINAL order: adds MTP's shifted inputs/targets/weights ([b,n,t]), then with
   context parallelism + load balancing reorders every [..,t] array the same way (zig-zag)."""
@@ -359,6 +382,7 @@ def train(config: Config) -> dict:
     print(f"model {config.model_name}: {n_params:,} parameters; mesh {config.mesh_shape}; "
           + (f"indexer_training_stage={config.indexer_training_stage}" if config.use_indexer else
              "no indexer (use_indexer=false): dense attention"), flush=True)
+    print(loss_legend(config), flush=True)
     logger = MetricsLogger(config, start_step=start_step) if distributed.is_main_process() else distributed.Silent()
     profiler = Profiler(config, start_step)
     tokens_per_step = config.global_batch_size * config.max_target_length

@@ -120,12 +120,14 @@ def lora_adapters(item: str) -> dict:
   return adapters
 
 
-def merged_parameters(item: str, cfg: Config) -> dict:
+def merged_parameters(item: str, cfg: Config, requantize: bool = True) -> dict:
   """{"params", "buffers"} per layer of a LoRA run: the base from cfg.load_parameters_path (the run's config.yml
-  names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B; an fp8 base is
-  quantized again per block after the merge). A base other than the one `item` records is a ConfigError."""
+  names it) with the adapters of `item` merged into their kernels (lora.merged: W + alpha/r A B in fp32). An fp8
+  base: quantized again per block after the merge (requantize, --lora merged: the merged weight rounds to e4m3, so a
+  small adapter mostly rounds away), or every weight dequantized to fp32 first and the merged model float
+  (requantize=False, --lora merged-float). A base other than the one `item` records is a ConfigError."""
   from MaxText.layers import lora
-  from MaxText.layers.linears import kernel_block
+  from MaxText.layers.linears import dequantized, kernel_block
   if not cfg.load_parameters_path:
     raise ValueError(f"--checkpoint {item} holds LoRA adapters (lora_rank={cfg.lora_rank}): the base comes from "
                      "load_parameters_path; give load_parameters_path=BASE (the run's config.yml has it)")
@@ -137,7 +139,8 @@ def merged_parameters(item: str, cfg: Config) -> dict:
                          int(orbax_state.base_fingerprint(lora.join(held["params"], held["buffers"]))),
                          cfg.load_parameters_path, f"--checkpoint {item}", cfg.lora_check_base)
   scale = cfg.lora_alpha / cfg.lora_rank
-  return {"params": lora.merged(base["params"], adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
+  params = base["params"] if requantize else dequantized(base["params"])
+  return {"params": lora.merged(params, adapters, scale, kernel_block(cfg)), "buffers": base["buffers"]}
 
 
 # ---------------------------------------------------------------- peft's format
@@ -304,7 +307,9 @@ def remove_earlier_export(output: str) -> None:
       os.remove(f)
 
 
-LORA_FORMATS = ("merged", "peft")  # --lora: how a LoRA run is exported (merged into the base, or peft's adapter)
+# --lora: how a LoRA run is exported: merged into the base (an fp8 base's merged weights quantized again: e4m3),
+# merged into the base dequantized (a float model, --dtype: the adapters' effect kept), or peft's adapter files
+LORA_FORMATS = ("merged", "merged-float", "peft")
 
 
 def export(checkpoint: str, output: str, config_path: str | None = None, overrides=(), dtype: str = "bfloat16",
@@ -319,16 +324,18 @@ def export(checkpoint: str, output: str, config_path: str | None = None, overrid
   max_bytes = parse_size(max_shard_size)
   item = find_checkpoint(checkpoint)
   cfg = export_config(checkpoint, config_path, overrides)
-  hf_config = hf_format.config_to_hf(cfg, dtype)  # refuses a model HF cannot hold, before the restore
+  floats = lora == "merged-float" and bool(cfg.lora_rank)  # the merged model written float, whatever the base's
+  written = cfg.model_copy(update={"weight_quantization": "none"}) if floats else cfg
+  hf_config = hf_format.config_to_hf(written, dtype)  # refuses a model HF cannot hold, before the restore
   if lora == "peft" and not cfg.lora_rank:
     raise ValueError("--lora peft: the model has lora_rank=0; give the LoRA run's config (--config "
                      "outputs/<run>/config.yml) or lora_rank=R lora_alpha=A as it was trained")
   prepare_output(output)
   if lora == "peft":
     return (cfg, *write_peft(item, cfg, output, base_model))
-  tree = merged_parameters(item, cfg) if cfg.lora_rank else unstacked_parameters(item, cfg)
+  tree = merged_parameters(item, cfg, requantize=not floats) if cfg.lora_rank else unstacked_parameters(item, cfg)
   remove_earlier_export(output)
-  files = hf_format.write_sharded(output, hf_format.to_hf(tree, cfg, DTYPES[dtype]), max_bytes)
+  files = hf_format.write_sharded(output, hf_format.to_hf(tree, written, DTYPES[dtype]), max_bytes)
   with open(os.path.join(output, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   return cfg, files, []

@@ -51,7 +51,7 @@ def mtp_absorbed_weights(model, depth: int = 0):
   return None if layer.attention.wkv_b.kernel_scale is not None else _absorbed(layer)
 
 
-def _absorbed(layer):
+def _absorbed(layer):  # the base wkv_b alone: an adapter is added apart in attend_cached (kernels/low_rank.py)
   a = layer.attention
   return absorbed_weights(a.wkv_b.kernel_value(), a.num_heads, a.nope, a.v_dim)
 

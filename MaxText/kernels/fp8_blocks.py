@@ -94,14 +94,16 @@ def shape_of(w) -> tuple:
 MATMUL_CHUNKS = 8  # a block-quantized matmul dequantizes at most ~K/8 rows of its weight at a time
 
 
-def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
-  """x [..., K] @ w [K, N] in dtype -> [..., N]. A float w: one einsum. A BlockFP8 w: dequantized one chunk
-  of whole K-blocks at a time (about K / MATMUL_CHUNKS rows, cut at block boundaries), each chunk's
-  product accumulated in fp32, so no float copy of the whole weight exists at once (the QLoRA base:
-  DeepSeek's e4m3 + scales stay as they are in memory). Equals x @ dequantize(w) up to the order of
-  the K-sum."""
+def matmul(x: jax.Array, w, dtype, precision=None, out_dtype=None) -> jax.Array:
+  """x [..., K] @ w [K, N] in dtype -> [..., N] in out_dtype (default dtype; fp32: the accumulation itself,
+  not rounded to dtype, for a LoRA delta to be added before the one rounding: kernels/low_rank.py). A float w:
+  one einsum. A BlockFP8 w: dequantized one chunk of whole K-blocks at a time (about K / MATMUL_CHUNKS rows,
+  cut at block boundaries), each chunk's product accumulated in fp32, so no float copy of the whole weight
+  exists at once (the QLoRA base: DeepSeek's e4m3 + scales stay as they are in memory). Equals
+  x @ dequantize(w) up to the order of the K-sum."""
   if not isinstance(w, BlockFP8):
-    y = jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype), precision=precision)  # [..., N]
+    y = jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype), precision=precision,
+                   preferred_element_type=out_dtype)  # [..., N]
     return rows_major_if_few(y, w.shape[-2])
   k = w.values.shape[-2]
   block = block_of(w.values.shape, w.scale.shape)
@@ -115,7 +117,7 @@ def matmul(x: jax.Array, w, dtype, precision=None) -> jax.Array:
     part = jnp.einsum("...i,io->...o", x[..., rows], wc, precision=precision,
                       preferred_element_type=jnp.float32)  # [..., N] fp32
     y = part if y is None else y + part
-  return rows_major_if_few(y.astype(dtype), k)
+  return rows_major_if_few(y.astype(out_dtype or dtype), k)
 
 
 def rows_major_if_few(y: jax.Array, k: int) -> jax.Array:

@@ -65,6 +65,7 @@ from jax import lax
 
 from MaxText.kernels import backend
 from MaxText.kernels.index_scores import gathered_index_scores, index_scores, indexer_kl_loss
+from MaxText.kernels.low_rank import LowRank, absorbed_out_delta, absorbed_q_delta
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
 from MaxText.kernels.topk_indices import gather_rows, topk_indices
@@ -83,18 +84,31 @@ def _split_wkv_b(wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int) -> 
   return w[..., :nope], w[..., nope:]
 
 
+def _plus(y: jax.Array, delta: jax.Array | None, dtype) -> jax.Array:
+  """y (fp32 when delta is given) + delta (fp32), rounded to dtype once (kernels/low_rank.py: why)."""
+  return y if delta is None else (y + delta).astype(dtype)
+
+
 def absorb_q(q_nope: jax.Array, wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int, *,
-             precision=None) -> jax.Array:
-  """q_nope [b,t,h,nope] -> q_lat [b,t,h,c] = q_nope . w_uk, so q_lat . c_kv = q_nope . k_nope."""
+             precision=None, delta: jax.Array | None = None) -> jax.Array:
+  """q_nope [b,t,h,nope] -> q_lat [b,t,h,c] = q_nope . w_uk, so q_lat . c_kv = q_nope . k_nope. delta [b,t,h,c]
+  fp32: wkv_b's low-rank term (low_rank.absorbed_q_delta), added to the fp32 product before its one rounding."""
   w_uk, _ = _split_wkv_b(wkv_b_kernel, num_heads, nope, v)  # [c,h,nope]
-  return jnp.einsum("bthd,chd->bthc", q_nope, w_uk.astype(q_nope.dtype), precision=precision)  # [b,t,h,c]
+  out = None if delta is None else jnp.float32
+  q_lat = jnp.einsum("bthd,chd->bthc", q_nope, w_uk.astype(q_nope.dtype), precision=precision,
+                     preferred_element_type=out)  # [b,t,h,c]
+  return _plus(q_lat, delta, q_nope.dtype)
 
 
 def unabsorb_out(o_lat: jax.Array, wkv_b_kernel: jax.Array, num_heads: int, nope: int, v: int, *,
-                 precision=None) -> jax.Array:
-  """o_lat [b,t,h,c] (probabilities . c_kv) -> out [b,t,h,v] = o_lat . w_uv (= probabilities . v)."""
+                 precision=None, delta: jax.Array | None = None) -> jax.Array:
+  """o_lat [b,t,h,c] (probabilities . c_kv) -> out [b,t,h,v] = o_lat . w_uv (= probabilities . v). delta
+  [b,t,h,v] fp32: wkv_b's low-rank term (low_rank.absorbed_out_delta), added before the one rounding."""
   _, w_uv = _split_wkv_b(wkv_b_kernel, num_heads, nope, v)  # [c,h,v]
-  return jnp.einsum("bthc,chv->bthv", o_lat, w_uv.astype(o_lat.dtype), precision=precision)  # [b,t,h,v]
+  out = None if delta is None else jnp.float32
+  o = jnp.einsum("bthc,chv->bthv", o_lat, w_uv.astype(o_lat.dtype), precision=precision,
+                 preferred_element_type=out)  # [b,t,h,v]
+  return _plus(o, delta, o_lat.dtype)
 
 
 def _masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
@@ -284,7 +298,7 @@ class SparseSpec(NamedTuple):
   with_kl: bool = False  # compute the sparse stage's indexer KL over the selected sets
   precision: object = None
   query_loop: bool | None = None  # one query at a time inside a block (None: backend.py's query_loop)
-  block_remat: bool = True  # recompute a block's attention in the backward pass from its queries and indices
+  block_remat: bool = False  # recompute a block's attention in the backward pass from its queries and indices (sparse_attention_block_remat)
 
 
 class SparseOutput(NamedTuple):
@@ -295,10 +309,12 @@ class SparseOutput(NamedTuple):
 
 
 def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel: jax.Array,
-                         spec: SparseSpec) -> SparseOutput:
+                         spec: SparseSpec, wkv_b_lora: LowRank | None = None) -> SparseOutput:
   """Blocked gather-based sparse MLA (training and prefill): indexer scores, top-k, attention.
 
-  wkv_b_kernel [c, h*(nope+v)] is MLA's up-projection (absorbed, see absorb_q). Positions and
+  wkv_b_kernel [c, h*(nope+v)] is MLA's up-projection (absorbed, see absorb_q); wkv_b_lora its adapter, kept
+  apart (A [1,c,r], B [1,r,h*(nope+v)] holding alpha / r; kernels/low_rank.py), so the up-projection is
+  W + A B in every query's absorb_q and unabsorb_out as in the mask path's Linear. Positions and
   segments decide which keys each query may see (masks.attention_validity). The KL is the mean
   over the queries that select any key.
 
@@ -347,10 +363,12 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
     return topk_indices(scores, topk, approx=approx, recall_target=recall_target)
 
   def attend(qn, qp, idx, ok):  # block_remat: the map keeps a block's queries, not its [b,blk,h,c+r] and o_lat
-    q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision)  # [b,blk,h,c]
+    dq = None if wkv_b_lora is None else absorbed_q_delta(qn, wkv_b_lora, nope, dt, precision)  # [b,blk,h,c] f32
+    q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=dq)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
     o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
-    return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision), p_heads  # [b,blk,h,v]
+    do = None if wkv_b_lora is None else absorbed_out_delta(o_lat, wkv_b_lora, nope, dt, precision)  # [b,blk,h,v]
+    return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=do), p_heads  # [b,blk,h,v]
 
   if block_remat:
     attend = jax.checkpoint(attend)

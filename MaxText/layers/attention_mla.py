@@ -61,6 +61,7 @@ from MaxText.kernels.cached_attention import (
 from MaxText.kernels.flash_attention import flash_attention, supports_length
 from MaxText.kernels.index_scores import indexer_kl_loss
 from MaxText.kernels.kl_target import flash_kl_target
+from MaxText.kernels.low_rank import absorbed_out_delta, absorbed_q_delta
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
 from MaxText.kernels.sparse_attention import (
@@ -73,7 +74,6 @@ from MaxText.kernels.sparse_attention import (
   unabsorb_out,
 )
 from MaxText.kernels.topk_indices import topk_indices
-from MaxText.layers import lora_rows
 from MaxText.layers.embeddings import apply_rope_interleaved, rope_cos_sin, rope_inv_freq
 from MaxText.layers.indexer import Indexer, indexer_stage
 from MaxText.layers.linears import PRECISION, Linear, dtype_of
@@ -248,7 +248,8 @@ class MLA(nnx.Module):
     c_kv, k_pe, k_pos, k_seg = self.gather_keys(c_kv, k_pe, positions, segment_ids)
     result = sparse_mla_attention(
         SparseQueries(q_nope, q_pe, index_q, index_w, positions, segment_ids),
-        SparseKeys(c_kv, k_pe, index_k, k_pos, k_seg), self.wkv_b.kernel_value(), self.sparse_spec())
+        SparseKeys(c_kv, k_pe, index_k, k_pos, k_seg), self.wkv_b.kernel_value(), self.sparse_spec(),
+        self.wkv_b.low_rank(x.shape[0]))  # the adapter apart from the kernel (kernels/low_rank.py)
     if self.record_selection:  # the selection as indices: a [b,t,s] mask is what this path avoids
       self.sow(nnx.Intermediate, "indexer_topk_indices", jnp.where(result.idx_valid, result.idx, -1))
     return checkpoint_name(result.out, "attention_out"), result.indexer_loss
@@ -276,12 +277,10 @@ class MLA(nnx.Module):
       entries["idx_k"] = self.indexer.keys(x, positions)  # [b,t,d_I]
     stored = {name: cache.stored(name, e) for name, e in entries.items()}  # what a read will return
     absorbed = cache.absorbed if cache.absorbed is not None else absorbed_weights(self.wkv_b.kernel_value(), h, nope, v)
-    q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0,
-                     precision=precision)  # [b,t,h,kv_lora]
-    lora = self.wkv_b if self.wkv_b.lora_slots else None  # served adapters: each row's wkv_b delta (lora_rows)
-    if lora is not None:
-      q_abs = q_abs + lora_rows.absorbed_q_delta(q_nope, lora.lora_a[...], lora.lora_b[...], nope, dt,
-                                                 precision)  # [b,t,h,kv_lora]
+    lora = self.wkv_b.low_rank(b)  # wkv_b's adapter (or each row's served one) apart from its kernel: low_rank.py
+    q_abs = absorb_q(q_nope.astype(dt), key_kernel(absorbed).astype(dt), h, nope, 0, precision=precision,
+                     delta=None if lora is None else absorbed_q_delta(q_nope, lora, nope, dt, precision)
+                     )  # [b,t,h,kv_lora]
     q_pe = q_pe.astype(dt)
     if cache.mode == "sparse":
       q_i, w_i = self.indexer.queries(x, q_lat, positions)  # [b,t,h_I,d_I], [b,t,h_I]
@@ -305,9 +304,9 @@ class MLA(nnx.Module):
                                  precision)  # [b,t,h,kv_lora]
     else:
       raise ValueError(f"attention mode {cache.mode!r}: expected 'sparse' or 'dense'")
-    out = unabsorb_out(o_lat.astype(dt), value_kernel(absorbed).astype(dt), h, 0, v, precision=precision)  # [b,t,h,v]
-    if lora is not None:
-      out = out + lora_rows.absorbed_out_delta(o_lat, lora.lora_a[...], lora.lora_b[...], nope, dt, precision)  # [b,t,h,v]
+    out = unabsorb_out(o_lat.astype(dt), value_kernel(absorbed).astype(dt), h, 0, v, precision=precision,
+                       delta=None if lora is None else absorbed_out_delta(o_lat, lora, nope, dt, precision)
+                       )  # [b,t,h,v]
     return self.wo(out.reshape(b, t, h * v)), entries  # [b,t,D]
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None, cache=None

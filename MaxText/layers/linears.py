@@ -8,17 +8,21 @@ weight_block_size (kernels/fp8_blocks.py); its matmul dequantizes it a chunk of 
 LoRA (layers/lora.py) is a property of a Linear: where lora_module_path matches, `lora_a` [in, r] and
 `lora_b` [r, out] sit beside the (frozen) kernel and y = x W + (lora_alpha / r) (x A) B. A served model with
 serve_lora_adapters holds them slot-stacked instead (`lora_slots`: A [n, in, r], B [n, r, out], the scale
-folded into B), and each row of the batch adds its own slot's delta (layers/lora_rows.py).
+folded into B), and each row of the batch adds its own slot's delta (layers/lora_rows.py). Either way the
+adapter stays apart from the kernel (kernels/low_rank.py): x W and x A B are summed in fp32 and rounded once.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config
+from MaxText.kernels import low_rank
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize_if, matmul, quantize, scale_shape
+from MaxText.kernels.low_rank import LowRank
 from MaxText.layers import lora_rows
 
 # "default" is None, not lax.Precision.DEFAULT: an explicit DEFAULT pins one bf16 pass on a TPU even under
@@ -87,6 +91,24 @@ def requantized(tree: dict, like: dict, block: tuple[int, int]) -> dict:
   return out
 
 
+def dequantized(tree: dict) -> dict:
+  """A params pure dict with every block-quantized weight (`<name>` fp8 with `<name>_scale` beside it) dequantized
+  to fp32 and its scale dropped; every other leaf as it is (the float model's layout: a float export of an fp8
+  base, hf_export.merged_parameters)."""
+  out = {}
+  for name, v in tree.items():
+    if isinstance(v, dict):
+      out[name] = dequantized(v)
+    elif name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in tree:
+      continue  # read with its weight
+    elif name + SCALE_SUFFIX in tree:
+      out[name] = np.asarray(dequantize_if(BlockFP8(jnp.asarray(v), jnp.asarray(tree[name + SCALE_SUFFIX])),
+                                           jnp.float32))
+    else:
+      out[name] = v
+  return out
+
+
 def weight_params(rngs: nnx.Rngs, shape, axes: tuple[str, ...], config: Config, *, block_quantized: bool
                   ) -> tuple[nnx.Param, nnx.Param | None]:
   """A weight [..., in, out] as (values, scale): fp8 + scales (`fp8_params`) when the config asks for
@@ -126,26 +148,29 @@ class Linear(nnx.Module):
     return dequantize_if(stored(self.kernel, self.kernel_scale), dtype or self.dtype)
 
   def kernel_value(self) -> jax.Array:
-    """The kernel [..., in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
-    stored, or dequantized to the compute dtype when fp8; with an adapter, merged: W + (alpha / r) A B; with
-    slot-stacked adapters the base's W alone (each row's delta is added where the kernel is used: lora_rows)."""
-    w = self.kernel[...] if self.kernel_scale is None else self.weight()
-    if self.lora_a is None or self.lora_slots:
-      return w
-    ab = jnp.einsum("...ir,...ro->...io", self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)  # [..., in, out]: [L, in, out] read whole from a scanned stack
-    return (w.astype(jnp.float32) + self.lora_scale * ab).astype(w.dtype)
+    """The base kernel [..., in, out] as a float array for code that reads it whole (MLA's absorbed wkv_b): as
+    stored, or dequantized to the compute dtype when fp8. Never with the adapter in it: a bf16 W + A B rounds a
+    small A B away (kernels/low_rank.py); the adapter is `low_rank`, added where the kernel is used."""
+    return self.kernel[...] if self.kernel_scale is None else self.weight()
+
+  def low_rank(self, rows: int) -> LowRank | None:
+    """The adapter apart from the kernel, for `rows` rows of input (None without one): A [1, in, r] and B [1, r,
+    out] times alpha / r; slot-stacked (serving), the adapters' slots 1 .. n-1 with each row's one-hot slot
+    (lora_rows.slot_rows; B already holds each adapter's alpha / r)."""
+    if self.lora_a is None:
+      return None
+    a, b = self.lora_a[...], self.lora_b[...]
+    if self.lora_slots:  # A [n,in,r], B [n,r,out]: slot 0 (zeros) is never computed
+      return LowRank(a[1:], b[1:], lora_rows.slot_rows(rows, a.shape[0]))
+    return LowRank(a[None], (b.astype(jnp.float32) * self.lora_scale)[None])  # [1,in,r], [1,r,out]
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = matmul(x, stored(self.kernel, self.kernel_scale), self.dtype, self.precision)  # [..., out]
-    if self.lora_a is None:
-      return y
-    if self.lora_slots:  # each row its own adapter (B holds its scale)
-      return y + lora_rows.delta(x, self.lora_a[...], self.lora_b[...], self.dtype, self.precision)
-    h = jnp.einsum("...i,ir->...r", x.astype(self.dtype), self.lora_a[...].astype(self.dtype),
-                   precision=self.precision)  # [..., r]
-    d = jnp.einsum("...r,ro->...o", h, self.lora_b[...].astype(self.dtype), precision=self.precision)  # [..., out]
-    return y + (self.lora_scale * d).astype(self.dtype)
+    w = stored(self.kernel, self.kernel_scale)
+    lr = self.low_rank(x.shape[0])
+    if lr is None:
+      return matmul(x, w, self.dtype, self.precision)  # [..., out]
+    y = matmul(x, w, self.dtype, self.precision, out_dtype=jnp.float32)  # [..., out] fp32, not yet rounded
+    return (y + low_rank.delta(x, lr, self.dtype, self.precision)).astype(self.dtype)  # one rounding of W x + A B x
 
 
 class MLP(nnx.Module):

@@ -283,3 +283,28 @@ def test_lora_export_refusals_are_one_line(converted, tmp_path, capsys):
   _, ours = converted
   err = _error_line(capsys, "--checkpoint", ours, "--output", tmp_path / "o", "--lora", "peft")
   assert "--lora peft: the model has lora_rank=0" in err
+
+
+def test_merged_float_over_an_fp8_base_writes_a_float_model_whose_logits_are_the_adapted_models(tmp_path, capsys):
+  """--lora merged-float over DeepSeek's fp8 layout: config.json without quantization_config, every tensor float32
+  (--dtype float32), and transformers over it gives our adapted model's logits (the base dequantized, the adapters
+  merged in fp32); --lora merged writes e4m3 blocks again."""
+  build_hf_model().save_pretrained(tmp_path / "hf")
+  make_fp8_checkpoint(str(tmp_path / "hf"), (32, 16))
+  ours = str(tmp_path / "ours")
+  convert_hf_checkpoint.main(["--hf-path", str(tmp_path / "hf"), "--output", ours, "weight_quantization=fp8_block"])
+  cfg, graphdef, base, adapters, buffers, overrides = _lora_run(ours, tmp_path)
+  for fmt in ("merged", "merged-float"):
+    _export(capsys, "--checkpoint", tmp_path / "adapters", "--output", tmp_path / fmt, "--lora", fmt, "--dtype",
+            "float32", "--config", os.path.join(ours, hf_export.CONFIG_FILE), *overrides)
+  written = {fmt: _read_export(tmp_path / fmt)[0] for fmt in ("merged", "merged-float")}
+  assert written["merged"]["model.layers.1.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
+  assert all(t.dtype == torch.float32 for t in written["merged-float"].values())
+  conf = json.load(open(tmp_path / "merged-float" / "config.json"))
+  assert "quantization_config" not in conf
+  tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, size=(2, 24))
+  from MaxText.layers import lora
+  forward = jax.jit(lambda p, b, x: model_state.merge(graphdef, p, b)(x)[0])  # [b,t,V]
+  ours_logits = np.asarray(forward(lora.join(adapters, base), buffers, jnp.asarray(tokens)))
+  theirs = _logits_hf(tmp_path / "merged-float", tokens)
+  np.testing.assert_allclose(theirs, ours_logits, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """LoRA through the trainer: on an 8-device mesh (fsdp x context x expert) one QLoRA step equals the
 single-device step and the adapters are sharded as their kernels; SFT with LoRA through train.py from a
 base checkpoint (load_parameters_path) writes checkpoints holding the adapters and their optimizer state
-only, and a run killed with -9 after a checkpoint resumes to the uninterrupted run's bits."""
+only, and a run killed with -9 after a checkpoint resumes to the uninterrupted run's bits; in the sparse stage the
+indexer's KL does not grow over a LoRA run (its q and k adapters, in the default modules, follow the attention)."""
 
 import json
 import os
@@ -94,3 +95,26 @@ def test_sft_with_lora_killed_after_a_checkpoint_resumes_to_the_uninterrupted_ru
   assert fingerprints[0] == fingerprints[1]  # every bit of adapters, moments, step
   want, got = procs.losses(whole), procs.losses(rerun)
   assert sorted(got) == list(range(latest + 1, STEPS + 1)) and got == {s: want[s] for s in got}
+
+
+def test_the_indexers_kl_does_not_grow_over_a_lora_run_in_the_sparse_stage(tmp_path):
+  """The paper's recipe under LoRA: the indexer learns toward the attention it selects for, so as the adapters move
+  the attention, the indexer's own adapters (the default modules' indexer wq_b and wk, trained by its KL alone) move
+  it after. A base trained in full (100 steps: its indexer's KL 0.0003 on its batch, 0.017 on the next one), then
+  rank-16 adapters on another batch (200 steps, the LM loss 6.57 -> 4.91): the KL ends at 0.016 with the indexer's
+  adapters and at 0.27 without them (the default before: the indexer then picks keys for the old attention)."""
+  common = dict(indexer_topk=8, enable_checkpointing=False)
+  _, base, _ = train_steps(small_lora_config(lora_rank=0, learning_rate=3e-3, **common), 100)
+  model_state.save_parameters(str(tmp_path / "base"), base["params"], base["buffers"])
+  without_indexer = small_lora_config().lora_module_path.replace("|.*/indexer/(wq_b|wk)", "")
+  kl = {}
+  for name, regex in (("default", small_lora_config().lora_module_path), ("without the indexer", without_indexer)):
+    history = []
+    cfg = small_lora_config(lora_rank=16, lora_module_path=regex, load_parameters_path=str(tmp_path / "base"), seed=1,
+                            **common)  # seed 1: another batch than the base's
+    train_steps(cfg, 200, history)
+    assert history[-1]["lm_loss"] < history[0]["lm_loss"] - 1.5, name  # the attention moved
+    kl[name] = (history[0]["indexer_loss"], history[-1]["indexer_loss"])
+  first, last = kl["default"]
+  assert 0 < first and last <= 1.5 * first, kl
+  assert kl["without the indexer"][1] > 5 * kl["without the indexer"][0], kl  # what the default's indexer adapters prevent

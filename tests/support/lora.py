@@ -10,8 +10,9 @@ from MaxText.runtime import sharding
 from tests.conftest import make_config
 
 
-def train_steps(cfg, steps: int):
-  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh."""
+def train_steps(cfg, steps: int, history: list | None = None):
+  """(state before, state after `steps` steps of one batch, the last metrics) as numpy, on cfg's mesh; each step's
+  metrics (floats) appended to `history` when given."""
   mesh = sharding.create_mesh(cfg)
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, state, state_sharding, tx = train.init_state(cfg, mesh)
@@ -21,6 +22,8 @@ def train_steps(cfg, steps: int):
     step = train.jit_train_step(cfg, graphdef, tx, state_sharding, batch_sharding, mesh)
     for _ in range(steps):
       state, metrics = step(state, jax.device_put(batch, batch_sharding))
+      if history is not None:
+        history.append({k: float(v) for k, v in metrics.items() if np.ndim(v) == 0})
     return first, jax.tree.map(np.asarray, state), metrics
 
 

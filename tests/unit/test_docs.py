@@ -238,3 +238,57 @@ def test_rl_doc_lists_exactly_the_console_metrics_rl_prints():
   (line,) = re.findall(r"`step n/steps \|(.*?)`", _read("docs/rl.md"), re.S)
   documented = tuple(part.split()[0] for part in line.split("|") if part.strip())
   assert documented == rl.CONSOLE
+
+
+@pytest.mark.slow  # three entry points end to end (~2-4 min of CPU)
+def test_the_lora_docs_tiny_path_runs_as_written(tmp_path):
+  """docs/lora.md's first block, the tiny model's path, run as written but for fewer steps (10 and 5), the outputs
+  under tmp_path and another port: a base, the SFT data, a LoRA SFT over the base, the base served with the adapter
+  by name, and the documented curl answered by that adapter (OpenAI's body, "model": "adder")."""
+  import signal
+
+  import httpx
+
+  from tests.support.server_harness import wait_for
+  from tests.support.train_processes import free_port
+
+  (block,) = [b for b in _fenced(_read("docs/lora.md"), "bash") if any("serve_lora_adapters=[adder=" in ln for ln in b)]
+  commands = _commands(block)
+  assert [c.split()[1] for c in commands] == ["MaxText/train.py", "demos/sft_conversations.py", "-m", "-m", "localhost:8000/v1/chat/completions"]
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+
+  def argv(command: str) -> list[str]:
+    command = command.replace("/tmp/sft", f"{tmp_path}/sft").replace("outputs/", f"{tmp_path}/outputs/")
+    command = command.replace("8000", str(port)).replace("steps=100", "steps=5")
+    args = shlex.split(command)
+    if "MaxText/train.py" in command or "-m MaxText.train" in command:
+      args += [f"base_output_directory={tmp_path}/outputs", "steps=10" if "tiny_base" in command else "steps=5"]
+    return [sys.executable, *args[1:]] if args[0] == ".venv/bin/python" else args
+
+  for command in commands[:3]:
+    p = subprocess.run(argv(command), cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, f"{command}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+  assert "dropped" in p.stdout + p.stderr  # the LoRA SFT says that the tool conversations do not fit
+  server = subprocess.Popen(argv(commands[3]), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+  def healthy() -> bool:
+    assert server.poll() is None, server.stdout.read()[-3000:]  # ended before it was ready
+    try:
+      return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+      return False
+
+  try:
+    wait_for(healthy, "the LoRA server's /health", timeout=600, poll=1)
+    curl = shlex.split(commands[4].replace("8000", str(port)))
+    body = json.loads(curl[curl.index("-d") + 1])
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["model"] == "adder", r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    models = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]]
+    assert models == ["deepseek3.2-tiny", "adder"], models
+  finally:
+    server.send_signal(signal.SIGTERM)
+    out = server.communicate(timeout=120)[0]
+  assert "LoRA adapters adder (rank 8, alpha 16) on" in out, out[-3000:]

@@ -26,7 +26,7 @@ def _adapted(model) -> list[str]:
   return [re_path for re_path, m in lora.linears(model) if m.lora_a is not None]
 
 
-def test_default_regex_adapts_mla_q_kv_o_and_the_dense_and_shared_mlps_only():
+def test_default_regex_adapts_mla_q_kv_o_the_dense_and_shared_mlps_and_the_indexers_q_and_k_only():
   cfg = make_config(lora_rank=4)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   got = set(_adapted(model))
@@ -35,7 +35,9 @@ def test_default_regex_adapts_mla_q_kv_o_and_the_dense_and_shared_mlps_only():
       assert f"{stack}/attention/{name}" in got
   for name in ("gate", "up", "down"):
     assert f"dense_layers/layers/mlp/{name}" in got and f"moe_layers/layers/mlp/shared_experts/{name}" in got
-  assert not any("indexer" in p or p in ("output_head", "mtp/0/projection") for p in got)
+  for stack in ("dense_layers/layers", "moe_layers/layers", "mtp/0/layer"):  # the indexer follows the adapted attention
+    assert {f"{stack}/attention/indexer/wq_b", f"{stack}/attention/indexer/wk"} <= got
+  assert not any(p.endswith("weights_proj") or p in ("output_head", "mtp/0/projection") for p in got)
   a = model.moe_layers.layers.attention.wq_b
   assert a.lora_a.shape == (3, 32, 4) and a.lora_b.shape == (3, 4, 96)  # stacked [L, in, r], [L, r, out]
   assert a.lora_a.get_metadata()["logical_axes"] == ("q_lora", "lora_rank")
@@ -165,15 +167,18 @@ def test_fp8_matmul_never_dequantizes_the_whole_weight():
   assert "1024x256xf32" not in hlo and "128x256xf32" in hlo
 
 
-def test_merged_kernel_equals_the_unmerged_linear():
+def test_merged_kernel_equals_the_unmerged_linear_and_kernel_value_is_the_base_alone():
   cfg = make_config(lora_rank=4, matmul_precision="highest")
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   lin = model.mtp[0].layer.attention.wkv_b
   lin.lora_b[...] = jax.random.normal(jax.random.key(2), lin.lora_b.shape) * 0.1
   x = jax.random.normal(jax.random.key(3), (2, 7, 32))
-  merged = jnp.einsum("bti,io->bto", x, lin.kernel_value(), precision=jax.lax.Precision.HIGHEST)
-  np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(merged), rtol=1e-5, atol=1e-5)
+  merged = lin.kernel[...] + lin.lora_scale * lin.lora_a[...] @ lin.lora_b[...]  # [in, out]
+  want = jnp.einsum("bti,io->bto", x, merged, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(lin(x)), np.asarray(x @ lin.kernel[...]), atol=1e-3)
+  # the adapter is never added into the kernel (kernels/low_rank.py): absorbed MLA adds it apart
+  np.testing.assert_array_equal(np.asarray(lin.kernel_value()), np.asarray(lin.kernel[...]))
 
 
 @pytest.mark.slow  # over 5 s of CPU (the fast lane leaves it out: README.md, Tests)

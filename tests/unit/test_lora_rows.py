@@ -1,4 +1,4 @@
-"""Per-row LoRA adapters (layers/lora_rows.py) against float64 numpy: each row's delta is x A_k B_k of its own slot k
+"""Per-row LoRA adapters (layers/lora_rows.py: which row takes which slot; kernels/low_rank.py: the contractions) against float64 numpy: each row's delta is x A_k B_k of its own slot k
 (slot 0, zeros, adds exactly nothing), and absorbed MLA's two deltas are absorb_q / unabsorb_out over the row's A_k B_k;
 the prefix keys of different adapters never meet (page_allocator.page_hashes' root); serve_lora_adapters' bad
 entries are one config line each; the server maps a request's model to its adapter slot and lists every adapter."""
@@ -11,6 +11,7 @@ import pytest
 
 from MaxText.config.types import ConfigError
 from MaxText.inference.page_allocator import page_hashes
+from MaxText.kernels import low_rank
 from MaxText.layers import lora_rows
 from tests.conftest import make_config
 from tests.support.server_harness import scripted_server
@@ -28,12 +29,18 @@ def _slot_stack(key, n, shape_a, shape_b):
   return a, b
 
 
+def _slots(a: np.ndarray, b: np.ndarray) -> low_rank.LowRank:
+  """A [n,in,r], B [n,r,out] slot-stacked (slot 0 zeros) as Linear.low_rank hands them: slots 1 .. n-1 and each row's
+  one-hot slot, inside row_adapters."""
+  return low_rank.LowRank(jnp.asarray(a[1:], jnp.float32), jnp.asarray(b[1:], jnp.float32),
+                          lora_rows.slot_rows(len(SLOTS), a.shape[0]))
+
+
 def test_each_row_adds_its_own_slots_delta_and_slot_0_adds_exactly_nothing():
   a, b = _slot_stack(jax.random.key(0), 3, (24, 4), (4, 10))  # A [n,in,r], B [n,r,out]
   x = np.asarray(jax.random.normal(jax.random.key(1), (3, 5, 24)), np.float64)  # [b,t,in]
   with lora_rows.row_adapters(jnp.asarray(SLOTS)):
-    got = np.asarray(lora_rows.delta(jnp.asarray(x, jnp.float32), jnp.asarray(a, jnp.float32),
-                                     jnp.asarray(b, jnp.float32), jnp.float32, HI))  # [b,t,out]
+    got = np.asarray(low_rank.delta(jnp.asarray(x, jnp.float32), _slots(a, b), jnp.float32, HI))  # [b,t,out]
   for row, k in enumerate(SLOTS):
     np.testing.assert_allclose(got[row], x[row] @ a[k] @ b[k], rtol=1e-5, atol=1e-5, err_msg=f"row {row}")
   assert not got[1].any()  # the row without an adapter: the base's output exactly
@@ -46,8 +53,8 @@ def test_absorbed_deltas_are_absorb_qs_and_unabsorb_outs_contractions_with_each_
   o_lat = np.asarray(jax.random.normal(jax.random.key(4), (3, 2, h, c)), np.float32)  # [b,t,h,c]
   f32 = lambda z: jnp.asarray(z, jnp.float32)  # noqa: E731
   with lora_rows.row_adapters(jnp.asarray(SLOTS)):
-    dq = np.asarray(lora_rows.absorbed_q_delta(f32(q_nope), f32(a), f32(b), nope, jnp.float32, HI))
-    do = np.asarray(lora_rows.absorbed_out_delta(f32(o_lat), f32(a), f32(b), nope, jnp.float32, HI))
+    dq = np.asarray(low_rank.absorbed_q_delta(f32(q_nope), _slots(a, b), nope, jnp.float32, HI))
+    do = np.asarray(low_rank.absorbed_out_delta(f32(o_lat), _slots(a, b), nope, jnp.float32, HI))
   for row, k in enumerate(SLOTS):
     ab = (a[k] @ b[k]).reshape(c, h, nope + v)  # the adapter's update of wkv_b [c, h, nope+v]
     want_q = np.einsum("thd,chd->thc", q_nope[row], ab[..., :nope])  # absorb_q's contraction, float64
@@ -58,7 +65,7 @@ def test_absorbed_deltas_are_absorb_qs_and_unabsorb_outs_contractions_with_each_
 
 def test_a_slot_stacked_linear_outside_row_adapters_says_so():
   with pytest.raises(ValueError, match="outside lora_rows.row_adapters"):
-    lora_rows.delta(jnp.ones((2, 3)), jnp.ones((2, 3, 1)), jnp.ones((2, 1, 4)), jnp.float32)
+    lora_rows.slot_rows(2, 3)
 
 
 def test_prefix_keys_of_different_adapters_never_meet():

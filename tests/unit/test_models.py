@@ -188,3 +188,15 @@ def test_bf16_params_and_activations_track_fp32():
   assert l16.dtype == jnp.float32  # logits are upcast for the loss
   rel = float(jnp.linalg.norm(l16 - l32) / jnp.linalg.norm(l32))
   assert rel < 5e-2, rel
+
+
+@pytest.mark.parametrize("keys,loss", [
+    (dict(), "loss = lm + 0.1 x mtp + 1 x indexer;"),
+    (dict(indexer_training_stage="dense_warmup"), "loss = 1 x indexer;"),  # the main model frozen
+    (dict(indexer_training_stage="none", mtp_num_layers=0), "loss = lm;"),
+])
+def test_the_console_names_each_loss_and_how_loss_sums_them(keys, loss):
+  from MaxText.train import loss_legend
+  said = loss_legend(make_config(**keys))
+  assert said.startswith(f"losses: {loss}") and "lm: next-token cross-entropy (the language model's progress)" in said
+  assert ("indexer: KL(attention || indexer scores)" in said) == (keys.get("indexer_training_stage") != "none")
