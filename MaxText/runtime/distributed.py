@@ -45,6 +45,10 @@ def _cluster_detected():
   return None
 
 
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [""])[0]
+
+
 _ONE_OR_MANY = ("for one process set distributed_num_processes=1; for several, "
                 "distributed_coordinator_address=host:port with distributed_num_processes and "
                 "distributed_process_id on each")
@@ -63,9 +67,8 @@ def _detected_processes(name: str, env) -> int | None:
       return len(workers()) * int(os.environ.get("MEGASCALE_NUM_SLICES") or 1)
     return int(env.get_process_count())
   except Exception as e:  # noqa: BLE001 - any failure of the probe is the same answer to the user
-    first = (str(e).strip().splitlines() or [""])[0][:200]
     raise ConfigError(f"a {name} cluster environment was detected but asking it for the process count "
-                      f"failed ({type(e).__name__}: {first}); {_ONE_OR_MANY}") from None
+                      f"failed ({type(e).__name__}: {_first_line(e)[:200]}); {_ONE_OR_MANY}") from None
 
 
 def initialize(d: Distributed) -> int:
@@ -98,9 +101,8 @@ def initialize(d: Distributed) -> int:
       jax.distributed.initialize(num_processes=None if n < 0 else n, process_id=None if pid < 0 else pid,
                                  initialization_timeout=timeout)
     except Exception as e:  # noqa: BLE001 - the environment's bootstrap failed: one line, the keys that decide
-      first = (str(e).strip().splitlines() or [""])[0][:200]
       raise ConfigError(f"jax.distributed could not start from the detected {name} environment "
-                        f"({type(e).__name__}: {first}); {_ONE_OR_MANY}") from None
+                        f"({type(e).__name__}: {_first_line(e)[:200]}); {_ONE_OR_MANY}") from None
     _quiet_unless_main(jax)
     return jax.device_count()
   _rendezvous(address, n, pid, timeout)
@@ -413,9 +415,8 @@ def run_main(main, argv) -> None:
   except BaseException as e:  # noqa: BLE001 - every failure must end every process
     traceback.print_exc()
     if jax.distributed.is_initialized():
-      first = (str(e).strip().splitlines() or [""])[0]
       print(f"error: process {jax.process_index()} of {jax.process_count()} failed ({type(e).__name__}: "
-            f"{first}); ending it, and with it the others", file=sys.stderr)
+            f"{_first_line(e)}); ending it, and with it the others", file=sys.stderr)
     code = 1
   if not code and jax.distributed.is_initialized():
     jax.distributed.shutdown()

@@ -150,10 +150,10 @@ class EngineThread:
       with self._make_engine() as engine:
         self.state, self._compiling = "compiling", True
         t0 = time.perf_counter()
-        first = engine.programs(first=self._warmup == "first")
-        n = engine.warmup(first)
+        every = engine.programs()
+        n = engine.warmup(engine.programs(first=True) if self._warmup == "first" else every)
         self._compiling = False
-        self._pending = [p for p in engine.programs() if p not in set(first)]
+        self._pending = every[n:]  # programs(first=True) is every's first n
         self.log(f"serve: compiled {n} step programs in {time.perf_counter() - t0:.1f} s; ready"
                  + (f" (the other {len(self._pending)} compile while idle, smallest first)" if self._pending else ""))
         self.stats = engine.stats()
@@ -180,9 +180,8 @@ class EngineThread:
         self._step(engine)
       elif self._pending:  # idle: the next step program (a request waits for one compile at most)
         self._compiling = True
-        engine.warmup(self._pending[:1])
+        engine.warmup([self._pending.pop(0)])
         self._compiling = False
-        del self._pending[0]
         if not self._pending:
           self.log(f"serve: every step program compiled, {time.perf_counter() - ready:.1f} s after ready")
       if self.state == "failed":  # fail(): a lost process; the server exits
