@@ -4,6 +4,7 @@
     python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
     python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
+    python benchmarks/long_context.py --lengths 32768 --trace /tmp/long  # and the first path's profile per length
 
 The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes: 128 heads, q_lora 1536,
 kv_lora 512, 64 indexer heads of 128, top-k 2048), thinned per rung (below), at max_target_length = each length,
@@ -28,7 +29,9 @@ every other path runs at the same rung (a path that does not fit there is stated
 shapes side by side). What does not fit is skipped with its compiled peak; what fails to compile or run is a row
 with its error. --budget: a length or path that would start with less than MIN_START_S left is skipped (the device
 tool's 10 minutes a command). Printed: a line per run as it ends (a run cut short keeps them), a table, and one
-JSON line. Asserts nothing about time.
+JSON line. Asserts nothing about time. --trace DIR: the first path at each length also runs 2 steps under
+jax.profiler (into DIR/<length>), its device time per part of the model, source line and op printed
+(benchmarks/profile_ops.py, train_mfu.py's PARTS) and its parts kept in the row: what limits the step.
 
 Model MFU = model FLOPs / step / the device's bf16 peak (runtime/metrics.py), model FLOPs per token = 6 x active
 params + attention over min(indexer_topk, keys) keys for the sparse paths, half the keys (causal) for `mask`
@@ -46,8 +49,11 @@ import time
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
+import profile_ops  # noqa: E402
+import train_mfu  # noqa: E402  (its PARTS: the model's parts by source file)
 
 from MaxText.kernels import backend  # noqa: E402
 
@@ -89,17 +95,21 @@ def overrides(model: str, length: int, rung, path: str, base=()) -> dict:
               **{**parse_rung(base), **parse_rung(rung)}, **PATHS[path])
 
 
-def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=()):
-  """Each length's rung and each path's train_step result there -> rows (one dict per (length, path))."""
+def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=(), trace=None, top=15):
+  """Each length's rung and each path's train_step result there -> rows (one dict per (length, path)); trace: the
+  first path's profile per length under trace/<length>, its parts in the row."""
   rows = []
 
   def run(length, rung, path):
+    where = os.path.join(trace, str(length)) if trace and path == paths[0] and not compile_only else None
     if time.perf_counter() > deadline - MIN_START_S:
       r = dict(skipped=f"out of budget (under {MIN_START_S} s left)")
     else:
       try:
         with backend.forced(**force):
-          r = device_check.train_step(overrides(model, length, rung, path, base), steps, None, compile_only)
+          r = device_check.train_step(overrides(model, length, rung, path, base), steps, where, compile_only)
+        if (hlo := r.pop("hlo", None)) is not None:
+          r["parts"] = profile_ops.summarize(where, [hlo], train_mfu.PARTS, 2, top)
       except Exception as e:  # a path that fails to compile or run is a row; the others still run
         r = dict(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     r = dict(length=length, path=path, rung=" ".join(rung), **r)
@@ -153,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
   ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
                   help="kernels/backend.py choices other than the device's row (backend.forced)")
+  ap.add_argument("--trace", default=None, metavar="DIR",
+                  help="profile the first path's step at each length into DIR/<length> and print its parts")
+  ap.add_argument("--top", type=int, default=15, help="--trace: source lines and ops printed")
   ap.add_argument("--compile-only", action="store_true",
                   help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
   ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
   steps = args.steps or (QUICK["steps"] if args.quick else 5)
   deadline = time.perf_counter() + (args.budget or float("inf"))
   rows = measure(args.model, lengths, paths, ladder, steps, args.compile_only, force, deadline,
-                 QUICK["rung"] if args.quick else ())
+                 QUICK["rung"] if args.quick else (), args.trace, args.top)
 
   mask_way = backend.choice("mask_attention") if "mask_attention" not in force else force["mask_attention"]
   print(f"long-context train step, {args.model}{' at --quick sizes' if args.quick else ''}, 1 sequence a step, "

@@ -14,7 +14,8 @@
 #                                                    (splash and the KL target kernel among its parts)
 #   bash benchmarks/tpu_decode_check.sh long OUT [LENGTHS [PATHS]]   benchmarks/long_context.py: the long-context
 #                                                    train step, gather path beside the dense mask path (splash), per
-#                                                    length (default 8192,16384,32768; gather,mask), under 560 s
+#                                                    length (default 8192,16384,32768; gather,mask), under 560 s;
+#                                                    the first path profiled per length (--trace)
 #   (MaxText 0.2.5 at the same lengths: benchmarks/long_context_peer.sh, with /work/shared/peer carried as .peer)
 # A comparison with another tree is two runs of a part, one in each checkout. Expects .device_bundle
 # (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
@@ -46,6 +47,7 @@ case "$part" in
         --set global_batch_size=2 remat_policy=full; } 2>&1 | tee "$out/mfu.log" ;;
   long)
     timeout 560 python3 benchmarks/long_context.py --lengths "${3:-8192,16384,32768}" --paths "${4:-gather,mask}" \
+      --trace /tmp/long_trace \
       --budget 520 2>&1 | tee "$out/long.log" ;;
   *) echo "tpu_decode_check.sh: part must be step, profile, kernels, decode, mfu or long, got '$part'" >&2; exit 2 ;;
 esac

@@ -134,13 +134,22 @@ def readme_decode(size: str, work: str) -> dict:
 
 def _serve(args: list[str], work: str, name: str, requests, limit: float = 420) -> dict:
   """Starts `python -m MaxText.serve *args` on a unix socket, waits for /health 200, sends requests(client) ->
-  (status, body) pairs, then SIGTERM: seconds to ready, the answers, seconds from SIGTERM to the exit."""
+  (status, body) pairs, then SIGTERM: seconds to ready, the answers, seconds from SIGTERM to the exit. The log
+  (work/name.log) has each line's second from the start, jax's compiles among them (JAX_LOG_COMPILES)."""
   import httpx
   sock = os.path.join(work, f"{name}.sock")
   log = open(os.path.join(work, f"{name}.log"), "w")
   t0 = time.perf_counter()
-  p = subprocess.Popen(_python("-m", "MaxText.serve", *args, f"serve_uds={sock}"), stdout=log,
-                       stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+  p = subprocess.Popen(_python("-m", "MaxText.serve", *args, f"serve_uds={sock}"), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, text=True,
+                       env=dict(os.environ, JAX_LOG_COMPILES="1"))  # each compile a line: where the start goes
+
+  def copy():  # each line into the log with the second it came (from the start)
+    for line in p.stdout:
+      log.write(f"[{time.perf_counter() - t0:7.1f} s] {line}")
+      log.flush()
+  reader = threading.Thread(target=copy, daemon=True)
+  reader.start()
   client = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost", timeout=120)
   out = dict(ready_s=None, answers=[], exit_after_sigterm_s=None, rc=None)
   try:
@@ -171,6 +180,7 @@ def _serve(args: list[str], work: str, name: str, requests, limit: float = 420) 
     if p.poll() is None:
       os.killpg(p.pid, signal.SIGKILL)
       p.wait()
+    reader.join(10)
     log.close()
   with open(os.path.join(work, f"{name}.log")) as f:
     out["log_tail"] = " | ".join(f.read().strip().splitlines()[-2:])[-300:]
