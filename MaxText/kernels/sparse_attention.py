@@ -31,6 +31,8 @@ recomputes each query's gather and softmax, and scatter-adds the keys' cotangent
 one [b,s,c+r] carry. Plain autodiff would keep every query's gathered keys for the backward
 pass (O(t*k*(c+r)): 16x the whole KV at k = s/16) or, rematerialized, transpose each query's
 gather into a fresh zero [b,s,c+r] cotangent: O(s) work per query, O(t*s) in all.
+backend.py's gather_attention "pallas" / "pallas_dma" runs a block's attention and its VJP in the Mosaic kernels
+of sparse_mla_kernel.py instead (no [b,h,blk,k] logits in HBM; forced only until timed on a TPU).
 On CPU (query_loop "loop" in backend.py) a block's attention loops over its queries with 2-D
 matmuls, so each query's gathered keys stay in cache between its score and output matmuls: faster
 on CPU than one block-wide batched gather ("vmap"), which other backends run
@@ -68,6 +70,7 @@ from MaxText.kernels.index_scores import gathered_index_scores, index_scores, in
 from MaxText.kernels.low_rank import LowRank, absorbed_out_delta, absorbed_q_delta
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
+from MaxText.kernels.sparse_mla_kernel import GATHER_OF_WAY, sparse_mla_attend
 from MaxText.kernels.topk_indices import gather_rows, topk_indices
 from MaxText.runtime.sharding import constrain
 
@@ -334,6 +337,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
   n = -(-t // min(query_block, t))
   blk = -(-t // n)  # n blocks of blk >= t/n queries: fewer than n padding rows
   loop = backend.choice("query_loop") == "loop" if query_loop is None else query_loop
+  way = backend.choice("gather_attention")  # "xla": _attend_block; else sparse_mla_kernel's Mosaic kernels
   if q_seg is None:  # padding rows must see no key: give every row a segment
     q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
   kv_cat = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [b,s,c+r]
@@ -366,7 +370,10 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
     dq = None if wkv_b_lora is None else absorbed_q_delta(qn, wkv_b_lora, nope, dt, precision)  # [b,blk,h,c] f32
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=dq)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
-    o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
+    if way == "xla":
+      o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
+    else:
+      o_lat, p_heads = sparse_mla_attend(q_cat, kv_cat, idx, ok, scale, c, gather=GATHER_OF_WAY[way])  # the same
     do = None if wkv_b_lora is None else absorbed_out_delta(o_lat, wkv_b_lora, nope, dt, precision)  # [b,blk,h,v]
     return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=do), p_heads  # [b,blk,h,v]
 
