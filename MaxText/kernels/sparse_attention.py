@@ -248,6 +248,18 @@ def _attend_block_bwd(scale, c, loop, precision, res, cts):
 _attend_block.defvjp(_attend_block_fwd, _attend_block_bwd)
 
 
+def attend_block(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, c: int, *,
+                 loop: bool = False, precision=None, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """One query block's attention over its selected rows, by backend.py's gather_attention (read when traced):
+  "xla" _attend_block (loop / precision as there), "pallas" / "pallas_dma" sparse_mla_kernel.sparse_mla_attend
+  (its rows gathered by XLA / DMA'd by the kernel; `block` its slots a grid step, None: BLOCK_SLOTS). q [b,B,h,e], kv [b,s,e], idx/ok [b,B,k] -> o_lat [b,B,h,c],
+  p_heads [b,B,k] fp32; differentiable in q and kv (p_heads carries no gradient)."""
+  way = backend.choice("gather_attention")
+  if way == "xla":
+    return _attend_block(q, kv, idx, ok, scale, c, loop, precision)
+  return sparse_mla_attend(q, kv, idx, ok, scale, c, gather=GATHER_OF_WAY[way], block=block)
+
+
 # ----------------------------------------------------------------------------- the blocked driver
 
 
@@ -337,7 +349,6 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
   n = -(-t // min(query_block, t))
   blk = -(-t // n)  # n blocks of blk >= t/n queries: fewer than n padding rows
   loop = backend.choice("query_loop") == "loop" if query_loop is None else query_loop
-  way = backend.choice("gather_attention")  # "xla": _attend_block; else sparse_mla_kernel's Mosaic kernels
   if q_seg is None:  # padding rows must see no key: give every row a segment
     q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
   kv_cat = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [b,s,c+r]
@@ -370,10 +381,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
     dq = None if wkv_b_lora is None else absorbed_q_delta(qn, wkv_b_lora, nope, dt, precision)  # [b,blk,h,c] f32
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=dq)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
-    if way == "xla":
-      o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
-    else:
-      o_lat, p_heads = sparse_mla_attend(q_cat, kv_cat, idx, ok, scale, c, gather=GATHER_OF_WAY[way])  # the same
+    o_lat, p_heads = attend_block(q_cat, kv_cat, idx, ok, scale, c, loop=loop, precision=precision)
     do = None if wkv_b_lora is None else absorbed_out_delta(o_lat, wkv_b_lora, nope, dt, precision)  # [b,blk,h,v]
     return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=do), p_heads  # [b,blk,h,v]
 
@@ -396,4 +404,4 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
 
 
 __all__ = ["SparseQueries", "SparseKeys", "SparseSpec", "SparseOutput", "absorb_q", "unabsorb_out",
-           "gather_attend", "sparse_mla_attention"]
+           "attend_block", "gather_attend", "sparse_mla_attention"]

@@ -286,15 +286,16 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def sparse_mla_attend(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, c: int, *,
-                      gather: str = "xla", block: int = BLOCK_SLOTS, interpret: bool | None = None
+                      gather: str = "xla", block: int | None = None, interpret: bool | None = None
                       ) -> tuple[jax.Array, jax.Array]:
   """sparse_attention._attend_block's function by the kernels (module doc), differentiable in q and kv.
 
   q [b,t,h,e] = [q_lat | q_pe], kv [b,s,e] = [c_kv | k_pe] (fp32 or bf16, one dtype), idx [b,t,k] int32 key
   positions (an invalid slot may hold anything, -1 included), ok [b,t,k] bool, scale the softmax scale, c the
   latent width -> o_lat [b,t,h,c] in q's dtype and p_heads [b,t,k] fp32 (probabilities summed over heads; no
-  gradient flows back through it). A query with no valid slot gets o_lat 0, p_heads 0 and no gradient."""
-  return _attend(q, kv, idx, ok, scale, c, gather, block, interpret)
+  gradient flows back through it). A query with no valid slot gets o_lat 0, p_heads 0 and no gradient. block:
+  slots a grid step (None: BLOCK_SLOTS)."""
+  return _attend(q, kv, idx, ok, scale, c, gather, BLOCK_SLOTS if block is None else block, interpret)
 
 
 __all__ = ["BLOCK_SLOTS", "GATHERS", "GATHER_OF_WAY", "sparse_mla_attend"]

@@ -163,3 +163,15 @@ def test_gather_attention_defaults_to_xla_on_every_row_and_rejects_unknown_ways(
   with pytest.raises(ValueError, match="gather_attention"):
     backend.parse_forced(["gather_attention=mosaic"])
   assert backend.parse_forced(["gather_attention=pallas_dma"]) == dict(gather_attention="pallas_dma")
+
+
+def test_the_benchmark_runs_every_way_at_quick_sizes(capsys):
+  """benchmarks/sparse_mla_kernel.py --quick: a row a way with its times, none failed, one JSON line (the DMA way
+  left out: interpreted, its 128 DMAs a token take seconds; the tests above hold its values)."""
+  import json
+
+  from benchmarks import sparse_mla_kernel as bench
+  bench.main(["--quick", "--iters", "1", "--ways", "xla,pallas", "--kl"])
+  rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+  assert [r["way"] for r in rows] == ["xla", "pallas"]
+  assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows), rows
