@@ -3,6 +3,7 @@
     python benchmarks/sparse_mla_kernel.py                      # a TPU: official shapes, forward and backward
     python benchmarks/sparse_mla_kernel.py --tokens 64 --keys 131072 --block 1024
     python benchmarks/sparse_mla_kernel.py --quick              # a CPU smoke run (tiny shapes, interpreted kernels)
+    PYTHONPATH=/tmp/libtpu:. python benchmarks/sparse_mla_kernel.py --compile-for v5e:1x1   # no TPU: Mosaic's compile
 
 One query block of the gather path as sparse_mla_attention runs it (sparse_attention.attend_block): --tokens
 query tokens (sparse_attention_query_block, 256 by default) at the end of a --keys sequence, each over --topk
@@ -11,6 +12,10 @@ selected keys (distinct, causal, ascending as topk_indices gives them), 128 head
 --kl) and the forward + backward (d q, d kv of sum(o_lat * r)), each jitted, the median of --iters calls after a
 warm-up. The bound is the MXU work at the device's bf16 peak (runtime/metrics.py): 2*h*k*(e+c) FLOP a token
 forward, 2*h*k*(3e+2c) backward. Prints a table and one JSON line; asserts nothing about time.
+
+--compile-for TOPOLOGY runs nothing: each way's forward + backward compiled for a TPU topology on a host without
+one (libtpu installed aside: `pip install --target /tmp/libtpu libtpu==0.0.42.1`, as decode_profile.py), Mosaic's
+compile of the kernels included (its VMEM limits, its layout rules), with XLA's temp memory.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profile_ops
 from MaxText.kernels import backend
 from MaxText.kernels import sparse_attention as sa
 from MaxText.runtime.metrics import peak_flops_per_device
@@ -71,6 +77,34 @@ def measure(a, way: str, args) -> dict:
   return row
 
 
+def compile_for(a, topology: str) -> list[dict]:
+  """Each way's forward + backward (with p_heads) compiled for a TPU topology from abstract inputs: rows of
+  (way, compile seconds, XLA's temp GiB) or the error's first line."""
+  devices = profile_ops.topology_devices(topology)
+  if devices is None:
+    return []
+  sh = jax.sharding.SingleDeviceSharding(devices[0])
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in inputs(a)]
+  scale, c, rows = (a.kv_lora + a.rope) ** -0.5, a.kv_lora, []
+
+  def loss(q, kv, idx, ok):
+    o, ph = sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ph)
+
+  for way in a.ways.split(","):
+    t0 = time.perf_counter()
+    try:
+      with backend.forced("tpu", gather_attention=way):  # the tpu row: Mosaic's lowering, not the interpreter
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*shapes).compile()
+      row = dict(way=way, compile_s=round(time.perf_counter() - t0, 1),
+                 temp_gib=round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3))
+    except Exception as ex:  # a way Mosaic or XLA refuses is a row (e.g. out of scoped VMEM)
+      row = dict(way=way, failed=f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}")
+    print(f"{way:<11} {row}", flush=True)
+    rows.append(row)
+  return rows
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--tokens", type=int, default=256, help="query tokens (a gather-path block)")
@@ -84,10 +118,17 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--kl", action="store_true", help="the forward also returns p_heads (the sparse stage's KL)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help=f"tiny shapes for a CPU smoke run: {QUICK}")
+  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
+                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
   a = ap.parse_args(argv)
   if a.quick:
     for k, v in QUICK.items():
       setattr(a, k.replace("-", "_"), v)
+  if a.compile_for:
+    rows = compile_for(a, a.compile_for)
+    print(json.dumps(dict(benchmark="sparse_mla_kernel", compile_for=a.compile_for, tokens=a.tokens, keys=a.keys,
+                          topk=a.topk, heads=a.heads, block=a.block, rows=rows)))
+    return
   args = inputs(a)
   peak, peak_from = peak_flops_per_device()
   e, c = a.kv_lora + a.rope, a.kv_lora

@@ -30,9 +30,12 @@ How the k selected rows reach VMEM (`gather`), the choice of this module:
          costs ~8-10 ns a row on a v5e (docs/kernels.md, the decode step): ~20 us for 2048 rows.
   "dma"  The kernel DMAs each selected row from the kv array in HBM into a VMEM buffer (two slots: block j+1's rows
          started before block j is computed, one byte-counting semaphore wait a block), FlashMLA's gather into
-         shared memory: k*e*2 bytes read once (2.36 MB at bf16: 2.9 us at 819 GB/s), no HBM round trip, but k DMAs
-         a query token (2048 descriptors of 1152 bytes; ~20-26 VLIW bundles to issue each, measured for the decode
-         kernel's 32-bit pools: ~13 ns a row, so ~28 us a token unless the issue hides under the matmuls).
+         shared memory: k*e*4 bytes read once (4.7 MB: 5.8 us at 819 GB/s), no HBM round trip, but k DMAs a query
+         token (2048 descriptors of 2304 bytes; ~20-26 VLIW bundles to issue each, measured for the decode kernel's
+         32-bit pools: ~13 ns a row, so ~28 us a token unless the issue hides under the matmuls). The rows are
+         32-bit: Mosaic (libtpu 0.0.42.1, compiled for a v5e) refuses a one-row DMA into a bf16 VMEM buffer at a row
+         that is not a whole (16, 128) tile's, so a bf16 kv is widened to f32 by XLA once a call (s*e*6 bytes: 0.14
+         ms at 32K keys, ~5% of a 256-token block's MXU bound) and each block narrowed back in VMEM (exact).
 
 Per query token at the official shapes (h 128, e 576, c 512, k 2048), the MXU work is 2*h*k*(e+c) = 0.57 GFLOP
 forward (2.9 us at the v5e's 197 TFLOP/s) and 2*h*k*(3e+2c) = 1.44 GFLOP backward (7.3 us): both gathers are
@@ -109,14 +112,14 @@ def _dma_rows(kv_hbm, buf, sems, ids_now, ids_next, n: int) -> jax.Array:
   return buf[slot]
 
 
-def _kernel(*refs, body, n_in: int, n_out: int, gather: str, block: int):
-  """Splits a pallas_call's refs (ins, the rows' refs, outs, scratch) and hands `body` this step's rows [block,e]:
-  body(kv, *ins, *outs, *scratch)."""
+def _kernel(*refs, body, n_in: int, n_out: int, gather: str, block: int, dtype):
+  """Splits a pallas_call's refs (ins, the rows' refs, outs, scratch) and hands `body` this step's rows [block,e]
+  in `dtype` (q's): body(kv, *ins, *outs, *scratch)."""
   ins, rest = refs[:n_in], refs[n_in:]
   if gather == "dma":
     (ids_now, ids_next, kv_hbm), rest = rest[:3], rest[3:]
     outs, (buf, sems, *scratch) = rest[:n_out], rest[n_out:]
-    kv = _dma_rows(kv_hbm, buf, sems, ids_now, ids_next, block)
+    kv = _dma_rows(kv_hbm, buf, sems, ids_now, ids_next, block).astype(dtype)  # 32-bit rows back to q's dtype
   else:
     (kv_ref,), rest = rest[:1], rest[1:]
     outs, scratch = rest[:n_out], rest[n_out:]
@@ -140,6 +143,7 @@ class _Layout:
     self.ok = jnp.pad(ok, pad).astype(jnp.int32).reshape(b * t, 1, kp)  # [R,1,k']: padding slots invalid
     self.flat_ids = (idx + (jnp.arange(b, dtype=jnp.int32) * s)[:, None, None]).reshape(b * t, kp)  # [R,k'] in [b*s]
     self.kv_flat = kv.reshape(b * s, e)  # [b*s,e]
+    self.dtype = q.dtype
     self.q = q.reshape(b * t, h, e)  # [R,h,e]
     self._idx = idx
 
@@ -155,13 +159,16 @@ class _Layout:
              pl.BlockSpec((1, 1, blk), lambda r, j: (r * nb + jnp.minimum(j + 1, nb - 1), 0, 0),
                           memory_space=pltpu.SMEM),
              pl.BlockSpec(memory_space=pl.ANY)]
-    return [ids, ids, self.kv_flat], specs, [pltpu.VMEM((2, blk, e), self.kv_flat.dtype), pltpu.SemaphoreType.DMA((2,))]
+    # 32-bit rows: Mosaic slices a VMEM buffer of 16-bit rows only at whole (16, 128) tiles ("offsets along tiled
+    # dimensions must be aligned"), so a bf16 kv is widened (exactly) once a call, s*e*6 bytes of XLA traffic
+    kv32 = self.kv_flat.astype(jnp.float32) if self.kv_flat.dtype.itemsize < 4 else self.kv_flat
+    return [ids, ids, kv32], specs, [pltpu.VMEM((2, blk, e), kv32.dtype), pltpu.SemaphoreType.DMA((2,))]
 
   def call(self, body, ins, in_specs, out_shape, out_specs, scratch, interpret):
     """pallas_call over grid (R, n_blocks): ins (with their specs) then the rows, out_shape/out_specs, scratch."""
     rows, row_specs, row_scratch = self.rows()
     kernel = functools.partial(_kernel, body=body, n_in=len(ins), n_out=len(out_shape), gather=self.gather,
-                               block=self.block)
+                               block=self.block, dtype=self.dtype)
     return pl.pallas_call(
         kernel, grid=(self.q.shape[0], self.n_blocks), in_specs=[*in_specs, *row_specs], out_specs=out_specs,
         out_shape=out_shape, scratch_shapes=[*row_scratch, *scratch],
