@@ -64,6 +64,11 @@ measurement on it (tools/device/device_check.sh, docs/accelerators.md).
                      latents gathered (gather_selected),   kernel reads them from the pools (paged_cache.
                      then gather_attend (attention_mla)    attend_selected; the new token merged by its lse);
                                                            no row takes it until measured on a GPU
+  gather_attention   "xla": the gather path's attention    "xla" (gpu, tpu, others); "pallas": the Mosaic kernels
+                     over each query's selected rows        of kernels/sparse_mla_kernel.py over rows gathered by
+                     (sparse_attention._attend_block:       XLA; "pallas_dma": the kernels DMA each selected row
+                     [b,h,t,k] logits in memory)            into VMEM themselves; no row takes either until timed
+                                                           on a TPU (benchmarks/long_context.py --force)
 
 Every choice keeps the selection invariants of DESIGN.md: both exact selections are lax.top_k's
 set (ties lowest position first); both approximate ones reach their recall target.
@@ -109,6 +114,7 @@ class Choices:
   fp8_unpack: str = "bitcast"  # "bitcast" | "shifts": fp8 codes' order in 32-bit words, and their unpacking (to_words)
   key_order: str = "natural"  # "natural" | "paired": a paged fp8 idx_k pool's rows (paged_pools.paired_keys)
   sparse_decode: str = "xla"  # "xla" | "triton": a paged decode step's attention over its selected slots
+  gather_attention: str = "xla"  # "xla" | "pallas" | "pallas_dma": the gather path's attention (sparse_attention.py)
 
 
 OPTIONS = {  # the implementations of each string choice: CPU-tuned first, portable second
@@ -129,10 +135,14 @@ KERNELS = {  # choices whose first way the cpu and portable rows take, the secon
     "fp8_unpack": ("bitcast", "shifts"),  # from_words / dequantize_fp8: a bitcast view; shifts, a block a piece
     "key_order": ("natural", "paired"),  # paged_pools: an fp8 idx_k pool's rows in slot order; int8, paired
     "sparse_decode": ("xla",),  # the selected latents gathered, then gather_attend (the Mosaic kernel tied it: none)
+    "gather_attention": ("xla",),  # sparse_attention._attend_block's XLA attention (the kernels: MOSAIC_WAYS)
 }
 TPU_WAYS = {  # ways only the tpu row takes (beyond OPTIONS' cpu and portable ones), measured there
     "exact_selection": ("pallas",),  # the k-th value by a Mosaic kernel over rows in VMEM (kth_value.py)
     "index_placement": ("grouped",),  # mask_to_indices' slots by counting in two levels (topk_indices.py)
+}
+MOSAIC_WAYS = {  # ways written for a TPU (Mosaic); no row takes them until timed on one (forced meanwhile)
+    "gather_attention": ("pallas", "pallas_dma"),  # kernels/sparse_mla_kernel.py: rows gathered by XLA; by DMAs
 }
 GPU_WAYS = {  # ways written for a GPU (Triton); no row takes them until measured on one (forced meanwhile)
     "paged_scoring": ("triton",),  # paged_decode_gpu.paged_index_scores: gathered loads of a block's keys
@@ -249,7 +259,8 @@ def _check(backend: str | None, overrides: dict) -> None:
     if name == "gather_min_length":
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"backend.forced: gather_min_length must be an int >= 1, got {value!r}")
-    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + TPU_WAYS.get(name, ()) + GPU_WAYS.get(name, ())):
+    elif value not in (ways := {**OPTIONS, **KERNELS}[name] + TPU_WAYS.get(name, ()) + MOSAIC_WAYS.get(name, ())
+                                 + GPU_WAYS.get(name, ())):
       raise ValueError(f"backend.forced: {name}={value!r}; expected one of {ways}")
   if backend is not None and not isinstance(backend, str):
     raise ValueError(f"backend.forced: backend must be a name such as 'gpu', got {backend!r}")

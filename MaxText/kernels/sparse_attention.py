@@ -31,6 +31,8 @@ recomputes each query's gather and softmax, and scatter-adds the keys' cotangent
 one [b,s,c+r] carry. Plain autodiff would keep every query's gathered keys for the backward
 pass (O(t*k*(c+r)): 16x the whole KV at k = s/16) or, rematerialized, transpose each query's
 gather into a fresh zero [b,s,c+r] cotangent: O(s) work per query, O(t*s) in all.
+backend.py's gather_attention "pallas" / "pallas_dma" runs a block's attention and its VJP in the Mosaic kernels
+of sparse_mla_kernel.py instead (no [b,h,blk,k] logits in HBM; forced only until timed on a TPU).
 On CPU (query_loop "loop" in backend.py) a block's attention loops over its queries with 2-D
 matmuls, so each query's gathered keys stay in cache between its score and output matmuls: faster
 on CPU than one block-wide batched gather ("vmap"), which other backends run
@@ -68,6 +70,7 @@ from MaxText.kernels.index_scores import gathered_index_scores, index_scores, in
 from MaxText.kernels.low_rank import LowRank, absorbed_out_delta, absorbed_q_delta
 from MaxText.kernels.masks import attention_validity
 from MaxText.kernels.selection import additive_mask
+from MaxText.kernels.sparse_mla_kernel import GATHER_OF_WAY, sparse_mla_attend
 from MaxText.kernels.topk_indices import gather_rows, topk_indices
 from MaxText.runtime.sharding import constrain
 
@@ -245,6 +248,18 @@ def _attend_block_bwd(scale, c, loop, precision, res, cts):
 _attend_block.defvjp(_attend_block_fwd, _attend_block_bwd)
 
 
+def attend_block(q: jax.Array, kv: jax.Array, idx: jax.Array, ok: jax.Array, scale: float, c: int, *,
+                 loop: bool = False, precision=None, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """One query block's attention over its selected rows, by backend.py's gather_attention (read when traced):
+  "xla" _attend_block (loop / precision as there), "pallas" / "pallas_dma" sparse_mla_kernel.sparse_mla_attend
+  (its rows gathered by XLA / DMA'd by the kernel; `block` its slots a grid step, None: BLOCK_SLOTS). q [b,B,h,e], kv [b,s,e], idx/ok [b,B,k] -> o_lat [b,B,h,c],
+  p_heads [b,B,k] fp32; differentiable in q and kv (p_heads carries no gradient)."""
+  way = backend.choice("gather_attention")
+  if way == "xla":
+    return _attend_block(q, kv, idx, ok, scale, c, loop, precision)
+  return sparse_mla_attend(q, kv, idx, ok, scale, c, gather=GATHER_OF_WAY[way], block=block)
+
+
 # ----------------------------------------------------------------------------- the blocked driver
 
 
@@ -366,7 +381,7 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
     dq = None if wkv_b_lora is None else absorbed_q_delta(qn, wkv_b_lora, nope, dt, precision)  # [b,blk,h,c] f32
     q_lat = absorb_q(qn, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=dq)  # [b,blk,h,c]
     q_cat = jnp.concatenate([q_lat, qp.astype(dt)], axis=-1)  # [b,blk,h,c+r]
-    o_lat, p_heads = _attend_block(q_cat, kv_cat, idx, ok, scale, c, loop, precision)  # [b,blk,h,c], [b,blk,k']
+    o_lat, p_heads = attend_block(q_cat, kv_cat, idx, ok, scale, c, loop=loop, precision=precision)
     do = None if wkv_b_lora is None else absorbed_out_delta(o_lat, wkv_b_lora, nope, dt, precision)  # [b,blk,h,v]
     return unabsorb_out(o_lat, wkv_b_kernel, num_heads, nope, v, precision=precision, delta=do), p_heads  # [b,blk,h,v]
 
@@ -389,4 +404,4 @@ def sparse_mla_attention(queries: SparseQueries, keys: SparseKeys, wkv_b_kernel:
 
 
 __all__ = ["SparseQueries", "SparseKeys", "SparseSpec", "SparseOutput", "absorb_q", "unabsorb_out",
-           "gather_attend", "sparse_mla_attention"]
+           "attend_block", "gather_attend", "sparse_mla_attention"]
