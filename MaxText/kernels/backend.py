@@ -93,6 +93,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +236,14 @@ def pallas_interpret(interpret: bool | None, platform: str = "tpu") -> bool:
 
 MOSAIC_LANES = 128  # a Mosaic block's last dimension: a multiple of 128 lanes (its second-last: of 8 sublanes) ...
 # ... unless the block spans that dimension of the array whole (Pallas' TPU lowering refuses any other block)
+
+
+def dot_precision(dtype) -> jax.lax.Precision:
+  """The precision a dot inside a Mosaic kernel (or a TPU lowering to one: ragged_dot's grouped matmul) names for
+  operands of `dtype`: HIGHEST for fp32, DEFAULT (one MXU pass: exact for bf16- and fp8-valued operands) otherwise.
+  Never the process default: under JAX_DEFAULT_MATMUL_PRECISION=highest a bf16 dot becomes an fp32-contract one,
+  which Mosaic refuses ("Bad lhs type")."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def mosaic_block(n: int, want: int) -> tuple[int, int]:

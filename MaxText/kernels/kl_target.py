@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.backend import pallas_interpret
+from MaxText.kernels.backend import dot_precision, pallas_interpret
 from MaxText.kernels.flash_attention import head_summed_probs
 from MaxText.runtime.sharding import active_mesh
 
@@ -85,8 +85,8 @@ def _kernel(q_ref, k_ref, qseg_ref, kseg_ref, out_ref, e_ref, mb_ref, m_ref, l_r
   for j in range(n_blocks):  # pass 1: static key blocks (lane slices), those above the diagonal skipped
     @pl.when(j <= last)
     def _(j=j):
-      logits = jax.lax.dot_general(q, k_ref[j * bk:(j + 1) * bk, :], _NT,
-                                   preferred_element_type=jnp.float32) * scale  # [bq, bk]
+      logits = jax.lax.dot_general(q, k_ref[j * bk:(j + 1) * bk, :], _NT, preferred_element_type=jnp.float32,
+                                   precision=dot_precision(q.dtype)) * scale  # [bq, bk]
       x = jnp.where(valid(j), logits, _NEG)
       m = m_ref[:, 0:1]  # [bq, 1]
       m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))  # [bq, 1]

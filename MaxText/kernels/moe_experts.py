@@ -135,7 +135,7 @@ def ragged_dot_fp8(rows: jax.Array, w: BlockFP8, group_sizes: jax.Array, precisi
     sizes = jax.lax.dynamic_slice_in_dim(group_sizes, lo, chunk)  # [C]
     first, last = starts[lo], ends[lo + chunk - 1]
     y = jax.lax.ragged_dot(jnp.roll(rows, -first, axis=0), dequantize(part, rows.dtype), sizes,
-                           precision=precision)  # [R,N]: the chunk's rows first
+                           precision=precision or backend.dot_precision(rows.dtype))  # [R,N]: the chunk's rows first
     mine = (row >= first) & (row < last)  # [R]
     return jnp.where(mine[:, None], jnp.roll(y, first, axis=0), out), None
 
@@ -155,7 +155,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array | BlockFP8, plan: DispatchPlan,
   if impl == "ragged_dot":
     if isinstance(w, BlockFP8):
       return ragged_dot_fp8(rows, w, plan.group_sizes, precision)  # [R,N]
-    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), plan.group_sizes, precision=precision)  # [R,N]
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), plan.group_sizes,  # [R,N]; a Mosaic kernel on a TPU
+                              precision=precision or backend.dot_precision(rows.dtype))
   if impl != "blocked":
     raise ValueError(f"grouped_matmul impl={impl!r}: expected 'ragged_dot' or 'blocked'")
   num_blocks = plan.block_expert.shape[0]

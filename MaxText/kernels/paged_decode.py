@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.backend import mosaic_block, pallas_interpret
+from MaxText.kernels.backend import dot_precision, mosaic_block, pallas_interpret
 from MaxText.kernels.fp8_blocks import (
   PAIR_GROUP,
   PAIRED_DTYPE,
@@ -235,7 +235,8 @@ def _bf16_logits(q: jax.Array, k16: jax.Array) -> jax.Array:
   else:
     qs = _split_bf16(q.astype(jnp.float32))
   h = q.shape[0]
-  both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32)  # [3H, n]
+  both = jax.lax.dot_general(jnp.concatenate(qs, axis=0), k16, _NT, preferred_element_type=jnp.float32,
+                             precision=dot_precision(k16.dtype))  # [3H, n]
   return sum(both[i * h:(i + 1) * h] for i in range(len(qs)))  # [H, n]
 
 

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from MaxText.kernels.backend import mosaic_block, pallas_interpret
+from MaxText.kernels.backend import dot_precision, mosaic_block, pallas_interpret
 from MaxText.kernels.topk_indices import gather_rows
 
 BLOCK_SLOTS = 512  # selected slots a grid step: [h, 512] fp32 logits (256 KiB at h 128); not yet timed on a chip
@@ -73,8 +73,7 @@ _TN = (((0,), (0,)), ((), ()))  # [k,m] x [k,n] -> [m,n]
 
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
   """An MXU dot with fp32 accumulation; fp32 operands at full precision (bf16 ones are exact in one pass)."""
-  hi = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=hi)
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
 
 
 def _logits(q: jax.Array, kv: jax.Array, ok_ref, scale: float) -> jax.Array:

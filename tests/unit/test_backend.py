@@ -217,3 +217,64 @@ def test_parse_forced_reads_a_command_lines_pairs_and_refuses_bad_ones_in_one_li
     with pytest.raises(ValueError, match=says) as e:
       backend.parse_forced(bad)
     assert "\n" not in str(e.value)
+
+
+def _dots(jaxpr, inside: bool = False):
+  """(primitive name, its precision param, operand dtype) of every dot in `jaxpr` and its sub-jaxprs; `inside`:
+  only those inside a pallas_call (a Mosaic kernel's body), plus ragged_dot anywhere (a Mosaic kernel on a TPU)."""
+  from jax.extend import core as jcore
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "ragged_dot_general") and (inside or name == "ragged_dot_general"):
+      yield name, eqn.params.get("precision"), eqn.invars[0].aval.dtype
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jcore.Jaxpr):
+          yield from _dots(sub, inside or name == "pallas_call")
+
+
+@pytest.mark.parametrize("kernel", ["paged_scores_bf16", "paged_scores_fp8", "mla_decode_fp8", "sparse_mla_attend",
+                                    "kl_target", "moe_ragged_dot"])
+def test_every_dot_a_mosaic_kernel_makes_names_its_precision(kernel):
+  """JAX_DEFAULT_MATMUL_PRECISION=highest (which a user may set, and the device check does) turned each bf16 dot
+  with no precision of its own into an fp32-contract one that Mosaic refuses ("Bad lhs type": 12 of the device
+  tests on a v5e). Every dot inside a pallas_call, and ragged_dot (a Mosaic grouped matmul on a TPU), names one:
+  backend.dot_precision (HIGHEST for f32 operands, DEFAULT otherwise)."""
+  from MaxText.kernels import kl_target, moe_experts
+  from MaxText.kernels import paged_decode as pd
+  from MaxText.kernels import sparse_mla_kernel as smk
+  s = jax.ShapeDtypeStruct
+  b, n, page = 2, 64, 8
+  cases = {
+      "paged_scores_bf16": (lambda q, w, k, t, pos: pd.paged_index_scores(q, None, w, k, None, t, pos, page,
+                                                                          interpret=True),
+                            (s((b, 4, 128), jnp.bfloat16), s((b, 4), jnp.float32), s((n, 128), jnp.bfloat16),
+                             s((b, 8), jnp.int32), s((b,), jnp.int32))),
+      "paged_scores_fp8": (lambda q, w, k, ks, t, pos: pd.paged_index_scores(q, None, w, k, ks, t, pos, page,
+                                                                             interpret=True),
+                           (s((b, 4, 128), jnp.float32), s((b, 4), jnp.float32), s((n, 128), jnp.uint8),
+                            s((n, 1), jnp.float32), s((b, 8), jnp.int32), s((b,), jnp.int32))),
+      "mla_decode_fp8": (lambda *a: pd.sparse_mla_decode(*a, 0.1, block=16, interpret=True),
+                         (s((b, 4, 128), jnp.float32), s((b, 4, 64), jnp.float32), s((b, 32), jnp.int32),
+                          s((b, 32), jnp.bool_), s((n, 128), jnp.uint8), s((n, 64), jnp.float32),
+                          s((n, 1), jnp.float32))),
+      "sparse_mla_attend": (jax.grad(lambda q, kv, idx, ok: jnp.sum(smk.sparse_mla_attend(
+                                q, kv, idx, ok, 0.1, 128, interpret=True)[0].astype(jnp.float32)), argnums=(0, 1)),
+                            (s((1, 4, 4, 192), jnp.bfloat16), s((1, 16, 192), jnp.bfloat16),
+                             s((1, 4, 8), jnp.int32), s((1, 4, 8), jnp.bool_))),
+      "kl_target": (lambda q, k: kl_target.head_summed_probs_kernel(q, k, None, 0.1, interpret=True),
+                    (s((1, 128, 2, 64), jnp.bfloat16), s((1, 128, 2, 64), jnp.bfloat16))),
+      "moe_ragged_dot": (lambda rows, w, sizes: moe_experts.grouped_matmul(
+                             rows, w, moe_experts.DispatchPlan(*(None,) * 3, group_sizes=sizes, block_expert=None),
+                             impl="ragged_dot"),
+                         (s((16, 32), jnp.bfloat16), s((4, 32, 8), jnp.bfloat16), s((4,), jnp.int32))),
+  }
+  fn, args = cases[kernel]
+  with jax.default_matmul_precision("highest"):
+    dots = list(_dots(jax.make_jaxpr(fn)(*args).jaxpr))
+  assert dots, f"{kernel}: no dot found inside its kernel"
+  for name, precision, dtype in dots:
+    assert precision is not None, f"{kernel}: a {name} over {dtype} takes the process default precision"
+    want = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    assert tuple(precision) == (want, want) if isinstance(precision, tuple) else precision == want

@@ -29,6 +29,7 @@ from tests.support.attention_reference import (
   np_topk_mask,
   rel_err,
 )
+from tests.support.precision import f32_rtol
 
 pytestmark = pytest.mark.device  # on one GPU or TPU too (tools/device/device_check.sh); not the meshes
 
@@ -130,7 +131,7 @@ def test_sparse_stage_indexer_loss_is_the_float64_kl_over_the_selection_on_both_
   for m in (mask_mla, gather_mla):
     _, loss, inter, _ = _run(m, x, pos)
     np.testing.assert_array_equal(_selection_of(inter, T), support)
-    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    np.testing.assert_allclose(loss, want, rtol=f32_rtol(1e-5))
 
 
 def test_gather_equals_mask_with_ties_at_the_kth_score():
@@ -377,7 +378,8 @@ def test_block_remat_keeps_a_blocks_queries_not_its_absorbed_ones_and_changes_no
     temp[remat] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
     got[remat] = fn(*args)
   stacked = 512 * 16 * (64 + 4 + 64) * 4  # the absorbed queries and latent outputs of every block, f32
-  assert temp[False] - temp[True] >= stacked // 2, temp
+  if jax.default_backend() == "cpu":  # XLA:CPU's buffer assignment; a v5e's memory analysis of this program is 0
+    assert temp[False] - temp[True] >= stacked // 2, temp
   (_, (out1, idx1, _, kl1)), g1 = got[True]
   (_, (out0, idx0, _, kl0)), g0 = got[False]
   np.testing.assert_array_equal(np.asarray(idx1), np.asarray(idx0))
