@@ -233,6 +233,7 @@ CASES = [
   ("min_p_1", {"min_p": 1.0}, "both", _greedy),
   ("top_k_1", {"top_k": 1}, "both", _greedy),
   ("top_k_off", {"top_k": -1}, "both", _plain),
+  ("top_k_negative", {"top_k": -2}, "both", _refuses("top_k")),  # vLLM's: -1 or 0 is off, below is an error
   ("top_p_tiny", {"top_p": 1e-6}, "both", _greedy),
   ("seed", {"seed": 7}, "both", _plain),
   ("stop", {"stop": ["e"]}, "both", _holds(lambda r: "e" not in r["text"])),

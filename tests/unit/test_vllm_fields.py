@@ -40,3 +40,14 @@ def test_the_models_apply_the_split_with_null_as_the_default():
 def test_cache_salt_keeps_prefix_pages_apart_per_salt_and_adapter():
   roots = {Request([1], SamplingParams(cache_salt=s, lora_adapter=a)).prefix_root for s in ("", "a", "b") for a in (0, 1)}
   assert len(roots) == 6 and Request([1], SamplingParams()).prefix_root == b""
+
+
+def test_truncate_prompt_tokens_takes_1_to_max_length_and_minus_1_and_refuses_past_them():
+  prompt = list(range(10))
+  cut = lambda k, side="left": CompletionRequest.model_validate(  # noqa: E731
+      {"prompt": "x", "truncate_prompt_tokens": k, "truncation_side": side}).truncated(prompt, 8)
+  assert cut(8) == prompt[2:] and cut(1) == [9] and cut(-1) == prompt[2:] and cut(8, "right") == prompt[:8]
+  for k in (0, 9, -2):
+    with pytest.raises(ApiError) as e:
+      cut(k)
+    assert e.value.status == 400 and e.value.param == "truncate_prompt_tokens", k
