@@ -15,7 +15,8 @@ def test_ignored_and_off_at_default_go_and_the_rest_stays():
 
 
 @pytest.mark.parametrize("name,value", [("use_beam_search", True), ("priority", 1), ("priority", False),
-                                        ("allowed_token_ids", []), ("thinking_token_budget", 0), ("suffix", "")])
+                                        ("allowed_token_ids", []), ("thinking_token_budget", 0), ("suffix", ""),
+                                        ("logits_processors", ["m.P"])])
 def test_an_off_field_at_another_value_is_named(name, value):
   _, bad = vllm_fields.split({name: value}, "completions")
   assert bad[0] == name and name in bad[1] and "docs/sampling.md" in bad[1]
@@ -51,3 +52,14 @@ def test_truncate_prompt_tokens_takes_1_to_max_length_and_minus_1_and_refuses_pa
     with pytest.raises(ApiError) as e:
       cut(k)
     assert e.value.status == 400 and e.value.param == "truncate_prompt_tokens", k
+
+
+@pytest.mark.parametrize("name,off,on", [("logits_processors", [], ["my.Processor"]), ("structural_tag", None, "{}")])
+def test_vllms_logits_processors_and_chats_structural_tag_are_taken_off_and_named_on(name, off, on):
+  """Two names of vLLM's ChatCompletionRequest (logits_processors of CompletionRequest too) that were 422s here:
+  at vLLM's off value accepted, at another a 400 naming the field."""
+  chat = {"messages": [{"role": "user", "content": "hi"}]}
+  assert ChatRequest.model_validate({**chat, name: off}).messages
+  with pytest.raises(ApiError) as e:
+    ChatRequest.model_validate({**chat, name: on})
+  assert e.value.status == 400 and e.value.param == name and "not implemented" in e.value.message
