@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from MaxText.checkpoint import lora_adapters, model_state, orbax_state
@@ -376,6 +377,10 @@ def train(config: Config) -> dict:
       n_base = model_state.count_params(model_buffers(state))
       print(f"LoRA rank {config.lora_rank}: {n_params:,} trained adapter parameters over a frozen base of "
             f"{n_base:,} (weight_quantization={config.weight_quantization})", flush=True)
+      narrow = lora.skipped(nnx.merge(*model_state.abstract_model(config.model_copy(update={"lora_rank": 0}))), config)
+      if narrow:
+        print(f"LoRA: the default lora_module_path leaves out {len(narrow)} kernel(s) narrower than lora_rank="
+              f"{config.lora_rank}: {', '.join(narrow)} (lora_rank <= their smaller side adapts them)", flush=True)
       n_params += n_base
     flops_per_token = model_flops_per_token(config, active_params(config, n_params))
     peak = peak_flops_per_device()[0] * mesh.size

@@ -32,17 +32,16 @@ from MaxText.layers import lora  # noqa: E402
 from MaxText.layers.models import Transformer  # noqa: E402
 
 ATTENTION = ".*/attention/(wq_a|wq_b|wq|wkv_a|wkv_b|wo)"
-INDEXER = ".*/indexer/(wq_b|wk|weights_proj)"
+MLPS = ".*/mlp(/shared_experts)?/(gate|up|down)"
 EXPERTS = ".*/mlp/(wi_0|wi_1|wo)"  # the routed experts, as per-expert adapters
 CHOICES = {  # None: base.yml's lora_module_path (the default modules); "+X": the default and X
-    "default (MLA q/kv/o + dense and shared MLPs)": None,
+    "default (MLA q/kv/o + dense and shared MLPs + indexer wq_b, wk, weights_proj)": None,
+    "the default without the indexer's weights_proj": f"{ATTENTION}|{MLPS}|.*/indexer/(wq_b|wk)",
     "MLA q/kv/o only": ATTENTION,
-    "dense + shared-expert MLPs only": ".*/mlp(/shared_experts)?/(gate|up|down)",
-    "default + indexer (wq_b, wk, weights_proj)": "+" + INDEXER,
+    "dense + shared-expert MLPs only": MLPS,
     "routed experts only (per-expert adapters)": EXPERTS,
     "default + routed experts": "+" + EXPERTS,
 }
-
 
 def cost(model_name: str, rank: int, path: str | None) -> dict:
   keys = dict(model_name=model_name, lora_rank=rank, ici_data_parallelism=1)

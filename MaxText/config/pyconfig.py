@@ -11,6 +11,7 @@ what is allowed; `initialize_or_exit` turns it into one line on stderr and exit 
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -44,6 +45,16 @@ def _load_yaml(path: str) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ConfigError(f"config file {path} must hold a mapping of key: value, got {type(data).__name__}")
   return data
+
+
+@functools.lru_cache(maxsize=None)
+def _base_values() -> tuple:
+  return tuple(_load_yaml(BASE_YML).items())
+
+
+def default(key: str) -> Any:
+  """base.yml's value of `key` (the one place defaults live), e.g. to tell a key left at its default from one set."""
+  return dict(_base_values())[key]
 
 
 def _check_keys(keys, where: str) -> None:

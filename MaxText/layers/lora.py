@@ -7,6 +7,11 @@ A Linear y = x W, W [in, out], whose path fully matches lora_module_path gets
     B [r, out]  zeros
     y = x W + (lora_alpha / r) (x A) B              r = lora_rank
 
+A kernel narrower than lora_rank (min(in, out) < r: a rank-r update of it is full rank) is refused when
+lora_module_path names it, and left out, said in one line by train.py (`skipped`), when lora_module_path is
+base.yml's default: at lora_rank 8 the tiny model's indexer weights_proj [64, 4] keeps no adapter, the 671B's
+[7168, 64] does. A requested rank is never silently another.
+
 B = 0 makes the adapted model's output equal the base's at step 0. A and B are float32 whatever
 weight_dtype is (they are what trains: QLoRA's fp32 adapters over a bf16/fp8 base), cast to the compute
 dtype in the matmul. Stacked (scanned) layers carry
@@ -36,12 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from MaxText.config import pyconfig
 from MaxText.config.types import Config, ConfigError
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, quantize
 from MaxText.layers.linears import SCALE_SUFFIX, Linear
 from MaxText.layers.moe import ADAPTER_SUFFIX, EXPERT_WEIGHTS, DeepSeekMoE, ExpertAdapter
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
+_FOLD = re.compile(r"/\d+/")  # a path's layer index (unscanned stacks, MTP): folded to /<i>/ when naming paths
 
 
 def linears(model: nnx.Module) -> list[tuple[str, Linear]]:
@@ -56,36 +63,58 @@ def routed_experts(model: nnx.Module) -> list[tuple[str, DeepSeekMoE, str]]:
           if isinstance(node, DeepSeekMoE) for w in EXPERT_WEIGHTS]
 
 
-def _check_rank(config: Config, path: str, shape) -> None:
+def _narrow(config: Config, shape) -> bool:
+  """Whether a kernel [..., in, out] is narrower than lora_rank (a rank-r update of it would be full rank)."""
+  return config.lora_rank > min(shape[-2:])
+
+
+def _takes_narrow(config: Config, path: str, shape) -> bool:
+  """Whether a kernel lora_module_path matched gets an adapter: yes unless narrower than lora_rank. base.yml's default
+  lora_module_path then leaves it out (`skipped` names it: the indexer's weights_proj is indexer_n_heads wide, 4 on
+  the tiny model); a lora_module_path set to anything else is a ConfigError naming it (a rank asked for is never
+  silently another)."""
+  if not _narrow(config, shape):
+    return True
+  if config.lora_module_path == pyconfig.default("lora_module_path"):
+    return False
   n_in, n_out = shape[-2:]
-  if config.lora_rank > min(n_in, n_out):
-    raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
-                      f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
-                      f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
+  raise ConfigError(f"lora_rank={config.lora_rank} exceeds the smaller side of {path}'s kernel "
+                    f"[{n_in}, {n_out}] (matched by lora_module_path={config.lora_module_path!r}): use "
+                    f"lora_rank <= {min(n_in, n_out)} or a lora_module_path without it")
 
 
 def matched_experts(model: nnx.Module, config: Config) -> list[tuple[str, DeepSeekMoE, str]]:
-  """The routed-expert weights lora_module_path fully matches (rank checked as for linears)."""
+  """The routed-expert weights lora_module_path fully matches (narrow ones as for linears: `_takes_narrow`)."""
   pattern = re.compile(config.lora_module_path)
-  hits = [(p, m, w) for p, m, w in routed_experts(model) if pattern.fullmatch(p)]
-  for path, m, w in hits:
-    _check_rank(config, path, getattr(m, w).shape)
-  return hits
+  return [(p, m, w) for p, m, w in routed_experts(model)
+          if pattern.fullmatch(p) and _takes_narrow(config, p, getattr(m, w).shape)]
 
 
 def matched(model: nnx.Module, config: Config) -> list[tuple[str, Linear]]:
-  """The linears lora_module_path fully matches; a ConfigError (one line) when it matches neither a linear nor a
-  routed-expert weight, or when lora_rank exceeds a matched kernel's smaller side."""
+  """The linears lora_module_path fully matches that get adapters; a ConfigError (one line) when it matches neither
+  a linear nor a routed-expert weight, or when lora_rank exceeds the smaller side of a kernel it names (base.yml's
+  default leaves such a kernel out instead: `skipped`)."""
   pattern = re.compile(config.lora_module_path)
   every = linears(model)
-  hits = [(p, m) for p, m in every if pattern.fullmatch(p)]
-  if not hits and not matched_experts(model, config):
-    names = sorted({re.sub(r"/\d+/", "/<i>/", p) for p, _ in every} | {p for p, _, _ in routed_experts(model)})
+  named = [(p, m) for p, m in every if pattern.fullmatch(p)]
+  if not named and not matched_experts(model, config):
+    names = sorted({_FOLD.sub("/<i>/", p) for p, _ in every} | {p for p, _, _ in routed_experts(model)})
     raise ConfigError(f"lora_module_path={config.lora_module_path!r} matches no linear of this model; its linears "
                       f"are: {', '.join(names)}")
-  for path, m in hits:
-    _check_rank(config, path, m.kernel.shape)
-  return hits
+  return [(p, m) for p, m in named if _takes_narrow(config, p, m.kernel.shape)]
+
+
+def skipped(model: nnx.Module, config: Config) -> list[str]:
+  """The kernels base.yml's default lora_module_path matches but leaves without an adapter (narrower than
+  lora_rank), as 'path [in, out]', scanned layers' indices folded: what train.py says in one line."""
+  if not config.lora_rank or config.lora_module_path != pyconfig.default("lora_module_path"):
+    return []
+  pattern = re.compile(config.lora_module_path)
+  kernels = [(p, m.kernel.shape) for p, m in linears(model)]
+  kernels += [(p, getattr(m, w).shape) for p, m, w in routed_experts(model)]
+  folded = (f"{_FOLD.sub('/<i>/', p)} {list(shape[-2:])}" for p, shape in kernels
+            if pattern.fullmatch(p) and _narrow(config, shape))
+  return list(dict.fromkeys(folded))
 
 
 def add_adapters(model: nnx.Module, config: Config, rngs: nnx.Rngs) -> None:

@@ -338,7 +338,7 @@ class Texts:
                      "no room to generate", "prompt")
     logprobs, prompt_logprobs = body.logprob_counts()
     return SamplingParams(max_tokens=max_length - len(prompt) if max_tokens is None else max_tokens,
-                          temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                          temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
                           stop_token_ids=stop_ids[0], stop_string_ids=stop_ids[1], ignore_eos=body.ignore_eos, seed=body.seed,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

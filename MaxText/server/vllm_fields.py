@@ -52,6 +52,9 @@ OFF: dict[str, tuple[tuple[str, ...], tuple[Any, ...], str]] = {
   "ec_transfer_params": ((_BOTH,), (), "disaggregated serving is not implemented"),
   "guided_grammar": ((_BOTH,), (), "not implemented: use guided_regex, guided_json or response_format"),
   "guided_whitespace_pattern": ((_BOTH,), (), "not implemented"),
+  "logits_processors": ((_BOTH,), ([],), "custom logits processors are not implemented (vLLM refuses them too "
+                        "unless started with --logits-processor-pattern)"),
+  "structural_tag": (("chat",), (), "not implemented: use response_format or structured_outputs"),
   "suffix": (("completions",), (), "fill-in-the-middle is not implemented (vLLM refuses it too)"),
   "prompt_embeds": (("completions",), (), "prompts are text or token ids"),
   "prompt_logprobs": (("chat",), (), "not implemented on chat: send the rendered prompt (/tokenize) to "

@@ -26,7 +26,7 @@ def _adapted(model) -> list[str]:
   return [re_path for re_path, m in lora.linears(model) if m.lora_a is not None]
 
 
-def test_default_regex_adapts_mla_q_kv_o_the_dense_and_shared_mlps_and_the_indexers_q_and_k_only():
+def test_default_regex_adapts_mla_q_kv_o_the_dense_and_shared_mlps_and_the_indexers_q_k_and_head_weights_only():
   cfg = make_config(lora_rank=4)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   got = set(_adapted(model))
@@ -36,13 +36,30 @@ def test_default_regex_adapts_mla_q_kv_o_the_dense_and_shared_mlps_and_the_index
   for name in ("gate", "up", "down"):
     assert f"dense_layers/layers/mlp/{name}" in got and f"moe_layers/layers/mlp/shared_experts/{name}" in got
   for stack in ("dense_layers/layers", "moe_layers/layers", "mtp/0/layer"):  # the indexer follows the adapted attention
-    assert {f"{stack}/attention/indexer/wq_b", f"{stack}/attention/indexer/wk"} <= got
-  assert not any(p.endswith("weights_proj") or p in ("output_head", "mtp/0/projection") for p in got)
+    assert {f"{stack}/attention/indexer/{name}" for name in ("wq_b", "wk", "weights_proj")} <= got  # [64, 4]: rank 4 fits
+  assert not any(p in ("output_head", "mtp/0/projection") for p in got)
+  assert lora.skipped(model, cfg) == []
   a = model.moe_layers.layers.attention.wq_b
   assert a.lora_a.shape == (3, 32, 4) and a.lora_b.shape == (3, 4, 96)  # stacked [L, in, r], [L, r, out]
   assert a.lora_a.get_metadata()["logical_axes"] == ("q_lora", "lora_rank")
   assert a.lora_b.get_metadata()["logical_axes"] == ("lora_rank", "q_heads")
   assert a.lora_scale == 16.0 / 4
+
+
+def test_the_default_regex_leaves_out_a_kernel_narrower_than_lora_rank_and_names_it():
+  """At lora_rank 8 the indexer's weights_proj [64, 4] (indexer_n_heads 4) keeps no adapter under the default
+  lora_module_path (a rank-8 update of it would be full rank; never a silently smaller rank): `skipped` names it
+  for train.py's line, every other default linear is adapted at rank 8."""
+  cfg = make_config(lora_rank=8)
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  got = set(_adapted(model))
+  assert not any(p.endswith("weights_proj") for p in got)
+  assert {"moe_layers/layers/attention/indexer/wk", "mtp/0/layer/attention/wkv_b"} <= got
+  assert lora.skipped(model, cfg) == [f"{stack}/attention/indexer/weights_proj [64, 4]"
+                                      for stack in ("dense_layers/layers", "moe_layers/layers", "mtp/<i>/layer")]
+  assert all(m.lora_a.shape[-1] == 8 for _, m in lora.linears(model) if m.lora_a is not None)
+  named = make_config(lora_rank=8, lora_module_path=cfg.lora_module_path.replace("weights_proj", "weights_proj|wq_a"))
+  assert lora.skipped(model, named) == []  # not the default: refused instead (below)
 
 
 def test_indexer_is_selectable():
@@ -57,6 +74,10 @@ def test_indexer_is_selectable():
     (dict(lora_rank=40, lora_module_path=".*/attention/wkv_b"),
      r"lora_rank=40 exceeds the smaller side of dense_layers/layers/attention/wkv_b's kernel \[32, 128\] \(matched by "
      r"lora_module_path='.\*/attention/wkv_b'\): use lora_rank <= 32"),
+    (dict(lora_rank=8, lora_module_path=".*/indexer/(wk|weights_proj)"),
+     r"lora_rank=8 exceeds the smaller side of dense_layers/layers/attention/indexer/weights_proj's kernel \[64, 4\] "
+     r"\(matched by lora_module_path='.\*/indexer/\(wk\|weights_proj\)'\): use lora_rank <= 4 or a lora_module_path "
+     r"without it"),
     (dict(lora_rank=40, lora_module_path=".*/mlp/wo"),
      r"lora_rank=40 exceeds the smaller side of moe_layers/layers/mlp/wo's kernel \[32, 64\]"),
     (dict(lora_rank=4, lora_module_path=".*/mlp/(wi_0|wi_1|wo)", serve_lora_adapters=("a=/tmp/a",)),

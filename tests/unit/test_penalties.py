@@ -202,6 +202,10 @@ def test_min_p_keeps_the_argmax_and_its_ties_at_min_p_1_and_an_id_exactly_at_the
   half = np.log(np.array([[0.5, 0.25, 0.125] + [1e-9] * (V - 3)], np.float32))  # dyadic: 0.25 is exactly 0.5 * max
   got = np.asarray(penalties.min_p_filter(half, np.array([1.0], np.float32), np.array([0.5], np.float32)))
   assert np.isfinite(got[0]).tolist()[:3] == [True, True, False]
+  far = np.zeros((1, V), np.float32)
+  far[0, 1:] = -200.0  # e^-200 of the max: below any threshold a positive min_p sets
+  got = np.asarray(penalties.min_p_filter(far, np.array([1.0], np.float32), np.array([0.0], np.float32)))
+  assert np.isfinite(got).all()  # min_p 0 is off: nothing dropped, however unlikely
 
 
 @pytest.mark.parametrize("field,good,bad", [
@@ -210,6 +214,7 @@ def test_min_p_keeps_the_argmax_and_its_ties_at_min_p_1_and_an_id_exactly_at_the
     ("frequency_penalty", (-2.0, 0.0, 2.0), (-2.01, 2.01)),
     ("min_p", (0.0, 1.0), (-0.01, 1.01)),
     ("min_tokens", (0, 8), (-1, 9)),
+    ("top_k", (0, 1, V), (-1,)),  # the server maps vLLM's -1 (off) to 0; the engine takes 0 = off only
     ("logit_bias", ((), ((0, -100.0),), ((V - 1, 100.0),)), (((0, -100.5),), ((V, 1.0),), ((-1, 1.0),)))])
 def test_each_penalty_field_is_checked_at_its_boundaries(field, good, bad):
   """The scheduler's check: its range's ends are accepted, one step past them is a RequestError naming the field

@@ -17,7 +17,7 @@ def _row(params):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=3, min_p=0.05, seed=2 ** 40 + 9),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=3, min_p=0.05, seed=2 ** 40 + 2 ** 31 + 9),  # bit 31 set
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0),  # greedy, every filter off
     SamplingParams(temperature=1e-3, top_p=1e-3, min_p=1.0, lora_adapter=2)])
 def test_each_option_comes_back_inside_the_step_exactly(params):

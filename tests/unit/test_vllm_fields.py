@@ -15,7 +15,8 @@ def test_ignored_and_off_at_default_go_and_the_rest_stays():
 
 
 @pytest.mark.parametrize("name,value", [("use_beam_search", True), ("priority", 1), ("priority", False),
-                                        ("allowed_token_ids", []), ("thinking_token_budget", 0), ("suffix", "")])
+                                        ("allowed_token_ids", []), ("thinking_token_budget", 0), ("suffix", ""),
+                                        ("logits_processors", ["m.P"])])
 def test_an_off_field_at_another_value_is_named(name, value):
   _, bad = vllm_fields.split({name: value}, "completions")
   assert bad[0] == name and name in bad[1] and "docs/sampling.md" in bad[1]
@@ -40,3 +41,25 @@ def test_the_models_apply_the_split_with_null_as_the_default():
 def test_cache_salt_keeps_prefix_pages_apart_per_salt_and_adapter():
   roots = {Request([1], SamplingParams(cache_salt=s, lora_adapter=a)).prefix_root for s in ("", "a", "b") for a in (0, 1)}
   assert len(roots) == 6 and Request([1], SamplingParams()).prefix_root == b""
+
+
+def test_truncate_prompt_tokens_takes_1_to_max_length_and_minus_1_and_refuses_past_them():
+  prompt = list(range(10))
+  cut = lambda k, side="left": CompletionRequest.model_validate(  # noqa: E731
+      {"prompt": "x", "truncate_prompt_tokens": k, "truncation_side": side}).truncated(prompt, 8)
+  assert cut(8) == prompt[2:] and cut(1) == [9] and cut(-1) == prompt[2:] and cut(8, "right") == prompt[:8]
+  for k in (0, 9, -2):
+    with pytest.raises(ApiError) as e:
+      cut(k)
+    assert e.value.status == 400 and e.value.param == "truncate_prompt_tokens", k
+
+
+@pytest.mark.parametrize("name,off,on", [("logits_processors", [], ["my.Processor"]), ("structural_tag", None, "{}")])
+def test_vllms_logits_processors_and_chats_structural_tag_are_taken_off_and_named_on(name, off, on):
+  """Two names of vLLM's ChatCompletionRequest (logits_processors of CompletionRequest too) that were 422s here:
+  at vLLM's off value accepted, at another a 400 naming the field."""
+  chat = {"messages": [{"role": "user", "content": "hi"}]}
+  assert ChatRequest.model_validate({**chat, name: off}).messages
+  with pytest.raises(ApiError) as e:
+    ChatRequest.model_validate({**chat, name: on})
+  assert e.value.status == 400 and e.value.param == name and "not implemented" in e.value.message
