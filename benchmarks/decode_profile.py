@@ -37,17 +37,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pools and the step)
-import profile_ops  # noqa: E402
-
+from benchmarks import decode as bench  # the model, the pools and the step
+from benchmarks import profile_ops, timing
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.inference import paged_cache, paged_pools, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
@@ -85,17 +82,6 @@ PARTS = (
     ("sampling", "inference/penalties.py", None),
     ("sampling", "inference/serving.py", None),
 )
-
-
-def median_ms(fn, iters: int) -> float:
-  jax.block_until_ready(fn())
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
 
 
 def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
@@ -156,7 +142,7 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   fns[f"gather + attention (sparse_mla_decode, {kernel})"] = (mla, (ids, ok))
   for name, (fn, fargs) in fns.items():
     try:
-      ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
+      ms = timing.median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
     except Exception as e:  # a piece that does not lower here (e.g. Mosaic) is reported, not fatal
       print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
       ms = float("nan")
@@ -188,7 +174,7 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   rows = []
   print(f"\n{'launches (wall, median)':>44} {'ms':>10}")
   for name, fn in fns.items():
-    ms = median_ms(fn, args.iters)
+    ms = timing.median_ms(fn, args.iters)
     rows.append(dict(call=name, ms=round(ms, 3)))
     print(f"{name:>44} {ms:>10.3f}", flush=True)
   return rows
@@ -295,7 +281,7 @@ def run_all(args) -> None:
   if args.short_context:  # rows after the first end early: the scoring reads no block past a row's position
     feed["positions"][1:], feed["draw_at"][1:] = min(args.short_context, args.context) - 1, args.short_context
   run = bench.paged_step(engine, feed)
-  step_ms = median_ms(run, args.iters)
+  step_ms = timing.median_ms(run, args.iters)
   need = bench.step_bytes(cfg, params, args.rows, args.context)
   if args.short_context and args.rows > 1:  # the first row's bytes at --context, the others' at --short-context
     long, short = (bench.step_bytes(cfg, params, n, c) for n, c in ((1, args.context), (args.rows - 1, args.short_context)))
