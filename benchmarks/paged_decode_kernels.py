@@ -1,25 +1,19 @@
 """The Pallas decode kernels (kernels/paged_decode.py: Mosaic; paged_decode_gpu.py: Triton) against their XLA
 paths, at decode shapes.
 
-    python benchmarks/paged_decode_kernels.py                          # TPU: 128K, rows 1 4 16, fp8 and fp32
-    python benchmarks/paged_decode_kernels.py                          # GPU: the same with the Triton kernels
+    python benchmarks/paged_decode_kernels.py                          # 128K, rows 1 4 16, fp8 and fp32
     python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
 
-Per (cache dtype, rows, context): (a) the indexer's scores of one decode query per row over every
-cached key (64 heads of 128, keys fp8 with one scale each, queries fp8 with one scale per head; or
-fp32), the kernel against the engine's paged path (paged_cache.PagedKeys.scores: a loop of page
-blocks) and the plain XLA reference (every page gathered, one einsum); (b) sparse MLA decode over
-k = 2048 selected slots (128 heads, latents of 512 + 64: fp8 with 4 scales + bf16 rope, or fp32),
-the kernel against the XLA reference (the rows gathered, a masked softmax). Each variant's median
-of --iters calls (alternating), the bytes it must move (its roofline bound at --bandwidth GB/s:
-the v5e's 819 by default) and the fraction of that bound achieved; the largest difference from the
-XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
---module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@native` converts fp8 by
-the hardware (sm89+; the scoring's e4m3 queries in an fp8 x fp8 dot), `kernel@parts1` / `kernel@native1` is the
-MLA kernel with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps,
-splits); its `kernel` is the engine's call (paged_cache.attend_selected's block, heads and splits).
+Per (cache dtype, rows, context): (a) the indexer's scores of one decode query a row over every cached key (64
+heads of 128; fp8 keys and queries with their scales, or fp32), the kernel beside the engine's paged path
+(PagedKeys.scores) and the plain XLA reference; (b) sparse MLA decode over k = 2048 selected slots (128 heads,
+latents of 512 + 64), the kernel beside the XLA reference. Each variant's median of --iters calls (in turn), the
+bytes it must move over --bandwidth (its roofline bound) and the fraction achieved, and the largest difference
+from the XLA reference. --module picks the kernels (default: triton on a GPU, else mosaic); with triton,
+`kernel@native` converts fp8 in hardware (sm89+), `kernel@parts1` / `kernel@native1` is the MLA kernel with a
+bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps, splits).
+Prints a table, then one JSON line.
 """
-
 from __future__ import annotations
 
 import argparse
