@@ -1,51 +1,30 @@
-"""Decode step time vs context length: the paged engine against a contiguous cache of the same data,
-sparse (indexer + top-k + gather over k latents) and dense (absorbed attention over the whole latent
-cache); with --prefill, a prefill chunk over a cached prefix instead of a decode step; with --prompt,
-a whole prompt through the engine's scheduler, each prefill chunk timed as its cached prefix grows.
+"""Decode step time vs context length: the paged engine against a contiguous cache of the same data, sparse
+(indexer + top-k + gather over k latents) and dense (absorbed attention over the whole latent cache).
 
     python benchmarks/decode.py --quick                      # 32K and 128K, sparse only (~2 min here)
     python benchmarks/decode.py                              # 4K .. 128K, 1 layer, batch 1, fp32
-    python benchmarks/decode.py --contexts 4096 16384 --batch 4 --cache-dtype fp8
-    python benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8   # issue 54's table
+    python benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8
     python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
     python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
+    python benchmarks/decode.py --scoring --contexts 131072 --batch 4 --short-context 4096   # one long row, 3 short
 
-The model is tiny but wide: the official 671B attention shapes (128 heads, kv_lora 512, rope 64,
-nope/v 128, q_lora 1536, 64 indexer heads of 128, top-k 2048) with a narrow residual stream,
-1 dense layer and a 512-token vocabulary, so attention dominates a step as it does in the full
-model and a 128K cache (704 fp32 numbers per token per layer, 369 MB) fits in memory. The serving
-engine's paged pools hold --batch sequences of each context (S = max_target_length = context),
-filled with random latents; one decode step of the engine (its step and write programs: each row
-at the last position, its write dropped so every call sees the same cache) is timed, or with
---prefill one chunk of --chunk tokens at each row's last positions (the prefix before it cached).
-The contiguous reference is the model's own contiguous cache view (cache_view.CacheView over a
-kv_cache.LayerCache: the layout of the engine before paging) holding the same data, stepped by
-the same model call with the same sampling and a write of its entries, in the same process. The
-variants alternate call by call (so a disturbance hits all alike): --stat (min or median) of
---iters calls each after a warm-up, and the paged/contiguous ratio as the median of the paired
-calls' ratios (call i of each) with its quartiles: on a shared host the pairs cancel most of the
-load's drift. Prints a table, then one JSON line (the rows: sparse_ms and dense_ms the paged
-engine's, *_contiguous_ms the reference's, *_ratio and *_ratio_q the paired ratios, *_same_tokens
-whether both sampled the same greedy tokens); asserts nothing about time.
+The model is tiny but wide: the official 671B attention shapes (WIDE: 128 heads, kv_lora 512, rope 64, 64
+indexer heads of 128, top-k 2048) with a narrow residual stream, 1 dense layer and a 512-token vocabulary, so
+attention dominates a step as in the full model and a 128K cache (369 MB a layer in fp32) fits in memory; --set
+key=value (YAML) overrides it. The engine's paged pools hold --batch rows of each context, random latents, each
+row's pages a random permutation of the pool's; one step of the engine (its step and write programs, each row at
+its last position, the write dropped so every call sees the same cache) is timed, or with --prefill one chunk of
+--chunk tokens at each row's end. The reference is the model's own contiguous cache view holding the same data,
+stepped by the same model call and sampling, with a write of its entries. The variants alternate call by call:
+--stat (min or median) of --iters calls each, and paged / contiguous as the median of the paired calls' ratios
+with its quartiles (on a shared host the pairs cancel most of the load's drift). The reference's copy of the
+rows' cache is built with --contiguous on, or (auto) where it fits --contiguous-max-gib.
 
-Each row also carries the bytes the step must move at least (step_bytes: every parameter once, and
-per row the indexer keys and scales of every slot plus the k selected latents; dense: every latent)
-and that over the backend's memory bandwidth (BANDWIDTH per device kind, --bandwidth, else measured
-by a reduction over 512 MiB: on a loaded CPU that figure is low, so its fractions read high): the
-roofline bound, and the fraction of it achieved (*_bound_ms, *_roofline). --batch takes several row
-counts. The contiguous reference holds a copy of the rows' cache beside the pools: it is built only
-with --contiguous on, or (auto) where that copy fits --contiguous-max-gib (1 GiB: at 128K fp8, 4 rows
-yes, 16 rows no); without it the row has no *_contiguous_ms, ratio or same_tokens.
-
---prompt: a prompt of context - 1 tokens (one request, greedy, max_tokens 1) through
-ServingEngine.step as a server would run it: the scheduler's chunks of --chunk tokens, each step's
-page table as wide as its context bucket (serve_context_buckets). Every step is timed (after
-engine.warmup compiled every program); the rows are (prefix, slots read, ms). A chunk's work is
-its queries against k selected latents (flat in the prefix) plus the indexer scoring every slot of
-the step's table (linear in the slots, not the prefix): times stay flat within a context bucket.
---set key=value (typed as YAML) overrides the model's widths (WIDE) for a smaller or larger model.
+Each row also carries the bytes the step must move at least (step_bytes) over the device's memory bandwidth
+(BANDWIDTH, --bandwidth, else measured: on a loaded CPU low, so the fractions read high): the roofline bound and
+the fraction of it achieved. --prompt and --scoring: prompt_rows and scoring_rows. Prints a table, then one JSON
+line; asserts nothing about time.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -62,6 +41,7 @@ import numpy as np  # noqa: E402
 import yaml
 from flax import nnx
 
+from benchmarks import timing
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.config import pyconfig
 from MaxText.inference import kv_cache, paged_cache, step_feed  # noqa: E402
@@ -71,6 +51,7 @@ from MaxText.inference.sampling import greedy_ids
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.kernels import backend
+from MaxText.kernels.cached_attention import ContiguousKeys
 from MaxText.runtime import sharding
 
 WIDE = dict(  # official attention dims, narrow everything else
@@ -98,15 +79,8 @@ def bandwidth(override: float | None) -> tuple[float, str]:
       return gbs, f"{kind} (table)"
   x = jnp.ones((1 << 27,), jnp.float32)
   f = jax.jit(jnp.sum)
-  jax.block_until_ready(f(x))
-  best = min(_seconds(lambda: jax.block_until_ready(f(x))) for _ in range(5))
+  best = min(timing.interleaved({"sum": lambda: f(x)}, 5, warmup=0)[0]["sum"])
   return x.nbytes / best / 1e9, f"{kind}: measured (a sum over 512 MiB)"
-
-
-def _seconds(fn) -> float:
-  t0 = time.perf_counter()
-  fn()
-  return time.perf_counter() - t0
 
 
 def step_bytes(cfg, params, batch: int, context: int) -> dict:
@@ -234,28 +208,6 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   return run
 
 
-def time_variants(fns: dict, iters: int) -> tuple[dict, dict]:
-  """({name: [seconds of each call]}, {name: its first output as numpy}) for each fn () -> array,
-  called in turn (after a compile + warm-up call each): call i of every fn ran back to back."""
-  first = {name: np.asarray(fn()) for name, fn in fns.items()}
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {name: [] for name in fns}
-  for _ in range(iters):
-    for name, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - t0)
-  return times, first
-
-
-def paired_ratio(num: list[float], den: list[float]) -> tuple[float, list[float]]:
-  """(median, [first quartile, third quartile]) of num[i] / den[i]: the ratio of calls made back to back."""
-  r = [a / b for a, b in zip(num, den)]
-  q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
-  return statistics.median(r), [q[0], q[2]]
-
-
 def contiguous_bytes(cfg, batch: int, context: int) -> int:
   """What the contiguous reference holds beside the pools: its rows' copy of every layer's cache."""
   return batch * context * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)
@@ -283,7 +235,7 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
         fns = {"paged": paged_step(engine, feed)}
         if reference:  # built only when asked for: it holds a copy of the rows' cache (6.6 GiB at 4 rows, 128K)
           fns["contiguous"] = contiguous_step(engine, feed)
-        got, out = time_variants(fns, args.iters)
+        got, out = timing.interleaved(fns, args.iters)
         row[f"{mode}_ms"] = round(pick(got["paged"]) * 1e3, 3)
         row[f"{mode}_bytes"] = need[mode]
         row[f"{mode}_bound_ms"] = round(need[mode] / gbs / 1e6, 4)
@@ -291,7 +243,7 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
         if reference:
           row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
           row[f"{mode}_contiguous_ms"] = round(pick(got["contiguous"]) * 1e3, 3)
-          ratio, quartiles = paired_ratio(got["paged"], got["contiguous"])
+          ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
           row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
         del engine, fns
       nan = float("nan")
@@ -309,9 +261,50 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
   return rows
 
 
+def scoring_rows(args) -> list[dict]:
+  """--scoring: the indexer's scoring + top-k of one decode step alone (64 heads of 128, fp32 keys), the contiguous
+  cache's ContiguousKeys (one batched matmul) beside the paged pool's PagedKeys (a block of whole pages a row at a
+  time, 2-D dots: the engine's "xla" route); each row's query at its last position (--short-context N: every row
+  but the first at N - 1; PagedKeys reads no block past a row's position, the contiguous cache scores every slot)
+  -> rows {rows, context, scoring_ms, scoring_contiguous_ms, scoring_ratio(_q), same_selection (as sets)}."""
+  h, d, k = 64, 128, args.topk
+  pick = min if args.stat == "min" else statistics.median
+  top = lambda x: jnp.sort(jax.lax.top_k(x, k)[1], axis=-1)  # noqa: E731  [b,1,k] as a set
+  contiguous = jax.jit(lambda k, q, w, pos: top(ContiguousKeys(jnp.swapaxes(k, 1, 2)).scores(q, w, pos, head_chunk=h)))
+  paged = jax.jit(lambda k, t, q, w, pos: top(paged_cache.PagedKeys(k, None, t, PAGE).scores(q, w, pos, head_chunk=h)))
+  print(f"{'rows':>4} {'context':>8} {'paged ms':>10} {'contig ms':>10} {'p/c [quartiles]':>22}")
+  rows = []
+  for b in args.batch:
+    for s in args.contexts:
+      rng = np.random.default_rng(s)
+      p = s // PAGE
+      pool = jnp.asarray(rng.standard_normal((b * s, d), np.float32))  # [N,d]
+      table = jnp.asarray(rng.permutation(b * p).astype(np.int32).reshape(b, p))  # [b,P]
+      stored = jnp.swapaxes(pool.reshape(b * p, PAGE, d)[table].reshape(b, s, d), 1, 2) + 0  # [b,d,S]
+      q = jnp.asarray(rng.standard_normal((b, 1, h, d), np.float32))  # [b,1,h,d]
+      w = jnp.asarray(rng.random((b, 1, h), np.float32))  # [b,1,h]
+      pos = jnp.full((b, 1), s - 1, jnp.int32)  # [b,1]
+      if args.short_context:
+        pos = pos.at[1:].set(min(args.short_context, s) - 1)  # one long row, the rest short
+      got, out = timing.interleaved({"paged": lambda: paged(pool, table, q, w, pos),
+                                     "contiguous": lambda: contiguous(stored, q, w, pos)}, args.iters)
+      ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
+      row = dict(rows=b, context=s, scoring_ms=round(pick(got["paged"]) * 1e3, 3),
+                 scoring_contiguous_ms=round(pick(got["contiguous"]) * 1e3, 3), scoring_ratio=round(ratio, 3),
+                 scoring_ratio_q=[round(x, 3) for x in quartiles],
+                 same_selection=bool(np.array_equal(out["paged"], out["contiguous"])))
+      rows.append(row)
+      print(f"{b:>4} {s:>8} {row['scoring_ms']:>10.2f} {row['scoring_contiguous_ms']:>10.2f} {ratio:>11.2f}x "
+            f"[{quartiles[0]:.2f}-{quartiles[1]:.2f}]" + ("" if row["same_selection"] else "  selections differ"),
+            flush=True)
+  return rows
+
+
 def prompt_rows(args, params, buffers) -> list[dict]:
-  """--prompt: per context, one prompt of context - 1 tokens through ServingEngine.step (the
-  scheduler's chunks), every step timed -> rows {context, prefix, slots, tokens, ms}."""
+  """--prompt: per context, one prompt of context - 1 tokens (greedy, max_tokens 1) through ServingEngine.step as a
+  server runs it (the scheduler's --chunk chunks, each step's table as wide as its context bucket), every step timed
+  after engine.warmup -> rows {context, prefix, slots, tokens, ms}. A chunk's work is its queries against k selected
+  latents (flat in the prefix) plus the indexer scoring every slot of the table: flat within a context bucket."""
   rows = []
   print(f"{'context':>8} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
   for s in args.contexts:
@@ -359,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
                   help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
   ap.add_argument("--prompt", action="store_true",
                   help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
+  ap.add_argument("--scoring", action="store_true",
+                  help="the indexer's scoring + top-k alone, paged against contiguous, instead (module doc)")
+  ap.add_argument("--short-context", type=int, default=0,
+                  help="--scoring: rows after the first end at this position + 1 (0: all at the context)")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides over WIDE")
   ap.add_argument("--iters", type=int, default=8)
@@ -383,6 +380,13 @@ def run(args, ap) -> None:
 
   if args.prompt and len(args.batch) > 1:
     ap.error("--prompt runs one request: give one --batch")
+  if args.scoring:
+    print(f"the indexer's scoring + top-{args.topk} of one decode step; backend {jax.default_backend()}, rows "
+          f"{args.batch}, 64 heads of 128, pages of {PAGE}; {args.stat} of {args.iters}; paged / contiguous"
+          + (f"; rows after the first at {args.short_context}" if args.short_context else ""))
+    print(json.dumps(dict(benchmark="decode_scoring", backend=jax.default_backend(), topk=args.topk, stat=args.stat,
+                          iters=args.iters, short_context=args.short_context, rows=scoring_rows(args))))
+    return
   cfg0 = config_for(args.contexts[0], args)
   mesh = sharding.create_mesh(cfg0)
   _, params, buffers, _ = model_state.create(cfg0, mesh)  # parameters do not depend on the context

@@ -1,53 +1,39 @@
-"""Where a sparse decode step's time goes: the engine's step (benchmarks/decode.py's model and pools)
-under jax.profiler, its device ops summed by the source line that made them, and the pieces of the
-sparse path timed alone on the same pools (scoring, selection, gather, attention).
+"""Where a sparse decode step's time goes: the engine's step (benchmarks/decode.py's model and pools) under
+jax.profiler, its device ops summed by the source line that made them, and the sparse path's pieces timed alone.
 
     python benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --out /tmp/prof
     python benchmarks/decode_profile.py --rows 2 --context 4096 --topk 512 --iters 2     # CPU smoke run
 
-1. The step: benchmarks/decode.py's paged engine step (and write), `--iters` calls timed (median); then the
-   launches: the feed's copy to the device, the step program alone, step + write on a feed already there, and
-   a trivial jitted call (the host's share of the step's wall time).
-2. The trace: `--trace-steps` calls under jax.profiler.trace(--out/trace). Each device op (the
-   planes named /device:...; on the CPU the XLA thunks) is mapped to the source line of its HLO
-   instruction (the compiled step's metadata: source_file:source_line) and summed per line, then per
-   part (PARTS: the file and function a line belongs to); per step, in ms. Ops a line cannot be
-   found for are "other".
-3. The pieces, each its own jitted program on the engine's own layer pool and page table, medians of
-   `--iters` calls: the indexer scores (backend.py's paged_scoring route, and the Pallas kernel and
-   the XLA loop side by side; with an fp8 cache the kernel also with the engine's fp8 queries), the exact top-k selection over those scores (topk_indices: the
-   backend's row), the gather of the k selected latents (gather_selected, fp8 dequantized), and the
-   attention over them (gather_attend), and the Pallas sparse MLA kernel (gather + attention). The kernels are
-   this backend's: Triton's (kernels/paged_decode_gpu.py) on a GPU, else Mosaic's (interpreted off a TPU).
-4. `--compile-for v5e:1x1`: nothing runs. The same step and write compiled for a TPU topology on a host without
-   one (libtpu installed aside, as MaxText's train_compile does), from abstract parameters under the tpu row, the
-   Pallas kernels lowered by Mosaic: XLA's estimated cycles per part / source line / op (a map of the work, not a
-   time), and every whole array written outside a fusion (copies, broadcasts, pads: HBM traffic a fused program
-   would not have). The loop for changing the step's HLO between device sessions:
+1. The step: decode.py's paged engine step (and write), the median of `--iters` calls; then the launches
+   (`launches`: the feed's copy, the step program alone, step + write, a trivial jitted call).
+2. The trace: `--trace-steps` calls under jax.profiler.trace(--out/trace), each device op mapped to the source
+   line of its HLO instruction and summed per line, then per part (PARTS), per step (profile_ops.summarize).
+3. The pieces (`pieces`), each its own program on the engine's layer-0 pool and page table: the indexer scores
+   (the backend's route, the Pallas kernel and the XLA loop), the selection, the gather of the k selected latents,
+   the attention over them, and the Pallas sparse MLA kernel (Triton's on a GPU, else Mosaic's).
+4. `--compile-for v5e:1x1`: nothing runs. The step and write compiled for a TPU topology on a host without one
+   (libtpu installed aside), under the tpu row: XLA's estimated cycles per part / source line / op (a map of the
+   work, not a time) and every whole array written outside a fusion (profile_ops.compiled_report):
 
     pip install --target /tmp/libtpu libtpu==0.0.42.1      # once: jax 0.10.2's TPU compiler, kept aside
     PYTHONPATH=/tmp/libtpu:. python benchmarks/decode_profile.py --compile-for v5e:1x1 --set serve_page_size=256
 
 Prints the tables, then one JSON line. Asserts nothing about time.
 """
-
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode as bench  # noqa: E402  (benchmarks/decode.py: the model, the pools and the step)
-import profile_ops  # noqa: E402
-
+from benchmarks import decode as bench  # the model, the pools and the step
+from benchmarks import profile_ops, timing
 from MaxText.checkpoint import model_state  # noqa: E402
 from MaxText.inference import paged_cache, paged_pools, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
@@ -85,17 +71,6 @@ PARTS = (
     ("sampling", "inference/penalties.py", None),
     ("sampling", "inference/serving.py", None),
 )
-
-
-def median_ms(fn, iters: int) -> float:
-  jax.block_until_ready(fn())
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
 
 
 def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
@@ -156,7 +131,7 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   fns[f"gather + attention (sparse_mla_decode, {kernel})"] = (mla, (ids, ok))
   for name, (fn, fargs) in fns.items():
     try:
-      ms = median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
+      ms = timing.median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
     except Exception as e:  # a piece that does not lower here (e.g. Mosaic) is reported, not fatal
       print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
       ms = float("nan")
@@ -188,7 +163,7 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   rows = []
   print(f"\n{'launches (wall, median)':>44} {'ms':>10}")
   for name, fn in fns.items():
-    ms = median_ms(fn, args.iters)
+    ms = timing.median_ms(fn, args.iters)
     rows.append(dict(call=name, ms=round(ms, 3)))
     print(f"{name:>44} {ms:>10.3f}", flush=True)
   return rows
@@ -295,7 +270,7 @@ def run_all(args) -> None:
   if args.short_context:  # rows after the first end early: the scoring reads no block past a row's position
     feed["positions"][1:], feed["draw_at"][1:] = min(args.short_context, args.context) - 1, args.short_context
   run = bench.paged_step(engine, feed)
-  step_ms = median_ms(run, args.iters)
+  step_ms = timing.median_ms(run, args.iters)
   need = bench.step_bytes(cfg, params, args.rows, args.context)
   if args.short_context and args.rows > 1:  # the first row's bytes at --context, the others' at --short-context
     long, short = (bench.step_bytes(cfg, params, n, c) for n, c in ((1, args.context), (args.rows - 1, args.short_context)))

@@ -1,22 +1,13 @@
 #!/usr/bin/env bash
-# Issue 54's run on a GPU (an H200 or H100), under the run tool's 10 minutes a command (parts joined by commas run in
-# order; at most ~7 min each: `tests,kernels` in one call, `profile` in a second, `decode` in a third if time is left):
-#   bash benchmarks/gpu_decode_check.sh tests OUT     tests/unit/test_paged_decode_gpu.py with the Triton kernels
-#                                                    COMPILED (interpret off on a GPU) against the XLA references
-#   bash benchmarks/gpu_decode_check.sh kernels OUT   benchmarks/paged_decode_kernels.py, Triton: the scoring kernel
-#                                                    at 2 / 4 / 8 pages a program, the MLA kernel (3 bf16 parts; 1
-#                                                    part; fp8 by the hardware; a sweep of blocks, heads a program,
-#                                                    warps and splits) beside XLA,
-#                                                    1 / 4 / 16 rows of 128K fp8, bytes and roofline fraction
-#   bash benchmarks/gpu_decode_check.sh profile OUT   benchmarks/decode_profile.py: the 16-row 128K fp8 step as the
-#                                                    gpu row runs it (traced: device time per op and source line),
-#                                                    then with paged_scoring=triton, then with sparse_decode=triton
-#                                                    too (both traced; the pieces alone in the first), then with our
-#                                                    binned selection for lax.top_k (untraced)
-#   bash benchmarks/gpu_decode_check.sh decode OUT    benchmarks/decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8
-#                                                    cache, sparse and dense, bytes each step moves and the
-#                                                    fraction of the roofline (the H200's 4.8 TB/s); then the
-#                                                    sparse step at 1 and 16 rows of 128K on both Triton kernels
+# The Triton kernels on a GPU (an H200 or H100), one part a call under the run tool's 10 minutes (parts joined by
+# commas run in order: `tests,kernels` in one call, `profile` in a second, `decode` in a third):
+#   tests     tests/unit/test_paged_decode_gpu.py with the kernels compiled (not interpreted) against the XLA paths
+#   kernels   paged_decode_kernels.py: the scoring kernel at 2 / 4 / 8 pages a program, the MLA kernel's variants
+#             and a sweep of its blocks, heads a program, warps and splits, beside XLA; 1 / 4 / 16 rows of 128K fp8
+#   profile   decode_profile.py: the 16-row 128K fp8 step as the gpu row runs it, then with paged_scoring=triton,
+#             then sparse_decode=triton too, then the binned selection for lax.top_k (untraced)
+#   decode    decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8, sparse and dense, with the roofline fraction; then
+#             the sparse step at 1 and 16 rows of 128K on both Triton kernels
 # Needs .device_bundle beside benchmarks/ (bash tools/device/device_bundle.sh .device_bundle: the GPU image's
 # missing wheels, docs/accelerators.md). Every log lands in OUT as it is written (cut runs still return).
 set -uo pipefail
@@ -34,9 +25,8 @@ tests() {  # on the GPU (JAX_PLATFORMS set, empty): the kernels compiled by Trit
 }
 kernels() {
   { timeout 200 python3 benchmarks/paged_decode_kernels.py --rows 16 4 1 --contexts 131072 --dtypes fp8 --iters 7 \
-      --pages-per-block 2 4 8 --mla-configs 16x16w4 32x32w4 64x32w8 32x64w8 32x32w8s4 64x64w8s8
-    timeout 60 python3 benchmarks/paged_decode_kernels.py --rows 16 --contexts 131072 --dtypes fp8 --iters 7 \
-      --kernels scoring --f32-queries --pages-per-block 2 4; } 2>&1 | tee "$out/kernels.log"
+      --pages-per-block 2 4 8 --mla-configs 16x16w4 32x32w4 64x32w8 32x64w8 32x32w8s4 64x64w8s8; } 2>&1 \
+    | tee "$out/kernels.log"
 }
 profile() {
   { timeout 120 python3 benchmarks/decode_profile.py --rows 16 $common --out /tmp/dp_gpu_xla

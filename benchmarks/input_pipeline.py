@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from MaxText.config import pyconfig  # noqa: E402
 from MaxText.data import documents, input_pipeline  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
@@ -101,13 +102,8 @@ def model_tokens_per_s(extra: list[str], seq: int, batch: int, repeats: int = 3)
     data = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg, process_index=0, process_count=1)))
     data = jax.device_put(data, train.batch_shardings(cfg, mesh, data))
     step = jax.jit(train.make_train_step(cfg, graphdef, tx)).lower(state, data).compile()
-    jax.block_until_ready(step(state, data))
-    times = []
-    for _ in range(repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(step(state, data))
-      times.append(time.perf_counter() - t)
-  return batch * seq / float(np.median(times))
+    ms = timing.median_ms(lambda: step(state, data), repeats, warmup=0)
+  return batch * seq / ms * 1e3
 
 
 def main():

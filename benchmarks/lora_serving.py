@@ -19,13 +19,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from MaxText.checkpoint import lora_adapters, model_state  # noqa: E402
 from MaxText.config import pyconfig  # noqa: E402
 from MaxText.inference.scheduler import SamplingParams  # noqa: E402
@@ -49,14 +49,8 @@ def _tok_s(runs: dict, prompts, tokens: int, repeats: int) -> dict:
   """{row: tokens/s, median over `repeats`}; runs: {row: (engine, each prompt's adapter slot)}. One compiling run
   each, then the rows interleaved repeat by repeat (a shared host's load drifts over all of them alike)."""
   params = {name: [SamplingParams(max_tokens=tokens, lora_adapter=k) for k in slots] for name, (_, slots) in runs.items()}
-  for name, (engine, _) in runs.items():
-    engine.generate(prompts, params[name])  # compiles
-  times = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, (engine, _) in runs.items():
-      t0 = time.perf_counter()
-      engine.generate(prompts, params[name])
-      times[name].append(time.perf_counter() - t0)
+  times, _ = timing.interleaved({name: lambda e=e, name=name: e.generate(prompts, params[name])
+                                 for name, (e, _) in runs.items()}, repeats, warmup=0)  # the first call compiles
   return {name: len(prompts) * tokens / statistics.median(t) for name, t in times.items()}
 
 

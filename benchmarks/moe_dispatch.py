@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from MaxText.config import pyconfig  # noqa: E402
 from MaxText.kernels import moe_experts  # noqa: E402
 from MaxText.kernels.moe_experts import ExpertWeights  # noqa: E402
@@ -82,13 +83,7 @@ def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
       shardings = jax.tree.map(lambda a: a.sharding, state)
       real = jax.jit(lambda: nnx.split(moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)))[1], out_shardings=shardings)()
       xs = jax.device_put(np.random.default_rng(0).normal(size=x.shape).astype(x.dtype), x.sharding)
-      jax.block_until_ready(compiled(real, xs))
-      times = []
-      for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(real, xs))
-        times.append(time.perf_counter() - t)
-      secs = float(np.median(times))
+      secs = timing.median_ms(lambda: compiled(real, xs), reps, warmup=0) / 1e3
     return mem.temp_size_in_bytes, mem.argument_size_in_bytes, aot.collective_counts(compiled.as_text()), secs
 
 

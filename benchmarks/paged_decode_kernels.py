@@ -1,47 +1,38 @@
 """The Pallas decode kernels (kernels/paged_decode.py: Mosaic; paged_decode_gpu.py: Triton) against their XLA
 paths, at decode shapes.
 
-    python benchmarks/paged_decode_kernels.py                          # TPU: 128K, rows 1 4 16, fp8 and fp32
-    python benchmarks/paged_decode_kernels.py                          # GPU: the same with the Triton kernels
+    python benchmarks/paged_decode_kernels.py                          # 128K, rows 1 4 16, fp8 and fp32
     python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
 
-Per (cache dtype, rows, context): (a) the indexer's scores of one decode query per row over every
-cached key (64 heads of 128, keys fp8 with one scale each, queries fp8 with one scale per head; or
-fp32), the kernel against the engine's paged path (paged_cache.PagedKeys.scores: a loop of page
-blocks) and the plain XLA reference (every page gathered, one einsum); (b) sparse MLA decode over
-k = 2048 selected slots (128 heads, latents of 512 + 64: fp8 with 4 scales + bf16 rope, or fp32),
-the kernel against the XLA reference (the rows gathered, a masked softmax). Each variant's median
-of --iters calls (alternating), the bytes it must move (its roofline bound at --bandwidth GB/s:
-the v5e's 819 by default) and the fraction of that bound achieved; the largest difference from the
-XLA reference (relative to the reference's largest magnitude). Prints a table, then one JSON line.
---module picks the kernels (default: triton on a GPU, else mosaic); with triton, `kernel@native` converts fp8 by
-the hardware (sm89+; the scoring's e4m3 queries in an fp8 x fp8 dot), `kernel@parts1` / `kernel@native1` is the
-MLA kernel with a bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps,
-splits); its `kernel` is the engine's call (paged_cache.attend_selected's block, heads and splits).
+Per (cache dtype, rows, context): (a) the indexer's scores of one decode query a row over every cached key (64
+heads of 128; fp8 keys and queries with their scales, or fp32), the kernel beside the engine's paged path
+(PagedKeys.scores) and the plain XLA reference; (b) sparse MLA decode over k = 2048 selected slots (128 heads,
+latents of 512 + 64), the kernel beside the XLA reference. Each variant's median of --iters calls (in turn), the
+bytes it must move over --bandwidth (its roofline bound) and the fraction achieved, and the largest difference
+from the XLA reference. --module picks the kernels (default: triton on a GPU, else mosaic); with triton,
+`kernel@native` converts fp8 in hardware (sm89+), `kernel@parts1` / `kernel@native1` is the MLA kernel with a
+bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps, splits).
+Prints a table, then one JSON line.
 """
-
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
+from benchmarks.decode import bandwidth  # the device's roofline bandwidth: one table
 from MaxText.inference import paged_cache
 from MaxText.inference.kv_cache import quantize_fp8
 from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import paged_decode as pd
 from MaxText.kernels import paged_decode_gpu as pg
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import bandwidth  # noqa: E402  (the device's roofline bandwidth: one table)
 
 H_I, D_I, H, C, R, PAGE = 64, 128, 128, 512, 64, 64
 
@@ -80,14 +71,10 @@ def inputs(rows: int, context: int, fp8: bool, seed: int = 0) -> dict:
   return d
 
 
-def scoring_fns(d: dict, interpret: bool, blocks=(32,), f32_queries: bool = False, module=pd) -> dict:
-  """kernel (at blocks[0] pages a grid step; kernel@n at the others), xla, engine. f32_queries: fp8 keys
-  scored with fp32 queries (the engine's arithmetic) instead of fp8 queries."""
+def scoring_fns(d: dict, interpret: bool, blocks=(32,), module=pd) -> dict:
+  """kernel (at blocks[0] pages a grid step; kernel@n at the others), xla, engine."""
   w = pd.index_weights(d["w"], D_I)
-  q, q_scale = d["q"], d["q_scale"]
-  if f32_queries and q_scale is not None:
-    q, q_scale = pd.as_values(q).astype(jnp.float32) * q_scale[..., None], None
-  args = (q, q_scale, w, d["idx_k"], d["idx_k_scale"], d["table"], d["pos"])
+  args = (d["q"], d["q_scale"], w, d["idx_k"], d["idx_k_scale"], d["table"], d["pos"])
   kernels = {}
   for i, n in enumerate(blocks):
     ppb = min(n, d["table"].shape[1])
@@ -142,21 +129,6 @@ def bytes_moved(kind: str, rows: int, context: int, fp8: bool) -> int:
   return rows * k * (C + 4 * 4 + 2 * R if fp8 else 4 * (C + R)) + rows * H * C * 4
 
 
-def timed(fns: dict, iters: int) -> tuple[dict, dict]:
-  out = {}
-  for name, fn in fns.items():  # compile + first call
-    t0 = time.perf_counter()
-    out[name] = np.asarray(fn())
-    print(f"  {name}: compiled and ran once in {time.perf_counter() - t0:.1f} s", flush=True)
-  ms = {name: [] for name in fns}
-  for _ in range(iters):
-    for name, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      ms[name].append((time.perf_counter() - t0) * 1e3)
-  return {n: statistics.median(v) for n, v in ms.items()}, out
-
-
 def max_rel(a: np.ndarray, ref: np.ndarray) -> float:
   finite = np.isfinite(ref)
   if not np.array_equal(finite, np.isfinite(a)):
@@ -184,8 +156,6 @@ def main(argv=None) -> None:
   ap.add_argument("--pages-per-block", type=int, nargs="+", default=None,
                   help="scoring: pages a grid step (a program) reads; the first is `kernel`, the others `kernel@n` "
                        "(default: the engine's, paged_cache.SCORE_BLOCK_SLOTS / GPU_SCORE_BLOCK_SLOTS keys)")
-  ap.add_argument("--f32-queries", action="store_true",
-                  help="scoring over fp8 keys with fp32 queries (indexer_fp8_queries=false)")
   args = ap.parse_args(argv)
   module = {"mosaic": pd, "triton": pg}[args.module or ("triton" if jax.default_backend() == "gpu" else "mosaic")]
   slots = paged_cache.GPU_SCORE_BLOCK_SLOTS if module is pg else paged_cache.SCORE_BLOCK_SLOTS
@@ -210,14 +180,16 @@ def main(argv=None) -> None:
         for kind, make in (("scoring", scoring_fns), ("mla", mla_fns)):
           if kind not in args.kernels:
             continue
-          made = make(d, args.interpret, args.pages_per_block, args.f32_queries, module) if kind == "scoring" else \
+          made = make(d, args.interpret, args.pages_per_block, module) if kind == "scoring" else \
               make(d, args.interpret, module, args.mla_configs)
           fns = {name: fn for name, fn in made.items() if name.split("@")[0] in args.variants}
           nbytes = bytes_moved(kind, rows, context, dtype == "fp8")
           bound = nbytes / args.bandwidth / 1e6  # ms
           row = dict(kernel=kind, dtype=dtype, rows=rows, context=context, bytes=nbytes, bound_ms=round(bound, 4))
           try:
-            ms, out = timed(fns, args.iters)
+            got, out = timing.interleaved(fns, args.iters, warmup=0)
+            ms = {name: statistics.median(v) * 1e3 for name, v in got.items()}
+            out = {name: np.asarray(v) for name, v in out.items()}
           except Exception as e:  # a Mosaic lowering error is a result here: print it and go on
             row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {row['status']}", flush=True)

@@ -3,27 +3,17 @@
     python benchmarks/serve_load.py --config RUN/config.yml --checkpoint RUN/checkpoints
     python benchmarks/serve_load.py --quick     # random weights of the tiny model, concurrency 1 and 8
 
-The weights: --checkpoint (a run's checkpoints folder, one step, or a converter output; --config and
-key=value as it was trained), else the tiny model at random init. They are exported once with
-MaxText.export_hf_checkpoint (float32) next to tests/data/tokenizer.json, and served by
-  ours     python -m MaxText.serve (load_parameters_path=the checkpoint; the engine compiled before
-           the clock starts: /health is 200 only then)
-  theirs   transformers serve EXPORT --continuous-batching --device cpu; when its continuous batching
-           refuses the model (it did for DeepSeek-V3.2's indexed attention layers in transformers
-           5.23), without it, said in the table and the JSON line.
-One server at a time (2 cores): started, warmed with one request, then for each concurrency c
-(--concurrency, default 1, 8, 32) c closed-loop clients send the same seeded requests (prompts: runs
-of --prompt-words words of tests/data/corpus.txt, max_tokens uniform in [--out-min, --out-max],
-greedy, every request its max_tokens: ours with ignore_eos, theirs refuses the field and does not stop
-at EOS for an export without generation_config.json) streamed; the same prompt ids (ours add_bos=false,
-as their tokenizer encodes; the table's prompt tokens show it). Time to first token (TTFT): send -> the first streamed chunk with a
-choice; time per output token (TPOT): (last chunk - first) / (tokens - 1); tokens from the final
-usage. Output tokens/s: all tokens / the level's wall time. A table, then one JSON line with
-throughput_ratio (ours / theirs, tokens/s at the highest concurrency) and ttft_p50_ratio (theirs / ours,
-the lowest over the concurrencies). `transformers serve` needs `accelerate` (a test-only pin in
-requirements.txt, as transformers; --theirs-pythonpath DIR adds another folder to its path).
+The weights (--checkpoint, else the tiny model at random init) are exported once with MaxText.export_hf_checkpoint
+(float32) beside tests/data/tokenizer.json and served by `python -m MaxText.serve` (compiled before /health is
+200) and by `transformers serve EXPORT --continuous-batching --device cpu` (without continuous batching when it
+refuses the model, said in the table and the JSON line). One server at a time: warmed with one request, then for
+each concurrency c (--concurrency) c closed-loop clients stream the same seeded requests (runs of --prompt-words
+words of tests/data/corpus.txt, the same prompt ids, greedy, every request its max_tokens in [--out-min,
+--out-max]). TTFT: send -> the first chunk with a choice; TPOT: (last chunk - first) / (tokens - 1); output
+tokens/s: all tokens / the level's wall time. A table, then one JSON line with throughput_ratio (ours / theirs at
+the highest concurrency) and ttft_p50_ratio (theirs / ours, the lowest). `transformers serve` needs `accelerate`
+(a test-only pin in requirements.txt; --theirs-pythonpath DIR adds a folder to its path).
 """
-
 from __future__ import annotations
 
 import argparse

@@ -1,13 +1,14 @@
-r"""Seconds from `python -m MaxText.serve` to /health 200, started twice in a row: with JAX's
-persistent compilation cache off (jax_cache_dir="") and on (a fresh folder as jax_cache_dir). The
-second start with the cache reads every step program back instead of compiling it.
+r"""What starting a server costs: seconds from `python -m MaxText.serve` to /health 200, started twice with JAX's
+persistent compilation cache off (jax_cache_dir="") and twice on (a fresh folder: the second start reads every
+step program back instead of compiling it); --contexts: the step programs of a few serving contexts (the tiny
+base.yml model, max_target_length and buckets) and the seconds the engine's warmup takes to compile them, cache off.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_start.py [key=value ...]   # extra keys go to the server
+    PYTHONPATH=. .venv/bin/python benchmarks/serve_start.py --contexts [key=value ...]   # extra keys: every row
 
 Prints a table and one JSON line. The environment's JAX_COMPILATION_CACHE_DIR and
 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS are removed for the children (so the key decides).
 """
-
 from __future__ import annotations
 
 import json
@@ -37,7 +38,44 @@ def time_to_ready(cache_dir: str, extra: list[str], log_path: str) -> tuple[floa
   return seconds, float(warmup.group(1)) if warmup else float("nan")
 
 
+CONTEXTS = {  # --contexts: name -> overrides (the cheapest first: each row prints as it ends)
+    "1024, 4 seqs, 1 width, 1 context": {"max_target_length": 1024, "serve_max_num_seqs": 4,
+                                         "serve_width_buckets": 1, "serve_context_buckets": 1},
+    "64 (a small run's context)": {"max_target_length": 64},
+    "1024": {"max_target_length": 1024},
+}
+
+
+def contexts(extra: list[str]) -> None:
+  """--contexts: each CONTEXTS row's engine built in this process and warmed up (every program compiled once)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+
+  from MaxText.checkpoint import model_state
+  from MaxText.config import pyconfig
+  from MaxText.inference.serving import ServingEngine
+  from MaxText.runtime import sharding
+  jax.config.update("jax_enable_compilation_cache", False)
+  out = {}
+  print("| context | step programs | warmup s |\n| --- | --- | --- |")
+  for name, keys in CONTEXTS.items():
+    config = pyconfig.initialize(["serve_start", "configs/base.yml", *[f"{k}={v}" for k, v in keys.items()], *extra],
+                                 jax_cache_dir="")
+    mesh = sharding.create_mesh(config)
+    with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):
+      engine = ServingEngine(config, *model_state.create(config, mesh)[:3])
+      t = time.perf_counter()
+      n = engine.warmup()
+      seconds = time.perf_counter() - t
+    out[name] = {"programs": n, "warmup_s": round(seconds, 1)}
+    print(f"| {name} | {n} | {seconds:.1f} |", flush=True)
+  print(json.dumps(out))
+
+
 def main(extra: list[str]) -> None:
+  if "--contexts" in extra:
+    contexts([a for a in extra if a != "--contexts"])
+    return
   with tempfile.TemporaryDirectory(prefix="serve-start-") as tmp:
     rows = []
     for arm, cache in (("off", ""), ("on", os.path.join(tmp, "jax_cache"))):

@@ -3,40 +3,17 @@
     python benchmarks/serving.py            # the tiny model and a mid-size one (8 layers, emb 512, 8K contexts)
     python benchmarks/serving.py --quick    # the tiny model, fewer requests, a shorter system prompt
 
-One seeded workload, the same requests in the same arrival order for every policy, in real time:
-Poisson arrivals (--rate per second; the default keeps about --seqs requests in flight in the
-continuous engine, printed as "in flight": the mean of requests between arrival and finish),
-prompt lengths uniform in [--prompt-min, --prompt-max], output lengths log-uniform in [--out-min,
---out-max] (max_tokens, EOS ignored), greedy. Every policy drives the same ServingEngine (the same
-compiled programs, paged caches, up to --seqs sequences a step):
-  continuous     a request joins the running batch at the next step after it arrives and leaves it
-                 when done.
-  static         decode.py before this engine, the baseline of the JSON's ratios: when the engine is
-                 idle, every request that has arrived (up to --seqs) forms one batch, which runs
-                 until its longest request is done, every row computing to the end (the old
-                 contiguous engine's finished rows kept decoding: each request runs to the batch's
-                 longest output, and only its own tokens count, each when it is made); later
-                 arrivals wait for the next batch.
-  static-shrink  the same batches, kinder: a finished request leaves its batch and the steps shrink
-                 (throughput_ratio_vs_shrinking).
-The mid-size row (full mode) runs its own workload, MID_WORKLOAD: contexts to 8K tokens
-(max_target_length 8192), prompts of 128-1024 tokens prefilled in chunks of 256.
-Compiled before the clock starts (ServingEngine.warmup). Reported: output tokens/s over the run,
-time to first token (TTFT: arrival -> first token) and time per output token (TPOT: (finish -
-first token) / (tokens - 1)), p50 and p99.
-Then a shared-prefix workload (a --system-token system prompt + 8 tokens of question each, one
-request every --prefix-gap s) with and without the prefix cache: its TTFT.
-Speculative decoding (`speculative`, alone with --spec-only): a model of the tiny widths with --spec-layers decoder
-layers and one MTP module, trained on the synthetic progressions; at each of --spec-checkpoints training steps (a
-ladder of acceptance rates) the same requests run with serve_speculative_tokens=0 and =--spec-tokens, --spec-repeats
-times interleaved: acceptance and speedup per checkpoint (the drafter is 1/(L + 1) of the layers: with 4 layers it
-does not pay on a CPU, hence 12). Structured outputs (`structured`, alone with --structured-only): --seqs free rows
-beside 0, 1 and 8 rows constrained by a regex (inference/grammar.py's host-filled mask), every row
---structured-tokens tokens: output tokens/s of all rows and of the free rows, and the mask fill per step.
-A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows").
-Ratios are measured side by side in one process; never a timed assert.
+One seeded workload, the same requests in the same arrival order for every policy (`serve`), in real time:
+Poisson arrivals (--rate a second), prompt lengths uniform in [--prompt-min, --prompt-max], output lengths
+log-uniform in [--out-min, --out-max] (EOS ignored), greedy, through one ServingEngine (the same compiled
+programs, up to --seqs sequences a step, compiled before the clock starts). The mid-size row (full mode) runs
+MID_WORKLOAD: contexts to 8K, prompts of 128-1024 tokens prefilled in chunks of 256. Reported: output tokens/s,
+time to first token (TTFT) and time per output token (TPOT), p50 and p99. Then `prefix`: a shared system prompt
+with and without the prefix cache (TTFT); `speculative` (alone: --spec-only): acceptance and speedup of MTP
+drafts along a model's training; `structured` (alone: --structured-only): free rows beside regex-constrained ones.
+A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows"). Ratios are
+measured side by side in one process; never a timed assert.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -86,13 +63,12 @@ def stats(first, finish, arrival, counts, t0, t1):
 
 
 def serve(engine: ServingEngine, work, policy: str, seqs: int):
-  """The workload in real time through the engine -> stats. policy "continuous": a request joins
-  the running batch at the next step after it arrives. "static": a static batch of the old kind
-  over the same engine: when the engine is idle, every request that has arrived (up to seqs) joins
-  one batch, which runs until its longest request is done, every row computing to the end (the old
-  engine's finished rows kept decoding: here each request runs to the batch's longest output, and
-  only its own tokens count, each when it is made); later arrivals wait for the next batch.
-  "static-shrink": the same batches, but a finished request leaves its batch (its steps shrink)."""
+  """The workload in real time through the engine -> stats. policy "continuous": a request joins the running
+  batch at the next step after it arrives and leaves it when done. "static" (the JSON's ratios' baseline): when
+  the engine is idle, every request that has arrived (up to seqs) forms one batch, which runs until its longest
+  request is done, every row computing to the end (the old engine's finished rows kept decoding: each request runs
+  to the batch's longest output, only its own tokens counting); later arrivals wait for the next batch.
+  "static-shrink": the same batches, a finished request leaving its batch (throughput_ratio_vs_shrinking)."""
   n = len(work)
   first, finish, made = [None] * n, [None] * n, [0] * n
   requests, nxt = {}, 0

@@ -1,6 +1,5 @@
 """lm-evaluation-harness against our server, and the same items scored by our own training model
-(tests/integration/test_server.py and benchmarks/lm_eval_served.py; lm-eval is a test requirement, imported
-only by run_lm_eval).
+(tests/integration/test_server.py; lm-eval is a test requirement, imported only by run_lm_eval).
 
 `run_lm_eval` runs lm-eval's `local-completions` model in this process (`simple_evaluate`: no second
 interpreter) on local tasks (TASKS_DIR: the repository's tests/data/lm_eval) (tiny_mc: multiple choice by loglikelihood;
