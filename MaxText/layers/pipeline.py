@@ -101,7 +101,8 @@ def run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax.
 
   def stage(p, h, pos_s, seg_s, rep):
     """One stage: its n layers of repeat `rep` on h [mb,t,D]."""
-    p = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rep * n, n, 0), p)  # [n,...]
+    if r > 1:  # R = 1: the stage's layers whole (a dynamic slice would copy them, and their gradient, per iteration)
+      p = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rep * n, n, 0), p)  # [n,...]
     y, aux = nnx.merge(graphdef, p)(h, pos_s, seg_s)
     aux.pop("routed_experts", None)  # [n,mb,t,k]: keep-routing is not pipelined
     return y, aux
