@@ -100,6 +100,9 @@ def check_config(config: Config) -> None:
   if config.weight_quantization != "none" and not config.lora_rank:
     raise ConfigError(f"weight_quantization={config.weight_quantization}: RL trains float weights (none), or LoRA "
                       "adapters over the frozen fp8 base (lora_rank=N)")
+  if config.pipeline_stages > 1 and config.num_moe_layers:
+    raise ConfigError(f"ici_pipeline_parallelism x dcn_pipeline_parallelism = {config.pipeline_stages} stages: RL reads "
+                      "and forces each token's routed experts, which the pipeline does not carry; use 1 stage")
 
 
 def sampling_params(config: Config, step: int, row: int) -> SamplingParams:

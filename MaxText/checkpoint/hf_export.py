@@ -273,7 +273,8 @@ def export_config(checkpoint: str, config_path: str | None, overrides=()) -> Con
     if not os.path.isfile(config_path):
       raise FileNotFoundError(f"--checkpoint {checkpoint} has no {CONFIG_FILE}: give --config, the yml the run "
                               "was trained with (e.g. configs/base.yml), and the key=value it was trained with")
-  ones = {f"ici_{a}_parallelism": 1 for a in ("data", "fsdp", "context", "tensor", "expert")}
+  ones = {f"ici_{a}_parallelism": 1 for a in ("pipeline", "data", "fsdp", "context", "tensor", "expert")}
+  ones["dcn_pipeline_parallelism"] = 1
   return pyconfig.initialize(["export", config_path, *overrides], num_devices=1, **ones)
 
 

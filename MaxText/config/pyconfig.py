@@ -20,7 +20,7 @@ import pydantic
 import yaml
 from omegaconf import OmegaConf
 
-from MaxText.config.types import SECTIONS, Config, ConfigError, Distributed, schema_keys
+from MaxText.config.types import MESH_AXIS_KEYS, SECTIONS, Config, ConfigError, Distributed, schema_keys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # MaxText/config/ -> repo
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
@@ -108,10 +108,13 @@ def _format_validation_error(err: pydantic.ValidationError, raw: dict[str, Any])
 
 
 def _resolve_mesh(values: dict[str, Any], num_devices: int) -> None:
-  """Fills one ici_*_parallelism=-1 from the device count and checks the product."""
+  """Fills one ici_*_parallelism=-1 from the device count and checks the product (the stage axis is
+  ici_pipeline_parallelism x dcn_pipeline_parallelism, never filled)."""
   axes = list(values["mesh_axes"])
-  keys = [f"ici_{a}_parallelism" for a in axes]
+  keys = [MESH_AXIS_KEYS.get(a, f"ici_{a}_parallelism") for a in axes]
   sizes = {k: values[k] for k in keys}
+  if "ici_pipeline_parallelism" in sizes and isinstance(values.get("dcn_pipeline_parallelism"), int):
+    sizes["ici_pipeline_parallelism"] *= values["dcn_pipeline_parallelism"]
   fill = [k for k, v in sizes.items() if v == -1]
   if len(fill) > 1:
     raise ConfigError(f"only one mesh axis may be -1, got {fill}")
@@ -145,6 +148,10 @@ def _check_with_devices(cfg: Config) -> None:
   for a in batch_axes:
     shards *= cfg.mesh_shape[a]
   micro = cfg.global_batch_size // cfg.gradient_accumulation_steps
+  if cfg.pipeline_stages > 1 and (micro // cfg.pipeline_microbatches) % shards:
+    raise ConfigError(f"{micro} rows / num_pipeline_microbatches={cfg.pipeline_microbatches} = "
+                      f"{micro // cfg.pipeline_microbatches} rows per pipeline microbatch, not divisible by the {shards} "
+                      f"batch shards (mesh axes {list(batch_axes)}); raise global_batch_size or lower the microbatches")
   if micro % shards:
     raise ConfigError(f"global_batch_size={cfg.global_batch_size} / gradient_accumulation_steps="
                       f"{cfg.gradient_accumulation_steps} = {micro} sequences per micro-batch, not divisible by the "

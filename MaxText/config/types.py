@@ -194,10 +194,18 @@ class EvalAndProfiler(_Section):
   profiler_steps: PosInt
 
 
-MeshAxis = Literal["data", "fsdp", "context", "tensor", "expert"]
+MeshAxis = Literal["stage", "data", "fsdp", "context", "tensor", "expert"]
+# The mesh axis each size key sets (MaxText's names): `stage` is sized ici x dcn pipeline parallelism.
+MESH_AXIS_KEYS = {"stage": "ici_pipeline_parallelism", "data": "ici_data_parallelism", "fsdp": "ici_fsdp_parallelism",
+                  "context": "ici_context_parallelism", "tensor": "ici_tensor_parallelism",
+                  "expert": "ici_expert_parallelism"}
 
 
 class Mesh(_Section):
+  ici_pipeline_parallelism: PosInt
+  dcn_pipeline_parallelism: PosInt
+  num_layers_per_pipeline_stage: Annotated[int, Field(ge=-1)]
+  num_pipeline_microbatches: Annotated[int, Field(ge=-1)]
   ici_data_parallelism: Annotated[int, Field(ge=-1)]
   ici_fsdp_parallelism: Annotated[int, Field(ge=-1)]
   ici_context_parallelism: Annotated[int, Field(ge=-1)]
@@ -331,7 +339,28 @@ class Config(*SECTIONS):
 
   @property
   def mesh_shape(self) -> dict[str, int]:
-    return {a: getattr(self, f"ici_{a}_parallelism") for a in self.mesh_axes}
+    return {a: self.pipeline_stages if a == "stage" else getattr(self, MESH_AXIS_KEYS[a]) for a in self.mesh_axes}
+
+  @property
+  def pipeline_stages(self) -> int:
+    """Pipeline stages S: the `stage` mesh axis, ici_pipeline_parallelism x dcn_pipeline_parallelism."""
+    return self.ici_pipeline_parallelism * self.dcn_pipeline_parallelism
+
+  @property
+  def layers_per_pipeline_stage(self) -> int:
+    """MoE layers a stage runs per pass (num_layers_per_pipeline_stage; -1: all of its share, no repeats)."""
+    n = self.num_layers_per_pipeline_stage
+    return self.num_moe_layers // self.pipeline_stages if n == -1 else n
+
+  @property
+  def pipeline_repeats(self) -> int:
+    """Circular repeats R: num_moe_layers = S x layers_per_pipeline_stage x R (R = 1: GPipe)."""
+    return self.num_moe_layers // (self.pipeline_stages * self.layers_per_pipeline_stage)
+
+  @property
+  def pipeline_microbatches(self) -> int:
+    """Microbatches M the pipelined batch is cut into (num_pipeline_microbatches; -1: one a stage)."""
+    return self.pipeline_stages if self.num_pipeline_microbatches == -1 else self.num_pipeline_microbatches
 
   @property
   def run_dir(self) -> str:
@@ -408,8 +437,11 @@ class Config(*SECTIONS):
     if self.global_batch_size % self.gradient_accumulation_steps:
       bad(f"global_batch_size={self.global_batch_size} is not divisible by "
           f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
-    if sorted(self.mesh_axes) != sorted(["data", "fsdp", "context", "tensor", "expert"]):
-      bad(f"mesh_axes={list(self.mesh_axes)} must name each of data, fsdp, context, tensor, expert once")
+    if sorted(a for a in self.mesh_axes if a != "stage") != sorted(["data", "fsdp", "context", "tensor", "expert"]) \
+        or list(self.mesh_axes).count("stage") > 1:
+      bad(f"mesh_axes={list(self.mesh_axes)} must name each of data, fsdp, context, tensor, expert once (and stage "
+          "at most once)")
+    self._check_pipeline(bad)
     if self.eval_interval and self.dataset_type == "file" and not self.eval_dataset_path:
       bad(f"eval_interval={self.eval_interval} with dataset_type=file needs eval_dataset_path (held-out "
           ".txt/.jsonl file or folder); or set eval_interval=0")
@@ -451,6 +483,32 @@ class Config(*SECTIONS):
     if self.max_prefill_length > self.max_target_length:
       bad(f"max_prefill_length={self.max_prefill_length} exceeds max_target_length={self.max_target_length}")
     return self
+
+  def _check_pipeline(self, bad) -> None:
+    """Pipeline parallelism (layers/pipeline.py): the MoE stack in S equal stages, each run M microbatches."""
+    s, n, m = self.pipeline_stages, self.num_layers_per_pipeline_stage, self.pipeline_microbatches
+    if s == 1:
+      return
+    keys = f"ici_pipeline_parallelism x dcn_pipeline_parallelism = {s} stages"
+    if "stage" not in self.mesh_axes:
+      bad(f"{keys} need the mesh axis stage in mesh_axes (got {list(self.mesh_axes)})")
+    if not self.scan_layers:
+      bad(f"{keys} need scan_layers=true: a stage runs its slice of the stacked MoE layers")
+    per = n if n != -1 else max(self.num_moe_layers // s, 1)
+    if n == 0 or self.num_moe_layers % (s * per):
+      fits = [d for d in range(1, self.num_moe_layers + 1) if self.num_moe_layers % d == 0]
+      bad(f"{keys} x num_layers_per_pipeline_stage={n} do not divide the {self.num_moe_layers} MoE layers "
+          f"(num_decoder_layers - first_num_dense_layers; the dense layers, embedding, head and MTP run outside the "
+          f"pipeline): S x layers per stage must divide it, S one of {fits}")
+    if m < s:
+      bad(f"num_pipeline_microbatches={m} is fewer than the {s} stages: every stage needs a microbatch in flight")
+    if self.num_moe_layers // (s * per) > 1 and m != s:
+      bad(f"num_layers_per_pipeline_stage={n} makes {self.num_moe_layers // (s * per)} circular repeats, which take "
+          f"num_pipeline_microbatches = the {s} stages (the last stage feeds the first directly); got {m}")
+    rows = self.global_batch_size // self.gradient_accumulation_steps
+    if rows % m:
+      bad(f"global_batch_size={self.global_batch_size} / gradient_accumulation_steps={self.gradient_accumulation_steps}"
+          f" = {rows} rows do not split into num_pipeline_microbatches={m}")
 
 
 def schema_keys() -> set[str]:

@@ -245,6 +245,9 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   specs = (tok, tok2, P(), P(), spec_of(wi_0, w_in), spec_of(wi_1, w_in), spec_of(wo, w_out))
   if routed_experts is not None:
     args, specs = args + (routed_experts,), specs + (tok,)  # routed_experts [b,t,k] lies as x [b,t,D]
-  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tok, P(), P(), (P(), P()), tok))
+  # Under the pipeline's vmap over stages (spmd_axis_name="stage") jax 0.10's replication check sees the per-stage
+  # sums as varying over `stage` while the batching rule gives them a stage axis: the check is off there alone.
+  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(tok, P(), P(), (P(), P()), tok),
+                     check_vma=mesh.shape.get("stage", 1) == 1)
   y, counts, dropped, (balance_sum, balance_seqs), ids = fn(*args)
   return MeshMoEOutput(y, counts, dropped, balance_sum, balance_seqs, ids)

@@ -104,7 +104,10 @@ def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_rows: int = 1,
   row_of_assignment = padded_starts[ids] + rank_within(ids, groups)  # [M]
   token_of_row = jnp.zeros((num_rows,), jnp.int32).at[row_of_assignment].set(jnp.arange(m) // j)  # [R]
   row_valid = jnp.zeros((num_rows,), bool).at[row_of_assignment].set(ids < num_experts)  # [R]
-  block_expert = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * b, side="right")  # [R/B]
+  starts = jnp.arange(num_blocks) * b  # [R/B] each block's first row
+  # searchsorted(padded_ends, starts, side="right") written out: jnp.searchsorted's vmap fails inside a shard_map
+  # under the pipeline's vmap over stages (jax 0.10: "requires varying manual axes to match")
+  block_expert = jnp.sum(padded_ends[None, :] <= starts[:, None], axis=1)  # [R/B] groups ending at or before it
   block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)  # null/trailing blocks: zero rows
   return DispatchPlan(token_of_row, row_valid, row_of_assignment, sizes[:num_experts], block_expert)
 

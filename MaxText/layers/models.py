@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.config.types import Config
-from MaxText.layers import lora
+from MaxText.layers import lora, pipeline
 from MaxText.layers.decoder import LayerStack, MTPModule
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import Linear
@@ -70,9 +70,15 @@ class Transformer(nnx.Module):
       x, a = self.dense_layers(x, positions, segment_ids)
       indexer_losses.append(a["indexer_loss"])
     if self.moe_layers is not None:
-      x, a = self.moe_layers(x, positions, segment_ids, routed_experts=routed_experts)
+      if self.config.pipeline_stages > 1:  # the MoE stack in stages (layers/pipeline.py): no keep-routing
+        if routed_experts is not None:
+          raise ValueError("routed_experts (keep routing) with ici_pipeline_parallelism x dcn_pipeline_parallelism > 1:"
+                           " the pipeline does not carry forced routing; train RL without pipeline stages")
+        x, a = pipeline.run(self.moe_layers, x, positions, segment_ids, self.config)
+      else:
+        x, a = self.moe_layers(x, positions, segment_ids, routed_experts=routed_experts)
+        aux["routed_experts"] = jnp.moveaxis(a["routed_experts"], 0, 2)  # [L,b,t,k] -> [b,t,L,k]
       indexer_losses.append(a["indexer_loss"])
-      aux["routed_experts"] = jnp.moveaxis(a["routed_experts"], 0, 2)  # [L,b,t,k] -> [b,t,L,k]
       aux["expert_load"] = a["expert_load"]  # [L_moe, E]
       aux["load_balance_loss"] = jnp.sum(a["load_balance_loss"])
       aux["moe_dropped"] = jnp.mean(a["moe_dropped"])  # fraction of assignments past capacity

@@ -40,7 +40,7 @@ def logical_to_spec(logical_axes, rules: dict, mesh: Mesh, shape=None) -> Partit
   axes that do not divide the dimension are dropped (replicated) rather than failing."""
   used, spec = set(), []
   for i, name in enumerate(logical_axes):
-    axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
+    axes = [a for a in rules.get(name, ()) if a not in used and mesh.shape.get(a, 1) > 1] if name else []
     if shape is not None:
       kept = []
       for a in axes:

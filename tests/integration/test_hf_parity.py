@@ -83,7 +83,7 @@ def hf_forward(model, tokens):
 
 def our_forward(ckpt_dir, tokens, overrides):
   cfg = hf_import.converted_config(os.path.join(ckpt_dir, "maxtext"), overrides)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), cfg.mesh_axes)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
   graphdef, params, buffers, _ = model_state.load_parameters(os.path.join(ckpt_dir, "maxtext"), cfg, mesh)
   model = model_state.merge(graphdef, params, buffers)
   (logits, _), inter = capture_selection(model, jnp.asarray(tokens))

@@ -67,7 +67,7 @@ def test_json_equals_the_analysis_of_the_step_train_py_compiles(printed):
   shard_bytes = lambda tree: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
   assert got["parameter_bytes_per_device"] == shard_bytes((state["params"], state["buffers"]))
   assert got["optimizer_bytes_per_device"] == shard_bytes(state["opt_state"])
-  assert got["mesh"] == {"data": 2, "fsdp": 1, "context": 1, "tensor": 1, "expert": 4}
+  assert got["mesh"] == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "tensor": 1, "expert": 4}
   assert got["tokens_per_step"] == 8 * 32 and got["num_devices"] == 8 and got["compile_seconds"] > 0
 
 

@@ -157,7 +157,7 @@ def test_mesh_product_must_match_device_count():
 
 def test_minus_one_fills_the_mesh_from_the_device_count():
   cfg = init("base.yml", num_devices=8, ici_fsdp_parallelism=2)
-  assert cfg.mesh_shape == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1, "expert": 1}
+  assert cfg.mesh_shape == {"stage": 1, "data": 4, "fsdp": 2, "context": 1, "tensor": 1, "expert": 1}
 
 
 def test_sequence_must_divide_the_context_degree():

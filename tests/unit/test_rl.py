@@ -159,7 +159,8 @@ def test_config_rules_are_one_line_naming_the_key():
   for keys, said in ((dict(decode_sampling_strategy="greedy"), "decode_sampling_strategy=greedy"),
                      (dict(rl_max_completion_tokens=32), "rl_max_completion_tokens=32"),
                      (dict(gradient_accumulation_steps=3, global_batch_size=3), "gradient_accumulation_steps=3"),
-                     (dict(weight_quantization="fp8_block"), r"weight_quantization=fp8_block: .* \(lora_rank=N\)")):
+                     (dict(weight_quantization="fp8_block"), r"weight_quantization=fp8_block: .* \(lora_rank=N\)"),
+                     (dict(ici_pipeline_parallelism=2, num_devices=2, num_decoder_layers=3), "= 2 stages: RL reads")):
     with pytest.raises(ConfigError, match=said) as e:
       rl.check_config(make_config(**{**RL_KEYS, **keys}))
     assert "\n" not in str(e.value)
