@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # What the device check runs: the package, the unit tests it collects, its own scripts.
 DEVICE_CODE = ["MaxText", "tests/unit", "tests/conftest.py", "tools/device/device_check.py",
                "benchmarks/indexer_topk.py", "benchmarks/decode.py", "benchmarks/serving.py", "benchmarks/long_context.py",
-               "benchmarks/sparse_mla_kernel.py"]
+               "benchmarks/sparse_mla_kernel.py", "benchmarks/profile_ops.py", "benchmarks/train_mfu.py"]
 # Imported only off the device, lazily: the torch oracle (its tests skip without it), HF datasets pipelines,
 # lm-evaluation-harness (server/lm_eval_client.run_lm_eval: an integration test and a benchmark).
 OFF_DEVICE = {"torch", "transformers", "datasets", "lm_eval"}
