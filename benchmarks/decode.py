@@ -8,22 +8,9 @@
     python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
     python benchmarks/decode.py --scoring --contexts 131072 --batch 4 --short-context 4096   # one long row, 3 short
 
-The model is tiny but wide: the official 671B attention shapes (WIDE: 128 heads, kv_lora 512, rope 64, 64
-indexer heads of 128, top-k 2048) with a narrow residual stream, 1 dense layer and a 512-token vocabulary, so
-attention dominates a step as in the full model and a 128K cache (369 MB a layer in fp32) fits in memory; --set
-key=value (YAML) overrides it. The engine's paged pools hold --batch rows of each context, random latents, each
-row's pages a random permutation of the pool's; one step of the engine (its step and write programs, each row at
-its last position, the write dropped so every call sees the same cache) is timed, or with --prefill one chunk of
---chunk tokens at each row's end. The reference is the model's own contiguous cache view holding the same data,
-stepped by the same model call and sampling, with a write of its entries. The variants alternate call by call:
---stat (min or median) of --iters calls each, and paged / contiguous as the median of the paired calls' ratios
-with its quartiles (on a shared host the pairs cancel most of the load's drift). The reference's copy of the
-rows' cache is built with --contiguous on, or (auto) where it fits --contiguous-max-gib.
-
-Each row also carries the bytes the step must move at least (step_bytes) over the device's memory bandwidth
-(BANDWIDTH, --bandwidth, else measured: on a loaded CPU low, so the fractions read high): the roofline bound and
-the fraction of it achieved. --prompt and --scoring: prompt_rows and scoring_rows. Prints a table, then one JSON
-line; asserts nothing about time.
+The model has the official attention shapes (WIDE) on a narrow residual stream (--set key=value overrides it).
+Prints per row the paged and contiguous ms (--stat of --iters calls, alternated), the bytes a step must move and
+the roofline fraction (BANDWIDTH, --bandwidth or measured), paged / contiguous with its quartiles; one JSON line.
 """
 from __future__ import annotations
 
@@ -353,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--prompt", action="store_true",
                   help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
   ap.add_argument("--scoring", action="store_true",
-                  help="the indexer's scoring + top-k alone, paged against contiguous, instead (module doc)")
+                  help="the indexer's scoring + top-k alone, paged against contiguous, instead")
   ap.add_argument("--short-context", type=int, default=0,
                   help="--scoring: rows after the first end at this position + 1 (0: all at the context)")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")

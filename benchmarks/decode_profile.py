@@ -3,22 +3,12 @@ jax.profiler, its device ops summed by the source line that made them, and the s
 
     python benchmarks/decode_profile.py --rows 16 --context 131072 --cache-dtype fp8 --out /tmp/prof
     python benchmarks/decode_profile.py --rows 2 --context 4096 --topk 512 --iters 2     # CPU smoke run
-
-1. The step: decode.py's paged engine step (and write), the median of `--iters` calls; then the launches
-   (`launches`: the feed's copy, the step program alone, step + write, a trivial jitted call).
-2. The trace: `--trace-steps` calls under jax.profiler.trace(--out/trace), each device op mapped to the source
-   line of its HLO instruction and summed per line, then per part (PARTS), per step (profile_ops.summarize).
-3. The pieces (`pieces`), each its own program on the engine's layer-0 pool and page table: the indexer scores
-   (the backend's route, the Pallas kernel and the XLA loop), the selection, the gather of the k selected latents,
-   the attention over them, and the Pallas sparse MLA kernel (Triton's on a GPU, else Mosaic's).
-4. `--compile-for v5e:1x1`: nothing runs. The step and write compiled for a TPU topology on a host without one
-   (libtpu installed aside), under the tpu row: XLA's estimated cycles per part / source line / op (a map of the
-   work, not a time) and every whole array written outside a fusion (profile_ops.compiled_report):
-
-    pip install --target /tmp/libtpu libtpu==0.0.42.1      # once: jax 0.10.2's TPU compiler, kept aside
     PYTHONPATH=/tmp/libtpu:. python benchmarks/decode_profile.py --compile-for v5e:1x1 --set serve_page_size=256
 
-Prints the tables, then one JSON line. Asserts nothing about time.
+Prints the step's median and launches, the trace's tables (per part, source line, op: profile_ops.summarize), the
+pieces (indexer scores, selection, gather, attention, the sparse MLA kernel), then one JSON line. --compile-for
+runs nothing: XLA's estimates for a TPU topology (libtpu installed aside: `pip install --target /tmp/libtpu
+libtpu==0.0.42.1`). Asserts nothing about time.
 """
 from __future__ import annotations
 
@@ -79,7 +69,7 @@ def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
 
 
 def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
-  """The sparse path's pieces on layer 0's pool, each its own program (module doc, 3)."""
+  """The sparse path's pieces on layer 0's pool, each its own program."""
   cfg = engine.config
   pool = layer_pool(engine)
   table = jnp.asarray(feed["table"])  # [B,P]
@@ -141,7 +131,7 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
 
 
 def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
-  """Where the step's wall time goes outside its device ops (module doc, 1): the feed's host-to-device copy alone,
+  """Where the step's wall time goes outside its device ops: the feed's host-to-device copy alone,
   the step program alone on a feed already on the device, the step and write programs on it, and a trivial
   jitted call (this host's per-call floor); medians of --iters calls, each waited for."""
   buf = step_feed.to_device(feed)
@@ -179,7 +169,7 @@ def save_hlo(texts: list[str], args) -> None:
 
 
 def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
-  """The step under jax.profiler; device time per part and per source line (module doc, 2)."""
+  """The step under jax.profiler; device time per part and per source line."""
   buf = step_feed.to_device(feed)
   step, write = engine.compile_programs(feed["t"], buf)
   texts = [step.as_text(), write.as_text()]
@@ -213,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
                   help="backend.py choices forced over this backend's row (e.g. index_placement=search: the row before)")
   ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc, 4")
+                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
   ap.add_argument("--clock-ghz", type=float, default=1.5, help="--compile-for: the clock of XLA's cycles")
   ap.add_argument("--min-mb", type=float, default=4.0, help="--compile-for: the smallest whole-array write listed")
   args = ap.parse_args(argv)
@@ -231,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def compile_for(args, force: dict) -> None:
-  """The step and write compiled for --compile-for's TPU topology, nothing run (module doc, 4)."""
+  """The step and write compiled for --compile-for's TPU topology, nothing run."""
   devices = profile_ops.topology_devices(args.compile_for)
   if devices is None:
     sys.exit(2)

@@ -5,24 +5,9 @@ approximate top-k costs, on a long-range retrieval task (dataset_type=synthetic_
     python benchmarks/dsa_study.py                     # full mode: longer context, more steps (docs/dsa_study.md)
     python benchmarks/dsa_study.py --quick --arms dense sparse_random_indexer --out /tmp/s
 
-Every arm trains the same model on the same data for the same number of optimizer steps with
-MaxText/train.py's train() (one run folder per stage under --out; the recipe's stages chain through
-checkpoints and load_parameters_path, as a user would run them):
-
-  dense                  dense attention: indexer_topk = the whole context, so the selection is every key
-  sparse_random_indexer  top-k sparse from step 0, the indexer frozen at its random init (stage none)
-  sparse_from_scratch    the sparse stage from step 0 (the indexer learns KL over its own selection)
-  warmup_then_sparse     the paper's recipe: the dense arm's checkpoint at step N - W - S, then W steps
-                         of dense_warmup (only the indexer trains, KL to the dense attention), then S
-                         steps of the sparse stage
-  approx_<r>             the recipe with indexer_use_approx_top_k=true at recall target r
-  raw_threshold          the recipe with indexer_mask_exact_topk=false (every key >= the k-th score)
-
-Reported per arm: eval answer accuracy and loss (held-out rows, answers only), and the indexer's
-recall of dense attention: the arm's final model is run with DENSE attention (stage dense_warmup)
-and its indexer's selection, and recall = the share of each answer query's attention mass (summed
-over heads) on the selected keys, averaged over the answer queries and the layers. The last line
-printed is one JSON object mapping each arm to its eval accuracy.
+Every arm (ARMS; the design in docs/dsa_study.md) trains the same model on the same data with MaxText/train.py,
+one run folder per stage under --out. Prints per arm the eval answer accuracy and loss and the indexer's recall
+of dense attention; the last line is one JSON object mapping each arm to its eval accuracy.
 """
 
 from __future__ import annotations

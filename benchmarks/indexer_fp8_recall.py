@@ -4,16 +4,9 @@ Hadamard rotation (indexer_hadamard), on synthetic vectors.
     python benchmarks/indexer_fp8_recall.py                       # 32K keys, 8 queries, k = 2048
     python benchmarks/indexer_fp8_recall.py --keys 131072 --outlier 30
 
-128-dim Gaussian vectors whose channels carry log-normal scales and a few outlier channels --outlier times
-larger (the shape of LayerNorm'd activations that makes per-block fp8 lossy: one outlier sets the block's
-scale and the small channels round to few levels), 64 heads, positive head weights.
-
-Scores are the indexer's sum_h w relu(q.k) (kernels/paged_decode.paged_index_scores_xla, the decode
-path's reference). Variants: fp8 keys (e4m3, one scale per 128-block: the fp8 cache today) with fp32
-queries; fp8 keys and fp8 queries (one scale per head: paged_decode.fp8_queries, as DeepSeek's release
-scores in fp8); each with the vectors as they are and after the Hadamard rotation (orthogonal: the
-fp32 scores are unchanged, outliers spread over all channels). Recall = |top-k(variant) & top-k(fp32)|
-/ k, the mean over queries. Prints a table, then one JSON line.
+128-dim Gaussian vectors with log-normal channel scales and a few channels --outlier times larger, 64 heads.
+Prints recall = |top-k(variant) & top-k(fp32)| / k per variant (fp8 keys; fp8 keys and queries; each with and
+without the rotation), then one JSON line.
 """
 from __future__ import annotations
 

@@ -4,13 +4,8 @@
     python benchmarks/indexer_topk.py --quick         # one shape, fewer repeats
     python benchmarks/indexer_topk.py --shapes 1x1024x65536 --ks 2048 --repeats 7
 
-Each method produces the boolean selection mask [b,t,s] from random f32 scores (the shape of
-one device's indexer scores; 1x1024x131072 is the seed PR's: 128K context at 128-way context
-parallelism). Every method is jitted and warmed up, then the methods are timed interleaved with
-block_until_ready and reported as the median (and min) wall time and the min CPU time over
-repeats. recall = |mask & exact| / |exact|, where exact is the top_k mask; est. = the recall
-estimate ours approx chose its bins by (both approx rows select the same set). A table, never a
-timed assert: timings on a shared CPU are noisy.
+Prints per method the median (and min) wall time and the min CPU time of the boolean mask [b,t,s] from random
+f32 scores, timed interleaved, and recall = |mask & exact| / |exact| (est.: the recall ours approx aimed for).
 """
 
 from __future__ import annotations

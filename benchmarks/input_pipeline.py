@@ -4,13 +4,8 @@ the tokens per second a train step of the tiny and of a mid-size model consumes.
     python benchmarks/input_pipeline.py [--docs 4000] [--batches 40] [--workers 0 1 2] [--seq 64] [--batch 8]
     python benchmarks/input_pipeline.py --skip-models          # the pipeline only
 
-The data is made here (the test corpus's paragraphs, repeated and shuffled to --docs documents) as
-ArrayRecord, Parquet and a saved HF dataset, each both as text (tokenized while reading) and as token
-ids (pretokenized). Throughput counts batches 2..N+1 of one iterator (worker start-up and the first
-batch excluded): global_batch_size x max_target_length tokens per batch. A model's consumption is
-its train step's tokens / its median step time on this machine (compile excluded). The target: the
-pipeline with workers delivers >= 10x what the tiny model's step consumes, so a step never waits
-for data. A table, then one JSON line.
+Sources: ArrayRecord, Parquet and a saved HF dataset, as text and as token ids, made here from the test corpus.
+Prints tokens/s per source and workers (batches 2..N+1) and per model (median step), then one JSON line.
 """
 
 import argparse

@@ -1,14 +1,10 @@
 """What each LoRA module choice costs on the 671B model: trained parameters, their memory with AdamW's two
-moments (fp32 adapters: 12 bytes a parameter), and the adapters' matmul FLOPs per token as a fraction of
-the base's forward FLOPs per token (6 * active parameters, as train.py's MFU counts them, over 3 for the
-forward alone: the adapters add 2 r (in + out) per matched linear, forward). From the abstract model (shapes
-only, nothing allocated); prints a table, then one JSON line.
+moments, and the adapters' forward matmul FLOPs per token over the base's. From the abstract model (nothing
+allocated); prints a table, then one JSON line.
 
     python benchmarks/lora_cost.py [--rank 64] [--model deepseek3.2-671b] [--state]
 
---state adds the train state per device of QLoRA (fp8 base, default modules) on 8 devices (expert 8) and
-16 (fsdp 2 x expert 8), from train.abstract_train_step's shardings (nothing compiled: what train_compile's
-table reports as base / adapters / optimizer, without the activations, which need the compile).
+--state adds QLoRA's train state per device (base / adapters / optimizer) on 8 and 16 devices.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """What serving LoRA adapters per row costs (serve_lora_adapters; layers/lora_rows.py): the engine's greedy
-throughput over the same base weights, in one process, side by side:
+throughput over the same base weights, in one process: the base alone; N adapter slots, every request through
+none; the same engine, requests cycling through none and each adapter (one batch, one program).
 
-  base          the base alone (no adapter slots)
-  slots, none   the served model with N adapters (random, rank R, on the default modules), every request through none
-  slots, mixed  the same engine, requests cycling through none, adapter 1, ..., adapter N (one batch, one program)
-
-Each row: `requests` concurrent prompts of `prompt` tokens, `tokens` new tokens each; one run each that compiles,
-then `repeats` rounds of the three rows interleaved (median). Prints a table, then one JSON line.
-
-    PYTHONPATH=. .venv/bin/python benchmarks/lora_serving.py [--adapters 4] [--rank 16] [--requests 8] \\
+    PYTHONPATH=. .venv/bin/python benchmarks/lora_serving.py [--adapters 4] [--rank 16] [--requests 8] \
         [--tokens 32] [--repeats 5] [key=value ...]   (model keys, default the tiny model)
+
+Prints the median of --repeats interleaved rounds per row, then one JSON line.
 """
 
 from __future__ import annotations

@@ -2,20 +2,13 @@
 the one-layer 671B memory. Prints tables; asserts nothing about time.
 
     python benchmarks/moe_dispatch.py                   # all three tables
-    python benchmarks/moe_dispatch.py --tables matmul --shapes 4096,8,64,256,128
+    python benchmarks/moe_dispatch.py --tables matmul --shapes 4096,8,64,256,128   # T,k,E,D,I
     python benchmarks/moe_dispatch.py --tables mesh     # per-device memory + step time, 1..8 devices
     python benchmarks/moe_dispatch.py --tables 671b     # compile only: official dims on 64 devices
 
-Table "matmul": a shape is T,k,E,D,I (tokens, experts per token, experts, emb_dim, moe_mlp_dim).
-"dense" is the all-experts einsum (E/k times the routed FLOPs), printed as a yardstick, not as an
-option; "1 matmul" is the ideal: one [T*k,D]x[D,I] product per weight, the FLOPs a perfect grouped
-matmul would do.
-Table "mesh": one MoE layer (E=64, k=8, D=512, I=256; forward + backward of x and every weight) on
-16 x 1024 tokens (fixed global batch) for data, expert and data x expert meshes of 1-8 simulated
-CPU devices; per-device temp memory from the compiled program, step time on this CPU (the
-simulated devices share its cores: the time shows the collectives' cost, not a speed-up).
-Table "671b": one DeepSeekMoE layer at the official dims in bf16, batch 64 x 4096 on 64 virtual
-devices (fsdp 8 x expert 8), compiled, never run: per-device memory and the collectives.
+"matmul": ms per way ("dense", all experts, a yardstick; "1 matmul", the ideal FLOPs). "mesh": one MoE layer's
+per-device temp memory and step time on data / expert meshes of simulated CPU devices. "671b": one layer at the
+official dims, fsdp 8 x expert 8, compiled, never run: per-device memory and the collectives.
 """
 
 from __future__ import annotations

@@ -4,15 +4,10 @@ paths, at decode shapes.
     python benchmarks/paged_decode_kernels.py                          # 128K, rows 1 4 16, fp8 and fp32
     python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
 
-Per (cache dtype, rows, context): (a) the indexer's scores of one decode query a row over every cached key (64
-heads of 128; fp8 keys and queries with their scales, or fp32), the kernel beside the engine's paged path
-(PagedKeys.scores) and the plain XLA reference; (b) sparse MLA decode over k = 2048 selected slots (128 heads,
-latents of 512 + 64), the kernel beside the XLA reference. Each variant's median of --iters calls (in turn), the
-bytes it must move over --bandwidth (its roofline bound) and the fraction achieved, and the largest difference
-from the XLA reference. --module picks the kernels (default: triton on a GPU, else mosaic); with triton,
-`kernel@native` converts fp8 in hardware (sm89+), `kernel@parts1` / `kernel@native1` is the MLA kernel with a
-bf16 query (FlashMLA's arithmetic) and --mla-configs sweeps its (block, heads a program, warps, splits).
-Prints a table, then one JSON line.
+Per (cache dtype, rows, context), the indexer's scores and the sparse MLA decode over k = 2048: each variant's
+median ms, its roofline fraction (bytes over --bandwidth) and its largest difference from the XLA reference.
+--module picks the kernels (default: triton on a GPU, else mosaic); --mla-configs sweeps Triton's MLA kernel's
+(block, heads a program, warps, splits). Prints a table, then one JSON line.
 """
 from __future__ import annotations
 

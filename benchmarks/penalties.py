@@ -1,15 +1,11 @@
-"""Penalties a step: the whole-history rebuild (penalties.from_scratch, the engine's former path) against the
-incremental one (penalties.History + the device State), side by side in one run.
+"""Penalties a step: the whole-history rebuild (penalties.from_scratch) against the engine's incremental
+path (penalties.History + the device State), side by side in one run.
 
     PYTHONPATH=. .venv/bin/python benchmarks/penalties.py [--rows 16] [--prompt 32768] [--steps 20]
 
---rows requests of --prompt random token ids (uniform over --vocab, DeepSeek-V3.2's 129280: about 29K distinct
-ids a 32K prompt, the rebuild's worst case) with repetition, frequency and presence penalties and a logit_bias,
-decoding one random token a row a step. Per step, each path's host time (the arrays it sends, built from the
-requests), the bytes it sends (the multi-process message: step_channel.encode of them) and the whole time to
-adjusted logits [rows, V] on the device (host arrays, transfer, the incremental path's update, apply; blocked).
-The incremental path's first step sends every prompt (its slot is empty): reported apart. Medians over --steps.
-Prints a table and one JSON line.
+--rows requests of --prompt random ids with every penalty and a logit_bias. Prints per path the median host ms,
+bytes sent (step_channel's message) and ms to the adjusted logits (the incremental path's first step apart),
+then one JSON line.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Device time of a compiled program by the source line that made each op: jax.profiler's trace
-(its XSpace, read with jax.profiler.ProfileData: no TensorBoard or xprof needed) joined with the
-compiled HLO's metadata (each instruction's stack frame: file, function, line).
+(read with jax.profiler.ProfileData) joined with the compiled HLO's metadata (file, function, line).
 
-`summarize(trace_dir, hlo_texts, parts, steps, top)` prints three tables (per part, per source line,
-per op with its HLO line) and returns the per-part rows; `tables` does the same for any {op: ns}, and
-`compiled_report` reads a program compiled for a TPU it does not run on (decode_profile.py --compile-for: XLA's
-estimated cycles, and the whole arrays written outside fusions). A part is named by `parts`: (part, file
-suffix, function names or None) triples, the first match over the op's frames in MaxText/ (innermost
-first) wins; an op no triple names is "other: <its innermost file>". Used by
-benchmarks/decode_profile.py and benchmarks/train_mfu.py.
+`summarize(trace_dir, hlo_texts, parts, steps, top)` prints tables per part, per source line and per op and
+returns the per-part rows; `tables` does the same for any {op: ns}; `compiled_report` reads a program compiled
+for a TPU it does not run on (XLA's estimated cycles, the whole arrays written outside fusions). A part is the
+first (part, file suffix, function names or None) triple of `parts` matching the op's innermost MaxText frame;
+else "other: <file>". Used by benchmarks/decode_profile.py and benchmarks/train_mfu.py.
 """
 
 from __future__ import annotations
@@ -103,7 +100,7 @@ def device_ops(xplane: str) -> tuple[dict, str]:
 
 def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int = 25, hlo_chars: int = 240
               ) -> list[dict]:
-  """The newest trace under trace_dir, its device ops per part / source line / op (module doc);
+  """The newest trace under trace_dir, its device ops per part / source line / op;
   times per step (the trace held `steps` steps). Returns [{part, ms}] largest first."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
   ops, planes = device_ops(files[-1])

@@ -1,19 +1,12 @@
-"""RL consistency (issue 42 item 4): how far the trainer's log-probs of the engine's sampled tokens are
-from the engine's own, with and without keep routing and the keep sampling mask.
+"""RL consistency: how far the trainer's log-probs of the engine's sampled tokens are from the engine's own,
+with and without keep routing and the keep sampling mask.
 
     python benchmarks/rl_consistency.py                               # one device, f32, the tiny model
     python benchmarks/rl_consistency.py --devices 8                   # data 2 x expert 4 (simulated CPUs)
     python benchmarks/rl_consistency.py dtype=bfloat16 weight_dtype=bfloat16   # any config key=value
 
-The engine (inference/serving.py) samples --prompts prompts x --group samples of --new tokens each as
-rollouts (inference/rollout.py: each token's logprob under its sampling distribution, its kept set
-(size, ids up to KEPT_IDS), every position's routed experts), half the rows at temperature 1 unfiltered, the others with
-top_p / top_k. The trainer (post_train/policy_logprobs.py) then scores the same tokens on the same
-weights four ways: keep routing on / off x sampling mask on / off. Per way: the max and mean |trainer -
-engine| over the generated tokens; then, on a moved policy (noised weights, as after an update), how far
-scoring over the engine's recorded kept ids is from rebuilding the set from the moved logits; without keep routing, how often the trainer's own routing differs
-from the engine's (per token and MoE layer, and tokens with any layer differing) over the positions
-the engine computed. Prints a table, then one JSON line; asserts nothing.
+Prints per way (keep routing x sampling mask) the max and mean |trainer - engine|, the moved policy's kept-set
+gap and how often the trainer's routing differs from the engine's; then one JSON line. Asserts nothing.
 """
 
 from __future__ import annotations

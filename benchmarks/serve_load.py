@@ -3,16 +3,10 @@
     python benchmarks/serve_load.py --config RUN/config.yml --checkpoint RUN/checkpoints
     python benchmarks/serve_load.py --quick     # random weights of the tiny model, concurrency 1 and 8
 
-The weights (--checkpoint, else the tiny model at random init) are exported once with MaxText.export_hf_checkpoint
-(float32) beside tests/data/tokenizer.json and served by `python -m MaxText.serve` (compiled before /health is
-200) and by `transformers serve EXPORT --continuous-batching --device cpu` (without continuous batching when it
-refuses the model, said in the table and the JSON line). One server at a time: warmed with one request, then for
-each concurrency c (--concurrency) c closed-loop clients stream the same seeded requests (runs of --prompt-words
-words of tests/data/corpus.txt, the same prompt ids, greedy, every request its max_tokens in [--out-min,
---out-max]). TTFT: send -> the first chunk with a choice; TPOT: (last chunk - first) / (tokens - 1); output
-tokens/s: all tokens / the level's wall time. A table, then one JSON line with throughput_ratio (ours / theirs at
-the highest concurrency) and ttft_p50_ratio (theirs / ours, the lowest). `transformers serve` needs `accelerate`
-(a test-only pin in requirements.txt; --theirs-pythonpath DIR adds a folder to its path).
+The weights are exported once (MaxText.export_hf_checkpoint) and served by `python -m MaxText.serve` and by
+`transformers serve EXPORT --continuous-batching --device cpu` (which needs `accelerate`), one at a time, c
+closed-loop clients per --concurrency level. Prints TTFT, TPOT and output tokens/s per server and level, then
+one JSON line with throughput_ratio (ours / theirs) and ttft_p50_ratio (theirs / ours).
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-r"""What starting a server costs: seconds from `python -m MaxText.serve` to /health 200, started twice with JAX's
-persistent compilation cache off (jax_cache_dir="") and twice on (a fresh folder: the second start reads every
-step program back instead of compiling it); --contexts: the step programs of a few serving contexts (the tiny
-base.yml model, max_target_length and buckets) and the seconds the engine's warmup takes to compile them, cache off.
+"""What starting a server costs: seconds from `python -m MaxText.serve` to /health 200, twice with JAX's
+persistent compilation cache off and twice on (a fresh folder); --contexts: the seconds the engine's warmup
+takes to compile a few serving contexts' step programs, cache off.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_start.py [key=value ...]   # extra keys go to the server
     PYTHONPATH=. .venv/bin/python benchmarks/serve_start.py --contexts [key=value ...]   # extra keys: every row
 
-Prints a table and one JSON line. The environment's JAX_COMPILATION_CACHE_DIR and
-JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS are removed for the children (so the key decides).
+Prints a table and one JSON line.
 """
 from __future__ import annotations
 

@@ -3,16 +3,10 @@
     python benchmarks/serving.py            # the tiny model and a mid-size one (8 layers, emb 512, 8K contexts)
     python benchmarks/serving.py --quick    # the tiny model, fewer requests, a shorter system prompt
 
-One seeded workload, the same requests in the same arrival order for every policy (`serve`), in real time:
-Poisson arrivals (--rate a second), prompt lengths uniform in [--prompt-min, --prompt-max], output lengths
-log-uniform in [--out-min, --out-max] (EOS ignored), greedy, through one ServingEngine (the same compiled
-programs, up to --seqs sequences a step, compiled before the clock starts). The mid-size row (full mode) runs
-MID_WORKLOAD: contexts to 8K, prompts of 128-1024 tokens prefilled in chunks of 256. Reported: output tokens/s,
-time to first token (TTFT) and time per output token (TPOT), p50 and p99. Then `prefix`: a shared system prompt
-with and without the prefix cache (TTFT); `speculative` (alone: --spec-only): acceptance and speedup of MTP
-drafts along a model's training; `structured` (alone: --structured-only): free rows beside regex-constrained ones.
-A table, then one JSON line (the ratios of the tiny model's row; each row's own under "rows"). Ratios are
-measured side by side in one process; never a timed assert.
+One seeded workload (Poisson arrivals, uniform prompt and log-uniform output lengths, greedy) through one
+ServingEngine per policy, in real time. Prints output tokens/s, TTFT and TPOT (p50, p99) per policy; then
+`prefix` (the prefix cache's TTFT), `speculative` (--spec-only: MTP drafts' acceptance and speedup) and
+`structured` (--structured-only: free rows beside constrained ones); then one JSON line. Never a timed assert.
 """
 from __future__ import annotations
 

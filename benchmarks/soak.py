@@ -3,32 +3,12 @@
     python -m benchmarks.soak --minutes 30          # the figures in docs/deployment.md
     python -m benchmarks.soak --minutes 2 --clients 4
 
-The server: python -m MaxText.serve with the tiny model at random init (base.yml; key=value after the
-flags override), tests/data/tokenizer.json, on 127.0.0.1 at a free port, an API key from
-$MAXTEXT_API_KEY (every request carries it), a small serve_max_waiting so that bursts pass it. It is
-started (the clock starts once /health is 200), driven, then stopped: the run ends by itself.
-
-Traffic (--clients closed-loop clients, seeded): plain and streamed completions, chat with tools
-(DeepSeek-V3.2's format), logprobs (with echo now and then), chat with a JSON schema
-(response_format), 10% streamed requests whose client disconnects after the first event, 5%
-malformed bodies (a 400 expected), and every --burst-every seconds a burst of 3 x
-(serve_max_waiting + serve_max_num_seqs) requests at once (429s expected).
-
-Checks, once the load ends and the engine is idle:
-  status_5xx    no response was a 5xx (and none hung: every request has a 120 s timeout, counted as a 5xx)
-  pages_leaked  maxtext_pages_used once idle: every page back in the free pool (the cached prefix pages
-                within the pool: pages_cached <= pages_total)
-  rss_growth    the server's resident memory growth after warm-up (the first max(60 s, 10%)), counted only
-                between samples (every 10 s) with the same number of compiled step programs as the next
-                sample (a compile in flight is not counted yet, its memory already is), over its size
-                after warm-up: within 0.10. A step variant (logprobs, a grammar mask, penalties) compiles on
-                first use and each program adds ~35 MiB to XLA:CPU's resident memory, which is not a leak: the
-                total growth (rss_growth_total) and the programs compiled after warm-up are reported beside it
-  counted       /metrics' finished requests (every finish reason) == the requests the server accepted
-                (a 200 status line, streamed ones whose client left included, or a 408: taken, then
-                ended at serve_request_timeout)
-A table, then one JSON line: requests, status_5xx, pages_leaked, rss_growth, p99_ttft_s (streamed
-requests: send -> first event), and the rest. Exit 1 when a check fails.
+The server: the tiny model at random init (key=value overrides), an API key from $MAXTEXT_API_KEY. Traffic
+(seeded, --clients closed-loop clients): completions, chat with tools, logprobs, JSON schemas, streams dropped
+after the first event, malformed bodies, and bursts past serve_max_waiting every --burst-every seconds.
+Checks once idle (CHECKS): no 5xx, no page leaked, resident memory growth after warm-up within 0.10 (programs
+compiled since excluded), every accepted request counted by /metrics. Prints a table, then one JSON line;
+exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -225,7 +205,8 @@ def server_config(serve_args: list[str]):
   model's yml, key=value), on one device and a mesh of ones: the soak reads serving keys (serve_keep_alive),
   which no mesh changes, and imports no jax. A config mistake raises ConfigError before the server starts."""
   from MaxText.config import pyconfig
-  ones = {f"ici_{a}_parallelism": 1 for a in pyconfig.merged_values(["soak", *serve_args])["mesh_axes"]}
+  from MaxText.config.types import MESH_AXIS_KEYS
+  ones = {MESH_AXIS_KEYS[a]: 1 for a in pyconfig.merged_values(["soak", *serve_args])["mesh_axes"]}
   return pyconfig.initialize(["soak", *serve_args], num_devices=1, **ones)
 
 

@@ -5,14 +5,9 @@
     python benchmarks/sparse_attention.py --sizes 4096,8192 --heads 16 --kv-lora 512 --grad
     python benchmarks/sparse_attention.py --crossover     # the auto threshold: sizes 1K..8K
 
-One MLA layer with the lightning indexer (batch 1, fp32, a tiny-but-wide shape: the flags), the
-whole layer jitted: projections, indexer scores, top-k selection, attention, output projection
-(with --grad: the gradient of sum(out * r) w.r.t. x and every parameter as well). Every
-(path, size) runs in its own subprocess, so its peak RSS is its own and an out-of-memory kill
-takes only that row. Peak memory is XLA's compiled estimate (memory_analysis: temp + arguments
-+ outputs) and the process's max RSS. A path whose compiled peak exceeds --mem-limit-gib is not
-run (compiling needs no memory); its time is then extrapolated from the largest size it ran,
-quadratically (the mask path is O(t*s)), and labelled as such. A table, never a timed assert.
+One MLA layer with the indexer, jitted whole (--grad: and its gradient), each (path, size) in its own process.
+Prints per row the time, XLA's compiled peak memory and the max RSS; a path over --mem-limit-gib is not run and
+its time extrapolated quadratically (labelled). Never a timed assert.
 """
 
 from __future__ import annotations

@@ -5,17 +5,9 @@
     python benchmarks/sparse_mla_kernel.py --quick              # a CPU smoke run (tiny shapes, interpreted kernels)
     PYTHONPATH=/tmp/libtpu:. python benchmarks/sparse_mla_kernel.py --compile-for v5e:1x1   # no TPU: Mosaic's compile
 
-One query block of the gather path as sparse_mla_attention runs it (sparse_attention.attend_block): --tokens
-query tokens (sparse_attention_query_block, 256 by default) at the end of a --keys sequence, each over --topk
-selected keys (distinct, causal, ascending as topk_indices gives them), 128 heads over the absorbed latent rows
-(e = 512 + 64), bf16. Per way of backend.py's gather_attention (--ways): the forward (o_lat, and p_heads with
---kl) and the forward + backward (d q, d kv of sum(o_lat * r)), each jitted, the median of --iters calls after a
-warm-up. The bound is the MXU work at the device's bf16 peak (runtime/metrics.py): 2*h*k*(e+c) FLOP a token
-forward, 2*h*k*(3e+2c) backward. Prints a table and one JSON line; asserts nothing about time.
-
---compile-for TOPOLOGY runs nothing: each way's forward + backward compiled for a TPU topology on a host without
-one (libtpu installed aside: `pip install --target /tmp/libtpu libtpu==0.0.42.1`, as decode_profile.py), Mosaic's
-compile of the kernels included (its VMEM limits, its layout rules), with XLA's temp memory.
+One query block of --tokens at the end of --keys, each over --topk selected keys, 128 heads, bf16. Prints per way
+of backend.py's gather_attention (--ways) the forward and forward + backward median ms against the MXU bound at
+the device's bf16 peak, then one JSON line; --compile-for: each way's compile and temp memory. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -119,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help=f"tiny shapes for a CPU smoke run: {QUICK}")
   ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
+                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
   a = ap.parse_args(argv)
   if a.quick:
     for k, v in QUICK.items():

@@ -2,12 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_channel.py [--bytes 16384] [--n 200] [--lockstep]
 
-Starts 2 processes on localhost (jax.distributed, 4 CPU devices each, gloo) and times, per message of
---bytes: the channel's send (encode + a key-value store write), a send plus the follower's receive and an
-answer (the round trip a step could wait for), and jax.experimental.multihost_utils.broadcast_one_to_all of
-the same array (the collective alternative). --lockstep (RL: every process runs the host logic): instead, each
-process's Lockstep check of a call of --bytes (process 0: encode + digest + store write; process 1: encode +
-digest + the store read of process 0's + compare). Medians of --n. Prints a table and one JSON line.
+Two processes on localhost (jax.distributed, gloo). Prints the median of --n of the channel's send, a round trip
+and broadcast_one_to_all of the same bytes (--lockstep: each process's Lockstep check), then one JSON line.
 """
 
 from __future__ import annotations

@@ -2,27 +2,12 @@
 
     python benchmarks/train_mfu.py                                  # configs/models/deepseek3.2-v5e.yml
     python benchmarks/train_mfu.py --set remat_policy=full global_batch_size=4
-    python benchmarks/train_mfu.py --set emb_dim=256 mlp_dim=256 moe_mlp_dim=64 num_query_heads=4 \
-        q_lora_rank=32 kv_lora_rank=32 indexer_n_heads=4 indexer_topk=64 vocab_size=512 max_target_length=256 \
-        --steps 2                                                    # a CPU smoke run
     python benchmarks/train_mfu.py --force mask_attention=xla      # the XLA mask path beside the tpu row's splash
 
-The train step is train.py's (the device check's, tools/device/device_check.py: compiled from abstract
-inputs, unscanned layers, its memory analysis checked against the device before anything is
-allocated, then --steps steps timed after a warm-up, median). Each --set is one rung: the first that
-fits the device is run (largest first: `--set A B --set C D` tries "A B", then "C D").
-
-Printed per run: step time; MFU two ways against the device's bf16 peak (runtime/metrics.py PEAK_FLOPS:
-TPU v5e 197 TFLOP/s):
-  model MFU   = model FLOPs per step / step time / peak, model FLOPs = tokens x (6 x active params
-                + attention), attention = 12 x layers x keys x heads x (qk_head_dim + v_head_dim) / 2
-                per token, keys = min(indexer_topk, sequence) (metrics.model_flops_per_token, what
-                train.py logs as mfu); active params = all but the unrouted experts' (train.active_params)
-  compiled    = the compiled step's cost-analysis FLOPs (rematerialized recompute, the indexer and
-                the optimizer counted) over the same
---force NAME=VALUE takes a kernels/backend.py choice other than the device's row (backend.forced). Then 2 steps
-under jax.profiler (benchmarks/profile_ops.py): device time per part of the model
-(PARTS), per source line and per op. Prints one JSON line. Asserts nothing about time.
+The step is the device check's (compiled from abstract inputs, its memory checked before anything is allocated);
+each --set is one rung, the first that fits is run. Prints the median step time, model MFU
+(metrics.model_flops_per_token) and compiled MFU (cost analysis) against the bf16 peak, then the profile per
+part, source line and op (profile_ops), then one JSON line. Asserts nothing about time.
 """
 
 from __future__ import annotations

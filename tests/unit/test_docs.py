@@ -117,6 +117,22 @@ def test_link_check_catches_a_missing_file_and_a_missing_heading():
   assert _LINK.findall(_prose("[x](docs/a.md#b) `[y](c.md)` ![img](d.png)")) == ["docs/a.md#b"]
 
 
+_BENCH = re.compile(r"benchmarks(?:/([a-z_0-9]+\.(?:py|sh))|\.(?!md\b)([a-z_0-9]+)\b)")
+
+
+def test_every_benchmark_the_docs_name_exists():
+  """`benchmarks/x.py`, `benchmarks/x.sh` and `python -m benchmarks.x` in any doc, and the scripts of
+  docs/benchmarks.md's table: a script removed or renamed breaks no reader's command."""
+  assert _BENCH.findall("run benchmarks/decode.py, benchmarks.soak, benchmarks/NAME.py, docs/benchmarks.md") == [
+      ("decode.py", ""), ("", "soak")]
+  named = {(doc, f or m + ".py") for doc in DOCS for f, m in _BENCH.findall(_read(doc))}
+  table = _read("docs/benchmarks.md").split("## The scripts", 1)[1].split("\n## ", 1)[0]
+  named |= {("docs/benchmarks.md", f) for line in table.splitlines() if line.startswith("| `")
+            for f in re.findall(r"`([a-z_0-9]+\.(?:py|sh))`", line.split("|")[1])}
+  missing = sorted(f"{doc}: benchmarks/{f}" for doc, f in named if not os.path.exists(os.path.join(REPO_ROOT, "benchmarks", f)))
+  assert len(named) > 20 and not missing, "\n".join(missing)
+
+
 def test_readme_test_command_is_what_ci_runs():
   ci = [ln.strip() for ln in _read(".ci/run").split("\n") if "pytest tests" in ln]
   assert len(ci) == 1
