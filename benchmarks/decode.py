@@ -6,6 +6,7 @@
     python benchmarks/decode.py --contexts 32768 131072 --batch 1 4 16 --cache-dtype fp8
     python benchmarks/decode.py --prefill --chunk 512 --contexts 4096 32768   # a prefill chunk after a long prefix
     python benchmarks/decode.py --prompt --contexts 32768 --chunk 512 --set num_query_heads=16 indexer_topk=512
+    python benchmarks/decode.py --prompt --prompt-attention sparse dense --contexts 32768 131072 --chunk 2048
     python benchmarks/decode.py --scoring --contexts 131072 --batch 4 --short-context 4096   # one long row, 3 short
 
 The model has the official attention shapes (WIDE) on a narrow residual stream (--set key=value overrides it).
@@ -290,14 +291,16 @@ def scoring_rows(args) -> list[dict]:
 def prompt_rows(args, params, buffers) -> list[dict]:
   """--prompt: per context, one prompt of context - 1 tokens (greedy, max_tokens 1) through ServingEngine.step as a
   server runs it (the scheduler's --chunk chunks, each step's table as wide as its context bucket), every step timed
-  after engine.warmup -> rows {context, prefix, slots, tokens, ms}. A chunk's work is its queries against k selected
-  latents (flat in the prefix) plus the indexer scoring every slot of the table: flat within a context bucket."""
+  after engine.warmup -> rows {context, attention, prefix, slots, tokens, ms}, then per (context, attention) the
+  prompt's tokens/s. A sparse chunk's work is its queries against k selected latents (flat in the prefix) plus the
+  indexer scoring every slot of the table: flat within a context bucket; a dense chunk's grows with its prefix
+  (--prompt-attention: sparse, dense or both, each its own engine on the same parameters)."""
   rows = []
-  print(f"{'context':>8} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
-  for s in args.contexts:
+  print(f"{'context':>8} {'attention':>9} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
+  for s, mode in ((s, m) for s in args.contexts for m in args.prompt_attention):
     cfg = config_for(s, args)
     graphdef, _, _ = model_state.abstract_model(cfg)
-    engine = ServingEngine(cfg, graphdef, params, buffers)
+    engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
     programs = engine.warmup()
     prompt = np.random.default_rng(s).integers(1, cfg.vocab_size, s - 1).tolist()
     engine.generate([prompt[:2 * args.chunk]], SamplingParams(max_tokens=1))  # the host side's first calls
@@ -311,10 +314,12 @@ def prompt_rows(args, params, buffers) -> list[dict]:
       t0 = time.perf_counter()
       engine.step()  # returns once the sampled token is on the host
       ms = (time.perf_counter() - t0) * 1e3
-      rows.append(dict(context=s, prefix=prefix, tokens=tokens, slots=slots, ms=round(ms, 3)))
-      print(f"{s:>8} {prefix:>8} {tokens:>7} {slots:>10} {ms:>10.1f}", flush=True)
+      rows.append(dict(context=s, attention=mode, prefix=prefix, tokens=tokens, slots=slots, ms=round(ms, 3)))
+      print(f"{s:>8} {mode:>9} {prefix:>8} {tokens:>7} {slots:>10} {ms:>10.1f}", flush=True)
     assert request.output, "the prompt finished without its token"
-    print(f"  ({programs} step programs compiled first)")
+    total = sum(r["ms"] for r in rows if r["context"] == s and r["attention"] == mode)
+    print(f"  context {s}, {mode}: {len(prompt)} prompt tokens in {total / 1e3:.2f} s, {len(prompt) / total * 1e3:,.0f} tokens/s "
+          f"({programs} step programs compiled first)")
     del engine
   return rows
 
@@ -339,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
                   help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
   ap.add_argument("--prompt", action="store_true",
                   help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
+  ap.add_argument("--prompt-attention", nargs="+", default=["sparse"], choices=["sparse", "dense"],
+                  help="--prompt: the engine's attention, each in turn (sparse dense: both, side by side)")
   ap.add_argument("--scoring", action="store_true",
                   help="the indexer's scoring + top-k alone, paged against contiguous, instead")
   ap.add_argument("--short-context", type=int, default=0,
