@@ -183,8 +183,12 @@ def _query_bwd(q, kv, idx, ok, do, d, scale, precision):
   dp = jnp.einsum("he,ke->hk", do, kv_g, precision=precision)  # [h,k]
   ds = probs * (dp - d[:, None]) * scale  # [h,k]: d(q . kv_g)
   dq = jnp.einsum("hk,ke->he", ds, kv_g, precision=precision)  # [h,e]
-  dkv_g = (jnp.einsum("hk,he->ke", ds, q.astype(f32), precision=precision)
-           + jnp.einsum("hk,he->ke", probs, do, precision=precision))  # [k,e]; 0 on invalid slots
+  # d kv_g = ds^T q + probs^T do as ONE dot over 2h ([ds | probs] with [q | do]): the same products, summed in
+  # fp32. Compiled for a v5e (256 queries x 2048 of 32K, vmapped), two dots wrote [B,k,e] f32 twice (the second
+  # adding the first) in the MXU's [B,e,k] order, then a 1.2 GB copy into the scatter's rows; one dot writes it
+  # once, in row order: XLA's estimate 23.3 -> 15.1 ms a block forward + backward, temp 4.63 -> 3.04 GiB.
+  dkv_g = jnp.einsum("hk,he->ke", jnp.concatenate([ds, probs]), jnp.concatenate([q.astype(f32), do]),
+                     precision=precision)  # [k,e]; 0 on invalid slots
   return dq, dkv_g
 
 

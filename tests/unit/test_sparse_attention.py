@@ -489,3 +489,28 @@ def test_onehot_rows_takes_any_int32_row_bit_for_bit():
   np.testing.assert_array_equal(got, np.take_along_axis(table, idx[..., None], axis=-2))
   hlo = jax.jit(ti.onehot_rows).lower(jnp.asarray(table), jnp.asarray(idx)).as_text()
   assert "gather" not in hlo
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_attend_block_vjp_equals_autodiff_of_the_gathered_attention(loop):
+  # _attend_block's flash-style VJP (the keys' cotangent one [k, e] dot of [ds | probs] with [q | do], scatter-added)
+  # against plain autodiff of gather_attend on the same block: duplicate-free slots, invalid slots, a row with none.
+  rng = np.random.default_rng(11)
+  b, blk, h, c, r, s, k = 2, 3, 4, 6, 2, 9, 5
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, kv, ct = f(b, blk, h, c + r), f(b, s, c + r), f(b, blk, h, c)
+  idx = jnp.asarray(np.stack([np.stack([rng.permutation(s)[:k] for _ in range(blk)]) for _ in range(b)]), jnp.int32)
+  ok = jnp.asarray(rng.random((b, blk, k)) < 0.7).at[0, 1].set(False)
+
+  def ours(q, kv):
+    o, _ = sa._attend_block(q, kv, idx, ok, 0.4, c, loop, None)
+    return jnp.sum(o * ct)
+
+  def reference(q, kv):
+    o, _ = sa.gather_attend(q[..., :c], q[..., c:], kv[..., :c], kv[..., c:], idx, ok, 0.4)
+    return jnp.sum(o * ct)
+
+  got, want = jax.jit(jax.grad(ours, (0, 1)))(q, kv), jax.jit(jax.grad(reference, (0, 1)))(q, kv)
+  for g, w in zip(got, want):
+    assert np.abs(np.asarray(w)).max() > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
