@@ -5,6 +5,7 @@
     python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
     python benchmarks/long_context.py --lengths 32768 --trace /tmp/long  # and the first path's profile per length
+    PYTHONPATH=/tmp/libtpu:. python benchmarks/long_context.py --lengths 32768 --paths gather --compile-for v5e:1x1
 
 The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes: 128 heads, q_lora 1536,
 kv_lora 512, 64 indexer heads of 128, top-k 2048), thinned per rung (below), at max_target_length = each length,
@@ -18,6 +19,10 @@ unscanned layers, its memory analysis checked against the device's memory BEFORE
                 indexer gradient): "ours with the indexer trained" over this is issue 69's 1.1x target
   gather_saved  `gather` keeping each block's absorbed queries and latent outputs for the backward pass
                 (sparse_attention_block_remat=false): what recomputing them costs in time, and saves in memory
+  gather_qb128, gather_qb512  `gather` with 128 / 512 queries a block (sparse_attention_query_block; 256 the file's)
+  gather_save_sel  `gather` under remat_policy=save_attention_selection (the rung's remat_policy overridden): each
+                block's selection and head probabilities kept (0.6 GB at 32K), so the backward pass re-runs no block's
+                indexer scores, top-k or attention forward (decoder.py REMAT_POLICIES)
   mask          the dense step: no indexer (use_indexer=false), attention over every valid key on MLA's mask path,
                 which runs in splash on a TPU (kernels/backend.py mask_attention; XLA's [b,h,t,s] elsewhere)
   mask_topk     the sparse stage on the mask path (sparse_attention_impl=mask: a [b,t,s] top-k mask over XLA's
@@ -32,6 +37,12 @@ tool's 10 minutes a command). Printed: a line per run as it ends (a run cut shor
 JSON line. Asserts nothing about time. --trace DIR: the first path at each length also runs 2 steps under
 jax.profiler (into DIR/<length>), its device time per part of the model, source line and op printed
 (benchmarks/profile_ops.py, train_mfu.py's PARTS) and its parts kept in the row: what limits the step.
+
+--compile-for TOPOLOGY runs nothing: each (length, path) at the first rung of --set (default LADDER's first) compiled
+for a TPU topology on a host without one (libtpu installed aside, as decode_profile.py), with XLA's temp memory, its
+estimated time per part / source line / op and every whole array written outside a fusion
+(profile_ops.compiled_report: each op once, a loop's body once, not times its trip count: a map of one step's
+work, to compare a change before and after, not a time).
 
 Model MFU = model FLOPs / step / the device's bf16 peak (runtime/metrics.py), model FLOPs per token = 6 x active
 params + attention over min(indexer_topk, keys) keys for the sparse paths, half the keys (causal) for `mask`
@@ -61,6 +72,12 @@ PATHS = {
     "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=True),
     "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather", sparse_attention_block_remat=True),
     "gather_saved": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=False),
+    "gather_qb128": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
+                         sparse_attention_block_remat=True, sparse_attention_query_block=128),
+    "gather_qb512": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
+                         sparse_attention_block_remat=True, sparse_attention_query_block=512),
+    "gather_save_sel": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
+                            sparse_attention_block_remat=True, remat_policy="save_attention_selection"),
     "mask": dict(use_indexer=False),
     "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
 }
@@ -92,7 +109,7 @@ def parse_rung(rung) -> dict:
 def overrides(model: str, length: int, rung, path: str, base=()) -> dict:
   """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung."""
   return dict(model_name=model, max_target_length=length, max_prefill_length=length, global_batch_size=1,
-              **{**parse_rung(base), **parse_rung(rung)}, **PATHS[path])
+              **{**parse_rung(base), **parse_rung(rung), **PATHS[path]})  # the path's keys win over the rung's
 
 
 def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=(), trace=None, top=15):
@@ -126,6 +143,43 @@ def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline,
       rows.extend(run(length, rung, path) for path in paths[1:])
     else:
       rows.extend(dict(length=length, path=path, rung=None, skipped=f"no rung fits {paths[0]}") for path in paths[1:])
+  return rows
+
+
+def compile_for(model, lengths, paths, rung, topology, force, base=(), top=15, min_mb=100.0, clock_ghz=1.5) -> list:
+  """Each (length, path)'s train step compiled for a TPU topology from abstract inputs, nothing run (module doc):
+  rows of temp / argument GiB and compiled_report's estimate, parts and materialized arrays."""
+  import jax
+
+  from MaxText import train
+  from MaxText.config import pyconfig
+  from MaxText.runtime import sharding
+
+  devices = profile_ops.topology_devices(topology)
+  if devices is None:
+    return []
+  rows = []
+  for length in lengths:
+    for path in paths:
+      t0 = time.perf_counter()
+      try:
+        cfg = pyconfig.initialize(["long_context", "base.yml"], num_devices=1, ici_data_parallelism=1,
+                                  scan_layers=False, enable_checkpointing=False, enable_tensorboard=False,
+                                  **overrides(model, length, rung, path, base))
+        mesh = sharding.create_mesh(cfg, devices[:1])
+        with backend.forced("tpu", **force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+          abs_state, abs_batch, step_fn = train.abstract_train_step(cfg, mesh)
+          compiled = step_fn.lower(abs_state, abs_batch).compile()
+        mem = compiled.memory_analysis()
+        print(f"\n== {length} tokens, path {path}, {' '.join(rung)}; forced {force}; compiled for {topology} in "
+              f"{time.perf_counter() - t0:.0f} s: temp {mem.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
+        report = profile_ops.compiled_report([compiled.as_text(), ""], clock_ghz, train_mfu.PARTS, top, min_mb)
+        r = dict(temp_gib=round(mem.temp_size_in_bytes / 2**30, 3),
+                 argument_gib=round(mem.argument_size_in_bytes / 2**30, 3), **report)
+      except Exception as e:  # a path that fails to compile is a row; the others still compile
+        r = dict(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        print(f"\n== {length} tokens, path {path}: {r['failed']}", flush=True)
+      rows.append(dict(length=length, path=path, rung=" ".join(rung), **r))
   return rows
 
 
@@ -168,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--top", type=int, default=15, help="--trace: source lines and ops printed")
   ap.add_argument("--compile-only", action="store_true",
                   help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
+  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
+                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
+  ap.add_argument("--min-mb", type=float, default=100.0, help="--compile-for: the smallest whole-array write listed")
   ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
                   "256 and 512 tokens, 2 steps, unless given")
   args = ap.parse_args(argv)
@@ -183,6 +240,15 @@ def main(argv: list[str] | None = None) -> None:
       parse_rung(rung)
   except ValueError as e:
     ap.error(str(e))
+  if args.compile_for:
+    rows = compile_for(args.model, lengths, paths, ladder[0], args.compile_for, force,
+                       QUICK["rung"] if args.quick else (), args.top, args.min_mb)
+    for r in rows:
+      print(f"{r['length']:>7} {r['path']:<13} " + (f"failed: {r['failed']}" if "failed" in r else
+            f"temp {r['temp_gib']} GiB, XLA's estimate {r['estimated_ms']} ms (each op once)"))
+    print(json.dumps(dict(benchmark="long_context", model=args.model, compile_for=args.compile_for,
+                          forced=args.force, rows=[{k: v for k, v in r.items() if k != "materialized"} for r in rows])))
+    return
   steps = args.steps or (QUICK["steps"] if args.quick else 5)
   deadline = time.perf_counter() + (args.budget or float("inf"))
   rows = measure(args.model, lengths, paths, ladder, steps, args.compile_only, force, deadline,

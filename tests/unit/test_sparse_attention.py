@@ -489,3 +489,56 @@ def test_onehot_rows_takes_any_int32_row_bit_for_bit():
   np.testing.assert_array_equal(got, np.take_along_axis(table, idx[..., None], axis=-2))
   hlo = jax.jit(ti.onehot_rows).lower(jnp.asarray(table), jnp.asarray(idx)).as_text()
   assert "gather" not in hlo
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_attend_block_vjp_equals_autodiff_of_the_gathered_attention(loop):
+  # _attend_block's flash-style VJP (the keys' cotangent one [k, e] dot of [ds | probs] with [q | do], scatter-added)
+  # against plain autodiff of gather_attend on the same block: duplicate-free slots, invalid slots, a row with none.
+  rng = np.random.default_rng(11)
+  b, blk, h, c, r, s, k = 2, 3, 4, 6, 2, 9, 5
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, kv, ct = f(b, blk, h, c + r), f(b, s, c + r), f(b, blk, h, c)
+  idx = jnp.asarray(np.stack([np.stack([rng.permutation(s)[:k] for _ in range(blk)]) for _ in range(b)]), jnp.int32)
+  ok = jnp.asarray(rng.random((b, blk, k)) < 0.7).at[0, 1].set(False)
+
+  def ours(q, kv):
+    o, _ = sa._attend_block(q, kv, idx, ok, 0.4, c, loop, None)
+    return jnp.sum(o * ct)
+
+  def reference(q, kv):
+    o, _ = sa.gather_attend(q[..., :c], q[..., c:], kv[..., :c], kv[..., c:], idx, ok, 0.4)
+    return jnp.sum(o * ct)
+
+  got, want = jax.jit(jax.grad(ours, (0, 1)))(q, kv), jax.jit(jax.grad(reference, (0, 1)))(q, kv)
+  for g, w in zip(got, want):
+    assert np.abs(np.asarray(w)).max() > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_save_attention_selection_policy_reruns_no_block_and_changes_no_gradient():
+  # decoder.py's remat_policy save_attention_selection saves each block's idx, ok and p_heads (SELECTION_NAME) as well
+  # as the output: under it the backward pass holds fewer loops (no block's selection and attention forward re-run
+  # before the backward map) and the gradients are those of remat full (to fp32 rounding: XLA fuses the two programs apart).
+  from MaxText.layers.decoder import REMAT_POLICIES
+  arrays, dims = _driver_inputs(b=1, t=16, s=16)
+  spec = sa.SparseSpec(**dims, scale=0.3, topk=4, query_block=4, head_chunk=1, with_kl=True, query_loop=False,
+                       block_remat=True)
+
+  def grad_fn(policy):
+    def f(*xs):
+      a = dict(arrays, **dict(zip(_DIFF, xs)))
+      out = sa.sparse_mla_attention(sa.SparseQueries(a["q_nope"], a["q_pe"], a["index_q"], a["index_w"], a["positions"],
+                                                     None),
+                                    sa.SparseKeys(a["c_kv"], a["k_pe"], a["index_k"], a["positions"], None),
+                                    a["wkv_b_kernel"], spec)
+      return jnp.sum(out.out * jnp.cos(jnp.arange(out.out.size).reshape(out.out.shape))) + out.indexer_loss
+    return jax.grad(jax.checkpoint(f, policy=policy), argnums=tuple(range(len(_DIFF))))
+
+  args = tuple(arrays[n] for n in _DIFF)
+  full, saved = grad_fn(REMAT_POLICIES["full"]), grad_fn(REMAT_POLICIES["save_attention_selection"])
+  loops = {name: str(jax.make_jaxpr(fn)(*args)).count("scan[") for name, fn in (("full", full), ("saved", saved))}
+  assert loops["saved"] < loops["full"], loops
+  for name, a, b_ in zip(_DIFF, jax.jit(full)(*args), jax.jit(saved)(*args)):
+    assert np.abs(np.asarray(a)).max() > 0, name
+    assert rel_err(b_, a) <= 1e-6, name
