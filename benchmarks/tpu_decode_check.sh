@@ -16,6 +16,9 @@
 #                                                    train step, gather path beside the dense mask path (splash), per
 #                                                    length (default 8192,16384,32768; gather,mask), under 560 s;
 #                                                    the first path profiled per length (--trace)
+#   bash benchmarks/tpu_decode_check.sh prefill OUT [CONTEXTS]   benchmarks/decode.py --prompt: one prompt through the
+#                                                    engine's 2048-token chunked prefill, sparse beside dense, fp8
+#                                                    cache, each's tokens/s (default 32768,131072), under 560 s
 #   (MaxText 0.2.5 at the same lengths: benchmarks/long_context_peer.sh, with /work/shared/peer carried as .peer)
 # A comparison with another tree is two runs of a part, one in each checkout. Expects .device_bundle
 # (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
@@ -49,5 +52,10 @@ case "$part" in
     timeout 560 python3 benchmarks/long_context.py --lengths "${3:-8192,16384,32768}" --paths "${4:-gather,mask}" \
       --trace /tmp/long_trace \
       --budget 520 2>&1 | tee "$out/long.log" ;;
-  *) echo "tpu_decode_check.sh: part must be step, profile, kernels, decode, mfu or long, got '$part'" >&2; exit 2 ;;
+  prefill)
+    ctx="${3:-32768,131072}"
+    timeout 560 python3 benchmarks/decode.py --prompt --prompt-attention sparse dense --contexts ${ctx//,/ } \
+      --chunk 2048 --cache-dtype fp8 --set serve_page_size=256 weight_dtype=bfloat16 2>&1 | tee "$out/prefill.log" ;;
+  *) echo "tpu_decode_check.sh: part must be step, profile, kernels, decode, mfu, long or prefill, got '$part'" >&2
+     exit 2 ;;
 esac
