@@ -123,6 +123,7 @@ class Training(_Section):
   adam_b2: Annotated[float, Field(ge=0, lt=1)]
   adam_eps: Annotated[float, Field(gt=0)]
   adam_weight_decay: Annotated[float, Field(ge=0)]
+  opt_moments_dtype: Literal["float32", "bfloat16"]
   gradient_clipping_threshold: Annotated[float, Field(ge=0)]
   z_loss_weight: Annotated[float, Field(ge=0)]
   log_period: PosInt
