@@ -47,7 +47,8 @@ class ModelShape(_Section):
   matmul_precision: Literal["default", "high", "highest"]
   param_init_std: Annotated[float, Field(gt=0)]
   scan_layers: bool
-  remat_policy: Literal["none", "full", "save_dot_except_mlp", "save_attention_out"]
+  remat_policy: Literal["none", "full", "minimal", "save_dot_except_mlp", "save_attention_out", "save_qkv_proj",
+                        "save_out_proj", "offload_qkv_proj", "offload_out_proj"]
 
 
 class MlaAttention(_Section):
