@@ -75,9 +75,9 @@ def _loss_curve(moments: str, steps: int) -> np.ndarray:
 
 @pytest.mark.slow
 def test_the_tiny_model_trains_along_the_same_loss_curve_with_bf16_moments():
-  """100 steps of the tiny model (lr 3e-3, b2 0.95): the bf16-moment curve stays within 2% of the f32 one at every
-  step after warmup, and both fall by the same amount (within 2% of the initial loss)."""
+  """100 steps of the tiny model (lr 3e-3, b2 0.95): the bf16-moment curve stays within 1% of the f32 one at every
+  step (measured: 0.21% at most, at step 95), and the last 10 steps' means agree within 0.5% of the initial loss."""
   f32, bf16 = _loss_curve("float32", 100), _loss_curve("bfloat16", 100)
   assert f32[-10:].mean() < 0.6 * f32[0]  # it trains
-  np.testing.assert_allclose(bf16[10:], f32[10:], rtol=0.02)
-  assert abs(bf16[-10:].mean() - f32[-10:].mean()) < 0.02 * f32[0]
+  np.testing.assert_allclose(bf16, f32, rtol=0.01)
+  assert abs(bf16[-10:].mean() - f32[-10:].mean()) < 0.005 * f32[0]
