@@ -47,8 +47,9 @@ class ModelShape(_Section):
   matmul_precision: Literal["default", "high", "highest"]
   param_init_std: Annotated[float, Field(gt=0)]
   scan_layers: bool
-  remat_policy: Literal["none", "full", "save_dot_except_mlp", "save_attention_out",
-                        "save_attention_selection"]
+  remat_policy: Literal["none", "full", "minimal", "save_dot_except_mlp", "save_attention_out",
+                        "save_attention_selection", "save_qkv_proj", "save_out_proj", "offload_qkv_proj",
+                        "offload_out_proj"]
 
 
 class MlaAttention(_Section):
@@ -124,6 +125,7 @@ class Training(_Section):
   adam_b2: Annotated[float, Field(ge=0, lt=1)]
   adam_eps: Annotated[float, Field(gt=0)]
   adam_weight_decay: Annotated[float, Field(ge=0)]
+  opt_moments_dtype: Literal["float32", "bfloat16"]
   gradient_clipping_threshold: Annotated[float, Field(ge=0)]
   z_loss_weight: Annotated[float, Field(ge=0)]
   log_period: PosInt

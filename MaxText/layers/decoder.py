@@ -17,14 +17,30 @@ from MaxText.layers.linears import MLP, Linear
 from MaxText.layers.moe import DeepSeekMoE
 from MaxText.layers.normalizations import RMSNorm
 
+# The checkpoint names the layers place (layers/attention_mla.py, layers/moe.py, layers/linears.py,
+# kernels/moe_experts.py): MLA "query_proj" [b,t,h,nope+rope], "kv_latent" [b,s,kv_lora], "key_proj" and
+# "value_proj" [b,s,h,nope|v], "attention_out" [b,t,h,v]; MoE "moe_gate_out" [b,t,E], "moe_expert_hidden" [R,moe_mlp],
+# "moe_expert_out" [R,D], "moe_out" [b,t,D]; dense MLP "mlp_hidden" [b,t,mlp].
+MLA_PROJ = ("query_proj", "kv_latent", "key_proj", "value_proj")
+LAYER_OUTS = ("attention_out", "moe_out")
+_cp = jax.checkpoint_policies
+_HOST = dict(offload_src="device", offload_dst="pinned_host")
+
 REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "save_dot_except_mlp": jax.checkpoint_policies.save_any_names_but_these(
-        "moe_expert_hidden", "mlp_hidden"),
-    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+    "full": None,  # save nothing: recompute the whole layer in the backward pass (the least memory)
+    "minimal": _cp.checkpoint_dots_with_no_batch_dims,  # MaxText's: save every weight matmul's output
+    "save_dot_except_mlp": _cp.save_any_names_but_these("moe_expert_hidden", "mlp_hidden"),
+    "save_attention_out": _cp.save_only_these_names("attention_out"),
     # and the gather path's per-block selection and head probabilities (sparse_attention.SELECTION_NAME: at 32K
     # tokens, top-k 2048, 0.6 GB): the backward pass re-runs no block's indexer scores, top-k or attention forward
-    "save_attention_selection": jax.checkpoint_policies.save_only_these_names("attention_out", "sparse_selection"),
+    "save_attention_selection": _cp.save_only_these_names("attention_out", "sparse_selection"),
+    "save_qkv_proj": _cp.save_only_these_names(*MLA_PROJ),  # MLA's projections; the MoE recomputed
+    "save_out_proj": _cp.save_only_these_names(*LAYER_OUTS),  # attention's and the MoE's outputs
+    # the same names kept in host memory (jax memory kinds: the backend must have pinned_host)
+    "offload_qkv_proj": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MLA_PROJ), **_HOST),
+    "offload_out_proj": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(LAYER_OUTS), **_HOST),
 }
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.config.types import Config
 from MaxText.kernels import low_rank
@@ -183,4 +184,5 @@ class MLP(nnx.Module):
     self.down = Linear(hidden, d, config, axes=("mlp", "embed"), rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [b,t,D] -> [b,t,D]
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    hidden = checkpoint_name(jax.nn.silu(self.gate(x)) * self.up(x), "mlp_hidden")  # [b,t,hidden]
+    return self.down(hidden)
