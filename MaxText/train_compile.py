@@ -13,7 +13,9 @@ trainable_parameters; under LoRA (lora_rank > 0) also adapter_bytes_per_device a
 frozen base: its params, fp8 + scales under weight_quantization=fp8_block, and routing biases),
 argument/output/alias bytes, flops_per_step (XLA cost analysis of the per-device program x devices),
 collectives (op -> count), compile_seconds, mesh, tokens_per_step.
-With compile_hbm_gib=N > 0 it exits 1 with one line when the peak exceeds N GiB per device.
+With compile_hbm_gib=N > 0 it exits 1 with one line when the peak exceeds N GiB per device. compile_topology=v5p:8x8x4
+(a TPU topology; libtpu importable, e.g. pip install --target DIR libtpu==0.0.42.1 with DIR on PYTHONPATH) compiles
+for that topology's chips with the TPU compiler instead of virtual CPU devices: its memory analysis is the chip's.
 Config mistakes exit 2 with one line, as everywhere. Every key is documented in configs/base.yml.
 """
 
@@ -25,14 +27,14 @@ import sys
 import time
 
 
-def compile_train_step(config):
-  """The train step of train.py for `config` on jax.devices(), compiled from abstract inputs.
-  Returns (compiled, abstract state, abstract batch, compile seconds)."""
+def compile_train_step(config, devices=None):
+  """The train step of train.py for `config` on `devices` (default jax.devices(); a TPU topology's from
+  aot.topology_devices), compiled from abstract inputs. Returns (compiled, abstract state, abstract batch, seconds)."""
   import jax
 
   from MaxText import train
   from MaxText.runtime import sharding
-  mesh = sharding.create_mesh(config)
+  mesh = sharding.create_mesh(config, devices)
   with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):  # as train.py (`with mesh:` is deprecated)
     state, batch, step_fn = train.abstract_train_step(config, mesh)
     t0 = time.perf_counter()
@@ -90,9 +92,23 @@ def main(argv) -> None:
   from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.train_compile", "--help"], __doc__)  # prints usage, exits 0
-  virtual_devices.setup_or_exit(argv)
-  config = pyconfig.initialize_or_exit(argv, __doc__)
-  compiled, state, batch, seconds = compile_train_step(config)
+  from MaxText.config.types import ConfigError
+  try:
+    topology = pyconfig.merged_values(argv).get("compile_topology", "")
+  except ConfigError:
+    topology = ""  # initialize_or_exit below says what is wrong, in one line
+  devices = None
+  if topology:  # the TPU compiler for a topology's devices (compile_num_devices does not apply)
+    from MaxText.runtime import aot
+    try:
+      devices = aot.topology_devices(topology)
+    except ValueError as e:
+      print(f"config error: compile_topology={topology!r}: {e}", file=sys.stderr)
+      sys.exit(2)
+  else:
+    virtual_devices.setup_or_exit(argv)
+  config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=len(devices) if devices else None)
+  compiled, state, batch, seconds = compile_train_step(config, devices)
   r = report(config, compiled, state, batch, seconds)
   print(_table(config, r), flush=True)
   print(json.dumps(r), flush=True)

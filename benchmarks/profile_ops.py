@@ -16,6 +16,8 @@ import math
 import os
 import re
 
+from MaxText.runtime import aot
+
 
 def ours(frames: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
   """The frames in this repository's MaxText/ (innermost first), else all of them."""
@@ -146,17 +148,12 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\](\{[^}]
 
 
 def topology_devices(name: str):
-  """The devices of a TPU topology (e.g. "v5e:1x1"), compile-only; None (after one line) without libtpu."""
-  from jax.experimental import topologies
+  """The devices of a TPU topology (e.g. "v5e:1x1"), compile-only (runtime/aot.py); None (after one line) without
+  libtpu."""
   try:
-    chips = [int(x) for x in name.split(":")[-1].split("x")]  # "v5e:2x2" -> one host's chips 2x2x1 (libtpu's default)
-    bounds = tuple((chips + [1, 1, 1])[:3]) if math.prod(chips) <= 4 else (2, 2, 1)
-    return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds,
-                                        chip_config_name="default", num_slices=1).devices
-  except Exception as e:  # no libtpu, or a topology it does not know
-    err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    print(f"decode_profile --compile-for: no TPU compiler for topology {name!r} ({err}); "
-          f"install libtpu aside (pip install --target DIR libtpu==0.0.42.1) and put DIR on PYTHONPATH")
+    return aot.topology_devices(name)
+  except ValueError as e:
+    print(f"decode_profile --compile-for: {e}")
     return None
 
 

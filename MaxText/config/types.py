@@ -312,6 +312,7 @@ class ReinforcementLearning(_Section):
 
 class AheadOfTimeCompile(_Section):
   compile_num_devices: NonNegInt
+  compile_topology: str
   compile_hbm_gib: Annotated[float, Field(ge=0)]
 
 

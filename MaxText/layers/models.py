@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from MaxText.config.types import Config
@@ -156,21 +157,24 @@ def token_accuracy(logits: jax.Array, targets: jax.Array, weights: jax.Array) ->
   return jnp.sum(hit * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def mtp_inputs(tokens: jax.Array, targets: jax.Array, weights: jax.Array, segment_ids: jax.Array | None,
+def mtp_inputs(tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray, segment_ids: np.ndarray | None,
                n: int) -> dict:
-  """What MTP depth k = 1..n needs, computed in ORIGINAL sequence order (before any reordering):
+  """What MTP depth k = 1..n needs, computed on the host (numpy: no device is touched, so an ahead-of-time compile
+  for devices this process lacks builds its batch too) in ORIGINAL sequence order (before any reordering):
   mtp_tokens [n,b,t] (token i+k), mtp_targets [n,b,t] (token i+k+1 = targets[i+k]) and
   mtp_weights [n,b,t] (valid only inside the sequence and in the same document as i)."""
+  tokens, targets, weights = np.asarray(tokens), np.asarray(targets), np.asarray(weights)
   t = tokens.shape[1]
   toks, tgts, ws = [], [], []
   for k in range(1, n + 1):
-    toks.append(jnp.roll(tokens, -k, axis=1))  # [b,t]
-    tgts.append(jnp.roll(targets, -k, axis=1))
-    w = jnp.roll(weights, -k, axis=1) * (jnp.arange(t) < t - k)[None, :]  # the wrapped tail is invalid
+    toks.append(np.roll(tokens, -k, axis=1))  # [b,t]
+    tgts.append(np.roll(targets, -k, axis=1))
+    w = np.roll(weights, -k, axis=1) * (np.arange(t) < t - k)[None, :]  # the wrapped tail is invalid
     if segment_ids is not None:
-      w = w * (jnp.roll(segment_ids, -k, axis=1) == segment_ids)
-    ws.append(w)
-  return {"mtp_tokens": jnp.stack(toks), "mtp_targets": jnp.stack(tgts), "mtp_weights": jnp.stack(ws)}
+      segment_ids = np.asarray(segment_ids)
+      w = w * (np.roll(segment_ids, -k, axis=1) == segment_ids)
+    ws.append(w.astype(weights.dtype))
+  return {"mtp_tokens": np.stack(toks), "mtp_targets": np.stack(tgts), "mtp_weights": np.stack(ws)}
 
 
 def mtp_loss(mtp_logits: jax.Array, mtp_targets: jax.Array, mtp_weights: jax.Array) -> jax.Array:

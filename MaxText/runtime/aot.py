@@ -20,6 +20,22 @@ COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "coll
                "ragged-all-to-all")
 
 
+def topology_devices(name: str) -> list:
+  """The devices of a TPU topology (e.g. "v5e:1x1", "v5p:8x8x4"), to compile for without one: the TPU compiler of
+  libtpu (pip install libtpu==0.0.42.1, or --target DIR with DIR on PYTHONPATH), its memory analysis the chip's.
+  A ValueError in one line without libtpu or for a topology it does not know."""
+  from jax.experimental import topologies
+  try:
+    chips = [int(x) for x in name.split(":")[-1].split("x")]  # "v5e:2x2" -> one host's chips 2x2x1 (libtpu's default)
+    bounds = tuple((chips + [1, 1, 1])[:3]) if math.prod(chips) <= 4 else (2, 2, 1)
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds,
+                                             chip_config_name="default", num_slices=1).devices)
+  except Exception as e:  # no libtpu, or a topology it does not know
+    raise ValueError(f"no TPU compiler for topology {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                     "install libtpu aside (pip install --target DIR libtpu==0.0.42.1) and put DIR on "
+                     "PYTHONPATH") from None
+
+
 def abstract_module(make, config: Config, mesh: Mesh):
   """(graphdef, state) of the module `make()` builds, with ShapeDtypeStruct leaves carrying the
   shardings the config's rules give them; nothing is allocated."""

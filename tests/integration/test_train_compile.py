@@ -89,6 +89,9 @@ def test_bad_key_exits_2_in_one_line():
   out = _tool("num_experts=6", "n_routing_groups=2", "topk_routing_group=1")  # 6 experts over 4 devices
   assert out.returncode == 2 and "num_experts=6 is not divisible by ici_expert_parallelism=4" in out.stderr
   assert "Traceback" not in out.stderr
+  out = _tool("compile_topology=nope:1x1")  # no TPU compiler for it (CI has no libtpu; nor does libtpu know 'nope')
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith("config error: compile_topology='nope:1x1': no TPU compiler")
 
 
 def test_qlora_reports_the_frozen_fp8_base_the_adapters_and_optimizer_state_for_the_adapters_only():
