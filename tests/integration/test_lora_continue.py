@@ -84,7 +84,7 @@ def test_a_run_started_from_lora_adapters_holds_them_and_gives_their_logits_its_
                         "lora_rank=4"),
     (dict(lora_alpha=4.0), "its run trained at lora_alpha=16, this config has lora_alpha=4: set lora_alpha=16"),
     (dict(lora_module_path=".*/attention/wq_a"), "adapts other linears than lora_module_path='.*/attention/wq_a' "
-                                                 r"\(also: dense_layers/layers/attention/indexer/wk"),
+                                                 r"\(also: dense_layers/layers/attention/indexer/weights_proj, dense_layers/layers/attention/indexer/wk"),
     (dict(load_parameters_path="{b2}"), "load_parameters_path={b2} is not the base lora_restore_path={sft} was trained "
                                         "over: load_parameters_path={b1} \\(base fingerprint 0x"),
     (dict(lora_restore_path="{tmp}/nowhere"), "lora_restore_path={tmp}/nowhere: no such folder"),
