@@ -4,6 +4,7 @@ server's context, lm-eval's max_length, RL's console metrics) agree with the cod
 
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -158,7 +159,9 @@ def test_every_documented_entry_point_command_is_a_valid_config():
     overrides = [a for a in args[1:] if "=" in a]
     values = dict(a.split("=", 1) for a in overrides)
     devices = re.search(r"device_count=(\d+)", command)
-    num_devices = int(values.get("compile_num_devices") or (devices.group(1) if devices else 1))
+    chips = values.get("compile_topology", "").split(":")[-1]  # a TPU topology's chips, e.g. v5p:8x8x4 -> 256
+    num_devices = int(values.get("compile_num_devices") or (devices.group(1) if devices else 0) or
+                      (math.prod(int(x) for x in chips.split("x")) if chips else 1))
     try:
       pyconfig.initialize(["doc", yml, *overrides], num_devices=num_devices)
       checked += 1
