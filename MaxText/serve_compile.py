@@ -220,7 +220,7 @@ def main(argv) -> None:
   from MaxText.runtime import virtual_devices
   if any(a in ("-h", "--help") for a in argv[1:]):
     pyconfig.initialize_or_exit(["python -m MaxText.serve_compile", "--help"], __doc__)  # prints usage, exits 0
-  virtual_devices.setup_or_exit(argv)
+  virtual_devices.setup_or_exit(argv, topology=False)
   config = pyconfig.initialize_or_exit(argv, __doc__)
   from MaxText.inference import paged_pools
   from MaxText.runtime import sharding

@@ -97,6 +97,19 @@ PEAK_FLOPS = (("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12), ("v5", 459e
               ("v6", 918e12), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12))
 
 
+# Bytes a second one device sends in a ring collective over one axis of its interconnect (both ring
+# directions), by device_kind as PEAK_FLOPS: a v5p chip's ICI is 1200 GB/s bidirectional over 6 links (3D
+# torus), 100 GB/s a link a direction, a ring along one torus axis drives 2 links out. Kinds without a
+# documented per-link figure here are absent (no estimate).
+RING_BYTES_PER_S = (("v5 lite", None), ("v5e", None), ("v5p", 200e9), ("v5", 200e9))
+
+
+def ring_bytes_per_s(device_kind: str) -> float | None:
+  """RING_BYTES_PER_S's entry for a device kind, None where it has none."""
+  kind = device_kind.lower()
+  return next((v for k, v in RING_BYTES_PER_S if k in kind), None)
+
+
 def peak_flops(device_kind: str) -> float | None:
   """PEAK_FLOPS's entry for a device kind (jax.devices()[0].device_kind), None where it has none."""
   kind = device_kind.lower()

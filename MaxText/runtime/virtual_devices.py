@@ -41,8 +41,28 @@ def use_virtual_devices(n: int, extra_flags: tuple[str, ...] = ()) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def setup_or_exit(argv) -> None:
-  """For a compile entry point's main: compile_num_devices virtual devices (with CPU_FLAGS), when it is > 0."""
+def setup_or_exit(argv, topology: bool = True) -> list | None:
+  """For a compile entry point's main, the devices to compile for: a TPU topology's (aot.topology_devices) when
+  the merged config names compile_topology (topology=False: the entry point has none, exit 2 in one line);
+  else None, after setting compile_num_devices virtual devices (with CPU_FLAGS) when it is > 0."""
+  from MaxText.config import pyconfig
+  from MaxText.config.types import ConfigError
+  try:
+    name = pyconfig.merged_values(argv).get("compile_topology", "")
+  except ConfigError:
+    name = ""  # num_devices_or_exit says what is wrong, in one line
+  if name:
+    if not topology:
+      print(f"config error: compile_topology={name!r}: only MaxText.train_compile compiles for a TPU topology; "
+            "here use compile_num_devices", file=sys.stderr)
+      sys.exit(2)
+    from MaxText.runtime import aot
+    try:
+      return aot.topology_devices(name)
+    except ValueError as e:
+      print(f"config error: compile_topology={name!r}: {e}", file=sys.stderr)
+      sys.exit(2)
   n = num_devices_or_exit(argv)
   if n:
     use_virtual_devices(n, CPU_FLAGS)
+  return None

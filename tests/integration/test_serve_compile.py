@@ -87,3 +87,9 @@ def test_rows_not_a_multiple_of_the_page_shards_exit_2_in_one_line(cache):
   assert out.returncode == 2
   assert "config key 'serve_max_num_seqs' = 4: a multiple of the 8 page shards" in out.stderr.strip().splitlines()[-1]
   assert "Traceback" not in out.stderr
+
+
+def test_a_tpu_topology_is_refused_in_one_line(cache):
+  out = _tool(cache, "compile_topology=v5p:2x2x1")  # train_compile's key: the serving step compiles on CPU devices
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith("config error: compile_topology='v5p:2x2x1': only MaxText.train_compile")
