@@ -46,7 +46,7 @@ from MaxText.layers import lora
 from MaxText.layers.indexer import indexer_stage
 from MaxText.layers.models import cross_entropy, mtp_inputs, mtp_loss, token_accuracy
 from MaxText.layers.moe import update_routing_bias
-from MaxText.runtime import cli, distributed, sharding
+from MaxText.runtime import cli, distributed, optimizers, sharding
 from MaxText.runtime.cli import RunError
 from MaxText.runtime.metrics import MetricsLogger, model_flops_per_token, peak_flops_per_device, warn
 from MaxText.runtime.metrics_prefetch import DeferredMetrics
@@ -221,7 +221,7 @@ def make_train_step(config: Config, graphdef, tx, loss_fn=None):
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       (grads, (metrics, loads)), _ = jax.lax.scan(body, zeros, micro)
       grads, metrics, loads = jax.tree.map(lambda x: x / accum, (grads, metrics, loads))
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    updates, opt_state = tx.update(grads, optimizers.on_device(config, state["opt_state"]), params)
     new_params = optax.apply_updates(params, updates)
     new_buffers = update_routing_biases(config, state["buffers"], loads)  # under LoRA none: the base is frozen
     # The state may be checkpointed only if finite: one global norm of the new parameters (a NaN or
@@ -252,7 +252,8 @@ def abstract_train_step(config: Config, mesh):
   tx = make_optimizer(config, parts["params"])
   opt_abstract = jax.eval_shape(tx.init, parts["params"])
   opt_state = orbax_state.abstract_like(opt_abstract,
-                                        model_state.optimizer_shardings(opt_abstract, parts["params"], mesh))
+                                        model_state.optimizer_shardings(opt_abstract, parts["params"], mesh,
+                                                                        optimizers.state_memory_kind(config)))
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = dict(parts, opt_state=opt_state, step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
   b, t = config.global_batch_size, config.max_target_length
@@ -310,7 +311,7 @@ def init_state(config: Config, mesh):
   if config.lora_rank:
     parts["params"] = lora_adapters.restored(config, parts["params"], parts[orbax_state.FROZEN])
   tx = make_optimizer(config, parts["params"])
-  opt_state = model_state.init_optimizer(tx, parts["params"], mesh)
+  opt_state = model_state.init_optimizer(tx, parts["params"], mesh, optimizers.state_memory_kind(config))
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = dict(parts, opt_state=opt_state, step=jax.device_put(jnp.int32(0), replicated))
   # Scalars the optimizer creates (its step count) land on one device: replicate them on the mesh.

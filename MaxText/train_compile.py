@@ -38,11 +38,18 @@ def compile_train_step(config, devices=None):
   from MaxText import train
   from MaxText.runtime import sharding
   mesh = sharding.create_mesh(config, devices)
-  with jax.set_mesh(mesh), sharding.logical_rules(config, mesh):  # as train.py (`with mesh:` is deprecated)
+  with traced_for(devices), jax.set_mesh(mesh), sharding.logical_rules(config, mesh):  # as train.py's mesh
     state, batch, step_fn = train.abstract_train_step(config, mesh)
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     return compiled, state, batch, time.perf_counter() - t0
+
+
+def traced_for(devices):
+  """The kernels' choices (kernels/backend.py) of the devices compiled for: a TPU topology's on this host takes
+  the TPU row (its selection, attention and MoE paths, Mosaic's lowering), not this process's CPU row."""
+  from MaxText.kernels import backend
+  return backend.forced(devices[0].platform if devices else None)
 
 
 def report(config, compiled, state, batch, seconds: float) -> dict:

@@ -45,11 +45,15 @@ def shardings_of(config: Config, mesh, params_state, buffers_state):
   return ps, bs
 
 
-def optimizer_shardings(opt_state, params, mesh):
+def optimizer_shardings(opt_state, params, mesh, memory_kind: str | None = None):
   """Shardings for an optimizer state built from `params` (arrays or ShapeDtypeStructs with shardings):
   each moment takes the sharding of the parameter it mirrors (matched by its trailing dict-key path
   and shape), scalars and anything else are replicated. jit(tx.init) alone would replicate the
-  moments (zeros depend on no input), so every device would hold the whole optimizer state."""
+  moments (zeros depend on no input), so every device would hold the whole optimizer state.
+  memory_kind: where every leaf lives (optimizers.state_memory_kind; None: the device)."""
+  if memory_kind:
+    on_device = optimizer_shardings(opt_state, params, mesh)
+    return jax.tree.map(lambda s: s.with_memory_kind(memory_kind), on_device)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   by_path = {tuple(k.key for k in path): (a.shape, a.sharding)
              for path, a in jax.tree_util.tree_leaves_with_path(params)}
@@ -66,9 +70,9 @@ def optimizer_shardings(opt_state, params, mesh):
   return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def init_optimizer(tx, params, mesh):
-  """tx.init(params) on the mesh, every moment sharded like its parameter."""
-  shardings = optimizer_shardings(jax.eval_shape(tx.init, params), params, mesh)
+def init_optimizer(tx, params, mesh, memory_kind: str | None = None):
+  """tx.init(params) on the mesh, every moment sharded like its parameter (in memory_kind: optimizer_shardings)."""
+  shardings = optimizer_shardings(jax.eval_shape(tx.init, params), params, mesh, memory_kind)
   return jax.jit(tx.init, out_shardings=shardings)(params)
 
 

@@ -126,6 +126,7 @@ class Training(_Section):
   adam_eps: Annotated[float, Field(gt=0)]
   adam_weight_decay: Annotated[float, Field(ge=0)]
   opt_moments_dtype: Literal["float32", "bfloat16"]
+  optimizer_memory_host_offload: bool
   gradient_clipping_threshold: Annotated[float, Field(ge=0)]
   z_loss_weight: Annotated[float, Field(ge=0)]
   log_period: PosInt

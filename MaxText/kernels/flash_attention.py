@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.kernels.backend import pallas_interpret
 from MaxText.kernels.selection import additive_mask
-from MaxText.runtime.sharding import active_mesh, logical_to_spec
+from MaxText.runtime.sharding import kernel_mesh, logical_to_spec
 
 BLOCKS = (512, 256, 128)  # splash's query / key block (forward and backward): the largest that divides t (512:
 # MaxText's TPU default); splash needs a multiple of 128 lanes
@@ -71,8 +71,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   queries attend to its own rows' keys).
   """
   interpret = pallas_interpret(interpret)
-  active = active_mesh()
-  if active is None or active[0].size == 1:
+  active = kernel_mesh()
+  if active is None:
     return _flash_local(q, k, v, segment_ids, scale, interpret)
   mesh, rules = active
   spec = logical_to_spec(("activation_batch", None, "activation_heads", None), rules, mesh, q.shape)  # q, k, v, out

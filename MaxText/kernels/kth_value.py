@@ -13,7 +13,10 @@ Rows padded to a multiple of 8 and keys to a multiple of CHUNK with -inf: a -inf
 t <= _to_keys(-inf), where the count already holds every real key (k <= s). Fewer than k finite keys in a row:
 its value is -inf (a NaN key comes back as -inf), as topk_threshold's contract says. Tests: interpret mode on
 the CPU against lax.top_k's k-th value (tests/unit/test_kth_value.py); the Mosaic lowering is checked by
-compiling for a TPU (decode_profile --compile-for --force exact_selection=pallas).
+compiling for a TPU (decode_profile --compile-for --force exact_selection=pallas; train_compile compile_topology=...). Under a mesh
+of several devices (sharding.logical_rules) the kernel runs on each device's rows in a jax.shard_map (Mosaic
+kernels are not partitioned by XLA): rows split as scores [b,t,s] are (activation_batch, activation_length), each
+row whole.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from MaxText.kernels.backend import pallas_interpret
 from MaxText.kernels.selection_keys import _from_keys, _to_keys
+from MaxText.runtime.sharding import kernel_mesh, logical_to_spec
 
 ROWS = 8  # rows a grid step: the f32 (8, 128) tile's sublanes
 CHUNK = 8192  # keys a count step: [8, 8192] int32 = 64 vregs
@@ -69,6 +73,19 @@ def kth_largest(scores: jax.Array, k: int, *, interpret: bool | None = None) -> 
   s = scores.shape[-1]
   if not 1 <= k <= s:
     raise ValueError(f"kth_largest: need 1 <= k <= {s} (the row length), got k={k}")
+  active = kernel_mesh()
+  if active is None:
+    return _kth_local(scores, k, interpret)
+  mesh, rules = active
+  names = ("activation_batch", "activation_length")[:scores.ndim - 1] + (None,) * max(0, scores.ndim - 3)
+  spec = logical_to_spec((*names, None), rules, mesh, scores.shape)  # [..., s]: rows split, each row whole
+  return jax.shard_map(functools.partial(_kth_local, k=k, interpret=interpret), mesh=mesh, in_specs=spec,
+                       out_specs=spec, check_vma=False)(scores)
+
+
+def _kth_local(scores: jax.Array, k: int, interpret: bool | None) -> jax.Array:
+  """kth_largest on one device's rows (shapes as there)."""
+  s = scores.shape[-1]
   lead = scores.shape[:-1]
   x = jax.lax.stop_gradient(scores).reshape(-1, s).astype(jnp.float32)  # [R, s]: a selection carries no gradient
   r = x.shape[0]

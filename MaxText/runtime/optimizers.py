@@ -60,6 +60,18 @@ def adamw(config: Config) -> optax.GradientTransformation:
       optax.add_decayed_weights(config.adam_weight_decay), optax.scale_by_learning_rate(schedule))
 
 
+def state_memory_kind(config: Config) -> str | None:
+  """Where the optimizer state lives between steps: "pinned_host" under optimizer_memory_host_offload (the
+  train step moves it to the device for its update, on_device, and its out sharding moves the new state
+  back), else None (the device, jax's default)."""
+  return "pinned_host" if config.optimizer_memory_host_offload else None
+
+
+def on_device(config: Config, opt_state):
+  """opt_state where the update reads it: moved from host memory under optimizer_memory_host_offload."""
+  return jax.device_put(opt_state, jax.memory.Space.Device) if config.optimizer_memory_host_offload else opt_state
+
+
 def create_optimizer(config: Config, labels=None) -> optax.GradientTransformation:
   """labels: a pytree like the params of "train" / "freeze" (frozen: no update, no weight decay,
   and not counted by the clipping norm)."""

@@ -91,6 +91,16 @@ def active_mesh() -> tuple[Mesh, dict] | None:
   return _ACTIVE_RULES[-1] if _ACTIVE_RULES else None
 
 
+def kernel_mesh() -> tuple[Mesh, dict] | None:
+  """(mesh, rules) where a Pallas (Mosaic) kernel must wrap itself in a jax.shard_map (XLA does not partition
+  Mosaic kernels): under logical_rules on several devices and not already inside a shard_map (the serving
+  engine's per-shard reads). None: call the kernel on the arrays as they are."""
+  active = active_mesh()
+  if active is None or active[0].size == 1 or jax.sharding.get_abstract_mesh().manual_axes:
+    return None
+  return active
+
+
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   """with_sharding_constraint by logical names; a no-op outside `logical_rules`."""
   if not _ACTIVE_RULES:

@@ -106,3 +106,15 @@ def test_step_estimate_from_model_flops_and_ring_bandwidth(tiny_config):
 def test_no_step_estimate_without_both_tables(tiny_config, kind):
   from MaxText import train_compile
   assert train_compile.step_estimate(tiny_config(), _report(), kind) is None
+
+
+def test_a_topology_compile_traces_the_kernels_with_its_platforms_choices():
+  from types import SimpleNamespace
+
+  from MaxText import train_compile
+  from MaxText.kernels import backend
+  with train_compile.traced_for([SimpleNamespace(platform="tpu")]):
+    assert backend.choices() == backend.row("tpu")
+  with train_compile.traced_for(None):  # virtual CPU devices: this process's row
+    assert backend.choices() == backend.row(jax.default_backend())
+  assert backend.row("tpu") != backend.row("cpu")  # the test would not see a missing switch otherwise

@@ -64,3 +64,15 @@ def test_a_training_step_differentiates_around_the_kernel():
     g = jax.grad(lambda x: jnp.sum(jnp.where(selection.topk_mask(x, 8), x, 0.0)))(x)
     mask = selection.topk_mask(x, 8)
   np.testing.assert_array_equal(np.asarray(g), np.asarray(mask, np.float32))
+
+
+def test_on_a_mesh_of_several_devices_each_takes_its_own_rows():
+  """Under logical_rules the kernel runs per shard (a Mosaic kernel is not partitioned by XLA): the same values."""
+  from MaxText.runtime import sharding
+  from tests.conftest import make_config
+  cfg = make_config(num_devices=4, ici_fsdp_parallelism=2, ici_context_parallelism=2)
+  mesh = sharding.create_mesh(cfg)
+  scores = jax.random.normal(jax.random.PRNGKey(3), (4, 8, 300))  # [b,t,s]: b over fsdp, t over context
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    got = jax.jit(lambda x: kth_value.kth_largest(x, 17, interpret=True))(scores)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.top_k(scores, 17)[0][..., -1:]))

@@ -1,0 +1,67 @@
+"""Mosaic kernels are not partitioned by XLA ("Mosaic kernels cannot be automatically partitioned. Please wrap the
+call in a shard_map"): a train step on several TPU chips compiles only if every pallas_call it traces runs inside
+a jax.shard_map; so does a serving step. Checked here on the CPU by tracing the step with the TPU row's choices (backend.forced("tpu"):
+Mosaic's kernels, not the interpreter) on a mesh of 4 virtual devices and walking its jaxpr. train_compile
+compile_topology=v5p:2x2x1 compiles the same with the TPU compiler where libtpu is installed."""
+
+import jax
+import pytest
+from jax.extend import core as jcore
+
+from MaxText import train
+from MaxText.kernels import backend
+from MaxText.runtime import sharding
+from tests.conftest import make_config
+
+
+def _pallas_calls(jaxpr, inside_shard_map: bool = False):
+  """(kernel name, whether inside a shard_map) of every pallas_call in `jaxpr` and its sub-jaxprs."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "pallas_call":
+      yield str(eqn.params.get("name") or eqn.params.get("debug") or "?")[:80], inside_shard_map
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jcore.Jaxpr):
+          yield from _pallas_calls(sub, inside_shard_map or name == "shard_map")
+
+
+def _step_kernels(**keys):
+  cfg = make_config(num_devices=4, ici_data_parallelism=1, global_batch_size=4, **keys)
+  mesh = sharding.create_mesh(cfg)
+  with backend.forced("tpu"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    state, batch, step = train.abstract_train_step(cfg, mesh)
+    return list(_pallas_calls(jax.make_jaxpr(step)(state, batch).jaxpr))
+
+
+@pytest.mark.slow  # ~12 s of CPU each (README.md, Tests)
+@pytest.mark.parametrize("keys", [
+    dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2),  # the indexer's exact top-k: kth_value's kernel
+    dict(ici_context_parallelism=2, ici_expert_parallelism=2),
+    dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2, indexer_training_stage="dense_warmup",
+         max_target_length=256),  # splash (s a multiple of 128), the KL target
+], ids=["fsdp_expert", "context_expert", "tensor_dense_warmup"])
+def test_every_mosaic_kernel_of_a_multi_chip_train_step_runs_inside_a_shard_map(keys):
+  calls = _step_kernels(**keys)
+  assert calls, "the TPU row's step traced no Mosaic kernel: the check would pass vacuously"
+  assert all(inside for _, inside in calls), [name for name, inside in calls if not inside]
+
+
+@pytest.mark.slow
+def test_every_mosaic_kernel_of_a_multi_chip_serving_step_runs_inside_a_shard_map():
+  """The paged engine's step (decode and a prefill chunk) on data x expert: its kernels run on each device's own
+  page shard (paged_pools.on_shards); kth_value inside that shard_map runs as it is (sharding.kernel_mesh)."""
+  from MaxText import serve_compile
+  from MaxText.inference import step_feed
+  cfg = make_config(num_devices=4, ici_data_parallelism=2, ici_expert_parallelism=2, max_target_length=256,
+                    serve_max_num_seqs=4, serve_page_size=128)
+  mesh = sharding.create_mesh(cfg)
+  with backend.forced("tpu"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    eng = serve_compile.build_engine(cfg)
+    for t in (1, 8):
+      buf = step_feed.abstract(4, t, eng.pages_per_seq, eng._row_sharding(2))
+      traced = eng._step_jit.trace(t, False, False, eng.params, eng.buffers, eng.pools, eng.absorbed, buf)
+      calls = list(_pallas_calls(traced.jaxpr.jaxpr))
+      assert calls, f"no Mosaic kernel traced at t={t}: the check would pass vacuously"
+      assert all(inside for _, inside in calls), [name for name, inside in calls if not inside]
