@@ -168,3 +168,29 @@ def test_serving_prefill_is_context_parallel():
   # per-device memory of a long chunk (scores dominate) shrinks as 1/cp
   temps = {cp: _serving_prefill(cp, 256)[1][1] for cp in (1, 4)}
   assert temps[4] <= 1.35 * temps[1] / 4, temps
+
+
+GATHER = dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_query_block=8)
+MIXED = dict(ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2)
+
+
+def test_the_gather_path_on_fsdp_context_and_tensor_equals_single_device(reference):
+  got = _run(_config(num_devices=8, ici_data_parallelism=1, **MIXED, **GATHER))
+  _assert_same(got, reference(**GATHER))
+
+
+def test_the_gather_paths_backward_sums_heads_and_queries_after_its_scatter_add():
+  """Its keys' cotangent is all-reduced as [b,s,e] once a block, not as the gathered rows' [k,e] (a query, the CPU's
+  loop) or [B*k,e] (a block, vmapped) where the head contraction makes it: those are topk / B*topk x larger."""
+  import re
+
+  from MaxText import train_compile
+  cfg = _config(num_devices=8, ici_data_parallelism=1, **MIXED, **GATHER, indexer_topk=6)  # no shape like s = 32
+  hlo = train_compile.compile_train_step(cfg)[0].as_text()
+  e, k, blk = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.indexer_topk, cfg.sparse_attention_query_block
+  gathered = {(k, e), (blk * k, e), (blk // 2 * k, e), (blk, k, e), (blk // 2, k, e)}  # a query's, a block's rows
+  shapes = [tuple(int(v) for v in dims.split(",") if v) for line in hlo.splitlines()
+            if re.search(r"\sall-reduce(-start)?\(", line)
+            for dims in re.findall(r"\[([\d,]*)\]", line.split("=", 1)[1].split(" all-reduce")[0])]
+  assert shapes and (2, T, e) in shapes, shapes  # dkv [b,s,e]: the one sum, after the scatter-add
+  assert not [s for s in shapes if s[-2:] in gathered or s[-3:] in gathered], shapes

@@ -107,3 +107,24 @@ def test_qlora_reports_the_frozen_fp8_base_the_adapters_and_optimizer_state_for_
   mesh = sharding.create_mesh(cfg)
   state, _, _ = train.abstract_train_step(cfg, mesh)
   assert got["trainable_parameters"] == sum(x.size for x in jax.tree.leaves(state["params"])) > 0
+
+
+@pytest.mark.slow  # ~100 s and ~3 GB on this 2-core host
+def test_the_671b_train_step_compiles_to_the_peak_docs_training_md_states():
+  """docs/training.md, "Will it fit?": its first command (the 671B's 4K train step on 256 virtual devices) exits 0
+  under its compile_hbm_gib and its peak is the table's "4K training, batch 256" row within 1%."""
+  import re
+  import shlex
+
+  from tests.unit.test_docs import _commands, _fenced, _read
+  section = _read("docs/training.md").split("## Will it fit?")[1].split("\n## ")[0]
+  command = _commands(_fenced(section, "bash")[0])[0]
+  row = next(ln for ln in section.splitlines() if ln.startswith("| 4K training, batch 256 |"))
+  documented = float(re.search(r"\*\*([\d.]+)\*\*", row).group(1))
+  argv = shlex.split(command)
+  assert argv[:3] == [".venv/bin/python", "-m", "MaxText.train_compile"], command
+  out = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+                       capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-2000:]
+  peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes_per_device"] / 2**30
+  assert peak == pytest.approx(documented, rel=0.01), f"compiled {peak:.2f} GiB, docs/training.md says {documented}"
