@@ -11,7 +11,7 @@
 
 The model has the official attention shapes (WIDE) on a narrow residual stream (--set key=value overrides it).
 Prints per row the paged and contiguous ms (--stat of --iters calls, alternated), the bytes a step must move and
-the roofline fraction (BANDWIDTH, --bandwidth or measured), paged / contiguous with its quartiles; one JSON line.
+the roofline fraction (BANDWIDTH, else measured), paged / contiguous with its quartiles; one JSON line.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import time
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import yaml
 from flax import nnx
 
 from benchmarks import timing
@@ -56,11 +55,9 @@ PAGE = 64
 BANDWIDTH = (("v5 lite", 819.0), ("v5e", 819.0), ("v5p", 2765.0), ("v6", 1640.0), ("H200", 4800.0), ("H100", 3350.0))
 
 
-def bandwidth(override: float | None) -> tuple[float, str]:
-  """(GB/s, where it came from) for this process's device: --bandwidth, BANDWIDTH, else measured (a
-  reduction reading 512 MiB, the best of 5)."""
-  if override:
-    return override, "--bandwidth"
+def bandwidth() -> tuple[float, str]:
+  """(GB/s, where it came from) for this process's device: BANDWIDTH, else measured (a reduction reading 512 MiB,
+  the best of 5)."""
   kind = jax.devices()[0].device_kind
   for name, gbs in BANDWIDTH:
     if name.lower() in kind.lower():
@@ -93,13 +90,12 @@ def _fields(cfg) -> dict:
 
 
 def config_for(context: int, args, batch: int = 1):
-  model = {**WIDE, "indexer_topk": args.topk, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.set)}}
+  model = {**WIDE, "indexer_topk": args.topk, **timing.overrides(args.set)}
   page = int(model.pop("serve_page_size", PAGE))  # --set serve_page_size=256: the pools' page (the tpu config's)
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
                              max_target_length=context, max_prefill_length=min(context, args.chunk),
                              serve_max_num_tokens=max(batch, min(context, args.chunk)),
-                             kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
-                             serve_max_num_seqs=batch, serve_page_size=page,
+                             kv_cache_dtype=args.cache_dtype, serve_max_num_seqs=batch, serve_page_size=page,
                              serve_num_pages=batch * -(-context // page), **model)
 
 
@@ -214,7 +210,7 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
       graphdef, _, _ = model_state.abstract_model(cfg)
       need = step_bytes(cfg, params, batch, s)
       reference = args.contiguous == "on" or (
-          args.contiguous == "auto" and contiguous_bytes(cfg, batch, s) <= args.contiguous_max_gib * 2 ** 30)
+          args.contiguous == "auto" and contiguous_bytes(cfg, batch, s) <= 2 ** 30)
       row = dict(rows=batch, context=s, contiguous=reference)
       for mode in modes:
         engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
@@ -332,14 +328,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--batch", type=int, nargs="+", default=[1],
                   help="rows in the decode step, each its own sequence (several: each in turn)")
   ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"],
-                  help="time the contiguous reference too (auto: when its copy fits --contiguous-max-gib)")
-  ap.add_argument("--contiguous-max-gib", type=float, default=1.0)
-  ap.add_argument("--bandwidth", type=float, default=None,
-                  help="memory bandwidth in GB/s for the roofline (default: BANDWIDTH's entry, else measured)")
+                  help="time the contiguous reference too (auto: when its copy fits 1 GiB)")
   ap.add_argument("--layers", type=int, default=1)
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
-  ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
   ap.add_argument("--prefill", action="store_true",
                   help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
   ap.add_argument("--prompt", action="store_true",
@@ -351,16 +343,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--short-context", type=int, default=0,
                   help="--scoring: rows after the first end at this position + 1 (0: all at the context)")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
-  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides over WIDE")
   ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
-  ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
-                  help="kernels/backend.py choices over this backend's row (e.g. paged_scoring=triton)")
-  args = ap.parse_args(argv)
-  try:
-    force = backend.parse_forced(args.force)
-  except ValueError as e:
-    ap.error(str(e))
+  timing.model_flags(ap, "model config overrides over WIDE")
+  args, force = timing.parse(ap, argv)
   with backend.forced(**force):
     run(args, ap)
 
@@ -369,9 +355,6 @@ def run(args, ap) -> None:
   """main's measurements, under its forced kernel choices."""
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
-  if bad := [a for a in args.set if "=" not in a]:
-    ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
-
   if args.prompt and len(args.batch) > 1:
     ap.error("--prompt runs one request: give one --batch")
   if args.scoring:
@@ -387,16 +370,16 @@ def run(args, ap) -> None:
   what = (f"a prompt through the engine in {args.chunk}-token chunks" if args.prompt else
           f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step")
   print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), rows {args.batch}, "
-        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}"
-        f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}"
+        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}; "
+        f"{kv_cache.describe(cfg0).split(';')[0]}"
         + ("" if args.prompt else f"; {args.stat} of {args.iters} steps"))
   common = dict(backend=jax.default_backend(), layers=args.layers, topk=cfg0.indexer_topk, cache_dtype=args.cache_dtype,
-                approx=args.approx, overrides=args.set, forced=args.force)
+                overrides=args.set, forced=args.force)
   if args.prompt:
     print(json.dumps(dict(benchmark="decode_prompt_chunks", chunk=args.chunk, **common,
                           rows=prompt_rows(args, params, buffers))))
     return
-  gbs, source = bandwidth(args.bandwidth)
+  gbs, source = bandwidth()
   print(f"roofline: the bytes a step must move (weights + indexer keys + selected latents; dense: every latent) "
         f"at {gbs:.1f} GB/s ({source})")
   rows = step_rows(args, params, buffers, gbs)
@@ -406,5 +389,4 @@ def run(args, ap) -> None:
 
 
 if __name__ == "__main__":
-  np.set_printoptions(precision=3)
   main()
