@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing
 from MaxText.kernels import backend  # noqa: E402
 from MaxText.kernels import selection as sel  # noqa: E402
 
@@ -80,20 +80,10 @@ def time_all(fns: dict, x, repeats: int) -> dict:
   """name -> (median ms, min ms, min cpu ms, mask). Compiled and warmed up first, then timed
   interleaved (one call of each method per round), so load changes hit every method alike.
   cpu ms is this process's CPU time (all threads): less sensitive to other users of the cores."""
-  jitted, out = {}, {}
-  for name, fn in fns.items():
-    jitted[name] = jax.jit(fn)
-    out[name] = np.asarray(jax.block_until_ready(jitted[name](x)))  # compile + warm up
-  wall = {name: [] for name in fns}
-  cpu = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in jitted.items():
-      start, start_cpu = time.perf_counter(), time.process_time()
-      jax.block_until_ready(fn(x))
-      wall[name].append(time.perf_counter() - start)
-      cpu[name].append(time.process_time() - start_cpu)
+  jitted, cpu = {name: jax.jit(fn) for name, fn in fns.items()}, {}
+  wall, out = timing.interleaved({name: lambda fn=fn: fn(x) for name, fn in jitted.items()}, repeats, 0, cpu)
   return {name: (float(np.median(wall[name])) * 1e3, float(np.min(wall[name])) * 1e3,
-                 float(np.min(cpu[name])) * 1e3, out[name]) for name in fns}
+                 float(np.min(cpu[name])) * 1e3, np.asarray(out[name])) for name in fns}
 
 
 def main():

@@ -5,7 +5,7 @@
 
 One seeded workload (Poisson arrivals, uniform prompt and log-uniform output lengths, greedy) through one
 ServingEngine per policy, in real time. Prints output tokens/s, TTFT and TPOT (p50, p99) per policy; then
-`prefix` (the prefix cache's TTFT), `speculative` (--spec-only: MTP drafts' acceptance and speedup) and
+`prefix` (the prefix cache's TTFT), `speculative` (MTP drafts' acceptance and speedup) and
 `structured` (--structured-only: free rows beside constrained ones); then one JSON line. Never a timed assert.
 """
 from __future__ import annotations
@@ -33,6 +33,14 @@ from MaxText.runtime.optimizers import create_optimizer
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
 POLICIES = ("continuous", "static", "static-shrink")
+# the tiny model's workload (rate: arrivals a second, 100: about 16 in flight; seqs: concurrent sequences and a static
+# batch's rows; tokens: serve_max_num_tokens; chunk: prefill_chunk_size; system: the shared system prompt's tokens,
+# prefix_gap: seconds between its requests); spec_*: the speculative ladder's (spec_checkpoints: the training steps
+# at which drafting is measured, the last gives spec_acceptance and spec_speedup; spec_repeats: runs a side, median)
+WORKLOAD = dict(requests=128, rate=100.0, seqs=16, tokens=512, chunk=64, page=16, prompt_min=8, prompt_max=96,
+                out_min=4, out_max=256, max_len=384, system=1024, prefix_requests=8, prefix_gap=0.2, spec_tokens=1,
+                spec_requests=16, spec_seqs=8, spec_layers=12, spec_checkpoints=(100, 125, 150, 200, 300),
+                spec_repeats=3, structured_tokens=64)
 MID_WORKLOAD = dict(max_len=8192, chunk=256, page=64, prompt_min=128, prompt_max=1024, requests=16, rate=1.0)
 
 
@@ -249,33 +257,8 @@ def fresh(result):
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
-  ap.add_argument("--requests", type=int, default=128)
-  ap.add_argument("--rate", type=float, default=100.0, help="arrivals per second (100: about 16 in flight)")
-  ap.add_argument("--seqs", type=int, default=16, help="concurrent sequences (continuous) / static batch rows")
-  ap.add_argument("--tokens", type=int, default=512, help="serve_max_num_tokens")
-  ap.add_argument("--chunk", type=int, default=64, help="prefill_chunk_size")
-  ap.add_argument("--page", type=int, default=16)
-  ap.add_argument("--prompt-min", type=int, default=8)
-  ap.add_argument("--prompt-max", type=int, default=96)
-  ap.add_argument("--out-min", type=int, default=4)
-  ap.add_argument("--out-max", type=int, default=256)
-  ap.add_argument("--max-len", type=int, default=384)
-  ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
-  ap.add_argument("--prefix-requests", type=int, default=8)
-  ap.add_argument("--prefix-gap", type=float, default=0.2, help="seconds between shared-prefix requests")
-  ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
-  ap.add_argument("--spec-requests", type=int, default=16, help="requests of the speculative comparison")
-  ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
-  ap.add_argument("--spec-layers", type=int, default=12,
-                  help="decoder layers of the speculative comparison's model (tiny widths, one MTP module)")
-  ap.add_argument("--spec-checkpoints", type=lambda v: [int(x) for x in v.split(",")],
-                  default=[100, 125, 150, 200, 300],
-                  help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
-  ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
-  ap.add_argument("--spec-only", action="store_true", help="only the speculative comparison")
   ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
-  ap.add_argument("--structured-tokens", type=int, default=64, help="tokens every row makes in the structured rows")
-  args = ap.parse_args()
+  args = argparse.Namespace(**WORKLOAD, **vars(ap.parse_args()))
   if args.quick:
     args.requests, args.system = 64, 512
   if args.structured_only:
@@ -296,9 +279,6 @@ def main() -> None:
   out = {"spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
          "spec_min_speedup_at_acceptance_0.6": round(min(at_06), 3) if at_06 else None,
          "spec_ladder": [[round(p["acceptance"], 3), round(p["speedup"], 3)] for p in spec["ladder"]]}
-  if args.spec_only:
-    print(json.dumps(out))
-    return
   rows = [fresh(compare(args, "tiny", {}))]
   if not args.quick:
     rows.append(fresh(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD)))

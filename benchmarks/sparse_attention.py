@@ -2,10 +2,10 @@
 
     python benchmarks/sparse_attention.py                 # t = s in 4K, 8K, 16K, 32K, k = 2048
     python benchmarks/sparse_attention.py --quick         # 2K and 4K, small enough for a minute
-    python benchmarks/sparse_attention.py --sizes 4096,8192 --heads 16 --kv-lora 512 --grad
+    python benchmarks/sparse_attention.py --sizes 4096,8192 --set num_query_heads=16 kv_lora_rank=512 --grad
     python benchmarks/sparse_attention.py --crossover     # the auto threshold: sizes 1K..8K
 
-One MLA layer with the indexer, jitted whole (--grad: and its gradient), each (path, size) in its own process.
+One MLA layer with the indexer (SHAPE, --set KEY=VALUE overrides), jitted whole (--grad: and its gradient), each (path, size) in its own process.
 Prints per row the time, XLA's compiled peak memory and the max RSS; a path over --mem-limit-gib is not run and
 its time extrapolated quadratically (labelled). Never a timed assert.
 """
@@ -23,16 +23,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 1 << 30
+SHAPE = dict(emb_dim=512, num_query_heads=32, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64,
+             qk_rope_head_dim=32, v_head_dim=64, indexer_n_heads=8, indexer_head_dim=64, indexer_topk=2048,
+             indexer_head_chunk=8, sparse_attention_query_block=256)
 
 
-def model_overrides(a, impl: str, t: int) -> dict:
-  return dict(
-      sparse_attention_impl=impl, emb_dim=a.emb, num_query_heads=a.heads, q_lora_rank=a.q_lora,
-      kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope, qk_rope_head_dim=a.rope, v_head_dim=a.v,
-      indexer_n_heads=a.index_heads, indexer_head_dim=a.index_dim, indexer_topk=a.topk,
-      indexer_head_chunk=a.head_chunk, sparse_attention_query_block=a.query_block,
-      max_target_length=t, max_prefill_length=t, max_position_embeddings=max(t, 4096),
-      original_max_position_embeddings=4096, rope_factor=40.0, ici_data_parallelism=1)
+def shape(a) -> dict:
+  """SHAPE under --set's KEY=VALUE pairs."""
+  return {**SHAPE, **dict(kv.split("=", 1) for kv in a.set)}
 
 
 def run_one(a, impl: str, t: int) -> dict:
@@ -45,14 +43,16 @@ def run_one(a, impl: str, t: int) -> dict:
   from MaxText.config import pyconfig
   from MaxText.layers.attention_mla import MLA
 
-  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **model_overrides(a, impl, t))
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **shape(a), sparse_attention_impl=impl,
+                            max_target_length=t, max_prefill_length=t, max_position_embeddings=max(t, 4096),
+                            original_max_position_embeddings=4096, rope_factor=40.0, ici_data_parallelism=1)
   mla = MLA(cfg, rngs=nnx.Rngs(0))
   assert mla.use_gather(t) == (impl == "gather")
   graphdef, params, rest = nnx.split(mla, nnx.Param, ...)
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((1, t, cfg.emb_dim)), jnp.float32)
   pos = jnp.arange(t, dtype=jnp.int32)[None]
-  r = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+  r = jnp.asarray(rng.standard_normal((1, t, cfg.emb_dim)), jnp.float32)
 
   def forward(params, x, pos):
     out, aux = nnx.merge(graphdef, params, rest)(x, pos)
@@ -108,18 +108,7 @@ def main():
   p.add_argument("--quick", action="store_true", help="sizes 2048,4096, no warm-up run")
   p.add_argument("--crossover", action="store_true", help="sizes 1K..8K, to place sparse_attention_gather_min_length")
   p.add_argument("--impls", default="mask,gather")
-  p.add_argument("--topk", type=int, default=2048)
-  p.add_argument("--emb", type=int, default=512)
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--q-lora", type=int, default=256)
-  p.add_argument("--kv-lora", type=int, default=256)
-  p.add_argument("--nope", type=int, default=64)
-  p.add_argument("--rope", type=int, default=32)
-  p.add_argument("--v", type=int, default=64)
-  p.add_argument("--index-heads", type=int, default=8)
-  p.add_argument("--index-dim", type=int, default=64)
-  p.add_argument("--head-chunk", type=int, default=8)
-  p.add_argument("--query-block", type=int, default=256)
+  p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config values over SHAPE's")
   p.add_argument("--grad", action="store_true", help="time forward + backward instead of the forward")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
@@ -138,9 +127,7 @@ def main():
     a.sizes = "1024,2048,3072,4096,6144,8192"
   sizes = [int(x) for x in a.sizes.split(",")]
   impls = a.impls.split(",")
-  print(f"one MLA layer + indexer: D={a.emb} h={a.heads} q_lora={a.q_lora} c={a.kv_lora} nope={a.nope} "
-        f"rope={a.rope} v={a.v}; indexer {a.index_heads} heads x {a.index_dim} (chunk {a.head_chunk}); "
-        f"k={a.topk}; query block {a.query_block}; batch 1, fp32; "
+  print(f"one MLA layer + indexer: {shape(a)}; batch 1, fp32; "
         f"{'forward + backward' if a.grad else 'forward (prefill)'}; {os.cpu_count()} CPUs; "
         f"min of {a.repeats} run(s) after {a.warmup} warm-up")
   rows = {}

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import profile_ops
+from benchmarks import profile_ops, timing
 from MaxText.kernels import backend
 from MaxText.kernels import sparse_attention as sa
 from MaxText.runtime.metrics import peak_flops_per_device
@@ -39,17 +39,6 @@ def inputs(a) -> tuple[jax.Array, ...]:
   return q, kv, jnp.asarray(idx[None], jnp.int32), jnp.ones((1, a.tokens, a.topk), bool)
 
 
-def timed(fn, args, iters: int) -> float:
-  """Median seconds of fn(*args) after one warm-up (compile) call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def measure(a, way: str, args) -> dict:
   scale, c = (a.kv_lora + a.rope) ** -0.5, a.kv_lora
   r = jnp.asarray(np.random.default_rng(1).standard_normal((1, a.tokens, a.heads, c)), jnp.bfloat16)
@@ -64,8 +53,8 @@ def measure(a, way: str, args) -> dict:
   with backend.forced(gather_attention=way):  # traced (so chosen) inside the block
     fwd = jax.jit(forward)
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    row = dict(way=way, fwd_ms=1e3 * timed(fwd, args, a.iters))
-    row["fwd_bwd_ms"] = 1e3 * timed(grad, args, a.iters)
+    row = dict(way=way, fwd_ms=timing.median_ms(lambda: fwd(*args), a.iters, warmup=0))
+    row["fwd_bwd_ms"] = timing.median_ms(lambda: grad(*args), a.iters, warmup=0)
   return row
 
 
@@ -91,7 +80,7 @@ def compile_for(a, topology: str) -> list[dict]:
       row = dict(way=way, compile_s=round(time.perf_counter() - t0, 1),
                  temp_gib=round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3))
     except Exception as ex:  # a way Mosaic or XLA refuses is a row (e.g. out of scoped VMEM)
-      row = dict(way=way, failed=f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}")
+      row = dict(way=way, failed=timing.failure(ex))
     print(f"{way:<11} {row}", flush=True)
     rows.append(row)
   return rows
@@ -134,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
       row = measure(a, way, args)
     except Exception as ex:  # a way that fails to compile or run is a row; the others still run
-      row = dict(way=way, failed=f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}")
+      row = dict(way=way, failed=timing.failure(ex))
       print(f"{way:<11} failed: {row['failed']}", flush=True)
       rows.append(row)
       continue
