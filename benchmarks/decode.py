@@ -72,7 +72,9 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
   """The bytes one decode step must move at least (its roofline bound's numerator), per part: every
   parameter once (weights), and per row and layer the cache it reads: sparse, every indexer key (and
   its scale) plus the k selected latents (c_kv, k_pe, scales); dense, every latent."""
-  per = {name: w * jnp.dtype(dt).itemsize for name, (w, dt) in _fields(cfg).items()}
+  latent, rotary = kv_cache.field_dtypes(cfg.kv_cache_dtype)  # one slot's fields (kv_cache's layout)
+  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  per = {name: w * jnp.dtype(dt[name]).itemsize for name, w in kv_cache.field_widths(cfg).items()}
   latent = per["c_kv"] + per["k_pe"] + per["c_kv_scale"]
   keys = per["idx_k"] + per["idx_k_scale"]
   layers = cfg.num_decoder_layers
@@ -80,13 +82,6 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
   k = min(cfg.indexer_topk, context)
   return dict(weights=weights, sparse=weights + batch * layers * (context * keys + k * latent),
               dense=weights + batch * layers * context * latent)
-
-
-def _fields(cfg) -> dict:
-  """{field: (width, value dtype)} of one slot of the cache (kv_cache's layout)."""
-  latent, rotary = kv_cache.field_dtypes(cfg.kv_cache_dtype)
-  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
-  return {name: (w, dt[name]) for name, w in kv_cache.field_widths(cfg).items()}
 
 
 def config_for(context: int, args, batch: int = 1):
@@ -192,11 +187,6 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   return run
 
 
-def contiguous_bytes(cfg, batch: int, context: int) -> int:
-  """What the contiguous reference holds beside the pools: its rows' copy of every layer's cache."""
-  return batch * context * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)
-
-
 def step_rows(args, params, buffers, gbs: float) -> list[dict]:
   modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
   print(f"{'rows':>4} {'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
@@ -209,8 +199,8 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
       cfg = config_for(s, args, batch)
       graphdef, _, _ = model_state.abstract_model(cfg)
       need = step_bytes(cfg, params, batch, s)
-      reference = args.contiguous == "on" or (
-          args.contiguous == "auto" and contiguous_bytes(cfg, batch, s) <= 2 ** 30)
+      copy = batch * s * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)  # the reference's cache
+      reference = args.contiguous == "on" or (args.contiguous == "auto" and copy <= 2 ** 30)
       row = dict(rows=batch, context=s, contiguous=reference)
       for mode in modes:
         engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)

@@ -37,42 +37,18 @@ def _ours(fn):
 def methods(k: int, recall_target: float):
   """name -> scores [b,t,s] -> bool mask [b,t,s]. The "ours" rows run the binned selection on
   every backend (on GPU/TPU, kernels/backend.py would otherwise pick lax.top_k / approx_max_k)."""
-  def topk_threshold_mask(x):  # the seed's baseline: sorted top_k, then the k-th value as cutoff
-    values, _ = jax.lax.top_k(x, k)
-    return sel.generate_mask(x, values, exact_topk=True, k=k)
-
-  def approx_max_k_mask(x):
-    values, indices = jax.lax.approx_max_k(x, k, recall_target=recall_target)
-    return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
-
-  @_ours
-  def ours_exact(x):
-    return sel.generate_mask(x, sel.topk_threshold(x, k), exact_topk=True, k=k)
-
-  @_ours
-  def ours_fused(x):
-    return sel.topk_mask(x, k)
-
-  @_ours
-  def ours_approx(x):
-    values, indices = sel.select_topk(x, k, approx=True, recall_target=recall_target)
-    return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
-
-  @_ours
-  def ours_approx_fused(x):  # the same set; per-block mask from k >= s/128 (what Indexer.select runs)
-    return sel.topk_mask(x, k, approx=True, recall_target=recall_target)
-
-  def reference(x):  # the original all-pairs index compare
-    return sel.generate_mask_reference(jax.lax.top_k(x, k)[1], x.shape[-1])
-
-  return {
-      "top_k + threshold mask (baseline)": topk_threshold_mask,
-      "approx_max_k + index mask": approx_max_k_mask,
-      "ours exact: topk_threshold + generate_mask": ours_exact,
-      "ours exact fused: topk_mask": ours_fused,
-      "ours approx: select_topk(approx) + scatter mask": ours_approx,
-      "ours approx fused: topk_mask(approx)": ours_approx_fused,
-      "top_k + reference all-pairs mask": reference,
+  mask = lambda x, values, indices=None: sel.generate_mask(x, values, indices, exact_topk=True, k=k)  # noqa: E731
+  approx = dict(approx=True, recall_target=recall_target)
+  return {  # the first: the seed's baseline (sorted top_k, then the k-th value as the cutoff)
+      "top_k + threshold mask (baseline)": lambda x: mask(x, jax.lax.top_k(x, k)[0]),
+      "approx_max_k + index mask": lambda x: mask(x, *jax.lax.approx_max_k(x, k, recall_target=recall_target)),
+      "ours exact: topk_threshold + generate_mask": _ours(lambda x: mask(x, sel.topk_threshold(x, k))),
+      "ours exact fused: topk_mask": _ours(lambda x: sel.topk_mask(x, k)),
+      "ours approx: select_topk(approx) + scatter mask": _ours(lambda x: mask(x, *sel.select_topk(x, k, **approx))),
+      # the same set; a per-block mask from k >= s/128 (what Indexer.select runs)
+      "ours approx fused: topk_mask(approx)": _ours(lambda x: sel.topk_mask(x, k, **approx)),
+      # the original all-pairs index compare
+      "top_k + reference all-pairs mask": lambda x: sel.generate_mask_reference(jax.lax.top_k(x, k)[1], x.shape[-1]),
   }
 
 

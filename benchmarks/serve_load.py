@@ -149,13 +149,9 @@ async def run_level(url: str, model: str, work: list[tuple[str, int]], concurren
           "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99))}
 
 
-def model_id(url: str) -> str:
-  import httpx
-  return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
 def bench(url: str, levels, works, model: str | None = None, extra: dict | None = None) -> dict:
-  model, extra = model or model_id(url), extra or {}
+  import httpx
+  model, extra = model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], extra or {}
   asyncio.run(run_level(url, model, works[levels[0]][:1], 1, extra))  # warm: the first request's own costs
   return {c: asyncio.run(run_level(url, model, works[c], c, extra)) for c in levels}
 
@@ -172,7 +168,6 @@ def main(argv=None) -> None:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
-  ap.add_argument("--theirs-pythonpath", default="", help="an extra folder on transformers serve's PYTHONPATH")
   ap.add_argument("--no-theirs", action="store_true")
   ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, outputs of 8..24 tokens")
   ap.add_argument("overrides", nargs="*", metavar="key=value")
@@ -201,13 +196,12 @@ def main(argv=None) -> None:
     finally:
       stop(ours)
     if not args.no_theirs:
-      tenv = dict(env, PYTHONPATH=os.pathsep.join(p for p in (args.theirs_pythonpath, env["PYTHONPATH"]) if p))
       exe = os.path.join(os.path.dirname(sys.executable), "transformers")
       for cb in (["--continuous-batching"], []):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         theirs = start([exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-                       tenv, url, os.path.join(work, "theirs.log"))
+                       env, url, os.path.join(work, "theirs.log"))
         try:
           rows["theirs"] = bench(url, levels, works, model=hf)  # its models are named by their folder
           theirs_mode = "continuous-batching" if cb else theirs_mode

@@ -28,7 +28,6 @@ from MaxText.inference.grammar import Grammars, GrammarSpec
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
-from MaxText.runtime.optimizers import create_optimizer
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
@@ -150,9 +149,7 @@ def speculative(args) -> dict:
               num_decoder_layers=args.spec_layers, serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens,
               serve_page_size=args.page)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys)
-  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
-  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
-  state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
+  graphdef, state, _, tx = train.init_state(cfg, sharding.create_mesh(cfg))
   step, data = jax.jit(train.make_train_step(cfg, graphdef, tx), donate_argnums=(0,)), create_data_iterator(cfg)
   t0, snapshots = time.perf_counter(), {}
   for i in range(1, cfg.steps + 1):
