@@ -65,7 +65,8 @@ def workload(args, n: int, seed: int) -> list[tuple[str, int]]:
   return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A free port on the loopback."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -185,7 +186,7 @@ def main(argv=None) -> None:
   try:
     ckpt, hf = export_weights(args, work)
     rows, theirs_mode = {}, None
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ours = start([sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
                   "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false", f"serve_port={port}",
@@ -198,7 +199,7 @@ def main(argv=None) -> None:
     if not args.no_theirs:
       exe = os.path.join(os.path.dirname(sys.executable), "transformers")
       for cb in (["--continuous-batching"], []):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         theirs = start([exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
                        env, url, os.path.join(work, "theirs.log"))

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.serve_load import REPO, _free_port, start, stop
+from benchmarks.serve_load import REPO, free_port, start, stop
 
 
 def time_to_ready(cache_dir: str, extra: list[str], log_path: str) -> tuple[float, float]:
@@ -24,7 +24,7 @@ def time_to_ready(cache_dir: str, extra: list[str], log_path: str) -> tuple[floa
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
   env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-  port = _free_port()
+  port = free_port()
   cache_key = f"jax_cache_dir={cache_dir}" if cache_dir else 'jax_cache_dir=""'
   cmd = [sys.executable, "-m", "MaxText.serve", "configs/base.yml", f"serve_port={port}", cache_key, *extra]
   t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import time
 if __package__ in (None, ""):  # python benchmarks/soak.py: import the repo's packages
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serve_load import DATA, REPO, _free_port, start, stop  # noqa: E402
+from benchmarks.serve_load import DATA, REPO, free_port, start, stop  # noqa: E402
 
 KEY = "soak-" + os.urandom(8).hex()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*", help="key=value for the server's config")
   args = ap.parse_args(argv)
   import httpx
-  port = _free_port()
+  port = free_port()
   url = f"http://127.0.0.1:{port}"
   max_waiting, max_seqs = 4, 4
   serve_args = server_args(port, max_waiting, max_seqs, args.overrides)

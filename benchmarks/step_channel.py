@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from benchmarks.serve_load import free_port
 
 
 def _lockstep(pid: int, size: int, n: int) -> None:
@@ -87,9 +88,7 @@ def main() -> None:
   if args.role >= 0:
     _process(args.role, args.port, args.bytes, args.n, args.lockstep)
     return
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_ENABLE_COMPILATION_CACHE": "false"}
   procs = [subprocess.Popen([sys.executable, __file__, "--role", str(i), "--port", str(port), "--bytes",
@@ -102,21 +101,17 @@ def main() -> None:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  if args.lockstep:
-    result = {"bytes": args.bytes, "n": args.n}
-    for out in outs:
-      result |= json.loads(out.strip().splitlines()[-1])
-    print(f"{'Lockstep check of a ' + str(args.bytes) + '-byte call (median of ' + str(args.n) + ')':<60} ms")
-    print(f"{'process 0: encode + digest + store write':<60} {result['lockstep_0_ms']:.3f}")
-    print(f"{'process 1: encode + digest + read of process 0s + compare':<60} {result['lockstep_1_ms']:.3f}")
-    print(json.dumps(result))
-    return
-  result = json.loads(outs[0].strip().splitlines()[-1])
-  print(f"{'per message of ' + str(result['bytes']) + ' bytes (median of ' + str(result['n']) + ')':<44} ms")
-  for key, what in (("send_ms", "step_channel send (encode + store write)"),
-                    ("round_trip_ms", "send + follower receive + answer"),
-                    ("broadcast_ms", "multihost_utils.broadcast_one_to_all")):
-    print(f"{what:<44} {result[key]:.3f}")
+  result = {"bytes": args.bytes, "n": args.n}
+  for out in outs if args.lockstep else outs[:1]:  # each process's median (--lockstep), else process 0's
+    result |= json.loads(out.strip().splitlines()[-1])
+  title = f"Lockstep check of a {args.bytes}-byte call" if args.lockstep else f"per message of {args.bytes} bytes"
+  rows = ((("lockstep_0_ms", "process 0: encode + digest + store write"),
+           ("lockstep_1_ms", "process 1: encode + digest + read of process 0s + compare")) if args.lockstep else
+          (("send_ms", "step_channel send (encode + store write)"), ("round_trip_ms", "send + follower receive + answer"),
+           ("broadcast_ms", "multihost_utils.broadcast_one_to_all")))
+  print(f"{title + f' (median of {args.n})':<60} ms")
+  for key, what in rows:
+    print(f"{what:<60} {result[key]:.3f}")
   print(json.dumps(result))
 
 
