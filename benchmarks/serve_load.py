@@ -57,7 +57,7 @@ def workload(args, n: int, seed: int) -> list[tuple[str, int]]:
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
-    k = int(rng.integers(args.prompt_words[0], args.prompt_words[1] + 1))
+    k = int(rng.integers(4, 33))  # prompt words
     at = int(rng.integers(0, len(words) - k))
     prompt = " ".join(words[at:at + k])
     room = args.context - len(tok.encode(prompt, add_special_tokens=False).ids)
@@ -163,10 +163,8 @@ def main(argv=None) -> None:
   ap.add_argument("--checkpoint", default="", help="our checkpoint (default: random init of --config)")
   ap.add_argument("--concurrency", default="1,8,32")
   ap.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency (at least 8)")
-  ap.add_argument("--prompt-words", type=int, nargs=2, default=(4, 32))
   ap.add_argument("--out-min", type=int, default=16)
   ap.add_argument("--out-max", type=int, default=64)
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
   ap.add_argument("--no-theirs", action="store_true")
@@ -178,7 +176,7 @@ def main(argv=None) -> None:
   if not args.checkpoint and not args.overrides:
     args.overrides = ["max_target_length=128", "mtp_num_layers=0", "param_init_std=0.2"]
   levels = [int(c) for c in args.concurrency.split(",")]
-  works = {c: workload(args, max(8, args.requests * c), args.seed + c) for c in levels}
+  works = {c: workload(args, max(8, args.requests * c), c) for c in levels}
   work = tempfile.mkdtemp(prefix="serve-load-")
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
              PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))

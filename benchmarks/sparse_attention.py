@@ -70,8 +70,6 @@ def run_one(a, impl: str, t: int) -> dict:
   peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
   row = {"impl": impl, "t": t, "compiled_peak": peak, "temp": mem.temp_size_in_bytes, "compile_s": compile_s}
   print(json.dumps(row), flush=True)  # known even if running it gets the process killed
-  if a.compile_only:
-    return row
   if peak > a.mem_limit_gib * GIB:
     row["skipped"] = f"compiled peak {peak / GIB:.1f} GiB > --mem-limit-gib {a.mem_limit_gib}"
     return row
@@ -107,13 +105,11 @@ def main():
   p.add_argument("--sizes", default="4096,8192,16384,32768", help="t = s values, comma-separated")
   p.add_argument("--quick", action="store_true", help="sizes 2048,4096, no warm-up run")
   p.add_argument("--crossover", action="store_true", help="sizes 1K..8K, to place sparse_attention_gather_min_length")
-  p.add_argument("--impls", default="mask,gather")
   p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config values over SHAPE's")
   p.add_argument("--grad", action="store_true", help="time forward + backward instead of the forward")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
   p.add_argument("--mem-limit-gib", type=float, default=18.0, help="skip a run whose compiled peak exceeds this")
-  p.add_argument("--compile-only", action="store_true", help="report the compiled peak memory only; run nothing")
   p.add_argument("--one", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.one:
@@ -126,7 +122,7 @@ def main():
   if a.crossover:
     a.sizes = "1024,2048,3072,4096,6144,8192"
   sizes = [int(x) for x in a.sizes.split(",")]
-  impls = a.impls.split(",")
+  impls = ["mask", "gather"]
   print(f"one MLA layer + indexer: {shape(a)}; batch 1, fp32; "
         f"{'forward + backward' if a.grad else 'forward (prefill)'}; {os.cpu_count()} CPUs; "
         f"min of {a.repeats} run(s) after {a.warmup} warm-up")
