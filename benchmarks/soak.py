@@ -54,7 +54,6 @@ class Tally:
     self.status[status] += 1
     self.accepted += status in (200, 408)  # 408: taken, then ended at serve_request_timeout
 
-
   def server_errors(self) -> int:
     """5xx answers plus requests without an answer (status 0: a broken connection or the 120 s timeout)."""
     return sum(v for s, v in self.status.items() if s >= 500 or s == 0)
@@ -237,18 +236,11 @@ def main(argv=None) -> int:
   t_start = time.monotonic()
   proc = start(cmd, env, url, log_path)
   print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
-  tally, rss = Tally(), []
+  tally, samples = Tally(), []  # samples: (minute since the load began, rss MiB, compiled step programs) a tick
   seconds = args.minutes * 60
-  warm_at = time.monotonic() + max(60.0, 0.1 * seconds)
-  warm = [None]
-
-  samples = []  # (minute since the load began, rss MiB, compiled step programs) every tick
 
   def tick(m: dict):
-    rss.append(_rss_mib(proc.pid))
-    samples.append(((time.monotonic() - t0) / 60, rss[-1], m.get("step_programs")))
-    if warm[0] is None and time.monotonic() >= warm_at:
-      warm[0] = len(samples) - 1
+    samples.append(((time.monotonic() - t0) / 60, _rss_mib(proc.pid), m.get("step_programs")))
 
   try:
     t0 = time.monotonic()
@@ -265,7 +257,8 @@ def main(argv=None) -> int:
     end_rss = _rss_mib(proc.pid)
   finally:
     stop(proc)
-  warm_index = warm[0] if warm[0] is not None else 0
+  # the first sample after the warm-up (a minute, or a tenth of the run if longer), else the first
+  warm_index = next((i for i, s in enumerate(samples) if s[0] * 60 >= max(60.0, 0.1 * seconds)), 0)
   warm_rss = samples[warm_index][1] if samples else end_rss
   warm_programs = samples[warm_index][2] if samples else None
   end_programs = m.get("step_programs")
@@ -279,7 +272,7 @@ def main(argv=None) -> int:
       "p99_ttft_s": p(0.99), "p50_ttft_s": p(0.5), "minutes": round(wall / 60, 2),
       "accepted": tally.accepted, "metrics_finished": int(m.get("finished", 0)),
       "status": {str(k): v for k, v in sorted(tally.status.items())}, "kinds": dict(tally.kinds),
-      "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1), "max": round(max(rss + [end_rss]), 1)},
+      "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1), "max": round(max([s[1] for s in samples] + [end_rss]), 1)},
       "pages_cached": int(m.get("pages_cached") or 0), "pages_total": int(m.get("pages_total") or 0),
       "finish_reasons": {k[len("finished_"):]: int(v) for k, v in m.items() if k.startswith("finished_")},
       "unexpected": dict(tally.errors.most_common(5)),
