@@ -177,12 +177,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
   ap.add_argument("--trace", default=None, metavar="DIR",
                   help="profile the first path's step at each length into DIR/<length> and print its parts")
-  ap.add_argument("--top", type=int, default=15, help="--trace: source lines and ops printed")
   ap.add_argument("--compile-only", action="store_true",
                   help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
   ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
                   help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
-  ap.add_argument("--min-mb", type=float, default=100.0, help="--compile-for: the smallest whole-array write listed")
   ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
                   "256 and 512 tokens, 2 steps, unless given")
   args, force = timing.parse(ap, argv)
@@ -193,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
   ladder = args.set or ([[]] if args.quick else list(LADDER))
   if args.compile_for:
     rows = compile_for(args.model, lengths, paths, ladder[0], args.compile_for, force,
-                       QUICK["rung"] if args.quick else (), args.top, args.min_mb)
+                       QUICK["rung"] if args.quick else ())
     for r in rows:
       print(f"{r['length']:>7} {r['path']:<13} " + (f"failed: {r['failed']}" if "failed" in r else
             f"temp {r['temp_gib']} GiB, XLA's estimate {r['estimated_ms']} ms (each op once)"))
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
   steps = args.steps or (QUICK["steps"] if args.quick else 5)
   deadline = time.perf_counter() + (args.budget or float("inf"))
   rows = measure(args.model, lengths, paths, ladder, steps, args.compile_only, force, deadline,
-                 QUICK["rung"] if args.quick else (), args.trace, args.top)
+                 QUICK["rung"] if args.quick else (), args.trace)
 
   mask_way = backend.choice("mask_attention") if "mask_attention" not in force else force["mask_attention"]
   print(f"long-context train step, {args.model}{' at --quick sizes' if args.quick else ''}, 1 sequence a step, "

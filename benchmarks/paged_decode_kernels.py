@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -105,9 +106,7 @@ def mla_fns(d: dict, interpret: bool, module=pd, configs=()) -> dict:
       kernels["kernel@native"] = functools.partial(engine, native_fp8=True)
       kernels["kernel@native1"] = functools.partial(engine, native_fp8=True, parts=1)
     for cfg in configs:  # "32x32w8s2": block 32, 32 heads a program, 8 warps, 2 splits (s: optional, 1)
-      blk, rest = cfg.split("x")
-      heads, rest = rest.split("w")
-      warps, _, splits = rest.partition("s")
+      blk, heads, warps, splits = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:s(\d+))?", cfg).groups()
       kernels[f"kernel@{cfg}"] = functools.partial(pg.sparse_mla_decode, block=int(blk), heads_per_program=int(heads),
                                                    num_warps=int(warps), splits=int(splits or 1))
   fns = {name: jax.jit(lambda *a, fn=fn: fn(*a, 0.07, interpret=interpret)) for name, fn in kernels.items()}

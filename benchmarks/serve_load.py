@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -72,32 +73,36 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(cmd: list[str], env: dict, url: str, log_path: str, timeout: float = 600) -> subprocess.Popen:
-  log = open(log_path, "w")
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@contextlib.contextmanager
+def started(command, env: dict, log_path: str, timeout: float = 600):
+  """A server up: command(port) on a free loopback port, in its own session, its output in log_path -> (its process,
+  its URL) once /health answers 200; stopped (SIGTERM, SIGKILL after 60 s) when the block ends."""
   import httpx
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if proc.poll() is not None:
-      raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}; see {log_path}")
-    try:
-      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-        return proc
-    except httpx.TransportError:
-      pass
-    time.sleep(0.5)
-  stop(proc)
-  raise RuntimeError(f"{cmd[:3]} not healthy after {timeout} s; see {log_path}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-  if proc.poll() is None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-      proc.wait(60)
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
+  port = free_port()
+  url, cmd = f"http://127.0.0.1:{port}", command(port)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                          start_new_session=True)
+  try:
+    deadline = time.monotonic() + timeout
+    while True:
+      if proc.poll() is not None or time.monotonic() > deadline:
+        why = f"not healthy after {timeout} s" if proc.poll() is None else f"exited {proc.returncode}"
+        raise RuntimeError(f"{cmd[:3]} {why}; see {log_path}")
+      try:
+        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.5)
+    yield proc, url
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGTERM)
+      try:
+        proc.wait(60)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, ...]:
@@ -184,33 +189,26 @@ def main(argv=None) -> None:
   try:
     ckpt, hf = export_weights(args, work)
     rows, theirs_mode = {}, None
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    ours = start([sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
-                  "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false", f"serve_port={port}",
-                  f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", f"prefill_chunk_size={args.chunk}"],
-                 env, url, os.path.join(work, "ours.log"))
-    try:
+    ours = [sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
+            "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false",
+            f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", f"prefill_chunk_size={args.chunk}"]
+    with started(lambda port: [*ours, f"serve_port={port}"], env, os.path.join(work, "ours.log")) as (_, url):
       rows["ours"] = bench(url, levels, works, extra={"ignore_eos": True})
-    finally:
-      stop(ours)
     if not args.no_theirs:
       exe = os.path.join(os.path.dirname(sys.executable), "transformers")
       for cb in (["--continuous-batching"], []):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        theirs = start([exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-                       env, url, os.path.join(work, "theirs.log"))
+        def theirs(port, cb=cb):
+          return [exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+
         try:
-          rows["theirs"] = bench(url, levels, works, model=hf)  # its models are named by their folder
+          with started(theirs, env, os.path.join(work, "theirs.log")) as (_, url):
+            rows["theirs"] = bench(url, levels, works, model=hf)  # its models are named by their folder
           theirs_mode = "continuous-batching" if cb else theirs_mode
           break
         except RuntimeError as e:
           if not cb:
             raise
           failed = str(e)[:200]
-        finally:
-          stop(theirs)
         log = open(os.path.join(work, "theirs.log")).read()
         why = (re.findall(r"^(\w+Error: .*)$", log, re.M) or [failed])[-1]
         theirs_mode = f"no continuous batching (--continuous-batching failed: {why})"

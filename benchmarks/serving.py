@@ -98,27 +98,32 @@ def serve(engine: ServingEngine, work, policy: str, seqs: int):
   return stats(first, finish, [w[0] for w in work], [w[2] for w in work], 0.0, t1)
 
 
-def model_for(args, extra: dict, seqs: int, prefix_caching: bool = True):
+def model_for(args, extra: dict, seqs: int):
   keys = dict(ici_data_parallelism=1, mtp_num_layers=0, max_target_length=args.max_len,
               max_prefill_length=args.max_len, prefill_chunk_size=args.chunk, serve_max_num_seqs=seqs,
-              serve_max_num_tokens=args.tokens, serve_page_size=args.page, serve_prefix_caching=prefix_caching)
+              serve_max_num_tokens=args.tokens, serve_page_size=args.page)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **{**keys, **extra})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   return cfg, graphdef, params, buffers
 
 
-def compare(args, name: str, extra: dict, **overrides) -> dict:
-  """Both policies on one workload; overrides: the workload's own args (e.g. MID_WORKLOAD)."""
-  args = argparse.Namespace(**{**vars(args), **overrides})
-  cfg, g, p, b = model_for(args, extra, args.seqs)
-  work = workload(args, seed=0)
-  engine = ServingEngine(cfg, g, p, b)
-  engine.warmup()  # every step program compiled before the clock starts; both policies share them
-  out = {"model": name}
-  for policy in POLICIES:
-    engine.reset()  # empty pools and prefix cache; the compiled programs stay
-    out[policy] = serve(engine, work, policy, args.seqs)
+def served(args, extra: dict, seqs: int, work, runs: dict) -> dict:
+  """The work through one engine (model_for's; every step program compiled before the clock starts), once per run
+  {name: (policy, prefix caching on)}, reset between runs (empty pools and prefix cache; the programs stay)."""
+  engine = ServingEngine(*model_for(args, extra, seqs))
+  engine.warmup()
+  out = {}
+  for name, (policy, caching) in runs.items():
+    engine.reset()
+    engine.allocator.prefix_caching = caching
+    out[name] = serve(engine, work, policy, seqs)
   return out
+
+
+def compare(args, name: str, extra: dict, **overrides) -> dict:
+  """Every policy on one workload; overrides: the workload's own args (e.g. MID_WORKLOAD)."""
+  args = argparse.Namespace(**{**vars(args), **overrides})
+  return {"model": name, **served(args, extra, args.seqs, workload(args, seed=0), {p: (p, True) for p in POLICIES})}
 
 
 def prefix(args, extra: dict) -> dict:
@@ -127,15 +132,8 @@ def prefix(args, extra: dict) -> dict:
   rng = np.random.default_rng(1)
   system = [1] + rng.integers(3, 500, args.system - 1).tolist()
   work = [(args.prefix_gap * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
-  out, seqs = {}, 2  # one request at a time
-  cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64}, seqs)
-  eng = ServingEngine(cfg, g, p, b)
-  eng.warmup()
-  for caching in (False, True):
-    eng.reset()
-    eng.allocator.prefix_caching = caching  # the same compiled programs, the prefix cache off or on
-    out["with" if caching else "without"] = serve(eng, work, "continuous", seqs)
-  return out
+  return served(args, {**extra, "max_target_length": args.system + 64}, 2, work,  # one request at a time
+                {"without": ("continuous", False), "with": ("continuous", True)})
 
 
 def speculative(args) -> dict:

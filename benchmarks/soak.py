@@ -28,7 +28,7 @@ import time
 if __package__ in (None, ""):  # python benchmarks/soak.py: import the repo's packages
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serve_load import DATA, REPO, free_port, start, stop  # noqa: E402
+from benchmarks.serve_load import DATA, REPO, started  # noqa: E402
 
 KEY = "soak-" + os.urandom(8).hex()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -218,31 +218,30 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*", help="key=value for the server's config")
   args = ap.parse_args(argv)
   import httpx
-  port = free_port()
-  url = f"http://127.0.0.1:{port}"
   max_waiting, max_seqs = 4, 4
-  serve_args = server_args(port, max_waiting, max_seqs, args.overrides)
   from MaxText.config.types import ConfigError
   try:
-    keep_alive = server_config(serve_args).serve_keep_alive
+    keep_alive = server_config(server_args(0, max_waiting, max_seqs, args.overrides)).serve_keep_alive
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  cmd = [sys.executable, "-m", "MaxText.serve", *serve_args]
+
+  def command(port):
+    return [sys.executable, "-m", "MaxText.serve", *server_args(port, max_waiting, max_seqs, args.overrides)]
+
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MAXTEXT_API_KEY": KEY,
          "PYTHONPATH": REPO}
   log_path = os.path.join(tempfile.mkdtemp(prefix="soak_"), "server.log")
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed soak still stops its server (finally)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed soak still stops its server (the with's end)
   t_start = time.monotonic()
-  proc = start(cmd, env, url, log_path)
-  print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
-  tally, samples = Tally(), []  # samples: (minute since the load began, rss MiB, compiled step programs) a tick
-  seconds = args.minutes * 60
+  with started(command, env, log_path) as (proc, url):
+    print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
+    tally, samples = Tally(), []  # samples: (minute since the load began, rss MiB, compiled step programs) a tick
+    seconds = args.minutes * 60
 
-  def tick(m: dict):
-    samples.append(((time.monotonic() - t0) / 60, _rss_mib(proc.pid), m.get("step_programs")))
+    def tick(m: dict):
+      samples.append(((time.monotonic() - t0) / 60, _rss_mib(proc.pid), m.get("step_programs")))
 
-  try:
     t0 = time.monotonic()
     asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), args.seed,
                       tally, tick, keep_alive))
@@ -255,8 +254,6 @@ def main(argv=None) -> int:
         break
       time.sleep(0.5)
     end_rss = _rss_mib(proc.pid)
-  finally:
-    stop(proc)
   # the first sample after the warm-up (a minute, or a tenth of the run if longer), else the first
   warm_index = next((i for i, s in enumerate(samples) if s[0] * 60 >= max(60.0, 0.1 * seconds)), 0)
   warm_rss = samples[warm_index][1] if samples else end_rss
