@@ -33,7 +33,7 @@ from MaxText.kernels.topk_indices import topk_indices  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
 
 TRACE_STEPS = 3  # steps the profile traces
-# (part, file suffix, function names or None = any): the first match names a source line's part
+# (part, file suffix or suffixes, function names or None = any): the first match names a source line's part
 PARTS = (
     ("scoring", "kernels/paged_decode.py", ("paged_index_scores", "_score_kernel", "_each_copy", "_pipelined",
                                             "e4m3_to_f32", "_decode", "index_weights")),
@@ -43,9 +43,7 @@ PARTS = (
     ("weights: absorbed wkv_b", "kernels/sparse_attention.py", ("absorb_q", "unabsorb_out")),
     ("scoring (splice, new keys)", "kernels/cached_attention.py", ("index_scores_spliced", "splice", "row")),
     ("attention", "kernels/topk_indices.py", ("gather_rows",)),  # gather_attend's row gather of the selected
-    ("selection", "kernels/selection.py", None),
-    ("selection", "kernels/selection_keys.py", None),
-    ("selection", "kernels/topk_indices.py", None),
+    ("selection", ("kernels/selection.py", "kernels/selection_keys.py", "kernels/topk_indices.py"), None),
     ("gather", "inference/paged_cache.py", ("gather_selected", "read")),
     ("gather", "inference/paged_pools.py", ("_rows",)),
     ("gather", "inference/kv_cache.py", None),
@@ -58,9 +56,7 @@ PARTS = (
     ("MLA projections", "layers/attention_mla.py", None),
     ("weights: linears", "layers/linears.py", None),
     ("weights: linears", "kernels/fp8_blocks.py", ("matmul",)),
-    ("sampling", "inference/sampling.py", None),
-    ("sampling", "inference/penalties.py", None),
-    ("sampling", "inference/serving.py", None),
+    ("sampling", ("inference/sampling.py", "inference/penalties.py", "inference/serving.py"), None),
 )
 
 

@@ -26,12 +26,9 @@ import timing  # noqa: E402
 
 from MaxText.kernels import backend  # noqa: E402
 
-PARTS = (  # (part, file suffix, functions or None): the first match over an op's MaxText frames
-    ("attention: indexer", "layers/indexer.py", None),
-    ("attention: indexer", "kernels/index_scores.py", None),
-    ("attention: selection", "kernels/selection.py", None),
-    ("attention: selection", "kernels/selection_keys.py", None),
-    ("attention: selection", "kernels/topk_indices.py", None),
+PARTS = (  # (part, file suffix or suffixes, functions or None): the first match over an op's MaxText frames
+    ("attention: indexer", ("layers/indexer.py", "kernels/index_scores.py"), None),
+    ("attention: selection", ("kernels/selection.py", "kernels/selection_keys.py", "kernels/topk_indices.py"), None),
     ("attention: sparse core", "kernels/sparse_attention.py", None),
     ("attention: masks", "kernels/masks.py", None),
     ("MoE: dispatch", "kernels/moe_dispatch.py", None),
@@ -42,8 +39,7 @@ PARTS = (  # (part, file suffix, functions or None): the first match over an op'
     ("attention: MLA", "layers/attention_mla.py", None),
     ("embeddings, RoPE", "layers/embeddings.py", None),
     ("norms", "layers/normalizations.py", None),
-    ("linears", "layers/linears.py", None),
-    ("linears", "kernels/fp8_blocks.py", None),
+    ("linears", ("layers/linears.py", "kernels/fp8_blocks.py"), None),
     ("optimizer", "runtime/optimizers.py", None),
     ("loss", "MaxText/train.py", None),
 )
