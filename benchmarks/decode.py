@@ -84,6 +84,17 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
               dense=weights + batch * layers * context * latent)
 
 
+def model_args(ap, cache_dtype: str, iters: int) -> None:
+  """The model's and the timing's flags, decode_profile.py's too."""
+  ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as deep)")
+  ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--cache-dtype", default=cache_dtype, choices=["float32", "bfloat16", "fp8"])
+  ap.add_argument("--short-context", type=int, default=0, help="rows after the first at this position (decode.py: "
+                  "--scoring only; their tables as wide as the first's; 0: all at the context)")
+  ap.add_argument("--iters", type=int, default=iters)
+  timing.model_flags(ap, "model config overrides over WIDE")
+
+
 def config_for(context: int, args, batch: int = 1):
   model = {**WIDE, "indexer_topk": args.topk, **timing.overrides(args.set)}
   page = int(model.pop("serve_page_size", PAGE))  # --set serve_page_size=256: the pools' page (the tpu config's)
@@ -319,9 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                   help="rows in the decode step, each its own sequence (several: each in turn)")
   ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"],
                   help="time the contiguous reference too (auto: when its copy fits 1 GiB)")
-  ap.add_argument("--layers", type=int, default=1)
-  ap.add_argument("--topk", type=int, default=2048)
-  ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
+  model_args(ap, "float32", 8)
   ap.add_argument("--prefill", action="store_true",
                   help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
   ap.add_argument("--prompt", action="store_true",
@@ -330,23 +339,19 @@ def main(argv: list[str] | None = None) -> None:
                   help="--prompt: the engine's attention, each in turn (sparse dense: both, side by side)")
   ap.add_argument("--scoring", action="store_true",
                   help="the indexer's scoring + top-k alone, paged against contiguous, instead")
-  ap.add_argument("--short-context", type=int, default=0,
-                  help="--scoring: rows after the first end at this position + 1 (0: all at the context)")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
-  ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
-  timing.model_flags(ap, "model config overrides over WIDE")
   args, force = timing.parse(ap, argv)
-  with backend.forced(**force):
-    run(args, ap)
-
-
-def run(args, ap) -> None:
-  """main's measurements, under its forced kernel choices."""
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
   if args.prompt and len(args.batch) > 1:
     ap.error("--prompt runs one request: give one --batch")
+  with backend.forced(**force):
+    measure(args)
+
+
+def measure(args) -> None:
+  """main's measurements, under its forced kernel choices."""
   if args.scoring:
     print(f"the indexer's scoring + top-{args.topk} of one decode step; backend {jax.default_backend()}, rows "
           f"{args.batch}, 64 heads of 128, pages of {PAGE}; {args.stat} of {args.iters}; paged / contiguous"

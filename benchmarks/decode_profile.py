@@ -167,17 +167,11 @@ def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--context", type=int, default=131072)
-  ap.add_argument("--topk", type=int, default=2048)
-  ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as in a deep model)")
-  ap.add_argument("--short-context", type=int, default=0,
-                  help="rows after the first at this position (their tables as wide as the first's; 0: all at --context)")
-  ap.add_argument("--cache-dtype", default="fp8", choices=["float32", "bfloat16", "fp8"])
-  ap.add_argument("--iters", type=int, default=7)
+  bench.model_args(ap, "fp8", 7)
   ap.add_argument("--top", type=int, default=25, help="source lines listed")
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--no-pieces", action="store_true")
-  timing.model_flags(ap, "model config overrides (decode.py's)")
   ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
                   help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
   args, force = timing.parse(ap, argv)
