@@ -24,6 +24,7 @@ from MaxText.kernels import selection as sel  # noqa: E402
 SHAPES = ["1x1024x8192", "1x1024x65536", "1x1024x131072"]  # the last: 128K context at 128-way cp
 KS = [64, 256, 2048]
 REFERENCE_LIMIT_BYTES = 2 << 30  # the all-pairs mask's [b,t,k,s] bool intermediate
+RECALL = 0.95  # the approximate methods' recall_target
 
 
 def _ours(fn):
@@ -67,7 +68,6 @@ def main():
   parser.add_argument("--shapes", nargs="+", default=None, help="bxtxs, e.g. 1x1024x65536")
   parser.add_argument("--ks", nargs="+", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=None)
-  parser.add_argument("--recall_target", type=float, default=0.95)
   parser.add_argument("--quick", action="store_true", help="one shape (1x1024x65536), 3 repeats")
   args = parser.parse_args()
   shapes = args.shapes or (["1x1024x65536"] if args.quick else SHAPES)
@@ -77,7 +77,7 @@ def main():
   repeats = args.repeats or (3 if args.quick else 7)
 
   print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), load average "
-        f"{os.getloadavg()[0]:.2f}; median/min of {repeats} interleaved runs; recall_target {args.recall_target}")
+        f"{os.getloadavg()[0]:.2f}; median/min of {repeats} interleaved runs; recall_target {RECALL}")
   header = (f"{'shape':>18} {'k':>5}  {'method':<48} {'median ms':>10} {'min ms':>8} {'cpu ms':>8} "
             f"{'speedup':>8} {'recall':>7} {'est.':>7}")
   print(header)
@@ -87,7 +87,7 @@ def main():
     label = "f32[" + shape_str.replace("x", ",") + "]"
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
     for k in ks:
-      fns = methods(k, args.recall_target)
+      fns = methods(k, RECALL)
       if np.prod(shape) * k > REFERENCE_LIMIT_BYTES:
         name = next(n for n in fns if n.startswith("top_k + reference"))
         del fns[name]
@@ -95,7 +95,7 @@ def main():
               f"{np.prod(shape) * k / 2**30:.0f} GiB")
       results = time_all(fns, x, repeats)
       baseline_ms, _, _, exact = next(iter(results.values()))
-      config = sel.binned_config(shape[-1], min(k, shape[-1]), args.recall_target)
+      config = sel.binned_config(shape[-1], min(k, shape[-1]), RECALL)
       for name, (median, best, cpu, mask) in results.items():
         recall = (mask & exact).sum() / exact.sum()
         est = ""  # ours approx: the estimate its (G, m) was chosen by

@@ -62,7 +62,7 @@ def workload(args, n: int, seed: int) -> list[tuple[str, int]]:
     at = int(rng.integers(0, len(words) - k))
     prompt = " ".join(words[at:at + k])
     room = args.context - len(tok.encode(prompt, add_special_tokens=False).ids)
-    out.append((prompt, min(int(rng.integers(args.out_min, args.out_max + 1)), room)))
+    out.append((prompt, min(int(rng.integers(*((8, 25) if args.quick else (16, 65)))), room)))  # output tokens
   return out
 
 
@@ -168,8 +168,6 @@ def main(argv=None) -> None:
   ap.add_argument("--checkpoint", default="", help="our checkpoint (default: random init of --config)")
   ap.add_argument("--concurrency", default="1,8,32")
   ap.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency (at least 8)")
-  ap.add_argument("--out-min", type=int, default=16)
-  ap.add_argument("--out-max", type=int, default=64)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
   ap.add_argument("--no-theirs", action="store_true")
@@ -177,7 +175,7 @@ def main(argv=None) -> None:
   ap.add_argument("overrides", nargs="*", metavar="key=value")
   args = ap.parse_args(argv)
   if args.quick:
-    args.concurrency, args.out_min, args.out_max = "1,8", 8, 24
+    args.concurrency = "1,8"
   if not args.checkpoint and not args.overrides:
     args.overrides = ["max_target_length=128", "mtp_num_layers=0", "param_init_std=0.2"]
   levels = [int(c) for c in args.concurrency.split(",")]

@@ -214,7 +214,6 @@ def main(argv=None) -> int:
   ap.add_argument("--minutes", type=float, required=True, help="how long the load runs (the run ends by itself)")
   ap.add_argument("--clients", type=int, default=6, help="closed-loop clients")
   ap.add_argument("--burst-every", type=float, default=30.0, help="seconds between bursts past serve_max_waiting")
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("overrides", nargs="*", help="key=value for the server's config")
   args = ap.parse_args(argv)
   import httpx
@@ -243,7 +242,7 @@ def main(argv=None) -> int:
       samples.append(((time.monotonic() - t0) / 60, _rss_mib(proc.pid), m.get("step_programs")))
 
     t0 = time.monotonic()
-    asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), args.seed,
+    asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), 0,
                       tally, tick, keep_alive))
     wall = time.monotonic() - t0
     auth = {"Authorization": f"Bearer {KEY}"}
