@@ -85,14 +85,13 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
 
 
 def model_args(ap, cache_dtype: str, iters: int) -> None:
-  """The model's and the timing's flags, decode_profile.py's too."""
+  """The model's and the timing's flags, decode_profile.py's too (and timing.parse's --set, --force)."""
   ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as deep)")
   ap.add_argument("--topk", type=int, default=2048)
   ap.add_argument("--cache-dtype", default=cache_dtype, choices=["float32", "bfloat16", "fp8"])
   ap.add_argument("--short-context", type=int, default=0, help="rows after the first at this position (decode.py: "
                   "--scoring only; their tables as wide as the first's; 0: all at the context)")
   ap.add_argument("--iters", type=int, default=iters)
-  timing.model_flags(ap, "model config overrides over WIDE")
 
 
 def config_for(context: int, args, batch: int = 1):
@@ -341,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                   help="the indexer's scoring + top-k alone, paged against contiguous, instead")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
   ap.add_argument("--stat", default="min", choices=["min", "median"])
-  args, force = timing.parse(ap, argv)
+  args, force = timing.parse(ap, argv, "model config overrides over WIDE")
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
   if args.prompt and len(args.batch) > 1:

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--no-pieces", action="store_true")
   ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
                   help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
-  args, force = timing.parse(ap, argv)
+  args, force = timing.parse(ap, argv, "model config overrides over decode.py's WIDE")
   if args.compile_for:
     compile_for(args, force)
     return

@@ -171,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--lengths", default=None, help=f"comma-separated tokens a sequence (default {LENGTHS})")
   ap.add_argument("--paths", default="gather,mask", help=f"comma-separated, of {', '.join(PATHS)}; the first picks "
                   "each length's rung")
-  timing.model_flags(ap, "overrides of one rung; repeat --set for further rungs (largest first; default LADDER)",
-                     rungs=True)
   ap.add_argument("--steps", type=int, default=None, help="timed steps (median) after a warm-up (default 5)")
   ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
   ap.add_argument("--trace", default=None, metavar="DIR",
@@ -183,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                   help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
   ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
                   "256 and 512 tokens, 2 steps, unless given")
-  args, force = timing.parse(ap, argv)
+  args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first; default "
+                             "LADDER)", rungs=True)
   lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(QUICK["lengths"] if args.quick else LENGTHS)
   paths = args.paths.split(",")
   if bad := [p for p in paths if p not in PATHS]:

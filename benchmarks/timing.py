@@ -55,17 +55,14 @@ def overrides(pairs) -> dict:
   return {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in pairs)}
 
 
-def model_flags(ap, set_help: str, rungs: bool = False) -> None:
-  """--set KEY=VALUE model overrides (rungs: repeatable, one rung each) and --force CHOICE=VALUE."""
+def parse(ap, argv, set_help: str, rungs: bool = False):
+  """ap's flags and --set KEY=VALUE model overrides (rungs: repeatable, one rung each), --force CHOICE=VALUE parsed
+  -> (args, the --force choices); a bad --set or --force pair is one usage line."""
+  from MaxText.kernels import backend
   ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="append" if rungs else "store",
                   help=set_help)
   ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
                   help="kernels/backend.py choices over this backend's row (backend.forced)")
-
-
-def parse(ap, argv=None):
-  """(args, the --force choices) of a parser with model_flags: a bad --set or --force pair is one usage line."""
-  from MaxText.kernels import backend
   args = ap.parse_args(argv)
   try:
     for rung in args.set if args.set and isinstance(args.set[0], list) else [args.set]:

@@ -48,14 +48,13 @@ PARTS = (  # (part, file suffix or suffixes, functions or None): the first match
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
-  timing.model_flags(ap, "overrides of one rung; repeat --set for further rungs (largest first)", rungs=True)
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--compile-only", action="store_true",
                   help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
-  args, force = timing.parse(ap, argv)
+  args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first)", True)
   tried = []
   for rung in args.set or [[]]:
     overrides = dict(model_name=args.model, **timing.overrides(rung))
