@@ -32,14 +32,11 @@ from MaxText.runtime import sharding
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
 POLICIES = ("continuous", "static", "static-shrink")
-# the tiny model's workload (rate: arrivals a second, 100: about 16 in flight; seqs: concurrent sequences and a static
-# batch's rows; tokens: serve_max_num_tokens; chunk: prefill_chunk_size; system: the shared system prompt's tokens,
-# prefix_gap: seconds between its requests); spec_*: the speculative ladder's (spec_checkpoints: the training steps
-# at which drafting is measured, the last gives spec_acceptance and spec_speedup; spec_repeats: runs a side, median)
+# the tiny model's workload (rate: arrivals a second, 100: about 16 in flight; seqs: concurrent sequences, a static
+# batch's rows; tokens: serve_max_num_tokens; chunk: prefill_chunk_size); prefix(), speculative(), structured()'s
 WORKLOAD = dict(requests=128, rate=100.0, seqs=16, tokens=512, chunk=64, page=16, prompt_min=8, prompt_max=96,
                 out_min=4, out_max=256, max_len=384, system=1024, prefix_requests=8, prefix_gap=0.2, spec_tokens=1,
-                spec_requests=16, spec_seqs=8, spec_layers=12, spec_checkpoints=(100, 125, 150, 200, 300),
-                spec_repeats=3, structured_tokens=64)
+                spec_requests=16, spec_seqs=8, structured_tokens=64)
 MID_WORKLOAD = dict(max_len=8192, chunk=256, page=64, prompt_min=128, prompt_max=1024, requests=16, rate=1.0)
 
 
@@ -127,8 +124,8 @@ def compare(args, name: str, extra: dict, **overrides) -> dict:
 
 
 def prefix(args, extra: dict) -> dict:
-  """TTFT of requests sharing a --system-token system prompt (each + a short question), one at a
-  time (--prefix-gap s apart), without and with the prefix cache."""
+  """TTFT of requests sharing a `system`-token system prompt (each + a short question), one at a time
+  (`prefix_gap` s apart), without and with the prefix cache."""
   rng = np.random.default_rng(1)
   system = [1] + rng.integers(3, 500, args.system - 1).tolist()
   work = [(args.prefix_gap * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
@@ -137,11 +134,10 @@ def prefix(args, extra: dict) -> dict:
 
 
 def speculative(args) -> dict:
-  """A tiny-width model of --spec-layers decoder layers with one MTP module, trained on the progressions;
-  at each of --spec-checkpoints training steps (an MTP module drafts better as it trains: a ladder of
-  acceptance rates) the same requests are served greedy with and without MTP drafts, side by side
-  (--spec-repeats times each, interleaved; the median tokens/s), the weights swapped into the same two
-  engines (ServingEngine.load_weights: nothing recompiled)."""
+  """A tiny-width model of --spec-layers decoder layers with one MTP module, trained on the progressions; at each
+  of --spec-checkpoints training steps (an MTP module drafts better as it trains: a ladder of acceptance rates) the
+  same requests served greedy with and without MTP drafts, side by side (--spec-repeats times each, interleaved;
+  the median tokens/s), the weights swapped into the same two engines (load_weights: nothing recompiled)."""
   keys = dict(ici_data_parallelism=1, mtp_num_layers=1, max_target_length=160, dataset_type="synthetic",
               steps=max(args.spec_checkpoints), max_prefill_length=96, prefill_chunk_size=0,
               num_decoder_layers=args.spec_layers, serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens,
@@ -185,7 +181,7 @@ STRUCTURED_REGEX = "([a-z]+ )+"  # never complete: a constrained row runs to max
 
 
 def structured(args) -> dict:
-  """--seqs free rows with 0, 1 and 8 regex-constrained rows beside them, all at once, side by side in one
+  """`seqs` free rows with 0, 1 and 8 regex-constrained rows beside them, all at once, side by side in one
   engine (its plain and masked step programs compiled first): tokens/s of all rows and of the free ones,
   the mask fill's milliseconds a step; the median of --spec-repeats interleaved runs."""
   tok = load_tokenizer(tokenizer_type="hf", tokenizer_path="tests/data/tokenizer.json")
@@ -253,6 +249,12 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
   ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
+  ap.add_argument("--spec-layers", type=int, default=12,
+                  help="decoder layers of the speculative comparison's model (tiny widths, one MTP module)")
+  ap.add_argument("--spec-checkpoints", type=lambda v: [int(x) for x in v.split(",")],
+                  default=[100, 125, 150, 200, 300],
+                  help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
+  ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
   args = argparse.Namespace(**WORKLOAD, **vars(ap.parse_args()))
   if args.quick:
     args.requests, args.system = 64, 512
