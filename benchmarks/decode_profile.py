@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--context", type=int, default=131072)
   bench.model_args(ap, "fp8", 7)
+  ap.set_defaults(chunk=512)  # decode.py's --chunk: the model's prefill chunk
   ap.add_argument("--top", type=int, default=25, help="source lines listed")
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
@@ -188,7 +189,7 @@ def compile_for(args, force: dict) -> None:
   if devices is None:
     sys.exit(2)
   t0 = time.perf_counter()
-  cfg = config_of(args)
+  cfg = bench.config_for(args.context, args, args.rows)
   mesh = sharding.create_mesh(cfg, devices)
   with backend.forced("tpu", **force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers = model_state.abstract_on_mesh(cfg, mesh)
@@ -203,15 +204,9 @@ def compile_for(args, force: dict) -> None:
                         layers=args.layers, cache_dtype=args.cache_dtype, overrides=args.set, forced=force, **report)))
 
 
-def config_of(args):
-  """benchmarks/decode.py's model of --layers layers for --rows sequences of --context (--cache-dtype, --topk, --set)."""
-  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=args.layers, chunk=512, cache_dtype=args.cache_dtype)
-  return bench.config_for(args.context, dargs, args.rows)
-
-
 def run_all(args) -> None:
   os.makedirs(args.out, exist_ok=True)
-  cfg = config_of(args)
+  cfg = bench.config_for(args.context, args, args.rows)  # decode.py's model
   mesh = sharding.create_mesh(cfg)
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
   engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")

@@ -96,10 +96,6 @@ def spawn(a, impl: str, t: int) -> dict:
   return row
 
 
-def fmt_gib(x) -> str:
-  return f"{x / GIB:.2f}" if x is not None else "-"
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", default="4096,8192,16384,32768", help="t = s values, comma-separated")
@@ -142,6 +138,7 @@ def report(rows: dict, sizes: list[int], impls: list[str]) -> None:
   print(f"{'':>6} | {'wall s':>7} {'cpu s':>7} {'peak GiB':>8} {'RSS GiB':>7} | {'wall s':>7} {'cpu s':>7} "
         f"{'peak GiB':>8} {'RSS GiB':>7} | {'wall':>6} {'cpu':>6}")
   last, notes, extrapolated = None, [], False
+  fmt_gib = lambda x: f"{x / GIB:.2f}" if x is not None else "-"  # noqa: E731
   num = lambda x, w, star=False: f"{'~' if star else ''}{x:.2f}{'*' if star else ''}".rjust(w) if x else "-".rjust(w)
   for t in sizes:
     m, g = rows.get(("mask", t), {}), rows.get(("gather", t), {})
