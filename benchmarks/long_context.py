@@ -67,9 +67,10 @@ MIN_START_S = 60  # a run that would start with less budget left is skipped
 
 
 def overrides(model: str, length: int, rung, path: str, base=()) -> dict:
-  """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung."""
+  """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung, the path's
+  keys over the rung's."""
   return dict(model_name=model, max_target_length=length, max_prefill_length=length, global_batch_size=1,
-              **{**timing.overrides(base), **timing.overrides(rung), **PATHS[path]})  # the path's keys win over the rung's
+              **{**timing.overrides(base), **timing.overrides(rung), **PATHS[path]})
 
 
 def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=(), trace=None, top=15):
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                   "256 and 512 tokens, 2 steps, unless given")
   args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first; default "
                              "LADDER)", rungs=True)
-  lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(QUICK["lengths"] if args.quick else LENGTHS)
+  lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else QUICK["lengths"] if args.quick else LENGTHS
   paths = args.paths.split(",")
   if bad := [p for p in paths if p not in PATHS]:
     ap.error(f"--paths: no path {bad[0]!r}; the paths are {', '.join(PATHS)}")

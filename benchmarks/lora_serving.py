@@ -56,7 +56,8 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=5)
   args, keys = ap.parse_known_args()
   cfg = pyconfig.initialize(["lora_serving", "base.yml", *keys], num_devices=1, ici_data_parallelism=1,
-                            serve_max_num_seqs=args.requests, serve_max_num_tokens=max(256, args.requests * args.prompt))
+                            serve_max_num_seqs=args.requests,
+                            serve_max_num_tokens=max(256, args.requests * args.prompt))
   mesh = sharding.create_mesh(cfg)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, cfg.vocab_size, args.prompt).tolist() for _ in range(args.requests)]

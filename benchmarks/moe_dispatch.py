@@ -7,8 +7,9 @@ the one-layer 671B memory. Prints tables; asserts nothing about time.
     python benchmarks/moe_dispatch.py --tables 671b     # compile only: official dims on 64 devices
 
 "matmul": ms per way, the median of --reps calls ("dense", all experts, a yardstick; "1 matmul", the ideal
-FLOPs). "mesh": one MoE layer's per-device temp memory and step time on data / expert meshes of simulated CPU devices. "671b": one layer at the
-official dims, fsdp 8 x expert 8, compiled, never run: per-device memory and the collectives.
+FLOPs). "mesh": one MoE layer's per-device temp memory and step time on data / expert meshes of simulated CPU
+devices. "671b": one layer at the official dims, fsdp 8 x expert 8, compiled, never run: per-device memory and the
+collectives.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 `summarize(trace_dir, hlo_texts, parts, steps, top)` prints tables per part, per source line and per op and
 returns the per-part rows; `tables` does the same for any {op: ns}; `compiled_report` reads a program compiled
 for a TPU it does not run on (XLA's estimated cycles, the whole arrays written outside fusions). A part is the
-first (part, file suffix or a tuple of them, function names or None) triple of `parts` matching the op's innermost MaxText frame;
-else "other: <file>". Used by benchmarks/decode_profile.py and benchmarks/train_mfu.py.
+first (part, file suffix or a tuple of them, function names or None) triple of `parts` matching the op's
+innermost MaxText frame; else "other: <file>". Used by benchmarks/decode_profile.py and benchmarks/train_mfu.py.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
     python benchmarks/sparse_attention.py --sizes 4096,8192 --set num_query_heads=16 kv_lora_rank=512 --grad
     python benchmarks/sparse_attention.py --crossover     # the auto threshold: sizes 1K..8K
 
-One MLA layer with the indexer (SHAPE, --set KEY=VALUE overrides), jitted whole (--grad: and its gradient), each (path, size) in its own process.
-Prints per row the time, XLA's compiled peak memory and the max RSS; a path over --mem-limit-gib is not run and
-its time extrapolated quadratically (labelled). Never a timed assert.
+One MLA layer with the indexer (SHAPE; --set KEY=VALUE overrides), jitted whole (--grad: and its gradient), each
+(path, size) in its own process. Prints per row the time, XLA's compiled peak memory and the max RSS (a path over
+--mem-limit-gib is not run, its time extrapolated quadratically, labelled), then one JSON line. Never a timed assert.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def main() -> None:
   title = f"Lockstep check of a {args.bytes}-byte call" if args.lockstep else f"per message of {args.bytes} bytes"
   rows = ((("lockstep_0_ms", "process 0: encode + digest + store write"),
            ("lockstep_1_ms", "process 1: encode + digest + read of process 0s + compare")) if args.lockstep else
-          (("send_ms", "step_channel send (encode + store write)"), ("round_trip_ms", "send + follower receive + answer"),
+          (("send_ms", "step_channel send (encode + store write)"),
+           ("round_trip_ms", "send + follower receive + answer"),
            ("broadcast_ms", "multihost_utils.broadcast_one_to_all")))
   print(f"{title + f' (median of {args.n})':<60} ms")
   for key, what in rows:
