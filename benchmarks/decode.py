@@ -288,9 +288,7 @@ def prompt_rows(args, params, buffers) -> list[dict]:
   """--prompt: per context, one prompt of context - 1 tokens (greedy, max_tokens 1) through ServingEngine.step as a
   server runs it (the scheduler's --chunk chunks, each step's table as wide as its context bucket), every step timed
   after engine.warmup -> rows {context, attention, prefix, slots, tokens, ms}, then per (context, attention) the
-  prompt's tokens/s. A sparse chunk's work is its queries against k selected latents (flat in the prefix) plus the
-  indexer scoring every slot of the table: flat within a context bucket; a dense chunk's grows with its prefix
-  (--prompt-attention: sparse, dense or both, each its own engine on the same parameters)."""
+  prompt's tokens/s (--prompt-attention: sparse, dense or both, each its own engine on the same parameters)."""
   rows = []
   print(f"{'context':>8} {'attention':>9} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
   for s, mode in ((s, m) for s in args.contexts for m in args.prompt_attention):
@@ -325,19 +323,13 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
   ap.add_argument("--quick", action="store_true", help="contexts 32768 131072, sparse only, 5 iters")
   ap.add_argument("--sparse-only", action="store_true", help="skip the dense columns")
-  ap.add_argument("--batch", type=int, nargs="+", default=[1],
-                  help="rows in the decode step, each its own sequence (several: each in turn)")
-  ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"],
-                  help="time the contiguous reference too (auto: when its copy fits 1 GiB)")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1], help="rows a step, each its own sequence (each in turn)")
+  ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"], help="auto: when its copy fits 1 GiB")
   model_args(ap, "float32", 8)
-  ap.add_argument("--prefill", action="store_true",
-                  help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
-  ap.add_argument("--prompt", action="store_true",
-                  help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
-  ap.add_argument("--prompt-attention", nargs="+", default=["sparse"], choices=["sparse", "dense"],
-                  help="--prompt: the engine's attention, each in turn (sparse dense: both, side by side)")
-  ap.add_argument("--scoring", action="store_true",
-                  help="the indexer's scoring + top-k alone, paged against contiguous, instead")
+  ap.add_argument("--prefill", action="store_true", help="a --chunk-token chunk at the end of the context instead")
+  ap.add_argument("--prompt", action="store_true", help="a prompt of context - 1 tokens through the engine instead")
+  ap.add_argument("--prompt-attention", nargs="+", default=["sparse"], choices=["sparse", "dense"], help="--prompt's")
+  ap.add_argument("--scoring", action="store_true", help="the indexer's scoring + top-k alone instead")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
   ap.add_argument("--stat", default="min", choices=["min", "median"])
   args, force = timing.parse(ap, argv, "model config overrides over WIDE")

@@ -173,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--no-pieces", action="store_true")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
   args, force = timing.parse(ap, argv, "model config overrides over decode.py's WIDE")
   if args.compile_for:
     compile_for(args, force)

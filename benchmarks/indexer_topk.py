@@ -54,9 +54,8 @@ def methods(k: int, recall_target: float):
 
 
 def time_all(fns: dict, x, repeats: int) -> dict:
-  """name -> (median ms, min ms, min cpu ms, mask). Compiled and warmed up first, then timed
-  interleaved (one call of each method per round), so load changes hit every method alike.
-  cpu ms is this process's CPU time (all threads): less sensitive to other users of the cores."""
+  """name -> (median ms, min ms, min cpu ms, mask), timed interleaved (timing.interleaved); cpu ms is this
+  process's CPU time (all threads): less sensitive to other users of the cores."""
   jitted, cpu = {name: jax.jit(fn) for name, fn in fns.items()}, {}
   wall, out = timing.interleaved({name: lambda fn=fn: fn(x) for name, fn in jitted.items()}, repeats, 0, cpu)
   return {name: (float(np.median(wall[name])) * 1e3, float(np.min(wall[name])) * 1e3,

@@ -2,7 +2,7 @@
 
     python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K; gather and mask
     python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
-    python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
+    python benchmarks/long_context.py --compile-only  # memory per length and path, nothing run (DEVICE_CHECK_MEMORY_GIB)
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
     python benchmarks/long_context.py --lengths 32768 --trace /tmp/long  # and the first path's profile per length
     PYTHONPATH=/tmp/libtpu:. python benchmarks/long_context.py --lengths 32768 --paths gather --compile-for v5e:1x1
@@ -170,18 +170,13 @@ def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
   ap.add_argument("--lengths", default=None, help=f"comma-separated tokens a sequence (default {LENGTHS})")
-  ap.add_argument("--paths", default="gather,mask", help=f"comma-separated, of {', '.join(PATHS)}; the first picks "
-                  "each length's rung")
+  ap.add_argument("--paths", default="gather,mask", help="comma-separated PATHS; the first picks each length's rung")
   ap.add_argument("--steps", type=int, default=None, help="timed steps (median) after a warm-up (default 5)")
   ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
-  ap.add_argument("--trace", default=None, metavar="DIR",
-                  help="profile the first path's step at each length into DIR/<length> and print its parts")
-  ap.add_argument("--compile-only", action="store_true",
-                  help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
-  ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
-                  "256 and 512 tokens, 2 steps, unless given")
+  ap.add_argument("--trace", metavar="DIR", help="the first path's profile per length (DIR/<length>)")
+  ap.add_argument("--compile-only", action="store_true", help="compiled memory alone")
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
+  ap.add_argument("--quick", action="store_true", help="a CPU smoke run: QUICK's shapes, lengths, steps")
   args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first; default "
                              "LADDER)", rungs=True)
   lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else QUICK["lengths"] if args.quick else LENGTHS

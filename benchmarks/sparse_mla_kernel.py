@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--kl", action="store_true", help="the forward also returns p_heads (the sparse stage's KL)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help=f"tiny shapes for a CPU smoke run: {QUICK}")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
   a = ap.parse_args(argv)
   if a.quick:
     for k, v in QUICK.items():

@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--top", type=int, default=25)
-  ap.add_argument("--compile-only", action="store_true",
-                  help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
+  ap.add_argument("--compile-only", action="store_true", help="each rung's compiled memory alone")
   args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first)", True)
   tried = []
   for rung in args.set or [[]]:
