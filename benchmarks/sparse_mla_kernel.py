@@ -39,16 +39,15 @@ def inputs(a) -> tuple[jax.Array, ...]:
   return q, kv, jnp.asarray(idx[None], jnp.int32), jnp.ones((1, a.tokens, a.topk), bool)
 
 
+def attend(a, q, kv, idx, ok):
+  """The gather path's attention of one block: [1,T,h,c] outputs, [1,T,k] p_heads."""
+  return sa.attend_block(q, kv, idx, ok, (a.kv_lora + a.rope) ** -0.5, a.kv_lora, block=a.block)
+
+
 def measure(a, way: str, args) -> dict:
-  scale, c = (a.kv_lora + a.rope) ** -0.5, a.kv_lora
-  r = jnp.asarray(np.random.default_rng(1).standard_normal((1, a.tokens, a.heads, c)), jnp.bfloat16)
-
-  def forward(q, kv, idx, ok):
-    o, ph = sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)  # [1,T,h,c], [1,T,k]
-    return (o, ph) if a.kl else o
-
-  def loss(q, kv, idx, ok):
-    return jnp.sum(sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)[0].astype(jnp.float32) * r)
+  r = jnp.asarray(np.random.default_rng(1).standard_normal((1, a.tokens, a.heads, a.kv_lora)), jnp.bfloat16)
+  forward = lambda *x: attend(a, *x) if a.kl else attend(a, *x)[0]  # noqa: E731
+  loss = lambda *x: jnp.sum(attend(a, *x)[0].astype(jnp.float32) * r)  # noqa: E731
 
   with backend.forced(gather_attention=way):  # traced (so chosen) inside the block
     fwd = jax.jit(forward)
@@ -66,10 +65,10 @@ def compile_for(a, topology: str) -> list[dict]:
     return []
   sh = jax.sharding.SingleDeviceSharding(devices[0])
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in inputs(a)]
-  scale, c, rows = (a.kv_lora + a.rope) ** -0.5, a.kv_lora, []
+  rows = []
 
-  def loss(q, kv, idx, ok):
-    o, ph = sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)
+  def loss(*x):
+    o, ph = attend(a, *x)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ph)
 
   for way in a.ways.split(","):

@@ -19,36 +19,28 @@ import time
 from benchmarks.serve_load import free_port
 
 
-def _lockstep(pid: int, size: int, n: int) -> None:
-  """Each process times its Lockstep check of the same call n times; prints {"lockstep_<pid>_ms": median}."""
-  import numpy as np
-
-  from MaxText.inference import step_channel
-  channel = step_channel.open_channel(60, lockstep=True)
-  feed = np.zeros(size // 4, np.int32)
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    channel.send("step", 8, feed)
-    times.append(time.perf_counter() - t)
-  print(json.dumps({f"lockstep_{pid}_ms": round(statistics.median(times) * 1e3, 3)}), flush=True)
-  channel.close()
-
-
 def _process(pid: int, port: int, size: int, n: int, lockstep: bool = False) -> None:
+  """One of the two processes; lockstep: each times its Lockstep check of the same call n times and prints
+  {"lockstep_<pid>_ms": median}."""
   import jax
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{port}", 2, pid)
-  if lockstep:
-    _lockstep(pid, size, n)
-    return
   import numpy as np
   from jax.experimental import multihost_utils
 
   from MaxText.inference import step_channel
-  channel = step_channel.open_channel(60)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", 2, pid)
+  channel = step_channel.open_channel(60, lockstep=lockstep)
   client = channel.client
   feed = np.zeros(size // 4, np.int32)
+  if lockstep:
+    times = []
+    for _ in range(n):
+      t = time.perf_counter()
+      channel.send("step", 8, feed)
+      times.append(time.perf_counter() - t)
+    print(json.dumps({f"lockstep_{pid}_ms": round(statistics.median(times) * 1e3, 3)}), flush=True)
+    channel.close()
+    return
   send, round_trip, broadcast = [], [], []
   for i in range(n):
     if pid == 0:
