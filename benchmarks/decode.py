@@ -202,7 +202,6 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
   print(f"{'rows':>4} {'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
         + " " + " ".join(f"{m + ' MB':>10} {m + ' roofline':>14}" for m in modes)
         + " " + " ".join(f"{m + ' p/c [quartiles]':>26}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
-  pick = min if args.stat == "min" else statistics.median
   rows = []
   for batch in args.batch:
     for s in args.contexts:
@@ -220,13 +219,13 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
         if reference:  # built only when asked for: it holds a copy of the rows' cache (6.6 GiB at 4 rows, 128K)
           fns["contiguous"] = contiguous_step(engine, feed)
         got, out = timing.interleaved(fns, args.iters)
-        row[f"{mode}_ms"] = round(pick(got["paged"]) * 1e3, 3)
+        row[f"{mode}_ms"] = round(args.pick(got["paged"]) * 1e3, 3)
         row[f"{mode}_bytes"] = need[mode]
         row[f"{mode}_bound_ms"] = round(need[mode] / gbs / 1e6, 4)
         row[f"{mode}_roofline"] = round(row[f"{mode}_bound_ms"] / row[f"{mode}_ms"], 4)
         if reference:
           row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
-          row[f"{mode}_contiguous_ms"] = round(pick(got["contiguous"]) * 1e3, 3)
+          row[f"{mode}_contiguous_ms"] = round(args.pick(got["contiguous"]) * 1e3, 3)
           ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
           row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
         del engine, fns
@@ -252,7 +251,6 @@ def scoring_rows(args) -> list[dict]:
   but the first at N - 1; PagedKeys reads no block past a row's position, the contiguous cache scores every slot)
   -> rows {rows, context, scoring_ms, scoring_contiguous_ms, scoring_ratio(_q), same_selection (as sets)}."""
   h, d, k = 64, 128, args.topk
-  pick = min if args.stat == "min" else statistics.median
   top = lambda x: jnp.sort(jax.lax.top_k(x, k)[1], axis=-1)  # noqa: E731  [b,1,k] as a set
   contiguous = jax.jit(lambda k, q, w, pos: top(ContiguousKeys(jnp.swapaxes(k, 1, 2)).scores(q, w, pos, head_chunk=h)))
   paged = jax.jit(lambda k, t, q, w, pos: top(paged_cache.PagedKeys(k, None, t, PAGE).scores(q, w, pos, head_chunk=h)))
@@ -273,8 +271,8 @@ def scoring_rows(args) -> list[dict]:
       got, out = timing.interleaved({"paged": lambda: paged(pool, table, q, w, pos),
                                      "contiguous": lambda: contiguous(stored, q, w, pos)}, args.iters)
       ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
-      row = dict(rows=b, context=s, scoring_ms=round(pick(got["paged"]) * 1e3, 3),
-                 scoring_contiguous_ms=round(pick(got["contiguous"]) * 1e3, 3), scoring_ratio=round(ratio, 3),
+      row = dict(rows=b, context=s, scoring_ms=round(args.pick(got["paged"]) * 1e3, 3),
+                 scoring_contiguous_ms=round(args.pick(got["contiguous"]) * 1e3, 3), scoring_ratio=round(ratio, 3),
                  scoring_ratio_q=[round(x, 3) for x in quartiles],
                  same_selection=bool(np.array_equal(out["paged"], out["contiguous"])))
       rows.append(row)
@@ -333,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
   ap.add_argument("--stat", default="min", choices=["min", "median"])
   args, force = timing.parse(ap, argv, "model config overrides over WIDE")
+  args.pick = min if args.stat == "min" else statistics.median
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
   if args.prompt and len(args.batch) > 1:

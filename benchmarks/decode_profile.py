@@ -130,8 +130,7 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   t = feed["t"]
   step, _ = engine.compile_programs(t, buf)
 
-  def step_alone():
-    return step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
+  step_alone = lambda: step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]  # noqa: E731
 
   def step_and_write():
     engine.pools, sampled, _ = engine.run(t, {"buf": buf})

@@ -15,7 +15,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
@@ -24,7 +25,6 @@ from MaxText.config import pyconfig  # noqa: E402
 from MaxText.data import documents, input_pipeline  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "tests", "data", "tokenizer.model")
 MID = ["emb_dim=512", "mlp_dim=1536", "num_decoder_layers=4", "num_query_heads=8", "q_lora_rank=128",
        "kv_lora_rank=128", "qk_nope_head_dim=64", "qk_rope_head_dim=32", "v_head_dim=64", "moe_mlp_dim=256",

@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
   mask_way = backend.choice("mask_attention") if "mask_attention" not in force else force["mask_attention"]
   print(f"long-context train step, {args.model}{' at --quick sizes' if args.quick else ''}, 1 sequence a step, "
-        f"median of {steps} steps "
-        f"(mask path's dense attention: {mask_way})")
+        f"median of {steps} steps (mask path's dense attention: {mask_way})")
   print(f"{'tokens':>7} {'path':<13} {'rung':<60} figures")
   for r in rows:
     print(f"{r['length']:>7} {r['path']:<13} {(r.get('rung') or '-')[-60:]:<60} {fmt(r)}")

@@ -50,7 +50,7 @@ def _one_matmul(x, weights, ids, wi_0, wi_1, wo):
 
 def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
   """Compiles (and with `run` times) the MoE layer's forward + backward on `devices`:
-  (per-device temp bytes, per-device argument bytes, collectives, seconds or None)."""
+  (per-device temp bytes, per-device argument bytes, the collectives "op count, ...", seconds or None)."""
   mesh = sharding.create_mesh(cfg, devices)
 
   def loss(state, graphdef, x):
@@ -69,7 +69,8 @@ def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
       real = jax.jit(lambda: nnx.split(moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)))[1], out_shardings=shardings)()
       xs = jax.device_put(np.random.default_rng(0).normal(size=x.shape).astype(x.dtype), x.sharding)
       secs = timing.median_ms(lambda: compiled(real, xs), reps, warmup=0) / 1e3
-    return mem.temp_size_in_bytes, mem.argument_size_in_bytes, aot.collective_counts(compiled.as_text()), secs
+    coll = ", ".join(f"{k} {v}" for k, v in aot.collective_counts(compiled.as_text()).items()) or "-"
+    return mem.temp_size_in_bytes, mem.argument_size_in_bytes, coll, secs
 
 
 def mesh_table(reps: int, counts) -> None:
@@ -90,9 +91,8 @@ def mesh_table(reps: int, counts) -> None:
                                    *[f"ici_{a}_parallelism={v}" for a, v in axes.items()]], num_devices=n)
         temp, _, coll, secs = _layer_grad(cfg, jax.devices()[:n], 16, 1024, run=True, reps=reps)
         base = base or (temp if n == 1 else None)
-        names = ", ".join(f"{k} {v}" for k, v in coll.items()) or "-"
         ratio = f"{temp / base:>7.2f}" if base else f"{'-':>7}"
-        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {ratio} {secs:>7.2f}  {names}", flush=True)
+        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {ratio} {secs:>7.2f}  {coll}", flush=True)
 
 
 def table_671b() -> None:
@@ -106,8 +106,7 @@ def table_671b() -> None:
     t = time.perf_counter()
     temp, args_b, coll, _ = _layer_grad(cfg, jax.devices()[:64], 64, 4096, run=False)
     secs = time.perf_counter() - t
-    names = ", ".join(f"{k} {v}" for k, v in coll.items())
-    print(f"{cf:>5} {temp / 2**30:>13.2f} {args_b / 2**30:>13.2f} {secs:>10.1f}  {names}", flush=True)
+    print(f"{cf:>5} {temp / 2**30:>13.2f} {args_b / 2**30:>13.2f} {secs:>10.1f}  {coll}", flush=True)
 
 
 def matmul_table(args) -> None:

@@ -111,8 +111,7 @@ def main():
   if a.one:
     print(json.dumps(run_one(a, a.one[0], int(a.one[1]))))
     return
-  argv = sys.argv[1:]
-  a.passthrough = [x for x in argv if x not in ("--quick", "--crossover")]
+  a.passthrough = [x for x in sys.argv[1:] if x not in ("--quick", "--crossover")]
   if a.quick:
     a.sizes, a.passthrough = "2048,4096", a.passthrough + ["--warmup", "0"]
   if a.crossover:
