@@ -2,7 +2,7 @@
 
     python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K; gather and mask
     python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
-    python benchmarks/long_context.py --compile-only  # memory per length and path, nothing run (DEVICE_CHECK_MEMORY_GIB)
+    python benchmarks/long_context.py --compile-only  # memory per length and path (DEVICE_CHECK_MEMORY_GIB)
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
     python benchmarks/long_context.py --lengths 32768 --trace /tmp/long  # and the first path's profile per length
     PYTHONPATH=/tmp/libtpu:. python benchmarks/long_context.py --lengths 32768 --paths gather --compile-for v5e:1x1

@@ -141,8 +141,7 @@ def main(argv=None) -> None:
                   help="triton: MLA kernel variants, e.g. 64x32w8s4 (slots a block, heads a program, warps, splits)")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
   ap.add_argument("--pages-per-block", type=int, nargs="+", default=None,
-                  help="scoring: pages a grid step (a program) reads; the first is `kernel`, the others `kernel@n` "
-                       "(default: the engine's, paged_cache.SCORE_BLOCK_SLOTS / GPU_SCORE_BLOCK_SLOTS keys)")
+                  help="scoring: pages a program reads; the first `kernel`, others `kernel@n` (default: the engine's)")
   args = ap.parse_args(argv)
   module = pg if jax.default_backend() == "gpu" else pd
   slots = paged_cache.GPU_SCORE_BLOCK_SLOTS if module is pg else paged_cache.SCORE_BLOCK_SLOTS

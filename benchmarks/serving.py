@@ -250,8 +250,7 @@ def main() -> None:
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
   ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
   ap.add_argument("--spec-layers", type=int, default=12, help="the speculative model's decoder layers (+ one MTP)")
-  ap.add_argument("--spec-checkpoints", type=lambda v: [int(x) for x in v.split(",")],
-                  default=[100, 125, 150, 200, 300],
+  ap.add_argument("--spec-checkpoints", type=lambda v: list(map(int, v.split(","))), default=[100, 125, 150, 200, 300],
                   help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
   ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
   args = argparse.Namespace(**WORKLOAD, **vars(ap.parse_args()))

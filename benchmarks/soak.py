@@ -255,8 +255,7 @@ def main(argv=None) -> int:
     end_rss = _rss_mib(proc.pid)
   # the first sample after the warm-up (a minute, or a tenth of the run if longer), else the first
   warm_index = next((i for i, s in enumerate(samples) if s[0] * 60 >= max(60.0, 0.1 * seconds)), 0)
-  warm_rss = samples[warm_index][1] if samples else end_rss
-  warm_programs = samples[warm_index][2] if samples else None
+  warm_rss, warm_programs = samples[warm_index][1:] if samples else (end_rss, None)
   end_programs = m.get("step_programs")
   ttft = sorted(tally.ttft)
   p = (lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)) if ttft else (lambda q: None)
@@ -272,8 +271,7 @@ def main(argv=None) -> int:
                   "max": round(max([s[1] for s in samples] + [end_rss]), 1)},
       "pages_cached": int(m.get("pages_cached") or 0), "pages_total": int(m.get("pages_total") or 0),
       "finish_reasons": {k[len("finished_"):]: int(v) for k, v in m.items() if k.startswith("finished_")},
-      "unexpected": dict(tally.errors.most_common(5)),
-      "by_minute": _by_minute(samples),
+      "unexpected": dict(tally.errors.most_common(5)), "by_minute": _by_minute(samples),
   }
   checks = soak_checks(result, tally)
   print(f"\n{'requests':>10} {'5xx':>5} {'accepted':>9} {'counted':>8} {'leaked':>7} {'rss warm':>9} {'rss end':>8} "
