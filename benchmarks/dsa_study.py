@@ -166,11 +166,9 @@ def run_arms(study: Study, arms: list[str]) -> dict[str, dict]:
 def table(results: dict[str, dict]) -> str:
   lines = ["| arm | stages (steps) | eval accuracy | eval loss | recall of dense attention (mean of layers) "
            "| pair selected (best layer) | s |", "|---|---|---|---|---|---|---|"]
-  for arm in ARMS:
-    if arm in results:
-      r = results[arm]
-      lines.append(f"| {arm} | {r['stages']} | {r['accuracy']:.3f} | {r['loss']:.3f} | {r['recall']:.3f} "
-                   f"| {r['pair']:.3f} | {r['seconds']:.0f} |")
+  for arm, r in ((arm, results[arm]) for arm in ARMS if arm in results):
+    lines.append(f"| {arm} | {r['stages']} | {r['accuracy']:.3f} | {r['loss']:.3f} | {r['recall']:.3f} "
+                 f"| {r['pair']:.3f} | {r['seconds']:.0f} |")
   return "\n".join(lines)
 
 
