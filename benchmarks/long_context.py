@@ -27,14 +27,11 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools", "device")]
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
-import profile_ops  # noqa: E402
-import timing  # noqa: E402
-import train_mfu  # noqa: E402  (its PARTS: the model's parts by source file)
 
+from benchmarks import profile_ops, timing, train_mfu  # noqa: E402  (train_mfu's PARTS: the model's parts by file)
 from MaxText.kernels import backend  # noqa: E402
 
 GATHER = dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=True)

@@ -84,16 +84,14 @@ def started(command, env: dict, log_path: str, timeout: float = 600):
                           start_new_session=True)
   try:
     deadline = time.monotonic() + timeout
-    while True:
-      if proc.poll() is not None or time.monotonic() > deadline:
-        why = f"not healthy after {timeout} s" if proc.poll() is None else f"exited {proc.returncode}"
-        raise RuntimeError(f"{cmd[:3]} {why}; see {log_path}")
-      try:
+    while proc.poll() is None and time.monotonic() < deadline:
+      with contextlib.suppress(httpx.TransportError):
         if httpx.get(f"{url}/health", timeout=2).status_code == 200:
           break
-      except httpx.TransportError:
-        pass
       time.sleep(0.5)
+    else:
+      why = f"not healthy after {timeout} s" if proc.poll() is None else f"exited {proc.returncode}"
+      raise RuntimeError(f"{cmd[:3]} {why}; see {log_path}")
     yield proc, url
   finally:
     if proc.poll() is None:

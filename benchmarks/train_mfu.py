@@ -17,13 +17,11 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools", "device")]
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
-import profile_ops  # noqa: E402
-import timing  # noqa: E402
 
+from benchmarks import profile_ops, timing  # noqa: E402
 from MaxText.kernels import backend  # noqa: E402
 
 PARTS = (  # (part, file suffix or suffixes, functions or None): the first match over an op's MaxText frames
