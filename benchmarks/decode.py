@@ -11,7 +11,7 @@
 
 The model has the official attention shapes (WIDE) on a narrow residual stream (--set key=value overrides it).
 Prints per row the paged and contiguous ms (--stat of --iters calls, alternated), the bytes a step must move and
-the roofline fraction (BANDWIDTH, --bandwidth or measured), paged / contiguous with its quartiles; one JSON line.
+the roofline fraction (BANDWIDTH, else measured), paged / contiguous with its quartiles; one JSON line.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import time
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import yaml
 from flax import nnx
 
 from benchmarks import timing
@@ -56,11 +55,9 @@ PAGE = 64
 BANDWIDTH = (("v5 lite", 819.0), ("v5e", 819.0), ("v5p", 2765.0), ("v6", 1640.0), ("H200", 4800.0), ("H100", 3350.0))
 
 
-def bandwidth(override: float | None) -> tuple[float, str]:
-  """(GB/s, where it came from) for this process's device: --bandwidth, BANDWIDTH, else measured (a
-  reduction reading 512 MiB, the best of 5)."""
-  if override:
-    return override, "--bandwidth"
+def bandwidth() -> tuple[float, str]:
+  """(GB/s, where it came from) for this process's device: BANDWIDTH, else measured (a reduction reading 512 MiB,
+  the best of 5)."""
   kind = jax.devices()[0].device_kind
   for name, gbs in BANDWIDTH:
     if name.lower() in kind.lower():
@@ -75,7 +72,9 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
   """The bytes one decode step must move at least (its roofline bound's numerator), per part: every
   parameter once (weights), and per row and layer the cache it reads: sparse, every indexer key (and
   its scale) plus the k selected latents (c_kv, k_pe, scales); dense, every latent."""
-  per = {name: w * jnp.dtype(dt).itemsize for name, (w, dt) in _fields(cfg).items()}
+  latent, rotary = kv_cache.field_dtypes(cfg.kv_cache_dtype)  # one slot's fields (kv_cache's layout)
+  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
+  per = {name: w * jnp.dtype(dt[name]).itemsize for name, w in kv_cache.field_widths(cfg).items()}
   latent = per["c_kv"] + per["k_pe"] + per["c_kv_scale"]
   keys = per["idx_k"] + per["idx_k_scale"]
   layers = cfg.num_decoder_layers
@@ -85,21 +84,23 @@ def step_bytes(cfg, params, batch: int, context: int) -> dict:
               dense=weights + batch * layers * context * latent)
 
 
-def _fields(cfg) -> dict:
-  """{field: (width, value dtype)} of one slot of the cache (kv_cache's layout)."""
-  latent, rotary = kv_cache.field_dtypes(cfg.kv_cache_dtype)
-  dt = {"c_kv": latent, "k_pe": rotary, "idx_k": latent, "c_kv_scale": jnp.float32, "idx_k_scale": jnp.float32}
-  return {name: (w, dt[name]) for name, w in kv_cache.field_widths(cfg).items()}
+def model_args(ap, cache_dtype: str, iters: int) -> None:
+  """The model's and the timing's flags, decode_profile.py's too (and timing.parse's --set, --force)."""
+  ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as deep)")
+  ap.add_argument("--topk", type=int, default=2048)
+  ap.add_argument("--cache-dtype", default=cache_dtype, choices=["float32", "bfloat16", "fp8"])
+  ap.add_argument("--short-context", type=int, default=0, help="rows after the first at this position (decode.py: "
+                  "--scoring only; their tables as wide as the first's; 0: all at the context)")
+  ap.add_argument("--iters", type=int, default=iters)
 
 
 def config_for(context: int, args, batch: int = 1):
-  model = {**WIDE, "indexer_topk": args.topk, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.set)}}
+  model = {**WIDE, "indexer_topk": args.topk, **timing.overrides(args.set)}
   page = int(model.pop("serve_page_size", PAGE))  # --set serve_page_size=256: the pools' page (the tpu config's)
   return pyconfig.initialize(["bench", "base.yml"], num_devices=1, num_decoder_layers=args.layers,
                              max_target_length=context, max_prefill_length=min(context, args.chunk),
                              serve_max_num_tokens=max(batch, min(context, args.chunk)),
-                             kv_cache_dtype=args.cache_dtype, indexer_use_approx_top_k=args.approx,
-                             serve_max_num_seqs=batch, serve_page_size=page,
+                             kv_cache_dtype=args.cache_dtype, serve_max_num_seqs=batch, serve_page_size=page,
                              serve_num_pages=batch * -(-context // page), **model)
 
 
@@ -196,25 +197,19 @@ def contiguous_step(engine: ServingEngine, feed: dict):
   return run
 
 
-def contiguous_bytes(cfg, batch: int, context: int) -> int:
-  """What the contiguous reference holds beside the pools: its rows' copy of every layer's cache."""
-  return batch * context * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)
-
-
 def step_rows(args, params, buffers, gbs: float) -> list[dict]:
   modes = ("sparse",) if args.sparse_only else ("sparse", "dense")
   print(f"{'rows':>4} {'context':>8} " + " ".join(f"{m + ' ' + v:>16}" for m in modes for v in ("paged ms", "contig ms"))
         + " " + " ".join(f"{m + ' MB':>10} {m + ' roofline':>14}" for m in modes)
         + " " + " ".join(f"{m + ' p/c [quartiles]':>26}" for m in modes) + ("  dense/sparse" if len(modes) == 2 else ""))
-  pick = min if args.stat == "min" else statistics.median
   rows = []
   for batch in args.batch:
     for s in args.contexts:
       cfg = config_for(s, args, batch)
       graphdef, _, _ = model_state.abstract_model(cfg)
       need = step_bytes(cfg, params, batch, s)
-      reference = args.contiguous == "on" or (
-          args.contiguous == "auto" and contiguous_bytes(cfg, batch, s) <= args.contiguous_max_gib * 2 ** 30)
+      copy = batch * s * cfg.num_decoder_layers * kv_cache.bytes_per_token_per_layer(cfg)  # the reference's cache
+      reference = args.contiguous == "on" or (args.contiguous == "auto" and copy <= 2 ** 30)
       row = dict(rows=batch, context=s, contiguous=reference)
       for mode in modes:
         engine = ServingEngine(cfg, graphdef, params, buffers, attention=mode)
@@ -224,13 +219,13 @@ def step_rows(args, params, buffers, gbs: float) -> list[dict]:
         if reference:  # built only when asked for: it holds a copy of the rows' cache (6.6 GiB at 4 rows, 128K)
           fns["contiguous"] = contiguous_step(engine, feed)
         got, out = timing.interleaved(fns, args.iters)
-        row[f"{mode}_ms"] = round(pick(got["paged"]) * 1e3, 3)
+        row[f"{mode}_ms"] = round(args.pick(got["paged"]) * 1e3, 3)
         row[f"{mode}_bytes"] = need[mode]
         row[f"{mode}_bound_ms"] = round(need[mode] / gbs / 1e6, 4)
         row[f"{mode}_roofline"] = round(row[f"{mode}_bound_ms"] / row[f"{mode}_ms"], 4)
         if reference:
           row[f"{mode}_same_tokens"] = bool(np.array_equal(out["paged"], out["contiguous"]))  # greedy, same data
-          row[f"{mode}_contiguous_ms"] = round(pick(got["contiguous"]) * 1e3, 3)
+          row[f"{mode}_contiguous_ms"] = round(args.pick(got["contiguous"]) * 1e3, 3)
           ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
           row[f"{mode}_ratio"], row[f"{mode}_ratio_q"] = round(ratio, 3), [round(q, 3) for q in quartiles]
         del engine, fns
@@ -256,7 +251,6 @@ def scoring_rows(args) -> list[dict]:
   but the first at N - 1; PagedKeys reads no block past a row's position, the contiguous cache scores every slot)
   -> rows {rows, context, scoring_ms, scoring_contiguous_ms, scoring_ratio(_q), same_selection (as sets)}."""
   h, d, k = 64, 128, args.topk
-  pick = min if args.stat == "min" else statistics.median
   top = lambda x: jnp.sort(jax.lax.top_k(x, k)[1], axis=-1)  # noqa: E731  [b,1,k] as a set
   contiguous = jax.jit(lambda k, q, w, pos: top(ContiguousKeys(jnp.swapaxes(k, 1, 2)).scores(q, w, pos, head_chunk=h)))
   paged = jax.jit(lambda k, t, q, w, pos: top(paged_cache.PagedKeys(k, None, t, PAGE).scores(q, w, pos, head_chunk=h)))
@@ -277,8 +271,8 @@ def scoring_rows(args) -> list[dict]:
       got, out = timing.interleaved({"paged": lambda: paged(pool, table, q, w, pos),
                                      "contiguous": lambda: contiguous(stored, q, w, pos)}, args.iters)
       ratio, quartiles = timing.paired_ratio(got["paged"], got["contiguous"])
-      row = dict(rows=b, context=s, scoring_ms=round(pick(got["paged"]) * 1e3, 3),
-                 scoring_contiguous_ms=round(pick(got["contiguous"]) * 1e3, 3), scoring_ratio=round(ratio, 3),
+      row = dict(rows=b, context=s, scoring_ms=round(args.pick(got["paged"]) * 1e3, 3),
+                 scoring_contiguous_ms=round(args.pick(got["contiguous"]) * 1e3, 3), scoring_ratio=round(ratio, 3),
                  scoring_ratio_q=[round(x, 3) for x in quartiles],
                  same_selection=bool(np.array_equal(out["paged"], out["contiguous"])))
       rows.append(row)
@@ -292,9 +286,7 @@ def prompt_rows(args, params, buffers) -> list[dict]:
   """--prompt: per context, one prompt of context - 1 tokens (greedy, max_tokens 1) through ServingEngine.step as a
   server runs it (the scheduler's --chunk chunks, each step's table as wide as its context bucket), every step timed
   after engine.warmup -> rows {context, attention, prefix, slots, tokens, ms}, then per (context, attention) the
-  prompt's tokens/s. A sparse chunk's work is its queries against k selected latents (flat in the prefix) plus the
-  indexer scoring every slot of the table: flat within a context bucket; a dense chunk's grows with its prefix
-  (--prompt-attention: sparse, dense or both, each its own engine on the same parameters)."""
+  prompt's tokens/s (--prompt-attention: sparse, dense or both, each its own engine on the same parameters)."""
   rows = []
   print(f"{'context':>8} {'attention':>9} {'prefix':>8} {'tokens':>7} {'slots read':>10} {'ms':>10}")
   for s, mode in ((s, m) for s in args.contexts for m in args.prompt_attention):
@@ -329,51 +321,27 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536, 131072])
   ap.add_argument("--quick", action="store_true", help="contexts 32768 131072, sparse only, 5 iters")
   ap.add_argument("--sparse-only", action="store_true", help="skip the dense columns")
-  ap.add_argument("--batch", type=int, nargs="+", default=[1],
-                  help="rows in the decode step, each its own sequence (several: each in turn)")
-  ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"],
-                  help="time the contiguous reference too (auto: when its copy fits --contiguous-max-gib)")
-  ap.add_argument("--contiguous-max-gib", type=float, default=1.0)
-  ap.add_argument("--bandwidth", type=float, default=None,
-                  help="memory bandwidth in GB/s for the roofline (default: BANDWIDTH's entry, else measured)")
-  ap.add_argument("--layers", type=int, default=1)
-  ap.add_argument("--topk", type=int, default=2048)
-  ap.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "fp8"])
-  ap.add_argument("--approx", action="store_true", help="indexer_use_approx_top_k=true")
-  ap.add_argument("--prefill", action="store_true",
-                  help="time a prefill chunk of --chunk tokens over a cached prefix of context - chunk instead")
-  ap.add_argument("--prompt", action="store_true",
-                  help="a prompt of context - 1 tokens through the engine's scheduler, each chunk timed, instead")
-  ap.add_argument("--prompt-attention", nargs="+", default=["sparse"], choices=["sparse", "dense"],
-                  help="--prompt: the engine's attention, each in turn (sparse dense: both, side by side)")
-  ap.add_argument("--scoring", action="store_true",
-                  help="the indexer's scoring + top-k alone, paged against contiguous, instead")
-  ap.add_argument("--short-context", type=int, default=0,
-                  help="--scoring: rows after the first end at this position + 1 (0: all at the context)")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1], help="rows a step, each its own sequence (each in turn)")
+  ap.add_argument("--contiguous", default="auto", choices=["auto", "on", "off"], help="auto: when its copy fits 1 GiB")
+  model_args(ap, "float32", 8)
+  ap.add_argument("--prefill", action="store_true", help="a --chunk-token chunk at the end of the context instead")
+  ap.add_argument("--prompt", action="store_true", help="a prompt of context - 1 tokens through the engine instead")
+  ap.add_argument("--prompt-attention", nargs="+", default=["sparse"], choices=["sparse", "dense"], help="--prompt's")
+  ap.add_argument("--scoring", action="store_true", help="the indexer's scoring + top-k alone instead")
   ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk (max_prefill_length)")
-  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides over WIDE")
-  ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--stat", default="min", choices=["min", "median"])
-  ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
-                  help="kernels/backend.py choices over this backend's row (e.g. paged_scoring=triton)")
-  args = ap.parse_args(argv)
-  try:
-    force = backend.parse_forced(args.force)
-  except ValueError as e:
-    ap.error(str(e))
-  with backend.forced(**force):
-    run(args, ap)
-
-
-def run(args, ap) -> None:
-  """main's measurements, under its forced kernel choices."""
+  args, force = timing.parse(ap, argv, "model config overrides over WIDE")
+  args.pick = min if args.stat == "min" else statistics.median
   if args.quick:
     args.contexts, args.sparse_only, args.iters = [32768, 131072], True, min(args.iters, 5)
-  if bad := [a for a in args.set if "=" not in a]:
-    ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
-
   if args.prompt and len(args.batch) > 1:
     ap.error("--prompt runs one request: give one --batch")
+  with backend.forced(**force):
+    measure(args)
+
+
+def measure(args) -> None:
+  """main's measurements, under its forced kernel choices."""
   if args.scoring:
     print(f"the indexer's scoring + top-{args.topk} of one decode step; backend {jax.default_backend()}, rows "
           f"{args.batch}, 64 heads of 128, pages of {PAGE}; {args.stat} of {args.iters}; paged / contiguous"
@@ -387,16 +355,16 @@ def run(args, ap) -> None:
   what = (f"a prompt through the engine in {args.chunk}-token chunks" if args.prompt else
           f"a {args.chunk}-token prefill chunk at the end of each context" if args.prefill else "a decode step")
   print(f"{what}; backend {jax.default_backend()} ({os.cpu_count()} cpus); {args.layers} layer(s), rows {args.batch}, "
-        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}"
-        f"{' (approx)' if args.approx else ' (exact)'}; {kv_cache.describe(cfg0).split(';')[0]}"
+        f"{model_state.count_params(params) / 1e6:.0f}M parameters; top-k {cfg0.indexer_topk}; "
+        f"{kv_cache.describe(cfg0).split(';')[0]}"
         + ("" if args.prompt else f"; {args.stat} of {args.iters} steps"))
   common = dict(backend=jax.default_backend(), layers=args.layers, topk=cfg0.indexer_topk, cache_dtype=args.cache_dtype,
-                approx=args.approx, overrides=args.set, forced=args.force)
+                overrides=args.set, forced=args.force)
   if args.prompt:
     print(json.dumps(dict(benchmark="decode_prompt_chunks", chunk=args.chunk, **common,
                           rows=prompt_rows(args, params, buffers))))
     return
-  gbs, source = bandwidth(args.bandwidth)
+  gbs, source = bandwidth()
   print(f"roofline: the bytes a step must move (weights + indexer keys + selected latents; dense: every latent) "
         f"at {gbs:.1f} GB/s ({source})")
   rows = step_rows(args, params, buffers, gbs)
@@ -406,5 +374,4 @@ def run(args, ap) -> None:
 
 
 if __name__ == "__main__":
-  np.set_printoptions(precision=3)
   main()

@@ -25,14 +25,15 @@ import jax.numpy as jnp
 from benchmarks import decode as bench  # the model, the pools and the step
 from benchmarks import profile_ops, timing
 from MaxText.checkpoint import model_state  # noqa: E402
-from MaxText.inference import paged_cache, paged_pools, step_feed  # noqa: E402
+from MaxText.inference import paged_cache, step_feed  # noqa: E402
 from MaxText.inference.serving import ServingEngine  # noqa: E402
 from MaxText.kernels import backend, paged_decode, paged_decode_gpu  # noqa: E402
 from MaxText.kernels.sparse_attention import gather_attend  # noqa: E402
 from MaxText.kernels.topk_indices import topk_indices  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
 
-# (part, file suffix, function names or None = any): the first match names a source line's part
+TRACE_STEPS = 3  # steps the profile traces
+# (part, file suffix or suffixes, function names or None = any): the first match names a source line's part
 PARTS = (
     ("scoring", "kernels/paged_decode.py", ("paged_index_scores", "_score_kernel", "_each_copy", "_pipelined",
                                             "e4m3_to_f32", "_decode", "index_weights")),
@@ -42,9 +43,7 @@ PARTS = (
     ("weights: absorbed wkv_b", "kernels/sparse_attention.py", ("absorb_q", "unabsorb_out")),
     ("scoring (splice, new keys)", "kernels/cached_attention.py", ("index_scores_spliced", "splice", "row")),
     ("attention", "kernels/topk_indices.py", ("gather_rows",)),  # gather_attend's row gather of the selected
-    ("selection", "kernels/selection.py", None),
-    ("selection", "kernels/selection_keys.py", None),
-    ("selection", "kernels/topk_indices.py", None),
+    ("selection", ("kernels/selection.py", "kernels/selection_keys.py", "kernels/topk_indices.py"), None),
     ("gather", "inference/paged_cache.py", ("gather_selected", "read")),
     ("gather", "inference/paged_pools.py", ("_rows",)),
     ("gather", "inference/kv_cache.py", None),
@@ -57,21 +56,14 @@ PARTS = (
     ("MLA projections", "layers/attention_mla.py", None),
     ("weights: linears", "layers/linears.py", None),
     ("weights: linears", "kernels/fp8_blocks.py", ("matmul",)),
-    ("sampling", "inference/sampling.py", None),
-    ("sampling", "inference/penalties.py", None),
-    ("sampling", "inference/serving.py", None),
+    ("sampling", ("inference/sampling.py", "inference/penalties.py", "inference/serving.py"), None),
 )
-
-
-def layer_pool(engine: ServingEngine) -> paged_pools.PagedLayerCache:
-  pool = next(iter(engine.pools.values()))
-  return pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
 
 
 def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
   """The sparse path's pieces on layer 0's pool, each its own program."""
-  cfg = engine.config
-  pool = layer_pool(engine)
+  cfg, pool = engine.config, next(iter(engine.pools.values()))
+  pool = pool[0] if isinstance(pool, list) else jax.tree.map(lambda a: a[0], pool)
   table = jnp.asarray(feed["table"])  # [B,P]
   b = table.shape[0]
   pos = jnp.asarray(feed["positions"][:, 0])  # [B]
@@ -123,7 +115,7 @@ def pieces(engine: ServingEngine, feed: dict, args) -> list[dict]:
     try:
       ms = timing.median_ms(lambda fn=fn, fargs=fargs: fn(*fargs), args.iters)
     except Exception as e:  # a piece that does not lower here (e.g. Mosaic) is reported, not fatal
-      print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      print(f"  {name}: failed: {timing.failure(e)}")
       ms = float("nan")
     rows.append(dict(piece=name, ms=round(ms, 3)))
     print(f"{name:>40} {ms:>10.3f}", flush=True)
@@ -138,8 +130,7 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   t = feed["t"]
   step, _ = engine.compile_programs(t, buf)
 
-  def step_alone():
-    return step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]
+  step_alone = lambda: step(engine.params, engine.buffers, engine.pools, engine.absorbed, buf)[1]  # noqa: E731
 
   def step_and_write():
     engine.pools, sampled, _ = engine.run(t, {"buf": buf})
@@ -159,60 +150,30 @@ def launches(engine: ServingEngine, feed: dict, args) -> list[dict]:
   return rows
 
 
-def save_hlo(texts: list[str], args) -> None:
-  """The compiled step's and write's text in --hlo-out, to read what an op is (its operands, layouts)."""
-  if args.hlo_out:
-    os.makedirs(args.hlo_out, exist_ok=True)
-    for name, text in zip(("step", "write"), texts):
-      with open(os.path.join(args.hlo_out, f"{name}_{args.rows}.hlo.txt"), "w") as f:
-        f.write(text)
-
-
 def profile(engine: ServingEngine, feed: dict, run, args) -> list[dict]:
   """The step under jax.profiler; device time per part and per source line."""
   buf = step_feed.to_device(feed)
   step, write = engine.compile_programs(feed["t"], buf)
-  texts = [step.as_text(), write.as_text()]
-  save_hlo(texts, args)
   trace = os.path.join(args.out, "trace")
   jax.block_until_ready(run())
   with jax.profiler.trace(trace):
-    for _ in range(args.trace_steps):
+    for _ in range(TRACE_STEPS):
       jax.block_until_ready(run())
-  return profile_ops.summarize(trace, texts, PARTS, args.trace_steps, args.top, args.hlo_chars)
+  return profile_ops.summarize(trace, [step.as_text(), write.as_text()], PARTS, TRACE_STEPS, args.top)
 
 
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--context", type=int, default=131072)
-  ap.add_argument("--topk", type=int, default=2048)
-  ap.add_argument("--layers", type=int, default=1, help="decoder layers (more: the per-call floor shared as in a deep model)")
-  ap.add_argument("--short-context", type=int, default=0,
-                  help="rows after the first at this position (their tables as wide as the first's; 0: all at --context)")
-  ap.add_argument("--cache-dtype", default="fp8", choices=["float32", "bfloat16", "fp8"])
-  ap.add_argument("--iters", type=int, default=7)
-  ap.add_argument("--trace-steps", type=int, default=3)
+  bench.model_args(ap, "fp8", 7)
+  ap.set_defaults(chunk=512)  # decode.py's --chunk: the model's prefill chunk
   ap.add_argument("--top", type=int, default=25, help="source lines listed")
-  ap.add_argument("--hlo-chars", type=int, default=240, help="characters of each top op's HLO line printed")
   ap.add_argument("--out", default="/tmp/decode_profile")
   ap.add_argument("--no-trace", action="store_true")
-  ap.add_argument("--hlo-out", default=None, help="folder for the step's and write's HLO text (traced, --compile-for)")
   ap.add_argument("--no-pieces", action="store_true")
-  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (decode.py's)")
-  ap.add_argument("--force", nargs="*", default=[], metavar="CHOICE=VALUE",
-                  help="backend.py choices forced over this backend's row (e.g. index_placement=search: the row before)")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
-  ap.add_argument("--clock-ghz", type=float, default=1.5, help="--compile-for: the clock of XLA's cycles")
-  ap.add_argument("--min-mb", type=float, default=4.0, help="--compile-for: the smallest whole-array write listed")
-  args = ap.parse_args(argv)
-  if bad := [a for a in args.set if "=" not in a]:
-    ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
-  try:
-    force = backend.parse_forced(args.force)
-  except ValueError as e:
-    ap.error(str(e))
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
+  args, force = timing.parse(ap, argv, "model config overrides over decode.py's WIDE")
   if args.compile_for:
     compile_for(args, force)
     return
@@ -226,32 +187,24 @@ def compile_for(args, force: dict) -> None:
   if devices is None:
     sys.exit(2)
   t0 = time.perf_counter()
-  cfg = config_of(args)
+  cfg = bench.config_for(args.context, args, args.rows)
   mesh = sharding.create_mesh(cfg, devices)
   with backend.forced("tpu", **force), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     graphdef, params, buffers = model_state.abstract_on_mesh(cfg, mesh)
     engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
     step, write, _ = engine.compile_step(args.rows, 1)
   texts = [step.as_text(), write.as_text()]
-  save_hlo(texts, args)
   print(f"{args.rows} rows x {args.context}, {args.layers} layer(s), {args.cache_dtype} cache, top-k {args.topk}; "
         f"{' '.join(args.set)}; forced {force}; compiled for {args.compile_for} in {time.perf_counter() - t0:.0f} s "
         f"(nothing run)")
-  report = profile_ops.compiled_report(texts, args.clock_ghz, PARTS, args.top, args.min_mb)
+  report = profile_ops.compiled_report(texts, 1.5, PARTS, args.top, 4.0)  # XLA's cycles at 1.5 GHz; writes >= 4 MB
   print(json.dumps(dict(benchmark="decode_profile", compile_for=args.compile_for, rows=args.rows, context=args.context,
                         layers=args.layers, cache_dtype=args.cache_dtype, overrides=args.set, forced=force, **report)))
 
 
-def config_of(args):
-  """benchmarks/decode.py's model of --layers layers for --rows sequences of --context (--cache-dtype, --topk, --set)."""
-  dargs = argparse.Namespace(topk=args.topk, set=args.set, layers=args.layers, chunk=512, cache_dtype=args.cache_dtype,
-                             approx=False)
-  return bench.config_for(args.context, dargs, args.rows)
-
-
 def run_all(args) -> None:
   os.makedirs(args.out, exist_ok=True)
-  cfg = config_of(args)
+  cfg = bench.config_for(args.context, args, args.rows)  # decode.py's model
   mesh = sharding.create_mesh(cfg)
   graphdef, params, buffers, _ = model_state.create(cfg, mesh)
   engine = ServingEngine(cfg, graphdef, params, buffers, attention="sparse")
@@ -265,7 +218,7 @@ def run_all(args) -> None:
   if args.short_context and args.rows > 1:  # the first row's bytes at --context, the others' at --short-context
     long, short = (bench.step_bytes(cfg, params, n, c) for n, c in ((1, args.context), (args.rows - 1, args.short_context)))
     need = {m: long[m] + short[m] - need["weights"] for m in need}
-  gbs, source = bench.bandwidth(None)
+  gbs, source = bench.bandwidth()
   bound = need["sparse"] / gbs / 1e6
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); {args.rows} rows x {args.context}"
         f"{f' (rows after the first at {args.short_context})' if args.short_context else ''}, {args.layers} layer(s), "

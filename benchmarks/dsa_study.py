@@ -53,14 +53,11 @@ class Scale:
 
 MODEL = ("num_decoder_layers=2", "first_num_dense_layers=2", "mtp_num_layers=0", "scan_layers=false",
          "param_init_std=0.2")
+TASK = ("retrieval_pairs=8", "retrieval_queries=8", "retrieval_keys=8", "retrieval_values=8", "retrieval_pair_tokens=1",
+        "vocab_size=128")
 SCALES = {
-    "quick": Scale(seq=128, topk=16, steps=700, warmup=100, sparse=200, batch=16, eval_steps=8,
-                   task=("retrieval_pairs=8", "retrieval_queries=8", "retrieval_keys=8", "retrieval_values=8",
-                         "retrieval_pair_tokens=1", "vocab_size=128"),
-                   model=MODEL),
-    "full": Scale(seq=512, topk=32, steps=1000, warmup=150, sparse=300, batch=16, eval_steps=16,
-                  task=("retrieval_pairs=8", "retrieval_queries=8", "retrieval_keys=8", "retrieval_values=8",
-                        "retrieval_pair_tokens=1", "vocab_size=128"),
+    "quick": Scale(seq=128, topk=16, steps=700, warmup=100, sparse=200, batch=16, eval_steps=8, task=TASK, model=MODEL),
+    "full": Scale(seq=512, topk=32, steps=1000, warmup=150, sparse=300, batch=16, eval_steps=16, task=TASK,
                   model=MODEL),
 }
 
@@ -169,11 +166,9 @@ def run_arms(study: Study, arms: list[str]) -> dict[str, dict]:
 def table(results: dict[str, dict]) -> str:
   lines = ["| arm | stages (steps) | eval accuracy | eval loss | recall of dense attention (mean of layers) "
            "| pair selected (best layer) | s |", "|---|---|---|---|---|---|---|"]
-  for arm in ARMS:
-    if arm in results:
-      r = results[arm]
-      lines.append(f"| {arm} | {r['stages']} | {r['accuracy']:.3f} | {r['loss']:.3f} | {r['recall']:.3f} "
-                   f"| {r['pair']:.3f} | {r['seconds']:.0f} |")
+  for arm, r in ((arm, results[arm]) for arm in ARMS if arm in results):
+    lines.append(f"| {arm} | {r['stages']} | {r['accuracy']:.3f} | {r['loss']:.3f} | {r['recall']:.3f} "
+                 f"| {r['pair']:.3f} | {r['seconds']:.0f} |")
   return "\n".join(lines)
 
 

@@ -2,14 +2,13 @@
 # The Triton kernels on a GPU (an H200 or H100), one part a call under the run tool's 10 minutes (parts joined by
 # commas run in order: `tests,kernels` in one call, `profile` in a second, `decode` in a third):
 #   tests     tests/unit/test_paged_decode_gpu.py with the kernels compiled (not interpreted) against the XLA paths
-#   kernels   paged_decode_kernels.py: the scoring kernel at 2 / 4 / 8 pages a program, the MLA kernel's variants
-#             and a sweep of its blocks, heads a program, warps and splits, beside XLA; 1 / 4 / 16 rows of 128K fp8
-#   profile   decode_profile.py: the 16-row 128K fp8 step as the gpu row runs it, then with paged_scoring=triton,
-#             then sparse_decode=triton too, then the binned selection for lax.top_k (untraced)
-#   decode    decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8, sparse and dense, with the roofline fraction; then
-#             the sparse step at 1 and 16 rows of 128K on both Triton kernels
-# Needs .device_bundle beside benchmarks/ (bash tools/device/device_bundle.sh .device_bundle: the GPU image's
-# missing wheels, docs/accelerators.md). Every log lands in OUT as it is written (cut runs still return).
+#   kernels   paged_decode_kernels.py, 1 / 4 / 16 rows of 128K fp8: the scoring kernel at 2 / 4 / 8 pages a program,
+#             the MLA kernel's variants and a sweep of its blocks, heads a program, warps and splits, beside XLA
+#   profile   decode_profile.py, the 16-row 128K fp8 step: the gpu row, + paged_scoring=triton, + sparse_decode=triton,
+#             + the binned selection for lax.top_k (untraced)
+#   decode    decode.py: 1 / 4 / 16 rows at 32K and 128K, fp8, sparse and dense; 1 and 16 sparse on both Triton kernels
+# Needs .device_bundle beside benchmarks/ (tools/device/device_bundle.sh: the GPU image's missing wheels,
+# docs/accelerators.md). Every log lands in OUT as it is written (cut runs still return).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="$1"; out="${2:-/tmp/gdc}"; mkdir -p "$out"

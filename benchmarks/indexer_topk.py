@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing
 from MaxText.kernels import backend  # noqa: E402
 from MaxText.kernels import selection as sel  # noqa: E402
 
 SHAPES = ["1x1024x8192", "1x1024x65536", "1x1024x131072"]  # the last: 128K context at 128-way cp
 KS = [64, 256, 2048]
-REFERENCE_LIMIT_BYTES = 2 << 30  # the all-pairs mask's [b,t,k,s] bool intermediate
+RECALL = 0.95  # the approximate methods' recall_target
 
 
 def _ours(fn):
@@ -37,63 +37,26 @@ def _ours(fn):
 def methods(k: int, recall_target: float):
   """name -> scores [b,t,s] -> bool mask [b,t,s]. The "ours" rows run the binned selection on
   every backend (on GPU/TPU, kernels/backend.py would otherwise pick lax.top_k / approx_max_k)."""
-  def topk_threshold_mask(x):  # the seed's baseline: sorted top_k, then the k-th value as cutoff
-    values, _ = jax.lax.top_k(x, k)
-    return sel.generate_mask(x, values, exact_topk=True, k=k)
-
-  def approx_max_k_mask(x):
-    values, indices = jax.lax.approx_max_k(x, k, recall_target=recall_target)
-    return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
-
-  @_ours
-  def ours_exact(x):
-    return sel.generate_mask(x, sel.topk_threshold(x, k), exact_topk=True, k=k)
-
-  @_ours
-  def ours_fused(x):
-    return sel.topk_mask(x, k)
-
-  @_ours
-  def ours_approx(x):
-    values, indices = sel.select_topk(x, k, approx=True, recall_target=recall_target)
-    return sel.generate_mask(x, values, indices, exact_topk=True, k=k)
-
-  @_ours
-  def ours_approx_fused(x):  # the same set; per-block mask from k >= s/128 (what Indexer.select runs)
-    return sel.topk_mask(x, k, approx=True, recall_target=recall_target)
-
-  def reference(x):  # the original all-pairs index compare
-    return sel.generate_mask_reference(jax.lax.top_k(x, k)[1], x.shape[-1])
-
-  return {
-      "top_k + threshold mask (baseline)": topk_threshold_mask,
-      "approx_max_k + index mask": approx_max_k_mask,
-      "ours exact: topk_threshold + generate_mask": ours_exact,
-      "ours exact fused: topk_mask": ours_fused,
-      "ours approx: select_topk(approx) + scatter mask": ours_approx,
-      "ours approx fused: topk_mask(approx)": ours_approx_fused,
-      "top_k + reference all-pairs mask": reference,
+  mask = lambda x, values, indices=None: sel.generate_mask(x, values, indices, exact_topk=True, k=k)  # noqa: E731
+  approx = dict(approx=True, recall_target=recall_target)
+  return {  # the first: the seed's baseline (sorted top_k, then the k-th value as the cutoff)
+      "top_k + threshold mask (baseline)": lambda x: mask(x, jax.lax.top_k(x, k)[0]),
+      "approx_max_k + index mask": lambda x: mask(x, *jax.lax.approx_max_k(x, k, recall_target=recall_target)),
+      "ours exact: topk_threshold + generate_mask": _ours(lambda x: mask(x, sel.topk_threshold(x, k))),
+      "ours exact fused: topk_mask": _ours(lambda x: sel.topk_mask(x, k)),
+      "ours approx: select_topk(approx) + scatter mask": _ours(lambda x: mask(x, *sel.select_topk(x, k, **approx))),
+      # the same set; a per-block mask from k >= s/128 (what Indexer.select runs)
+      "ours approx fused: topk_mask(approx)": _ours(lambda x: sel.topk_mask(x, k, **approx)),
   }
 
 
 def time_all(fns: dict, x, repeats: int) -> dict:
-  """name -> (median ms, min ms, min cpu ms, mask). Compiled and warmed up first, then timed
-  interleaved (one call of each method per round), so load changes hit every method alike.
-  cpu ms is this process's CPU time (all threads): less sensitive to other users of the cores."""
-  jitted, out = {}, {}
-  for name, fn in fns.items():
-    jitted[name] = jax.jit(fn)
-    out[name] = np.asarray(jax.block_until_ready(jitted[name](x)))  # compile + warm up
-  wall = {name: [] for name in fns}
-  cpu = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in jitted.items():
-      start, start_cpu = time.perf_counter(), time.process_time()
-      jax.block_until_ready(fn(x))
-      wall[name].append(time.perf_counter() - start)
-      cpu[name].append(time.process_time() - start_cpu)
+  """name -> (median ms, min ms, min cpu ms, mask), timed interleaved (timing.interleaved); cpu ms is this
+  process's CPU time (all threads): less sensitive to other users of the cores."""
+  jitted, cpu = {name: jax.jit(fn) for name, fn in fns.items()}, {}
+  wall, out = timing.interleaved({name: lambda fn=fn: fn(x) for name, fn in jitted.items()}, repeats, 0, cpu)
   return {name: (float(np.median(wall[name])) * 1e3, float(np.min(wall[name])) * 1e3,
-                 float(np.min(cpu[name])) * 1e3, out[name]) for name in fns}
+                 float(np.min(cpu[name])) * 1e3, np.asarray(out[name])) for name in fns}
 
 
 def main():
@@ -101,7 +64,6 @@ def main():
   parser.add_argument("--shapes", nargs="+", default=None, help="bxtxs, e.g. 1x1024x65536")
   parser.add_argument("--ks", nargs="+", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=None)
-  parser.add_argument("--recall_target", type=float, default=0.95)
   parser.add_argument("--quick", action="store_true", help="one shape (1x1024x65536), 3 repeats")
   args = parser.parse_args()
   shapes = args.shapes or (["1x1024x65536"] if args.quick else SHAPES)
@@ -111,7 +73,7 @@ def main():
   repeats = args.repeats or (3 if args.quick else 7)
 
   print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cpus), load average "
-        f"{os.getloadavg()[0]:.2f}; median/min of {repeats} interleaved runs; recall_target {args.recall_target}")
+        f"{os.getloadavg()[0]:.2f}; median/min of {repeats} interleaved runs; recall_target {RECALL}")
   header = (f"{'shape':>18} {'k':>5}  {'method':<48} {'median ms':>10} {'min ms':>8} {'cpu ms':>8} "
             f"{'speedup':>8} {'recall':>7} {'est.':>7}")
   print(header)
@@ -121,15 +83,9 @@ def main():
     label = "f32[" + shape_str.replace("x", ",") + "]"
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
     for k in ks:
-      fns = methods(k, args.recall_target)
-      if np.prod(shape) * k > REFERENCE_LIMIT_BYTES:
-        name = next(n for n in fns if n.startswith("top_k + reference"))
-        del fns[name]
-        print(f"{label:>18} {k:>5}  {name:<48} skipped: its [b,t,k,s] intermediate is "
-              f"{np.prod(shape) * k / 2**30:.0f} GiB")
-      results = time_all(fns, x, repeats)
+      results = time_all(methods(k, RECALL), x, repeats)
       baseline_ms, _, _, exact = next(iter(results.values()))
-      config = sel.binned_config(shape[-1], min(k, shape[-1]), args.recall_target)
+      config = sel.binned_config(shape[-1], min(k, shape[-1]), RECALL)
       for name, (median, best, cpu, mask) in results.items():
         recall = (mask & exact).sum() / exact.sum()
         est = ""  # ours approx: the estimate its (G, m) was chosen by

@@ -15,7 +15,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
@@ -24,7 +25,6 @@ from MaxText.config import pyconfig  # noqa: E402
 from MaxText.data import documents, input_pipeline  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "tests", "data", "tokenizer.model")
 MID = ["emb_dim=512", "mlp_dim=1536", "num_decoder_layers=4", "num_query_heads=8", "q_lora_rank=128",
        "kv_lora_rank=128", "qk_nope_head_dim=64", "qk_rope_head_dim=32", "v_head_dim=64", "moe_mlp_dim=256",
@@ -84,16 +84,12 @@ def model_tokens_per_s(extra: list[str], seq: int, batch: int, repeats: int = 3)
   import jax
 
   from MaxText import train
-  from MaxText.checkpoint import model_state
   from MaxText.runtime import sharding
-  from MaxText.runtime.optimizers import create_optimizer
   cfg = pyconfig.initialize(["bench", "base.yml", f"max_target_length={seq}", f"max_prefill_length={min(seq, 32)}",
                              f"global_batch_size={batch}", "ici_data_parallelism=1", *extra], num_devices=1)
   mesh = sharding.create_mesh(cfg, jax.devices()[:1])
   with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-    graphdef, params, buffers, _ = model_state.create(cfg, mesh)
-    tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
-    state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
+    graphdef, state, _, tx = train.init_state(cfg, mesh)
     data = train.prepare_batch(cfg, next(input_pipeline.create_data_iterator(cfg, process_index=0, process_count=1)))
     data = jax.device_put(data, train.batch_shardings(cfg, mesh, data))
     step = jax.jit(train.make_train_step(cfg, graphdef, tx)).lower(state, data).compile()

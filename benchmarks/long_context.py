@@ -2,51 +2,21 @@
 
     python benchmarks/long_context.py                                    # 8K, 16K, 32K, 64K; gather and mask
     python benchmarks/long_context.py --lengths 32768 --paths gather,gather_fixed,mask --budget 540
-    python benchmarks/long_context.py --compile-only                     # memory per length and path, nothing run
+    python benchmarks/long_context.py --compile-only  # memory per length and path (DEVICE_CHECK_MEMORY_GIB)
     python benchmarks/long_context.py --quick                            # a CPU smoke run (tiny shapes, seconds)
     python benchmarks/long_context.py --lengths 32768 --trace /tmp/long  # and the first path's profile per length
     PYTHONPATH=/tmp/libtpu:. python benchmarks/long_context.py --lengths 32768 --paths gather --compile-for v5e:1x1
 
-The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes: 128 heads, q_lora 1536,
-kv_lora 512, 64 indexer heads of 128, top-k 2048), thinned per rung (below), at max_target_length = each length,
-one sequence a step. The step is train.py's (tools/device/device_check.py train_step: compiled from abstract inputs,
-unscanned layers, its memory analysis checked against the device's memory BEFORE anything is allocated, then
---steps steps timed after a warm-up, median). Paths (PATHS), each a set of config overrides:
-
-  gather        the sparse stage (indexer_training_stage=sparse: attention over the indexer's top-k, the indexer
-                trained by its KL over the selection) on the gather path (sparse_attention_impl=gather)
-  gather_fixed  the same with the indexer not trained (indexer_training_stage=none: a fixed selector; no KL, no
-                indexer gradient): "ours with the indexer trained" over this is issue 69's 1.1x target
-  gather_saved  `gather` keeping each block's absorbed queries and latent outputs for the backward pass
-                (sparse_attention_block_remat=false): what recomputing them costs in time, and saves in memory
-  gather_qb128, gather_qb512  `gather` with 128 / 512 queries a block (sparse_attention_query_block; 256 the file's)
-  gather_save_sel  `gather` under remat_policy=save_attention_selection (the rung's remat_policy overridden): each
-                block's selection and head probabilities kept (0.6 GB at 32K), so the backward pass re-runs no block's
-                indexer scores, top-k or attention forward (decoder.py REMAT_POLICIES)
-  mask          the dense step: no indexer (use_indexer=false), attention over every valid key on MLA's mask path,
-                which runs in splash on a TPU (kernels/backend.py mask_attention; XLA's [b,h,t,s] elsewhere)
-  mask_topk     the sparse stage on the mask path (sparse_attention_impl=mask: a [b,t,s] top-k mask over XLA's
-                dense [b,h,t,s] logits): what the gather path replaces; does not fit a v5e from 8K on
-
-Per length the rungs of --set are tried in order, largest first (default LADDER: one dense layer, a vocabulary of
-8192, remat full; then 64, then 32 heads): the first rung at which the first path fits is that length's rung, and
-every other path runs at the same rung (a path that does not fit there is stated, not moved to another rung: equal
-shapes side by side). What does not fit is skipped with its compiled peak; what fails to compile or run is a row
-with its error. --budget: a length or path that would start with less than MIN_START_S left is skipped (the device
-tool's 10 minutes a command). Printed: a line per run as it ends (a run cut short keeps them), a table, and one
-JSON line. Asserts nothing about time. --trace DIR: the first path at each length also runs 2 steps under
-jax.profiler (into DIR/<length>), its device time per part of the model, source line and op printed
-(benchmarks/profile_ops.py, train_mfu.py's PARTS) and its parts kept in the row: what limits the step.
-
---compile-for TOPOLOGY runs nothing: each (length, path) at the first rung of --set (default LADDER's first) compiled
-for a TPU topology on a host without one (libtpu installed aside, as decode_profile.py), with XLA's temp memory, its
-estimated time per part / source line / op and every whole array written outside a fusion
-(profile_ops.compiled_report: each op once, a loop's body once, not times its trip count: a map of one step's
-work, to compare a change before and after, not a time).
-
-Model MFU = model FLOPs / step / the device's bf16 peak (runtime/metrics.py), model FLOPs per token = 6 x active
-params + attention over min(indexer_topk, keys) keys for the sparse paths, half the keys (causal) for `mask`
-(metrics.model_flops_per_token): the sparse paths do less work, so compare their step times, not their MFU.
+The model is configs/models/deepseek3.2-v5e.yml (the official MLA and indexer shapes), thinned per rung, at
+max_target_length = each length, one sequence a step; the step is tools/device/device_check.py's train_step (its
+memory checked before anything is allocated, then --steps steps timed after a warm-up, median). Each path (PATHS) is
+a set of config overrides; per length the rungs of --set (default LADDER) are tried largest first, the first at which
+the first path fits is that length's rung, every other path runs at that rung (equal shapes side by side). --budget:
+a run that would start with under MIN_START_S left is skipped. --trace DIR: the first path's profile per length
+(profile_ops, train_mfu.py's PARTS). --compile-for TOPOLOGY runs nothing: each (length, path) at the first rung
+compiled for a TPU (libtpu aside, as decode_profile.py): temp memory, XLA's estimate per part / line / op, the
+whole arrays written (profile_ops.compiled_report). The design and the figures: docs/benchmarks.md.
+Prints a line per run as it ends, a table, and one JSON line. Asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -57,29 +27,23 @@ import os
 import sys
 import time
 
-import yaml
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools", "device")]
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
-import profile_ops  # noqa: E402
-import train_mfu  # noqa: E402  (its PARTS: the model's parts by source file)
 
+from benchmarks import profile_ops, timing, train_mfu  # noqa: E402  (train_mfu's PARTS: the model's parts by file)
 from MaxText.kernels import backend  # noqa: E402
 
+GATHER = dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=True)
 PATHS = {
-    "gather": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=True),
-    "gather_fixed": dict(indexer_training_stage="none", sparse_attention_impl="gather", sparse_attention_block_remat=True),
-    "gather_saved": dict(indexer_training_stage="sparse", sparse_attention_impl="gather", sparse_attention_block_remat=False),
-    "gather_qb128": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
-                         sparse_attention_block_remat=True, sparse_attention_query_block=128),
-    "gather_qb512": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
-                         sparse_attention_block_remat=True, sparse_attention_query_block=512),
-    "gather_save_sel": dict(indexer_training_stage="sparse", sparse_attention_impl="gather",
-                            sparse_attention_block_remat=True, remat_policy="save_attention_selection"),
-    "mask": dict(use_indexer=False),
-    "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),
+    "gather": GATHER,  # the sparse stage (attention over the indexer's top-k, the indexer trained by its KL)
+    "gather_fixed": {**GATHER, "indexer_training_stage": "none"},  # a fixed selector: no KL, no indexer gradient
+    "gather_saved": {**GATHER, "sparse_attention_block_remat": False},  # a block's queries, outputs kept
+    "gather_qb128": {**GATHER, "sparse_attention_query_block": 128},  # 128 / 512 queries a block (the file's 256)
+    "gather_qb512": {**GATHER, "sparse_attention_query_block": 512},
+    "gather_save_sel": {**GATHER, "remat_policy": "save_attention_selection"},  # selection kept for the backward
+    "mask": dict(use_indexer=False),  # the dense step, MLA's mask path (splash on a TPU)
+    "mask_topk": dict(indexer_training_stage="sparse", sparse_attention_impl="mask"),  # a [b,t,s] top-k mask
 }
 LENGTHS = (8192, 16384, 32768, 65536)
 # Rungs tried per length, largest first (KEY=VALUE lists), from XLA:CPU's memory analysis of this step (an upper
@@ -99,17 +63,11 @@ QUICK = dict(lengths=(256, 512), steps=2, rung=("emb_dim=128", "mlp_dim=256", "m
 MIN_START_S = 60  # a run that would start with less budget left is skipped
 
 
-def parse_rung(rung) -> dict:
-  """KEY=VALUE strings -> overrides (YAML values)."""
-  if bad := [a for a in rung if "=" not in a]:
-    raise ValueError(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
-  return {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)}
-
-
 def overrides(model: str, length: int, rung, path: str, base=()) -> dict:
-  """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung."""
+  """The train step's config overrides for one (length, rung, path); `base` (KEY=VALUE) under the rung, the path's
+  keys over the rung's."""
   return dict(model_name=model, max_target_length=length, max_prefill_length=length, global_batch_size=1,
-              **{**parse_rung(base), **parse_rung(rung), **PATHS[path]})  # the path's keys win over the rung's
+              **{**timing.overrides(base), **timing.overrides(rung), **PATHS[path]})
 
 
 def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline, base=(), trace=None, top=15):
@@ -128,7 +86,7 @@ def measure(model, lengths, paths, ladder, steps, compile_only, force, deadline,
         if (hlo := r.pop("hlo", None)) is not None:
           r["parts"] = profile_ops.summarize(where, [hlo], train_mfu.PARTS, 2, top)
       except Exception as e:  # a path that fails to compile or run is a row; the others still run
-        r = dict(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        r = dict(failed=timing.failure(e))
     r = dict(length=length, path=path, rung=" ".join(rung), **r)
     print("run " + json.dumps(r), flush=True)
     return r
@@ -177,7 +135,7 @@ def compile_for(model, lengths, paths, rung, topology, force, base=(), top=15, m
         r = dict(temp_gib=round(mem.temp_size_in_bytes / 2**30, 3),
                  argument_gib=round(mem.argument_size_in_bytes / 2**30, 3), **report)
       except Exception as e:  # a path that fails to compile is a row; the others still compile
-        r = dict(failed=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        r = dict(failed=timing.failure(e))
         print(f"\n== {length} tokens, path {path}: {r['failed']}", flush=True)
       rows.append(dict(length=length, path=path, rung=" ".join(rung), **r))
   return rows
@@ -209,40 +167,23 @@ def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
   ap.add_argument("--lengths", default=None, help=f"comma-separated tokens a sequence (default {LENGTHS})")
-  ap.add_argument("--paths", default="gather,mask", help=f"comma-separated, of {', '.join(PATHS)}; the first picks "
-                  "each length's rung")
-  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="append",
-                  help="overrides of one rung; repeat --set for further rungs (largest first; default LADDER)")
+  ap.add_argument("--paths", default="gather,mask", help="comma-separated PATHS; the first picks each length's rung")
   ap.add_argument("--steps", type=int, default=None, help="timed steps (median) after a warm-up (default 5)")
   ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default: no limit)")
-  ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
-                  help="kernels/backend.py choices other than the device's row (backend.forced)")
-  ap.add_argument("--trace", default=None, metavar="DIR",
-                  help="profile the first path's step at each length into DIR/<length> and print its parts")
-  ap.add_argument("--top", type=int, default=15, help="--trace: source lines and ops printed")
-  ap.add_argument("--compile-only", action="store_true",
-                  help="compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH): module doc")
-  ap.add_argument("--min-mb", type=float, default=100.0, help="--compile-for: the smallest whole-array write listed")
-  ap.add_argument("--quick", action="store_true", help="the CPU smoke run: tiny shapes (QUICK) under every rung, "
-                  "256 and 512 tokens, 2 steps, unless given")
-  args = ap.parse_args(argv)
-  try:
-    force = backend.parse_forced(args.force)
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
-        list(QUICK["lengths"] if args.quick else LENGTHS)
-    paths = args.paths.split(",")
-    if bad := [p for p in paths if p not in PATHS]:
-      raise ValueError(f"--paths: no path {bad[0]!r}; the paths are {', '.join(PATHS)}")
-    ladder = args.set or ([[]] if args.quick else list(LADDER))
-    for rung in ladder:
-      parse_rung(rung)
-  except ValueError as e:
-    ap.error(str(e))
+  ap.add_argument("--trace", metavar="DIR", help="the first path's profile per length (DIR/<length>)")
+  ap.add_argument("--compile-only", action="store_true", help="compiled memory alone")
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
+  ap.add_argument("--quick", action="store_true", help="a CPU smoke run: QUICK's shapes, lengths, steps")
+  args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first; default "
+                             "LADDER)", rungs=True)
+  lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else QUICK["lengths"] if args.quick else LENGTHS
+  paths = args.paths.split(",")
+  if bad := [p for p in paths if p not in PATHS]:
+    ap.error(f"--paths: no path {bad[0]!r}; the paths are {', '.join(PATHS)}")
+  ladder = args.set or ([[]] if args.quick else list(LADDER))
   if args.compile_for:
     rows = compile_for(args.model, lengths, paths, ladder[0], args.compile_for, force,
-                       QUICK["rung"] if args.quick else (), args.top, args.min_mb)
+                       QUICK["rung"] if args.quick else ())
     for r in rows:
       print(f"{r['length']:>7} {r['path']:<13} " + (f"failed: {r['failed']}" if "failed" in r else
             f"temp {r['temp_gib']} GiB, XLA's estimate {r['estimated_ms']} ms (each op once)"))
@@ -252,12 +193,11 @@ def main(argv: list[str] | None = None) -> None:
   steps = args.steps or (QUICK["steps"] if args.quick else 5)
   deadline = time.perf_counter() + (args.budget or float("inf"))
   rows = measure(args.model, lengths, paths, ladder, steps, args.compile_only, force, deadline,
-                 QUICK["rung"] if args.quick else (), args.trace, args.top)
+                 QUICK["rung"] if args.quick else (), args.trace)
 
   mask_way = backend.choice("mask_attention") if "mask_attention" not in force else force["mask_attention"]
   print(f"long-context train step, {args.model}{' at --quick sizes' if args.quick else ''}, 1 sequence a step, "
-        f"median of {steps} steps "
-        f"(mask path's dense attention: {mask_way})")
+        f"median of {steps} steps (mask path's dense attention: {mask_way})")
   print(f"{'tokens':>7} {'path':<13} {'rung':<60} figures")
   for r in rows:
     print(f"{r['length']:>7} {r['path']:<13} {(r.get('rung') or '-')[-60:]:<60} {fmt(r)}")

@@ -1,16 +1,12 @@
 #!/bin/bash
 # On the TPU: MaxText 0.2.5's sparse training (indexer_sparse_training=true, top-k 2048 < the sequence, its indexer
-# trained: indexer_loss_scaling_factor=1.0, ours' indexer_loss_weight) at configs/models/deepseek3.2-v5e.yml's shapes,
-# one sequence of each length a step: the MaxText rows of benchmarks/long_context.py's table (docs/benchmarks.md).
+# trained: indexer_loss_scaling_factor=1.0) at configs/models/deepseek3.2-v5e.yml's shapes, one sequence of each length
+# a step: the MaxText rows of long_context.py's table (docs/benchmarks.md, which says what MaxText computes there).
 #   bash benchmarks/long_context_peer.sh 8192,16384,32768 "$OUT"     (checkout root; .peer and .device_bundle carried)
-# .peer is /work/shared/peer copied into the checkout (git-ignored): its common.sh (mt_env: MaxText's site from
-# mt_site.tar.xz, then the project's bundle), mt_v5e_args.sh (the shapes; max_target_length replaced here), mt_launch.py
-# and mt_parse.py. What MaxText computes at top-k < the sequence (its attention_mla.py): the indexer's scores and a
-# [b,t,s] top-k mask, attention in splash under that mask (attention=flash use_tokamax_splash=true, as side_by_side.sh),
-# the indexer's KL over the selection with the main attention's [b,c,t,s] f32 probabilities, c = mla_qk_head_chunk_size
-# heads at a time (chunk() below: ~2 GiB of them live at 8K and 16K, 4 GiB at 32K; 0 would be all 128 heads, 32 GiB at
-# 8K). Each length runs under the run tool's 10 minutes (BUDGET, common.sh), its step times from step 3 on (mt_parse.py);
-# out of memory at REMAT it tries remat full once. Ours at the same shapes: benchmarks/long_context.py (the gather path).
+# .peer is /work/shared/peer copied into the checkout (git-ignored): common.sh (mt_env), mt_v5e_args.sh (the shapes;
+# max_target_length replaced here), mt_launch.py, mt_parse.py. chunk(): mla_qk_head_chunk_size, the KL's heads at a time
+# (~2 GiB of its f32 probabilities live at 8K and 16K, 4 GiB at 32K). Each length under BUDGET (common.sh), step times
+# from step 3 on (mt_parse.py); out of memory at REMAT it tries remat full once.
 T6=${T6:-$PWD/.peer}; source "$T6/common.sh"
 LENGTHS=${1:-8192,16384,32768}; OUT=${2:-$OUT}; mkdir -p "$OUT"
 REMAT=${REMAT:-full}

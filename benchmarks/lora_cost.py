@@ -2,9 +2,9 @@
 moments, and the adapters' forward matmul FLOPs per token over the base's. From the abstract model (nothing
 allocated); prints a table, then one JSON line.
 
-    python benchmarks/lora_cost.py [--rank 64] [--model deepseek3.2-671b] [--state]
+    python benchmarks/lora_cost.py [--rank 64] [--model deepseek3.2-671b]
 
---state adds QLoRA's train state per device (base / adapters / optimizer) on 8 and 16 devices.
+QLoRA's train state per device (base / adapters / optimizer): `python -m MaxText.train_compile` (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import json
 import os
 import sys
 
-if "--state" in sys.argv:
-  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flax import nnx  # noqa: E402
@@ -61,30 +58,10 @@ def cost(model_name: str, rank: int, path: str | None) -> dict:
           "forward_flops_fraction": flops / base_flops}
 
 
-def state_per_device(model_name: str, rank: int) -> list[dict]:
-  import jax
-
-  from MaxText.checkpoint import orbax_state
-  from MaxText.runtime import aot, sharding
-  rows = []
-  for n, extra in ((8, {}), (16, {"ici_fsdp_parallelism": 2})):
-    cfg = pyconfig.initialize(["lora_cost", "base.yml"], num_devices=n, model_name=model_name, ici_data_parallelism=1,
-                              ici_expert_parallelism=8, max_target_length=4096, weight_quantization="fp8_block",
-                              lora_rank=rank, global_batch_size=n, **extra)
-    mesh = sharding.create_mesh(cfg, jax.devices()[:n])
-    with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
-      state, _, _ = train.abstract_train_step(cfg, mesh)
-    gib = lambda t: aot.bytes_per_device(t) / 2**30  # noqa: E731
-    rows.append({"devices": n, "base_gib": gib(state[orbax_state.FROZEN]), "adapters_gib": gib(state["params"]),
-                 "optimizer_gib": gib(state["opt_state"])})
-  return rows
-
-
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--rank", type=int, default=64)
   ap.add_argument("--model", default="deepseek3.2-671b")
-  ap.add_argument("--state", action="store_true", help="also the QLoRA train state per device on 8 and 16 devices")
   args = ap.parse_args()
   rows = {name: cost(args.model, args.rank, path) for name, path in CHOICES.items()}
   print(f"{args.model}, lora_rank={args.rank}")
@@ -92,13 +69,7 @@ def main() -> None:
   for name, r in rows.items():
     print(f"{name:48} {r['trained_parameters']:>16,} {r['adapter_and_adam_gib']:>11.2f} GiB "
           f"{100 * r['forward_flops_fraction']:>10.2f}%")
-  state = state_per_device(args.model, args.rank) if args.state else []
-  if state:
-    print(f"QLoRA train state per device (fp8 base, default modules), GiB\n{'devices':>8} {'base':>8} {'adapters':>9} "
-          f"{'AdamW':>7}")
-    for r in state:
-      print(f"{r['devices']:>8} {r['base_gib']:>8.2f} {r['adapters_gib']:>9.3f} {r['optimizer_gib']:>7.3f}")
-  print(json.dumps({"model": args.model, "rank": args.rank, "rows": rows, "state": state}))
+  print(json.dumps({"model": args.model, "rank": args.rank, "rows": rows}))
 
 
 if __name__ == "__main__":

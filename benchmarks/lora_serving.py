@@ -30,10 +30,6 @@ from MaxText.layers import lora  # noqa: E402
 from MaxText.runtime import sharding  # noqa: E402
 
 
-def _config(keys: list[str], **overrides):
-  return pyconfig.initialize(["lora_serving", "base.yml", *keys], num_devices=1, ici_data_parallelism=1, **overrides)
-
-
 def _random_adapter(cfg, name: str, rank: int, seed: int) -> lora_adapters.Adapter:
   abstract = lora.split(model_state.abstract_model(cfg.model_copy(update={"lora_rank": rank}))[1].to_pure_dict())[0]
   rng = np.random.default_rng(seed)
@@ -59,7 +55,9 @@ def main() -> None:
   ap.add_argument("--tokens", type=int, default=32)
   ap.add_argument("--repeats", type=int, default=5)
   args, keys = ap.parse_known_args()
-  cfg = _config(keys, serve_max_num_seqs=args.requests, serve_max_num_tokens=max(256, args.requests * args.prompt))
+  cfg = pyconfig.initialize(["lora_serving", "base.yml", *keys], num_devices=1, ici_data_parallelism=1,
+                            serve_max_num_seqs=args.requests,
+                            serve_max_num_tokens=max(256, args.requests * args.prompt))
   mesh = sharding.create_mesh(cfg)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, cfg.vocab_size, args.prompt).tolist() for _ in range(args.requests)]

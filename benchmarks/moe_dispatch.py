@@ -6,9 +6,10 @@ the one-layer 671B memory. Prints tables; asserts nothing about time.
     python benchmarks/moe_dispatch.py --tables mesh     # per-device memory + step time, 1..8 devices
     python benchmarks/moe_dispatch.py --tables 671b     # compile only: official dims on 64 devices
 
-"matmul": ms per way ("dense", all experts, a yardstick; "1 matmul", the ideal FLOPs). "mesh": one MoE layer's
-per-device temp memory and step time on data / expert meshes of simulated CPU devices. "671b": one layer at the
-official dims, fsdp 8 x expert 8, compiled, never run: per-device memory and the collectives.
+"matmul": ms per way, the median of --reps calls ("dense", all experts, a yardstick; "1 matmul", the ideal
+FLOPs). "mesh": one MoE layer's per-device temp memory and step time on data / expert meshes of simulated CPU
+devices. "671b": one layer at the official dims, fsdp 8 x expert 8, compiled, never run: per-device memory and the
+collectives.
 """
 
 from __future__ import annotations
@@ -35,15 +36,6 @@ from MaxText.runtime import aot, sharding
 DEFAULT_SHAPES = ["1024,2,8,64,32", "2048,8,64,256,128", "4096,8,16,512,256"]
 
 
-def _time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / reps * 1e3
-
-
 def _dense(x, weights, ids, wi_0, wi_1, wo):
   gates = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(ids, wi_0.shape[0], dtype=x.dtype))  # [T,E]
   h = jax.nn.silu(jnp.einsum("td,edi->tei", x, wi_0)) * jnp.einsum("td,edi->tei", x, wi_1)  # [T,E,I]
@@ -58,7 +50,7 @@ def _one_matmul(x, weights, ids, wi_0, wi_1, wo):
 
 def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
   """Compiles (and with `run` times) the MoE layer's forward + backward on `devices`:
-  (per-device temp bytes, per-device argument bytes, collectives, seconds or None)."""
+  (per-device temp bytes, per-device argument bytes, the collectives "op count, ...", seconds or None)."""
   mesh = sharding.create_mesh(cfg, devices)
 
   def loss(state, graphdef, x):
@@ -77,30 +69,30 @@ def _layer_grad(cfg, devices, batch: int, seq: int, run: bool, reps: int = 2):
       real = jax.jit(lambda: nnx.split(moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)))[1], out_shardings=shardings)()
       xs = jax.device_put(np.random.default_rng(0).normal(size=x.shape).astype(x.dtype), x.sharding)
       secs = timing.median_ms(lambda: compiled(real, xs), reps, warmup=0) / 1e3
-    return mem.temp_size_in_bytes, mem.argument_size_in_bytes, aot.collective_counts(compiled.as_text()), secs
+    coll = ", ".join(f"{k} {v}" for k, v in aot.collective_counts(compiled.as_text()).items()) or "-"
+    return mem.temp_size_in_bytes, mem.argument_size_in_bytes, coll, secs
 
 
-def mesh_table(reps: int, kinds, counts, cfs) -> None:
+def mesh_table(reps: int, counts) -> None:
   print("\none MoE layer fwd+bwd, E=64 k=8 D=512 I=256, 16 x 1024 tokens (fixed); moe_capacity_factor -1 "
         f"(dropless) and 1.25; median of {reps} steps")
   print(f"{'mesh':>14} {'n':>2} {'cf':>5} {'temp MiB/dev':>13} {'vs n=1':>7} {'step s':>7}  collectives")
   dims = ["num_experts=64", "num_experts_per_tok=8", "n_routing_groups=8", "topk_routing_group=4", "emb_dim=512",
           "moe_mlp_dim=256", "global_batch_size=16"]
   base = None
-  for kind in kinds:
+  for kind in ("data", "expert", "data x expert"):
     for n in counts:
       if kind == "data x expert" and n < 4:
         continue
       axes = {"data": {"data": n}, "expert": {"data": 1, "expert": n},
               "data x expert": {"data": 2, "expert": n // 2}}[kind]
-      for cf in (cfs if "expert" in kind and n > 1 else (-1.0,)):
+      for cf in ((-1.0, 1.25) if "expert" in kind and n > 1 else (-1.0,)):
         cfg = pyconfig.initialize(["bench", "base.yml", *dims, f"moe_capacity_factor={cf}",
                                    *[f"ici_{a}_parallelism={v}" for a, v in axes.items()]], num_devices=n)
         temp, _, coll, secs = _layer_grad(cfg, jax.devices()[:n], 16, 1024, run=True, reps=reps)
         base = base or (temp if n == 1 else None)
-        names = ", ".join(f"{k} {v}" for k, v in coll.items()) or "-"
         ratio = f"{temp / base:>7.2f}" if base else f"{'-':>7}"
-        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {ratio} {secs:>7.2f}  {names}", flush=True)
+        print(f"{kind:>14} {n:>2} {cf:>5} {temp / 2**20:>13.1f} {ratio} {secs:>7.2f}  {coll}", flush=True)
 
 
 def table_671b() -> None:
@@ -114,8 +106,7 @@ def table_671b() -> None:
     t = time.perf_counter()
     temp, args_b, coll, _ = _layer_grad(cfg, jax.devices()[:64], 64, 4096, run=False)
     secs = time.perf_counter() - t
-    names = ", ".join(f"{k} {v}" for k, v in coll.items())
-    print(f"{cf:>5} {temp / 2**30:>13.2f} {args_b / 2**30:>13.2f} {secs:>10.1f}  {names}", flush=True)
+    print(f"{cf:>5} {temp / 2**30:>13.2f} {args_b / 2**30:>13.2f} {secs:>10.1f}  {coll}", flush=True)
 
 
 def matmul_table(args) -> None:
@@ -136,7 +127,7 @@ def matmul_table(args) -> None:
         "dense": _dense,
         "1 matmul": _one_matmul,
     }
-    heavy = t * e * d * i > args.skip_dense_above
+    heavy = t * e * d * i > 2**31  # dense, and ragged_dot on the CPU, skipped past this
     grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 3, 4, 5))  # x, wi_0, wi_1, wo
     for name, make in (("fwd", lambda f: f), ("fwd+bwd", grad)):
       row = []
@@ -146,7 +137,7 @@ def matmul_table(args) -> None:
           row.append(f"{'skipped':>11}")
           continue
         fn = jax.jit(make(f))
-        row.append(f"{_time(fn, x, weights, ids, wi_0, wi_1, wo, reps=args.reps):11.1f}")
+        row.append(f"{timing.median_ms(lambda: fn(x, weights, ids, wi_0, wi_1, wo), args.reps, warmup=0):11.1f}")
       print(f"{spec:>22} {name:>8} " + " ".join(row))
 
 
@@ -155,15 +146,12 @@ def main() -> None:
   ap.add_argument("--tables", nargs="*", default=["matmul", "mesh", "671b"], choices=["matmul", "mesh", "671b"])
   ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="matmul table: T,k,E,D,I")
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--kinds", nargs="*", default=["data", "expert", "data x expert"], help="mesh table: mesh kinds")
   ap.add_argument("--devices", nargs="*", type=int, default=[1, 2, 4, 8], help="mesh table: device counts")
-  ap.add_argument("--cfs", nargs="*", type=float, default=[-1.0, 1.25], help="mesh table: moe_capacity_factor values")
-  ap.add_argument("--skip-dense-above", type=int, default=2**31, help="skip dense/ragged-on-CPU past T*E*D*I")
   args = ap.parse_args()
   if "matmul" in args.tables:
     matmul_table(args)
   if "mesh" in args.tables:
-    mesh_table(args.reps, args.kinds, args.devices, args.cfs)
+    mesh_table(args.reps, args.devices)
   if "671b" in args.tables:
     table_671b()
 

@@ -5,8 +5,8 @@ paths, at decode shapes.
     python benchmarks/paged_decode_kernels.py --interpret --contexts 2048 --rows 2 --iters 1   # any backend
 
 Per (cache dtype, rows, context), the indexer's scores and the sparse MLA decode over k = 2048: each variant's
-median ms, its roofline fraction (bytes over --bandwidth) and its largest difference from the XLA reference.
---module picks the kernels (default: triton on a GPU, else mosaic); --mla-configs sweeps Triton's MLA kernel's
+median ms, its roofline fraction (bytes over decode.py's bandwidth) and its largest difference from the XLA
+reference. The kernels: Triton's on a GPU, else Mosaic's; --mla-configs sweeps Triton's MLA kernel's
 (block, heads a program, warps, splits). Prints a table, then one JSON line.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import time
 
@@ -105,9 +106,7 @@ def mla_fns(d: dict, interpret: bool, module=pd, configs=()) -> dict:
       kernels["kernel@native"] = functools.partial(engine, native_fp8=True)
       kernels["kernel@native1"] = functools.partial(engine, native_fp8=True, parts=1)
     for cfg in configs:  # "32x32w8s2": block 32, 32 heads a program, 8 warps, 2 splits (s: optional, 1)
-      blk, rest = cfg.split("x")
-      heads, rest = rest.split("w")
-      warps, _, splits = rest.partition("s")
+      blk, heads, warps, splits = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:s(\d+))?", cfg).groups()
       kernels[f"kernel@{cfg}"] = functools.partial(pg.sparse_mla_decode, block=int(blk), heads_per_program=int(heads),
                                                    num_warps=int(warps), splits=int(splits or 1))
   fns = {name: jax.jit(lambda *a, fn=fn: fn(*a, 0.07, interpret=interpret)) for name, fn in kernels.items()}
@@ -138,30 +137,22 @@ def main(argv=None) -> None:
   ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16])
   ap.add_argument("--dtypes", nargs="*", default=["fp8", "float32"], choices=["fp8", "float32"])
   ap.add_argument("--iters", type=int, default=7)
-  ap.add_argument("--bandwidth", type=float, default=None,
-                  help="memory bandwidth in GB/s (default: decode.py's table for this device, else measured)")
-  ap.add_argument("--module", choices=["mosaic", "triton"], default=None,
-                  help="the kernels: paged_decode.py (Mosaic) or paged_decode_gpu.py (Triton); default: triton on a GPU")
   ap.add_argument("--mla-configs", nargs="*", default=[], metavar="BLOCKxHEADSwWARPS[sSPLITS]",
                   help="triton: MLA kernel variants, e.g. 64x32w8s4 (slots a block, heads a program, warps, splits)")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (any backend; slow)")
-  ap.add_argument("--variants", nargs="+", default=["kernel", "xla", "engine"],
-                  choices=["kernel", "xla", "engine"], help="engine: PagedKeys.scores as this backend's row runs it")
-  ap.add_argument("--kernels", nargs="+", default=["scoring", "mla"], choices=["scoring", "mla"])
   ap.add_argument("--pages-per-block", type=int, nargs="+", default=None,
-                  help="scoring: pages a grid step (a program) reads; the first is `kernel`, the others `kernel@n` "
-                       "(default: the engine's, paged_cache.SCORE_BLOCK_SLOTS / GPU_SCORE_BLOCK_SLOTS keys)")
+                  help="scoring: pages a program reads; the first `kernel`, others `kernel@n` (default: the engine's)")
   args = ap.parse_args(argv)
-  module = {"mosaic": pd, "triton": pg}[args.module or ("triton" if jax.default_backend() == "gpu" else "mosaic")]
+  module = pg if jax.default_backend() == "gpu" else pd
   slots = paged_cache.GPU_SCORE_BLOCK_SLOTS if module is pg else paged_cache.SCORE_BLOCK_SLOTS
   args.pages_per_block = args.pages_per_block or [max(1, slots // PAGE)]
-  args.bandwidth, source = bandwidth(args.bandwidth)
+  gbs, source = bandwidth()
   extra = [f"kernel@{n}" for n in args.pages_per_block[1:]]
   if module is pg:  # (kernel@native: scoring and MLA; parts1, native1 and the configs: MLA)
     extra += ["kernel@native", "kernel@parts1", "kernel@native1"] + [f"kernel@{c}" for c in args.mla_configs]
-  variants = args.variants + (extra if "kernel" in args.variants else [])
+  variants = ["kernel", "xla", "engine"] + extra
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); kernels {module.__name__}; roofline at "
-        f"{args.bandwidth:.0f} GB/s ({source}); median of {args.iters}; interpret={args.interpret}")
+        f"{gbs:.0f} GB/s ({source}); median of {args.iters}; interpret={args.interpret}")
   print(f"{'kernel':>8} {'dtype':>7} {'rows':>4} {'context':>7} {'MB':>8} {'bound ms':>8}  "
         + "  ".join(f"{v + ' ms':>12}" for v in variants) + f"  {'kernel/bound':>12} {'max rel diff':>12}")
   results = []
@@ -172,21 +163,18 @@ def main(argv=None) -> None:
         d = inputs(rows, context, dtype == "fp8")
         jax.block_until_ready(d)
         print(f"  inputs: {rows} rows x {context} in {time.perf_counter() - t0:.1f} s", flush=True)
-        for kind, make in (("scoring", scoring_fns), ("mla", mla_fns)):
-          if kind not in args.kernels:
-            continue
-          made = make(d, args.interpret, args.pages_per_block, module) if kind == "scoring" else \
-              make(d, args.interpret, module, args.mla_configs)
-          fns = {name: fn for name, fn in made.items() if name.split("@")[0] in args.variants}
+        for kind in ("scoring", "mla"):
+          fns = scoring_fns(d, args.interpret, args.pages_per_block, module) if kind == "scoring" else \
+              mla_fns(d, args.interpret, module, args.mla_configs)
           nbytes = bytes_moved(kind, rows, context, dtype == "fp8")
-          bound = nbytes / args.bandwidth / 1e6  # ms
+          bound = nbytes / gbs / 1e6  # ms
           row = dict(kernel=kind, dtype=dtype, rows=rows, context=context, bytes=nbytes, bound_ms=round(bound, 4))
           try:
             got, out = timing.interleaved(fns, args.iters, warmup=0)
             ms = {name: statistics.median(v) * 1e3 for name, v in got.items()}
             out = {name: np.asarray(v) for name, v in out.items()}
           except Exception as e:  # a Mosaic lowering error is a result here: print it and go on
-            row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            row["status"] = timing.failure(e)
             print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} failed: {row['status']}", flush=True)
             results.append(row)
             continue
@@ -194,18 +182,17 @@ def main(argv=None) -> None:
                                         ("kernel@native", "xla"), ("kernel@native1", "xla")) if a in out and b in out]
           row.update(status="ok", **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
                      max_rel_diff={f"{a}~{b}": max_rel(out[a], out[b]) for a, b in pairs})
-          if "kernel" in ms:
-            row["roofline_fraction"] = round(bound / ms["kernel"], 3)
+          row["roofline_fraction"] = round(bound / ms["kernel"], 3)
           first = next(iter(row["max_rel_diff"].values()), float("nan"))
           print(f"{kind:>8} {dtype:>7} {rows:>4} {context:>7} {nbytes / 1e6:>8.1f} {bound:>8.3f}  "
                 + "  ".join(f"{ms.get(v, float('nan')):>12.3f}" for v in variants)
-                + f"  {row.get('roofline_fraction', float('nan')):>12.3f} {first:>12.2e}", flush=True)
+                + f"  {row['roofline_fraction']:>12.3f} {first:>12.2e}", flush=True)
           results.append(row)
           del fns
         del d
         jax.clear_caches()
   print(json.dumps(dict(benchmark="paged_decode_kernels", backend=jax.default_backend(), module=module.__name__,
-                        device=jax.devices()[0].device_kind, bandwidth_gbs=args.bandwidth, rows=results)))
+                        device=jax.devices()[0].device_kind, bandwidth_gbs=gbs, rows=results)))
 
 
 if __name__ == "__main__":

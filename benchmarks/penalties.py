@@ -51,10 +51,9 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--prompt", type=int, default=32768)
-  ap.add_argument("--vocab", type=int, default=129280)
   ap.add_argument("--steps", type=int, default=20)
   args = ap.parse_args()
-  b, v = args.rows, args.vocab
+  b, v = args.rows, 129280  # DeepSeek-V3.2's vocabulary
   rng = np.random.default_rng(0)
   params = SamplingParams(max_tokens=1 << 20, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.4,
                           logit_bias=((11, 3.0),))

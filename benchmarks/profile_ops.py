@@ -4,8 +4,8 @@
 `summarize(trace_dir, hlo_texts, parts, steps, top)` prints tables per part, per source line and per op and
 returns the per-part rows; `tables` does the same for any {op: ns}; `compiled_report` reads a program compiled
 for a TPU it does not run on (XLA's estimated cycles, the whole arrays written outside fusions). A part is the
-first (part, file suffix, function names or None) triple of `parts` matching the op's innermost MaxText frame;
-else "other: <file>". Used by benchmarks/decode_profile.py and benchmarks/train_mfu.py.
+first (part, file suffix or a tuple of them, function names or None) triple of `parts` matching the op's
+innermost MaxText frame; else "other: <file>". Used by benchmarks/decode_profile.py and benchmarks/train_mfu.py.
 """
 
 from __future__ import annotations
@@ -100,14 +100,13 @@ def device_ops(xplane: str) -> tuple[dict, str]:
   return dict(totals), ", ".join(sorted(set(read)))
 
 
-def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int = 25, hlo_chars: int = 240
-              ) -> list[dict]:
+def summarize(trace_dir: str, hlo_texts: list[str], parts, steps: int, top: int = 25) -> list[dict]:
   """The newest trace under trace_dir, its device ops per part / source line / op;
   times per step (the trace held `steps` steps). Returns [{part, ms}] largest first."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
   ops, planes = device_ops(files[-1])
   print(f"trace: {files[-1]} ({os.path.getsize(files[-1]) / 1e6:.1f} MB); planes read: {planes}")
-  return tables(ops, hlo_texts, parts, steps, top, hlo_chars, "device time")
+  return tables(ops, hlo_texts, parts, steps, top, 240, "device time")
 
 
 def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hlo_chars: int = 240,
@@ -132,12 +131,11 @@ def tables(ops: dict, hlo_texts: list[str], parts, steps: int, top: int = 25, hl
     ms = ns / steps / 1e6
     print(f"{part:>32} {ms:>9.3f} {ms / total:>6.1%}")
     out.append(dict(part=part, ms=round(ms, 4)))
-  print(f"\n{'part':>32} {'ms':>9}  source line (top {top})")
-  for (part, where), ns in by_line.most_common(top):
-    print(f"{part:>32} {ns / steps / 1e6:>9.3f}  {where}")
-  print(f"\n{'part':>32} {'ms':>9}  op: its HLO (top {top})")
-  for (part, op), ns in by_op.most_common(top):
-    print(f"{part:>32} {ns / steps / 1e6:>9.3f}  {op}: {lines.get(op, '?')[:hlo_chars]}")
+  for what, by, text in (("source line", by_line, str), ("op: its HLO", by_op,
+                                                        lambda op: f"{op}: {lines.get(op, '?')[:hlo_chars]}")):
+    print(f"\n{'part':>32} {'ms':>9}  {what} (top {top})")
+    for (part, key), ns in by.most_common(top):
+      print(f"{part:>32} {ns / steps / 1e6:>9.3f}  {text(key)}")
   return out
 
 

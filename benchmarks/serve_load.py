@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -57,46 +58,49 @@ def workload(args, n: int, seed: int) -> list[tuple[str, int]]:
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
-    k = int(rng.integers(args.prompt_words[0], args.prompt_words[1] + 1))
+    k = int(rng.integers(4, 33))  # prompt words
     at = int(rng.integers(0, len(words) - k))
     prompt = " ".join(words[at:at + k])
     room = args.context - len(tok.encode(prompt, add_special_tokens=False).ids)
-    out.append((prompt, min(int(rng.integers(args.out_min, args.out_max + 1)), room)))
+    out.append((prompt, min(int(rng.integers(*((8, 25) if args.quick else (16, 65)))), room)))  # output tokens
   return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+  """A free port on the loopback."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-def start(cmd: list[str], env: dict, url: str, log_path: str, timeout: float = 600) -> subprocess.Popen:
-  log = open(log_path, "w")
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@contextlib.contextmanager
+def started(command, env: dict, log_path: str, timeout: float = 600):
+  """A server up: command(port) on a free loopback port, in its own session, its output in log_path -> (its process,
+  its URL) once /health answers 200; stopped (SIGTERM, SIGKILL after 60 s) when the block ends."""
   import httpx
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if proc.poll() is not None:
-      raise RuntimeError(f"{cmd[:3]} exited {proc.returncode}; see {log_path}")
-    try:
-      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-        return proc
-    except httpx.TransportError:
-      pass
-    time.sleep(0.5)
-  stop(proc)
-  raise RuntimeError(f"{cmd[:3]} not healthy after {timeout} s; see {log_path}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-  if proc.poll() is None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-      proc.wait(60)
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
+  port = free_port()
+  url, cmd = f"http://127.0.0.1:{port}", command(port)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                          start_new_session=True)
+  try:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+      with contextlib.suppress(httpx.TransportError):
+        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+          break
+      time.sleep(0.5)
+    else:
+      why = f"not healthy after {timeout} s" if proc.poll() is None else f"exited {proc.returncode}"
+      raise RuntimeError(f"{cmd[:3]} {why}; see {log_path}")
+    yield proc, url
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGTERM)
+      try:
+        proc.wait(60)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, ...]:
@@ -149,13 +153,9 @@ async def run_level(url: str, model: str, work: list[tuple[str, int]], concurren
           "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99))}
 
 
-def model_id(url: str) -> str:
-  import httpx
-  return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
 def bench(url: str, levels, works, model: str | None = None, extra: dict | None = None) -> dict:
-  model, extra = model or model_id(url), extra or {}
+  import httpx
+  model, extra = model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], extra or {}
   asyncio.run(run_level(url, model, works[levels[0]][:1], 1, extra))  # warm: the first request's own costs
   return {c: asyncio.run(run_level(url, model, works[c], c, extra)) for c in levels}
 
@@ -166,23 +166,18 @@ def main(argv=None) -> None:
   ap.add_argument("--checkpoint", default="", help="our checkpoint (default: random init of --config)")
   ap.add_argument("--concurrency", default="1,8,32")
   ap.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency (at least 8)")
-  ap.add_argument("--prompt-words", type=int, nargs=2, default=(4, 32))
-  ap.add_argument("--out-min", type=int, default=16)
-  ap.add_argument("--out-max", type=int, default=64)
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--context", type=int, default=128, help="max_target_length of the model served")
   ap.add_argument("--chunk", type=int, default=16, help="our prefill_chunk_size (16 beat 64 at concurrency 32 here)")
-  ap.add_argument("--theirs-pythonpath", default="", help="an extra folder on transformers serve's PYTHONPATH")
   ap.add_argument("--no-theirs", action="store_true")
   ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, outputs of 8..24 tokens")
   ap.add_argument("overrides", nargs="*", metavar="key=value")
   args = ap.parse_args(argv)
   if args.quick:
-    args.concurrency, args.out_min, args.out_max = "1,8", 8, 24
+    args.concurrency = "1,8"
   if not args.checkpoint and not args.overrides:
     args.overrides = ["max_target_length=128", "mtp_num_layers=0", "param_init_std=0.2"]
   levels = [int(c) for c in args.concurrency.split(",")]
-  works = {c: workload(args, max(8, args.requests * c), args.seed + c) for c in levels}
+  works = {c: workload(args, max(8, args.requests * c), c) for c in levels}
   work = tempfile.mkdtemp(prefix="serve-load-")
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
              PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
@@ -190,34 +185,26 @@ def main(argv=None) -> None:
   try:
     ckpt, hf = export_weights(args, work)
     rows, theirs_mode = {}, None
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    ours = start([sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
-                  "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false", f"serve_port={port}",
-                  f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", f"prefill_chunk_size={args.chunk}"],
-                 env, url, os.path.join(work, "ours.log"))
-    try:
+    ours = [sys.executable, "-m", "MaxText.serve", args.config, *args.overrides, f"load_parameters_path={ckpt}",
+            "tokenizer_type=hf", f"tokenizer_path={hf}/tokenizer.json", "add_bos=false",
+            f"serve_max_num_seqs={max(levels)}", "serve_page_size=16", f"prefill_chunk_size={args.chunk}"]
+    with started(lambda port: [*ours, f"serve_port={port}"], env, os.path.join(work, "ours.log")) as (_, url):
       rows["ours"] = bench(url, levels, works, extra={"ignore_eos": True})
-    finally:
-      stop(ours)
     if not args.no_theirs:
-      tenv = dict(env, PYTHONPATH=os.pathsep.join(p for p in (args.theirs_pythonpath, env["PYTHONPATH"]) if p))
       exe = os.path.join(os.path.dirname(sys.executable), "transformers")
       for cb in (["--continuous-batching"], []):
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        theirs = start([exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-                       tenv, url, os.path.join(work, "theirs.log"))
+        def theirs(port, cb=cb):
+          return [exe, "serve", hf, *cb, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+
         try:
-          rows["theirs"] = bench(url, levels, works, model=hf)  # its models are named by their folder
+          with started(theirs, env, os.path.join(work, "theirs.log")) as (_, url):
+            rows["theirs"] = bench(url, levels, works, model=hf)  # its models are named by their folder
           theirs_mode = "continuous-batching" if cb else theirs_mode
           break
         except RuntimeError as e:
           if not cb:
             raise
           failed = str(e)[:200]
-        finally:
-          stop(theirs)
         log = open(os.path.join(work, "theirs.log")).read()
         why = (re.findall(r"^(\w+Error: .*)$", log, re.M) or [failed])[-1]
         theirs_mode = f"no continuous batching (--continuous-batching failed: {why})"

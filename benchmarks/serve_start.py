@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.serve_load import REPO, _free_port, start, stop
+from benchmarks.serve_load import REPO, started
 
 
 def time_to_ready(cache_dir: str, extra: list[str], log_path: str) -> tuple[float, float]:
@@ -24,13 +24,11 @@ def time_to_ready(cache_dir: str, extra: list[str], log_path: str) -> tuple[floa
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
   env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-  port = _free_port()
   cache_key = f"jax_cache_dir={cache_dir}" if cache_dir else 'jax_cache_dir=""'
-  cmd = [sys.executable, "-m", "MaxText.serve", "configs/base.yml", f"serve_port={port}", cache_key, *extra]
   t0 = time.perf_counter()
-  proc = start(cmd, env, f"http://127.0.0.1:{port}", log_path)
-  seconds = time.perf_counter() - t0
-  stop(proc)
+  with started(lambda port: [sys.executable, "-m", "MaxText.serve", "configs/base.yml", f"serve_port={port}", cache_key,
+                             *extra], env, log_path):
+    seconds = time.perf_counter() - t0
   with open(log_path) as f:
     warmup = re.search(r"compiled \d+ step programs in ([\d.]+) s", f.read())
   return seconds, float(warmup.group(1)) if warmup else float("nan")
@@ -85,9 +83,8 @@ def main(extra: list[str]) -> None:
   for arm, n, s, w in rows:
     print(f"| {arm} | {n} | {s:.1f} | {w:.1f} |")
   t = {(a, n): s for a, n, s, _ in rows}
-  print(json.dumps({"off_first_s": round(t["off", 1], 1), "off_second_s": round(t["off", 2], 1),
-                    "on_first_s": round(t["on", 1], 1), "on_second_s": round(t["on", 2], 1),
-                    "on_second_warmup_s": round(rows[-1][3], 1),
+  print(json.dumps({f"{a}_{('first', 'second')[n - 1]}_s": round(s, 1) for a, n, s, _ in rows}
+                   | {"on_second_warmup_s": round(rows[-1][3], 1),
                     "second_start_speedup": round(t["off", 2] / t["on", 2], 2), "cache_entries": entries}))
 
 

@@ -5,7 +5,7 @@
 
 One seeded workload (Poisson arrivals, uniform prompt and log-uniform output lengths, greedy) through one
 ServingEngine per policy, in real time. Prints output tokens/s, TTFT and TPOT (p50, p99) per policy; then
-`prefix` (the prefix cache's TTFT), `speculative` (--spec-only: MTP drafts' acceptance and speedup) and
+`prefix` (the prefix cache's TTFT), `speculative` (MTP drafts' acceptance and speedup) and
 `structured` (--structured-only: free rows beside constrained ones); then one JSON line. Never a timed assert.
 """
 from __future__ import annotations
@@ -28,11 +28,15 @@ from MaxText.inference.grammar import Grammars, GrammarSpec
 from MaxText.inference.scheduler import SamplingParams
 from MaxText.inference.serving import ServingEngine
 from MaxText.runtime import sharding
-from MaxText.runtime.optimizers import create_optimizer
 
 MID = dict(num_decoder_layers=8, first_num_dense_layers=1, emb_dim=512, mlp_dim=1024, num_query_heads=8,
            moe_mlp_dim=256, num_experts=8, num_experts_per_tok=2)
 POLICIES = ("continuous", "static", "static-shrink")
+# the tiny model's workload (rate: arrivals a second, 100: about 16 in flight; seqs: concurrent sequences, a static
+# batch's rows; tokens: serve_max_num_tokens; chunk: prefill_chunk_size); prefix(), speculative(), structured()'s
+WORKLOAD = dict(requests=128, rate=100.0, seqs=16, tokens=512, chunk=64, page=16, prompt_min=8, prompt_max=96,
+                out_min=4, out_max=256, max_len=384, system=1024, prefix_requests=8, prefix_gap=0.2, spec_tokens=1,
+                spec_requests=16, spec_seqs=8, structured_tokens=64)
 MID_WORKLOAD = dict(max_len=8192, chunk=256, page=64, prompt_min=128, prompt_max=1024, requests=16, rate=1.0)
 
 
@@ -91,60 +95,55 @@ def serve(engine: ServingEngine, work, policy: str, seqs: int):
   return stats(first, finish, [w[0] for w in work], [w[2] for w in work], 0.0, t1)
 
 
-def model_for(args, extra: dict, seqs: int, prefix_caching: bool = True):
+def model_for(args, extra: dict, seqs: int):
   keys = dict(ici_data_parallelism=1, mtp_num_layers=0, max_target_length=args.max_len,
               max_prefill_length=args.max_len, prefill_chunk_size=args.chunk, serve_max_num_seqs=seqs,
-              serve_max_num_tokens=args.tokens, serve_page_size=args.page, serve_prefix_caching=prefix_caching)
+              serve_max_num_tokens=args.tokens, serve_page_size=args.page)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **{**keys, **extra})
   graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
   return cfg, graphdef, params, buffers
 
 
-def compare(args, name: str, extra: dict, **overrides) -> dict:
-  """Both policies on one workload; overrides: the workload's own args (e.g. MID_WORKLOAD)."""
-  args = argparse.Namespace(**{**vars(args), **overrides})
-  cfg, g, p, b = model_for(args, extra, args.seqs)
-  work = workload(args, seed=0)
-  engine = ServingEngine(cfg, g, p, b)
-  engine.warmup()  # every step program compiled before the clock starts; both policies share them
-  out = {"model": name}
-  for policy in POLICIES:
-    engine.reset()  # empty pools and prefix cache; the compiled programs stay
-    out[policy] = serve(engine, work, policy, args.seqs)
+def served(args, extra: dict, seqs: int, work, runs: dict) -> dict:
+  """The work through one engine (model_for's; every step program compiled before the clock starts), once per run
+  {name: (policy, prefix caching on)}, reset between runs (empty pools and prefix cache; the programs stay)."""
+  engine = ServingEngine(*model_for(args, extra, seqs))
+  engine.warmup()
+  out = {}
+  for name, (policy, caching) in runs.items():
+    engine.reset()
+    engine.allocator.prefix_caching = caching
+    out[name] = serve(engine, work, policy, seqs)
   return out
+
+
+def compare(args, name: str, extra: dict, **overrides) -> dict:
+  """Every policy on one workload; overrides: the workload's own args (e.g. MID_WORKLOAD)."""
+  args = argparse.Namespace(**{**vars(args), **overrides})
+  return {"model": name, **served(args, extra, args.seqs, workload(args, seed=0), {p: (p, True) for p in POLICIES})}
 
 
 def prefix(args, extra: dict) -> dict:
-  """TTFT of requests sharing a --system-token system prompt (each + a short question), one at a
-  time (--prefix-gap s apart), without and with the prefix cache."""
+  """TTFT of requests sharing a `system`-token system prompt (each + a short question), one at a time
+  (`prefix_gap` s apart), without and with the prefix cache."""
   rng = np.random.default_rng(1)
   system = [1] + rng.integers(3, 500, args.system - 1).tolist()
   work = [(args.prefix_gap * i, system + rng.integers(3, 500, 8).tolist(), 8) for i in range(args.prefix_requests)]
-  out, seqs = {}, 2  # one request at a time
-  cfg, g, p, b = model_for(args, {**extra, "max_target_length": args.system + 64}, seqs)
-  eng = ServingEngine(cfg, g, p, b)
-  eng.warmup()
-  for caching in (False, True):
-    eng.reset()
-    eng.allocator.prefix_caching = caching  # the same compiled programs, the prefix cache off or on
-    out["with" if caching else "without"] = serve(eng, work, "continuous", seqs)
-  return out
+  return served(args, {**extra, "max_target_length": args.system + 64}, 2, work,  # one request at a time
+                {"without": ("continuous", False), "with": ("continuous", True)})
 
 
 def speculative(args) -> dict:
-  """A tiny-width model of --spec-layers decoder layers with one MTP module, trained on the progressions;
-  at each of --spec-checkpoints training steps (an MTP module drafts better as it trains: a ladder of
-  acceptance rates) the same requests are served greedy with and without MTP drafts, side by side
-  (--spec-repeats times each, interleaved; the median tokens/s), the weights swapped into the same two
-  engines (ServingEngine.load_weights: nothing recompiled)."""
+  """A tiny-width model of --spec-layers decoder layers with one MTP module, trained on the progressions; at each
+  of --spec-checkpoints training steps (an MTP module drafts better as it trains: a ladder of acceptance rates) the
+  same requests served greedy with and without MTP drafts, side by side (--spec-repeats times each, interleaved;
+  the median tokens/s), the weights swapped into the same two engines (load_weights: nothing recompiled)."""
   keys = dict(ici_data_parallelism=1, mtp_num_layers=1, max_target_length=160, dataset_type="synthetic",
               steps=max(args.spec_checkpoints), max_prefill_length=96, prefill_chunk_size=0,
               num_decoder_layers=args.spec_layers, serve_max_num_seqs=args.spec_seqs, serve_max_num_tokens=args.tokens,
               serve_page_size=args.page)
   cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **keys)
-  graphdef, params, buffers, _ = model_state.create(cfg, sharding.create_mesh(cfg))
-  tx = create_optimizer(cfg, train.trainable_labels(cfg, params))
-  state = {"params": params, "buffers": buffers, "opt_state": jax.jit(tx.init)(params), "step": np.int32(0)}
+  graphdef, state, _, tx = train.init_state(cfg, sharding.create_mesh(cfg))
   step, data = jax.jit(train.make_train_step(cfg, graphdef, tx), donate_argnums=(0,)), create_data_iterator(cfg)
   t0, snapshots = time.perf_counter(), {}
   for i in range(1, cfg.steps + 1):
@@ -182,7 +181,7 @@ STRUCTURED_REGEX = "([a-z]+ )+"  # never complete: a constrained row runs to max
 
 
 def structured(args) -> dict:
-  """--seqs free rows with 0, 1 and 8 regex-constrained rows beside them, all at once, side by side in one
+  """`seqs` free rows with 0, 1 and 8 regex-constrained rows beside them, all at once, side by side in one
   engine (its plain and masked step programs compiled first): tokens/s of all rows and of the free ones,
   the mask fill's milliseconds a step; the median of --spec-repeats interleaved runs."""
   tok = load_tokenizer(tokenizer_type="hf", tokenizer_path="tests/data/tokenizer.json")
@@ -249,33 +248,12 @@ def fresh(result):
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="the tiny model only, 64 requests, a 512-token system prompt")
-  ap.add_argument("--requests", type=int, default=128)
-  ap.add_argument("--rate", type=float, default=100.0, help="arrivals per second (100: about 16 in flight)")
-  ap.add_argument("--seqs", type=int, default=16, help="concurrent sequences (continuous) / static batch rows")
-  ap.add_argument("--tokens", type=int, default=512, help="serve_max_num_tokens")
-  ap.add_argument("--chunk", type=int, default=64, help="prefill_chunk_size")
-  ap.add_argument("--page", type=int, default=16)
-  ap.add_argument("--prompt-min", type=int, default=8)
-  ap.add_argument("--prompt-max", type=int, default=96)
-  ap.add_argument("--out-min", type=int, default=4)
-  ap.add_argument("--out-max", type=int, default=256)
-  ap.add_argument("--max-len", type=int, default=384)
-  ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
-  ap.add_argument("--prefix-requests", type=int, default=8)
-  ap.add_argument("--prefix-gap", type=float, default=0.2, help="seconds between shared-prefix requests")
-  ap.add_argument("--spec-tokens", type=int, default=1, help="serve_speculative_tokens measured against 0")
-  ap.add_argument("--spec-requests", type=int, default=16, help="requests of the speculative comparison")
-  ap.add_argument("--spec-seqs", type=int, default=8, help="serve_max_num_seqs of the speculative comparison")
-  ap.add_argument("--spec-layers", type=int, default=12,
-                  help="decoder layers of the speculative comparison's model (tiny widths, one MTP module)")
-  ap.add_argument("--spec-checkpoints", type=lambda v: [int(x) for x in v.split(",")],
-                  default=[100, 125, 150, 200, 300],
+  ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
+  ap.add_argument("--spec-layers", type=int, default=12, help="the speculative model's decoder layers (+ one MTP)")
+  ap.add_argument("--spec-checkpoints", type=lambda v: list(map(int, v.split(","))), default=[100, 125, 150, 200, 300],
                   help="training steps at which drafting is measured (the last: spec_acceptance, spec_speedup)")
   ap.add_argument("--spec-repeats", type=int, default=3, help="runs of each side per checkpoint (median)")
-  ap.add_argument("--spec-only", action="store_true", help="only the speculative comparison")
-  ap.add_argument("--structured-only", action="store_true", help="only the structured-outputs rows")
-  ap.add_argument("--structured-tokens", type=int, default=64, help="tokens every row makes in the structured rows")
-  args = ap.parse_args()
+  args = argparse.Namespace(**WORKLOAD, **vars(ap.parse_args()))
   if args.quick:
     args.requests, args.system = 64, 512
   if args.structured_only:
@@ -296,9 +274,6 @@ def main() -> None:
   out = {"spec_acceptance": round(spec["acceptance"], 3), "spec_speedup": round(spec["speedup"], 3),
          "spec_min_speedup_at_acceptance_0.6": round(min(at_06), 3) if at_06 else None,
          "spec_ladder": [[round(p["acceptance"], 3), round(p["speedup"], 3)] for p in spec["ladder"]]}
-  if args.spec_only:
-    print(json.dumps(out))
-    return
   rows = [fresh(compare(args, "tiny", {}))]
   if not args.quick:
     rows.append(fresh(compare(args, "mid (8 layers, emb 512, 8K)", MID, **MID_WORKLOAD)))

@@ -28,7 +28,7 @@ import time
 if __package__ in (None, ""):  # python benchmarks/soak.py: import the repo's packages
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serve_load import DATA, REPO, _free_port, start, stop  # noqa: E402
+from benchmarks.serve_load import DATA, REPO, started  # noqa: E402
 
 KEY = "soak-" + os.urandom(8).hex()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -53,7 +53,6 @@ class Tally:
     self.kinds[kind] += 1
     self.status[status] += 1
     self.accepted += status in (200, 408)  # 408: taken, then ended at serve_request_timeout
-
 
   def server_errors(self) -> int:
     """5xx answers plus requests without an answer (status 0: a broken connection or the 120 s timeout)."""
@@ -215,44 +214,35 @@ def main(argv=None) -> int:
   ap.add_argument("--minutes", type=float, required=True, help="how long the load runs (the run ends by itself)")
   ap.add_argument("--clients", type=int, default=6, help="closed-loop clients")
   ap.add_argument("--burst-every", type=float, default=30.0, help="seconds between bursts past serve_max_waiting")
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("overrides", nargs="*", help="key=value for the server's config")
   args = ap.parse_args(argv)
   import httpx
-  port = _free_port()
-  url = f"http://127.0.0.1:{port}"
   max_waiting, max_seqs = 4, 4
-  serve_args = server_args(port, max_waiting, max_seqs, args.overrides)
   from MaxText.config.types import ConfigError
   try:
-    keep_alive = server_config(serve_args).serve_keep_alive
+    keep_alive = server_config(server_args(0, max_waiting, max_seqs, args.overrides)).serve_keep_alive
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  cmd = [sys.executable, "-m", "MaxText.serve", *serve_args]
+
+  def command(port):
+    return [sys.executable, "-m", "MaxText.serve", *server_args(port, max_waiting, max_seqs, args.overrides)]
+
   env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "MAXTEXT_API_KEY": KEY,
          "PYTHONPATH": REPO}
   log_path = os.path.join(tempfile.mkdtemp(prefix="soak_"), "server.log")
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed soak still stops its server (finally)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed soak still stops its server (the with's end)
   t_start = time.monotonic()
-  proc = start(cmd, env, url, log_path)
-  print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
-  tally, rss = Tally(), []
-  seconds = args.minutes * 60
-  warm_at = time.monotonic() + max(60.0, 0.1 * seconds)
-  warm = [None]
+  with started(command, env, log_path) as (proc, url):
+    print(f"server up in {time.monotonic() - t_start:.0f} s (log {log_path}); load for {args.minutes} min", flush=True)
+    tally, samples = Tally(), []  # samples: (minute since the load began, rss MiB, compiled step programs) a tick
+    seconds = args.minutes * 60
 
-  samples = []  # (minute since the load began, rss MiB, compiled step programs) every tick
+    def tick(m: dict):
+      samples.append(((time.monotonic() - t0) / 60, _rss_mib(proc.pid), m.get("step_programs")))
 
-  def tick(m: dict):
-    rss.append(_rss_mib(proc.pid))
-    samples.append(((time.monotonic() - t0) / 60, rss[-1], m.get("step_programs")))
-    if warm[0] is None and time.monotonic() >= warm_at:
-      warm[0] = len(samples) - 1
-
-  try:
     t0 = time.monotonic()
-    asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), args.seed,
+    asyncio.run(drive(url, seconds, args.clients, args.burst_every, 3 * (max_waiting + max_seqs), 0,
                       tally, tick, keep_alive))
     wall = time.monotonic() - t0
     auth = {"Authorization": f"Bearer {KEY}"}
@@ -263,11 +253,9 @@ def main(argv=None) -> int:
         break
       time.sleep(0.5)
     end_rss = _rss_mib(proc.pid)
-  finally:
-    stop(proc)
-  warm_index = warm[0] if warm[0] is not None else 0
-  warm_rss = samples[warm_index][1] if samples else end_rss
-  warm_programs = samples[warm_index][2] if samples else None
+  # the first sample after the warm-up (a minute, or a tenth of the run if longer), else the first
+  warm_index = next((i for i, s in enumerate(samples) if s[0] * 60 >= max(60.0, 0.1 * seconds)), 0)
+  warm_rss, warm_programs = samples[warm_index][1:] if samples else (end_rss, None)
   end_programs = m.get("step_programs")
   ttft = sorted(tally.ttft)
   p = (lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 3)) if ttft else (lambda q: None)
@@ -279,11 +267,11 @@ def main(argv=None) -> int:
       "p99_ttft_s": p(0.99), "p50_ttft_s": p(0.5), "minutes": round(wall / 60, 2),
       "accepted": tally.accepted, "metrics_finished": int(m.get("finished", 0)),
       "status": {str(k): v for k, v in sorted(tally.status.items())}, "kinds": dict(tally.kinds),
-      "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1), "max": round(max(rss + [end_rss]), 1)},
+      "rss_mib": {"warm": round(warm_rss, 1), "end": round(end_rss, 1),
+                  "max": round(max([s[1] for s in samples] + [end_rss]), 1)},
       "pages_cached": int(m.get("pages_cached") or 0), "pages_total": int(m.get("pages_total") or 0),
       "finish_reasons": {k[len("finished_"):]: int(v) for k, v in m.items() if k.startswith("finished_")},
-      "unexpected": dict(tally.errors.most_common(5)),
-      "by_minute": _by_minute(samples),
+      "unexpected": dict(tally.errors.most_common(5)), "by_minute": _by_minute(samples),
   }
   checks = soak_checks(result, tally)
   print(f"\n{'requests':>10} {'5xx':>5} {'accepted':>9} {'counted':>8} {'leaked':>7} {'rss warm':>9} {'rss end':>8} "

@@ -2,12 +2,12 @@
 
     python benchmarks/sparse_attention.py                 # t = s in 4K, 8K, 16K, 32K, k = 2048
     python benchmarks/sparse_attention.py --quick         # 2K and 4K, small enough for a minute
-    python benchmarks/sparse_attention.py --sizes 4096,8192 --heads 16 --kv-lora 512 --grad
+    python benchmarks/sparse_attention.py --sizes 4096,8192 --set num_query_heads=16 kv_lora_rank=512 --grad
     python benchmarks/sparse_attention.py --crossover     # the auto threshold: sizes 1K..8K
 
-One MLA layer with the indexer, jitted whole (--grad: and its gradient), each (path, size) in its own process.
-Prints per row the time, XLA's compiled peak memory and the max RSS; a path over --mem-limit-gib is not run and
-its time extrapolated quadratically (labelled). Never a timed assert.
+One MLA layer with the indexer (SHAPE; --set KEY=VALUE overrides), jitted whole (--grad: and its gradient), each
+(path, size) in its own process. Prints per row the time, XLA's compiled peak memory and the max RSS (a path over
+--mem-limit-gib is not run, its time extrapolated quadratically, labelled), then one JSON line. Never a timed assert.
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 1 << 30
+SHAPE = dict(emb_dim=512, num_query_heads=32, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64,
+             qk_rope_head_dim=32, v_head_dim=64, indexer_n_heads=8, indexer_head_dim=64, indexer_topk=2048,
+             indexer_head_chunk=8, sparse_attention_query_block=256)
 
 
-def model_overrides(a, impl: str, t: int) -> dict:
-  return dict(
-      sparse_attention_impl=impl, emb_dim=a.emb, num_query_heads=a.heads, q_lora_rank=a.q_lora,
-      kv_lora_rank=a.kv_lora, qk_nope_head_dim=a.nope, qk_rope_head_dim=a.rope, v_head_dim=a.v,
-      indexer_n_heads=a.index_heads, indexer_head_dim=a.index_dim, indexer_topk=a.topk,
-      indexer_head_chunk=a.head_chunk, sparse_attention_query_block=a.query_block,
-      max_target_length=t, max_prefill_length=t, max_position_embeddings=max(t, 4096),
-      original_max_position_embeddings=4096, rope_factor=40.0, ici_data_parallelism=1)
+def shape(a) -> dict:
+  """SHAPE under --set's KEY=VALUE pairs."""
+  return {**SHAPE, **dict(kv.split("=", 1) for kv in a.set)}
 
 
 def run_one(a, impl: str, t: int) -> dict:
@@ -44,15 +42,18 @@ def run_one(a, impl: str, t: int) -> dict:
 
   from MaxText.config import pyconfig
   from MaxText.layers.attention_mla import MLA
+  from MaxText.runtime import aot
 
-  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **model_overrides(a, impl, t))
+  cfg = pyconfig.initialize(["bench", "base.yml"], num_devices=1, **shape(a), sparse_attention_impl=impl,
+                            max_target_length=t, max_prefill_length=t, max_position_embeddings=max(t, 4096),
+                            original_max_position_embeddings=4096, rope_factor=40.0, ici_data_parallelism=1)
   mla = MLA(cfg, rngs=nnx.Rngs(0))
   assert mla.use_gather(t) == (impl == "gather")
   graphdef, params, rest = nnx.split(mla, nnx.Param, ...)
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((1, t, cfg.emb_dim)), jnp.float32)
   pos = jnp.arange(t, dtype=jnp.int32)[None]
-  r = jnp.asarray(rng.standard_normal((1, t, a.emb)), jnp.float32)
+  r = jnp.asarray(rng.standard_normal((1, t, cfg.emb_dim)), jnp.float32)
 
   def forward(params, x, pos):
     out, aux = nnx.merge(graphdef, params, rest)(x, pos)
@@ -66,12 +67,9 @@ def run_one(a, impl: str, t: int) -> dict:
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(params, x, pos).compile()
   compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-  row = {"impl": impl, "t": t, "compiled_peak": peak, "temp": mem.temp_size_in_bytes, "compile_s": compile_s}
+  peak, temp = (aot.memory(compiled)[k] for k in ("peak", "temp"))  # arguments + outputs - aliased + temporaries
+  row = {"impl": impl, "t": t, "compiled_peak": peak, "temp": temp, "compile_s": compile_s}
   print(json.dumps(row), flush=True)  # known even if running it gets the process killed
-  if a.compile_only:
-    return row
   if peak > a.mem_limit_gib * GIB:
     row["skipped"] = f"compiled peak {peak / GIB:.1f} GiB > --mem-limit-gib {a.mem_limit_gib}"
     return row
@@ -98,49 +96,29 @@ def spawn(a, impl: str, t: int) -> dict:
   return row
 
 
-def fmt_gib(x) -> str:
-  return f"{x / GIB:.2f}" if x is not None else "-"
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", default="4096,8192,16384,32768", help="t = s values, comma-separated")
   p.add_argument("--quick", action="store_true", help="sizes 2048,4096, no warm-up run")
   p.add_argument("--crossover", action="store_true", help="sizes 1K..8K, to place sparse_attention_gather_min_length")
-  p.add_argument("--impls", default="mask,gather")
-  p.add_argument("--topk", type=int, default=2048)
-  p.add_argument("--emb", type=int, default=512)
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--q-lora", type=int, default=256)
-  p.add_argument("--kv-lora", type=int, default=256)
-  p.add_argument("--nope", type=int, default=64)
-  p.add_argument("--rope", type=int, default=32)
-  p.add_argument("--v", type=int, default=64)
-  p.add_argument("--index-heads", type=int, default=8)
-  p.add_argument("--index-dim", type=int, default=64)
-  p.add_argument("--head-chunk", type=int, default=8)
-  p.add_argument("--query-block", type=int, default=256)
+  p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config values over SHAPE's")
   p.add_argument("--grad", action="store_true", help="time forward + backward instead of the forward")
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
   p.add_argument("--mem-limit-gib", type=float, default=18.0, help="skip a run whose compiled peak exceeds this")
-  p.add_argument("--compile-only", action="store_true", help="report the compiled peak memory only; run nothing")
   p.add_argument("--one", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.one:
     print(json.dumps(run_one(a, a.one[0], int(a.one[1]))))
     return
-  argv = sys.argv[1:]
-  a.passthrough = [x for x in argv if x not in ("--quick", "--crossover")]
+  a.passthrough = [x for x in sys.argv[1:] if x not in ("--quick", "--crossover")]
   if a.quick:
     a.sizes, a.passthrough = "2048,4096", a.passthrough + ["--warmup", "0"]
   if a.crossover:
     a.sizes = "1024,2048,3072,4096,6144,8192"
   sizes = [int(x) for x in a.sizes.split(",")]
-  impls = a.impls.split(",")
-  print(f"one MLA layer + indexer: D={a.emb} h={a.heads} q_lora={a.q_lora} c={a.kv_lora} nope={a.nope} "
-        f"rope={a.rope} v={a.v}; indexer {a.index_heads} heads x {a.index_dim} (chunk {a.head_chunk}); "
-        f"k={a.topk}; query block {a.query_block}; batch 1, fp32; "
+  impls = ["mask", "gather"]
+  print(f"one MLA layer + indexer: {shape(a)}; batch 1, fp32; "
         f"{'forward + backward' if a.grad else 'forward (prefill)'}; {os.cpu_count()} CPUs; "
         f"min of {a.repeats} run(s) after {a.warmup} warm-up")
   rows = {}
@@ -149,6 +127,7 @@ def main():
       rows[impl, t] = spawn(a, impl, t)
       print("  ", json.dumps(rows[impl, t]), file=sys.stderr, flush=True)
   report(rows, sizes, impls)
+  print(json.dumps(dict(benchmark="sparse_attention", grad=a.grad, shape=shape(a), rows=list(rows.values()))))
 
 
 def report(rows: dict, sizes: list[int], impls: list[str]) -> None:
@@ -158,6 +137,7 @@ def report(rows: dict, sizes: list[int], impls: list[str]) -> None:
   print(f"{'':>6} | {'wall s':>7} {'cpu s':>7} {'peak GiB':>8} {'RSS GiB':>7} | {'wall s':>7} {'cpu s':>7} "
         f"{'peak GiB':>8} {'RSS GiB':>7} | {'wall':>6} {'cpu':>6}")
   last, notes, extrapolated = None, [], False
+  fmt_gib = lambda x: f"{x / GIB:.2f}" if x is not None else "-"  # noqa: E731
   num = lambda x, w, star=False: f"{'~' if star else ''}{x:.2f}{'*' if star else ''}".rjust(w) if x else "-".rjust(w)
   for t in sizes:
     m, g = rows.get(("mask", t), {}), rows.get(("gather", t), {})

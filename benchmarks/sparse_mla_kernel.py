@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import profile_ops
+from benchmarks import profile_ops, timing
 from MaxText.kernels import backend
 from MaxText.kernels import sparse_attention as sa
 from MaxText.runtime.metrics import peak_flops_per_device
@@ -39,33 +39,21 @@ def inputs(a) -> tuple[jax.Array, ...]:
   return q, kv, jnp.asarray(idx[None], jnp.int32), jnp.ones((1, a.tokens, a.topk), bool)
 
 
-def timed(fn, args, iters: int) -> float:
-  """Median seconds of fn(*args) after one warm-up (compile) call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+def attend(a, q, kv, idx, ok):
+  """The gather path's attention of one block: [1,T,h,c] outputs, [1,T,k] p_heads."""
+  return sa.attend_block(q, kv, idx, ok, (a.kv_lora + a.rope) ** -0.5, a.kv_lora, block=a.block)
 
 
 def measure(a, way: str, args) -> dict:
-  scale, c = (a.kv_lora + a.rope) ** -0.5, a.kv_lora
-  r = jnp.asarray(np.random.default_rng(1).standard_normal((1, a.tokens, a.heads, c)), jnp.bfloat16)
-
-  def forward(q, kv, idx, ok):
-    o, ph = sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)  # [1,T,h,c], [1,T,k]
-    return (o, ph) if a.kl else o
-
-  def loss(q, kv, idx, ok):
-    return jnp.sum(sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)[0].astype(jnp.float32) * r)
+  r = jnp.asarray(np.random.default_rng(1).standard_normal((1, a.tokens, a.heads, a.kv_lora)), jnp.bfloat16)
+  forward = lambda *x: attend(a, *x) if a.kl else attend(a, *x)[0]  # noqa: E731
+  loss = lambda *x: jnp.sum(attend(a, *x)[0].astype(jnp.float32) * r)  # noqa: E731
 
   with backend.forced(gather_attention=way):  # traced (so chosen) inside the block
     fwd = jax.jit(forward)
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    row = dict(way=way, fwd_ms=1e3 * timed(fwd, args, a.iters))
-    row["fwd_bwd_ms"] = 1e3 * timed(grad, args, a.iters)
+    row = dict(way=way, fwd_ms=timing.median_ms(lambda: fwd(*args), a.iters, warmup=0))
+    row["fwd_bwd_ms"] = timing.median_ms(lambda: grad(*args), a.iters, warmup=0)
   return row
 
 
@@ -77,10 +65,10 @@ def compile_for(a, topology: str) -> list[dict]:
     return []
   sh = jax.sharding.SingleDeviceSharding(devices[0])
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x in inputs(a)]
-  scale, c, rows = (a.kv_lora + a.rope) ** -0.5, a.kv_lora, []
+  rows = []
 
-  def loss(q, kv, idx, ok):
-    o, ph = sa.attend_block(q, kv, idx, ok, scale, c, block=a.block)
+  def loss(*x):
+    o, ph = attend(a, *x)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ph)
 
   for way in a.ways.split(","):
@@ -91,7 +79,7 @@ def compile_for(a, topology: str) -> list[dict]:
       row = dict(way=way, compile_s=round(time.perf_counter() - t0, 1),
                  temp_gib=round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3))
     except Exception as ex:  # a way Mosaic or XLA refuses is a row (e.g. out of scoped VMEM)
-      row = dict(way=way, failed=f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}")
+      row = dict(way=way, failed=timing.failure(ex))
     print(f"{way:<11} {row}", flush=True)
     rows.append(row)
   return rows
@@ -102,16 +90,13 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--tokens", type=int, default=256, help="query tokens (a gather-path block)")
   ap.add_argument("--keys", type=int, default=32768, help="the sequence's keys")
   ap.add_argument("--topk", type=int, default=2048)
-  ap.add_argument("--heads", type=int, default=128)
-  ap.add_argument("--kv-lora", type=int, default=512)
-  ap.add_argument("--rope", type=int, default=64)
+  ap.set_defaults(heads=128, kv_lora=512, rope=64)  # the official MLA shapes (--quick: QUICK's)
   ap.add_argument("--ways", default="xla,pallas,pallas_dma", help="backend.py gather_attention ways")
   ap.add_argument("--block", type=int, default=None, help="the kernels' slots a grid step (default BLOCK_SLOTS)")
   ap.add_argument("--kl", action="store_true", help="the forward also returns p_heads (the sparse stage's KL)")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help=f"tiny shapes for a CPU smoke run: {QUICK}")
-  ap.add_argument("--compile-for", default=None, metavar="TOPOLOGY",
-                  help="compile only, for a TPU topology (e.g. v5e:1x1; libtpu on PYTHONPATH)")
+  ap.add_argument("--compile-for", metavar="TOPOLOGY", help="compile only, for a TPU topology (e.g. v5e:1x1)")
   a = ap.parse_args(argv)
   if a.quick:
     for k, v in QUICK.items():
@@ -134,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
       row = measure(a, way, args)
     except Exception as ex:  # a way that fails to compile or run is a row; the others still run
-      row = dict(way=way, failed=f"{type(ex).__name__}: {str(ex).splitlines()[0][:300] if str(ex) else ''}")
+      row = dict(way=way, failed=timing.failure(ex))
       print(f"{way:<11} failed: {row['failed']}", flush=True)
       rows.append(row)
       continue

@@ -11,43 +11,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-
-def _lockstep(pid: int, size: int, n: int) -> None:
-  """Each process times its Lockstep check of the same call n times; prints {"lockstep_<pid>_ms": median}."""
-  import numpy as np
-
-  from MaxText.inference import step_channel
-  channel = step_channel.open_channel(60, lockstep=True)
-  feed = np.zeros(size // 4, np.int32)
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    channel.send("step", 8, feed)
-    times.append(time.perf_counter() - t)
-  print(json.dumps({f"lockstep_{pid}_ms": round(statistics.median(times) * 1e3, 3)}), flush=True)
-  channel.close()
+from benchmarks.serve_load import free_port
 
 
 def _process(pid: int, port: int, size: int, n: int, lockstep: bool = False) -> None:
+  """One of the two processes; lockstep: each times its Lockstep check of the same call n times and prints
+  {"lockstep_<pid>_ms": median}."""
   import jax
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{port}", 2, pid)
-  if lockstep:
-    _lockstep(pid, size, n)
-    return
   import numpy as np
   from jax.experimental import multihost_utils
 
   from MaxText.inference import step_channel
-  channel = step_channel.open_channel(60)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", 2, pid)
+  channel = step_channel.open_channel(60, lockstep=lockstep)
   client = channel.client
   feed = np.zeros(size // 4, np.int32)
+  if lockstep:
+    times = []
+    for _ in range(n):
+      t = time.perf_counter()
+      channel.send("step", 8, feed)
+      times.append(time.perf_counter() - t)
+    print(json.dumps({f"lockstep_{pid}_ms": round(statistics.median(times) * 1e3, 3)}), flush=True)
+    channel.close()
+    return
   send, round_trip, broadcast = [], [], []
   for i in range(n):
     if pid == 0:
@@ -87,9 +80,7 @@ def main() -> None:
   if args.role >= 0:
     _process(args.role, args.port, args.bytes, args.n, args.lockstep)
     return
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_ENABLE_COMPILATION_CACHE": "false"}
   procs = [subprocess.Popen([sys.executable, __file__, "--role", str(i), "--port", str(port), "--bytes",
@@ -102,21 +93,18 @@ def main() -> None:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  if args.lockstep:
-    result = {"bytes": args.bytes, "n": args.n}
-    for out in outs:
-      result |= json.loads(out.strip().splitlines()[-1])
-    print(f"{'Lockstep check of a ' + str(args.bytes) + '-byte call (median of ' + str(args.n) + ')':<60} ms")
-    print(f"{'process 0: encode + digest + store write':<60} {result['lockstep_0_ms']:.3f}")
-    print(f"{'process 1: encode + digest + read of process 0s + compare':<60} {result['lockstep_1_ms']:.3f}")
-    print(json.dumps(result))
-    return
-  result = json.loads(outs[0].strip().splitlines()[-1])
-  print(f"{'per message of ' + str(result['bytes']) + ' bytes (median of ' + str(result['n']) + ')':<44} ms")
-  for key, what in (("send_ms", "step_channel send (encode + store write)"),
-                    ("round_trip_ms", "send + follower receive + answer"),
-                    ("broadcast_ms", "multihost_utils.broadcast_one_to_all")):
-    print(f"{what:<44} {result[key]:.3f}")
+  result = {"bytes": args.bytes, "n": args.n}
+  for out in outs if args.lockstep else outs[:1]:  # each process's median (--lockstep), else process 0's
+    result |= json.loads(out.strip().splitlines()[-1])
+  title = f"Lockstep check of a {args.bytes}-byte call" if args.lockstep else f"per message of {args.bytes} bytes"
+  rows = ((("lockstep_0_ms", "process 0: encode + digest + store write"),
+           ("lockstep_1_ms", "process 1: encode + digest + read of process 0s + compare")) if args.lockstep else
+          (("send_ms", "step_channel send (encode + store write)"),
+           ("round_trip_ms", "send + follower receive + answer"),
+           ("broadcast_ms", "multihost_utils.broadcast_one_to_all")))
+  print(f"{title + f' (median of {args.n})':<60} ms")
+  for key, what in rows:
+    print(f"{what:<60} {result[key]:.3f}")
   print(json.dumps(result))
 
 

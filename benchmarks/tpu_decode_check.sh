@@ -1,27 +1,19 @@
 #!/usr/bin/env bash
 # The TPU figures of docs/kernels.md and docs/accelerators.md ("Current figures"), one part a call (each under the
-# run tool's 10 minutes); every command runs this checkout's current tpu row of kernels/backend.py:
-#   bash benchmarks/tpu_decode_check.sh step OUT      the sparse decode step, 128K fp8, page 256, bf16 weights: 16, 4
-#                                                    and 1 rows, 16 rows of 4 layers, 16 rows with 15 at 4K (untraced)
-#   bash benchmarks/tpu_decode_check.sh profile OUT   the 16-row step traced: device time per part and source line,
-#                                                    the pieces alone, the launches (benchmarks/decode_profile.py)
-#   bash benchmarks/tpu_decode_check.sh kernels OUT   the Pallas kernels compiled by Mosaic beside their XLA paths,
-#                                                    1 / 4 / 16 rows of 128K fp8 (benchmarks/paged_decode_kernels.py)
-#   bash benchmarks/tpu_decode_check.sh decode OUT    benchmarks/decode.py at 128K, 1 / 4 / 16 rows, fp8, sparse and
-#                                                    dense, paged against contiguous where its copy fits
-#   bash benchmarks/tpu_decode_check.sh mfu OUT       benchmarks/train_mfu.py: configs/models/deepseek3.2-v5e.yml's
-#                                                    train step (remat none), 1 and 2 x 2048 tokens, and its profile
-#                                                    (splash and the KL target kernel among its parts)
-#   bash benchmarks/tpu_decode_check.sh long OUT [LENGTHS [PATHS]]   benchmarks/long_context.py: the long-context
-#                                                    train step, gather path beside the dense mask path (splash), per
-#                                                    length (default 8192,16384,32768; gather,mask), under 560 s;
-#                                                    the first path profiled per length (--trace)
-#   bash benchmarks/tpu_decode_check.sh prefill OUT [CONTEXTS]   benchmarks/decode.py --prompt: one prompt through the
-#                                                    engine's 2048-token chunked prefill, sparse beside dense, fp8
-#                                                    cache, each's tokens/s (default 32768,131072), under 560 s
-#   (MaxText 0.2.5 at the same lengths: benchmarks/long_context_peer.sh, with /work/shared/peer carried as .peer)
+# run tool's 10 minutes), this checkout's tpu row of kernels/backend.py: bash benchmarks/tpu_decode_check.sh PART OUT
+#   step      decode_profile.py untraced: the sparse decode step, 128K fp8, page 256, bf16 weights: 16, 4 and 1 rows,
+#             16 rows of 4 layers, 16 rows with 15 at 4K
+#   profile   decode_profile.py: the 16-row step traced (device time per part and source line), the pieces, the launches
+#   kernels   paged_decode_kernels.py: the Pallas kernels compiled by Mosaic beside their XLA paths, 1 / 4 / 16 rows
+#   decode    decode.py at 128K, 1 / 4 / 16 rows, fp8, sparse and dense, paged against contiguous where its copy fits
+#   mfu       train_mfu.py: configs/models/deepseek3.2-v5e.yml's train step (remat none), 1 and 2 x 2048 tokens, its
+#             profile (splash and the KL target kernel among its parts)
+#   long OUT [LENGTHS [PATHS]]   long_context.py: gather beside mask (splash) per length (default 8192,16384,32768;
+#             gather,mask) under 560 s, the first path profiled (--trace); MaxText 0.2.5's: long_context_peer.sh
+#   prefill OUT [CONTEXTS]   decode.py --prompt: one prompt through the 2048-token chunked prefill, sparse beside
+#             dense, fp8 cache, each's tokens/s (default 32768,131072), under 560 s
 # A comparison with another tree is two runs of a part, one in each checkout. Expects .device_bundle
-# (tools/device/device_bundle.sh, docs/accelerators.md) beside this checkout's benchmarks/.
+# (tools/device/device_bundle.sh, docs/accelerators.md) beside benchmarks/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="$1"; out="${2:-/tmp/tdc}"; mkdir -p "$out"

@@ -17,22 +17,16 @@ import json
 import os
 import sys
 
-import yaml
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools", "device"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools", "device")]
 import device_check  # noqa: E402  (tools/device/device_check.py: the train step, compiled, fitted, timed)
-import profile_ops  # noqa: E402
 
+from benchmarks import profile_ops, timing  # noqa: E402
 from MaxText.kernels import backend  # noqa: E402
 
-PARTS = (  # (part, file suffix, functions or None): the first match over an op's MaxText frames
-    ("attention: indexer", "layers/indexer.py", None),
-    ("attention: indexer", "kernels/index_scores.py", None),
-    ("attention: selection", "kernels/selection.py", None),
-    ("attention: selection", "kernels/selection_keys.py", None),
-    ("attention: selection", "kernels/topk_indices.py", None),
+PARTS = (  # (part, file suffix or suffixes, functions or None): the first match over an op's MaxText frames
+    ("attention: indexer", ("layers/indexer.py", "kernels/index_scores.py"), None),
+    ("attention: selection", ("kernels/selection.py", "kernels/selection_keys.py", "kernels/topk_indices.py"), None),
     ("attention: sparse core", "kernels/sparse_attention.py", None),
     ("attention: masks", "kernels/masks.py", None),
     ("MoE: dispatch", "kernels/moe_dispatch.py", None),
@@ -43,8 +37,7 @@ PARTS = (  # (part, file suffix, functions or None): the first match over an op'
     ("attention: MLA", "layers/attention_mla.py", None),
     ("embeddings, RoPE", "layers/embeddings.py", None),
     ("norms", "layers/normalizations.py", None),
-    ("linears", "layers/linears.py", None),
-    ("linears", "kernels/fp8_blocks.py", None),
+    ("linears", ("layers/linears.py", "kernels/fp8_blocks.py"), None),
     ("optimizer", "runtime/optimizers.py", None),
     ("loss", "MaxText/train.py", None),
 )
@@ -53,30 +46,17 @@ PARTS = (  # (part, file suffix, functions or None): the first match over an op'
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="deepseek3.2-v5e", help="model_name (configs/models/<name>.yml)")
-  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="append",
-                  help="overrides of one rung; repeat --set for further rungs (largest first)")
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--out", default="/tmp/train_mfu", help="where the trace goes")
   ap.add_argument("--no-trace", action="store_true")
   ap.add_argument("--top", type=int, default=25)
-  ap.add_argument("--force", nargs="*", default=[], metavar="NAME=VALUE",
-                  help="kernels/backend.py choices other than the device's row (backend.forced)")
-  ap.add_argument("--compile-only", action="store_true",
-                  help="each rung's compiled memory alone (DEVICE_CHECK_MEMORY_GIB=15.75 pretends a v5e on the CPU)")
-  args = ap.parse_args(argv)
-  try:
-    force = backend.parse_forced(args.force)  # one line on a bad pair
-  except ValueError as e:
-    ap.error(str(e))
-  rungs = args.set or [[]]
+  ap.add_argument("--compile-only", action="store_true", help="each rung's compiled memory alone")
+  args, force = timing.parse(ap, argv, "overrides of one rung; repeat --set for further rungs (largest first)", True)
   tried = []
-  for rung in rungs:
-    if bad := [a for a in rung if "=" not in a]:
-      ap.error(f"--set takes KEY=VALUE pairs, got {bad[0]!r}")
-    overrides = dict(model_name=args.model, **{k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in rung)})
+  for rung in args.set or [[]]:
+    overrides = dict(model_name=args.model, **timing.overrides(rung))
     with backend.forced(**force):
-      r = device_check.train_step(
-          overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
+      r = device_check.train_step(overrides, args.steps, None if args.no_trace else args.out, args.compile_only)
     if args.compile_only:
       print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, compile_only=True, **r)), flush=True)
       continue
@@ -93,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         f"peak memory {r['peak_gib']} GiB of {r['limit_gib']}; compile {r['compile_s']} s")
   print(f"step {r['step_ms']:.1f} ms (median of {args.steps}); model MFU {r['model_mfu']:.1%}, compiled "
         f"{r['tflops_per_s']} TFLOP/s = {r['mfu']:.1%} of {r['peak_tflops']} TFLOP/s ({r['peak_source']}); loss {r['loss']}")
-  parts = None
-  if hlo is not None:
-    parts = profile_ops.summarize(args.out, [hlo], PARTS, 2, args.top)
+  parts = None if hlo is None else profile_ops.summarize(args.out, [hlo], PARTS, 2, args.top)
   print(json.dumps(dict(benchmark="train_mfu", model=args.model, overrides=rung, forced=args.force, tried=tried,
                         parts=parts, **r)))
 

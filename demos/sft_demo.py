@@ -57,7 +57,7 @@ import shutil
 import sys
 import time
 
-from benchmarks.serve_load import REPO, _free_port, start, stop
+from benchmarks.serve_load import REPO, started
 from demos.sft_conversations import add_arguments, write_sets
 from demos.sft_tokenizer import rendered, train_tokenizer
 
@@ -206,17 +206,16 @@ def checkpoint_bytes(cfg) -> int:
 
 def serve_and_score(args, config_yml: str, extra: list[str], records: list[dict], name: str) -> list[dict]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  port = _free_port()
-  cmd = [sys.executable, "-m", "MaxText.serve", config_yml, f"serve_port={port}",
-         f"jax_cache_dir={os.path.join(args.work, 'jax_cache')}", "serve_width_buckets=1", "serve_context_buckets=1",
-         f"serve_max_num_seqs={args.workers}", *extra]
+
+  def command(port):
+    return [sys.executable, "-m", "MaxText.serve", config_yml, f"serve_port={port}",
+            f"jax_cache_dir={os.path.join(args.work, 'jax_cache')}", "serve_width_buckets=1", "serve_context_buckets=1",
+            f"serve_max_num_seqs={args.workers}", *extra]
+
   t0 = time.perf_counter()
-  proc = start(cmd, env, f"http://127.0.0.1:{port}", os.path.join(args.work, f"serve_{name}.log"))
-  print(f"{name}: server ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-  try:
-    return score(f"http://127.0.0.1:{port}", "deepseek3.2-tiny", records, args.max_tokens, args.workers)
-  finally:
-    stop(proc)
+  with started(command, env, os.path.join(args.work, f"serve_{name}.log")) as (_, url):
+    print(f"{name}: server ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return score(url, "deepseek3.2-tiny", records, args.max_tokens, args.workers)
 
 
 def rates(rows: list[dict]) -> tuple[float, float]:
