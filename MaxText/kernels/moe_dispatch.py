@@ -19,8 +19,13 @@ The expert axis must shard the tokens for (1)-(4). When it cannot (a batch small
 shards, e.g. decoding one sequence), each device instead runs its own E_l experts on all its
 tokens and the partial outputs are summed over `expert` (a psum of [T_l, D]). Tensor parallelism
 splits the experts' hidden dim I: every device computes a partial sum, added by a psum over
-`tensor`. fsdp-sharded expert weights enter the shard_map gathered over fsdp, one layer at a time,
-as GSPMD gathers any fsdp weight. Expert counts (routing-bias update, balance loss) and drops
+`tensor`. fsdp-sharded expert weights (plain arrays) enter the shard_map as they are stored, their model
+dim D split over the ZeRO axes ("embed": fsdp, context), and are gathered inside by `all_gather`, one layer at a
+time: its transpose is a reduce-scatter, so each device's expert gradient leaves [E_l, D/z, I_l] and is reduced
+once. (Gathered by GSPMD before the shard_map, the gradient of the whole [E_l, D, I_l] was all-reduced over the
+token axes and then sliced: on the 671B's 4K step, fsdp 32 x expert 8, 3 x 98 GiB a chip a step of all-reduce.)
+fp8 (BlockFP8) and LoRA expert weights still enter gathered: their scales or adapters need their own split.
+Expert counts (routing-bias update, balance loss) and drops
 are the only global quantities: a psum over the token axes.
 """
 
@@ -83,6 +88,16 @@ def placement(x_shape: tuple, wi_shape: tuple, mesh: Mesh, rules: dict) -> Place
   expert_axis = exp_axes[0] if exp_axes else None
   return Placement(token_spec, token_axes, expert_axis, mlp_axes[0] if mlp_axes else None,
                    mesh.shape[expert_axis] if expert_axis else 1)
+
+
+def _zero_axes(w0, mesh: Mesh, rules: dict, pl: Placement) -> tuple:
+  """The mesh axes that split a plain expert weight's model dim D as stored (logical "embed" after "exp" and
+  "mlp" took theirs) and also split the tokens (so the gathered weight varies over no axis the output does not),
+  for the shard_map to take it so and gather it inside; () for BlockFP8 or LoRA weights."""
+  if not isinstance(w0, jax.Array | jax.ShapeDtypeStruct) or isinstance(w0, BlockFP8):
+    return ()
+  spec = logical_to_spec(("exp", "embed", "mlp"), rules, mesh, w0.shape)  # [E,D,I]
+  return tuple(a for a in _axes_of(spec[1]) if a in pl.token_axes)  # the output varies over these anyway
 
 
 def capacity(assignments: int, ep: int, capacity_factor: float) -> int:
@@ -175,8 +190,9 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
                        f"weight_block_size blocks ({block}) per shard: fp8 expert scales cannot be split so")
   tok, tok2 = pl.token_spec, P(*pl.token_spec[:2])
   batch_axes, length_axes = _axes_of(tok[0]), _axes_of(tok[1])
-  w_in = P(pl.expert_axis, None, pl.tensor_axis)  # [E,D,I]
-  w_out = P(pl.expert_axis, pl.tensor_axis, None)  # [E,I,D]
+  zero = _zero_axes(wi_0, mesh, rules, pl)  # mesh axes that split a plain expert weight's D, gathered inside
+  w_in = P(pl.expert_axis, zero or None, pl.tensor_axis)  # [E,D,I]
+  w_out = P(pl.expert_axis, pl.tensor_axis, zero or None)  # [E,I,D]
 
   def spec_of(w, spec):
     """An ExpertLoRA's parts as its base [E,K,N]: A [E,K,r] split as K, B [E,r,N] as N (a partial sum over a
@@ -190,6 +206,9 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
   def local(x, token_valid, gate, bias, wi_0, wi_1, wo, routed_experts=None):
     # per device: x [b_l,t_l,D], token_valid [b_l,t_l], gate [D,E], bias [E], routed_experts [b_l,t_l,k] | None,
     # wi_0/wi_1 [E_l,D,I_l], wo [E_l,I_l,D] (float, or BlockFP8: the spec applies to values and scale)
+    if zero:  # [E_l,D/z,I_l] -> [E_l,D,I_l] (and wo on its last dim): transposed, a reduce-scatter
+      wi_0, wi_1 = (jax.lax.all_gather(w, zero, axis=1, tiled=True) for w in (wi_0, wi_1))
+      wo = jax.lax.all_gather(wo, zero, axis=2, tiled=True)
     b_l, t_l, d = x.shape
     e_l = shape_of(base_of(wi_0))[0]
     n = b_l * t_l
@@ -241,6 +260,8 @@ def moe_on_mesh(x: jax.Array, token_valid: jax.Array, gate: jax.Array, bias: jax
         terms = jax.lax.psum(terms, batch_axes)
     return y.astype(x.dtype).reshape(b_l, t_l, d), counts, dropped, terms, ids.reshape(b_l, t_l, k)
 
+  if zero:  # gathered and reduce-scattered in the compute dtype (expert_outputs casts to it at use anyway)
+    wi_0, wi_1, wo = (w.astype(x.dtype) for w in (wi_0, wi_1, wo))
   args = (x, token_valid, gate, bias, wi_0, wi_1, wo)
   specs = (tok, tok2, P(), P(), spec_of(wi_0, w_in), spec_of(wi_1, w_in), spec_of(wo, w_out))
   if routed_experts is not None:

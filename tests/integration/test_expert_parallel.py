@@ -260,3 +260,35 @@ def test_ragged_exchange_lowers_with_its_gradient():
   assert fwd.count("ragged_all_to_all") == 3  # rows and their expert ids there, outputs back
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(args[0], *args[3:]).as_text()
   assert grad.count("ragged_all_to_all") == 5  # + the transposes of the two float exchanges
+
+
+def test_fsdp_sharded_expert_weights_are_gathered_inside_and_their_gradients_reduce_scattered():
+  """fsdp 4 x expert 2: each device's local experts' weights arrive split over fsdp (D/4) and are all_gathered in
+  the shard_map; the gradient goes back by a reduce-scatter of [E_l, D/4, I], never an all-reduce of the whole
+  [E_l, D, I] (what GSPMD's gather before the shard_map gave: 98 GiB a chip a step on the 671B)."""
+  import re
+
+  from flax import nnx
+  cfg = make_config(num_devices=8, num_experts=E, num_experts_per_tok=K, n_routing_groups=1, topk_routing_group=1,
+                    emb_dim=D, moe_mlp_dim=I, ici_data_parallelism=1, ici_fsdp_parallelism=4, ici_expert_parallelism=2,
+                    moe_capacity_factor=1.25, moe_exchange="all_to_all")
+  mesh = sharding.create_mesh(cfg)
+
+  def loss(layer_state, graphdef, x):
+    y, _ = nnx.merge(graphdef, layer_state)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  with mesh, sharding.logical_rules(cfg, mesh):
+    graphdef, state = aot.abstract_module(lambda: moe.DeepSeekMoE(cfg, rngs=nnx.Rngs(0)), cfg, mesh)
+    x = aot.abstract_array((8, 16, D), jnp.float32, ("activation_batch", "activation_length", "activation_embed"),
+                           cfg, mesh)
+    hlo = jax.jit(jax.grad(loss), static_argnums=1).lower(state, graphdef, x).compile().as_text()
+  whole = {(E // 2, D, I), (E // 2, I, D)}  # a device's experts, D whole
+  for op in ("all-reduce", "reduce-scatter"):
+    shapes = [tuple(int(v) for v in dims.split(",") if v) for line in hlo.splitlines()
+              if re.search(rf"\s{op}(-start)?\(", line)
+              for dims in re.findall(r"\[([\d,]*)\]", line.split("=", 1)[1].split(f" {op}")[0])]
+    if op == "all-reduce":
+      assert not whole & set(shapes), shapes
+    else:
+      assert {(E // 2, D // 4, I), (E // 2, I, D // 4)} <= set(shapes), shapes

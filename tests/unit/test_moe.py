@@ -387,5 +387,6 @@ def test_padding_is_neither_routed_nor_counted(mesh):
   # padding tokens get only the shared expert; real tokens equal the run without padding
   y_all, _ = apply(model, x)
   shared = nnx.jit(lambda m, x: m.shared_experts(x))(model, x)
-  np.testing.assert_allclose(np.asarray(y)[seg != 0], np.asarray(y_all)[seg != 0], rtol=1e-5, atol=1e-6)
+  # atol: f32 rounding at the outputs' scale (|y| up to ~17; the mesh path's dots sum in another order)
+  np.testing.assert_allclose(np.asarray(y)[seg != 0], np.asarray(y_all)[seg != 0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(y)[seg == 0], np.asarray(shared)[seg == 0], rtol=1e-5, atol=1e-6)
