@@ -108,7 +108,7 @@ def step_estimate(config, r: dict, device_kind: str) -> dict | None:
   flops *= r["tokens_per_step"] / r["num_devices"] * (4 / 3 if config.remat_policy != "none" else 1.0)
   bubble = pipeline.bubble_fraction(config) if config.pipeline_stages > 1 else 0.0
   compute = flops / peak / (1 - bubble)
-  comm = sum(v["bytes"] for k, v in r["collective_traffic"].items() if k in aot.COLLECTIVES) / ring
+  comm = aot.traffic_bytes(r["collective_traffic"]) / ring
   return {"device_kind": device_kind, "compute_s": compute, "collectives_s": comm, "bubble": bubble,
           "full_overlap_s": max(compute, comm), "no_overlap_s": compute + comm}
 
@@ -129,7 +129,8 @@ def _table(config, r: dict) -> str:
 
 def _estimate_rows(r: dict) -> list[tuple[str, str]]:
   est = r["step_estimate"]
-  sent = sum(v["bytes"] for k, v in r["collective_traffic"].items() if k != "loops_without_trip_count")
+  from MaxText.runtime.aot import traffic_bytes
+  sent = traffic_bytes(r["collective_traffic"])
   rows = [("collective bytes", f"{sent / 2**30:.2f} GiB sent a device a step (loops by their trip counts)")]
   if est:
     rows.append(("step estimate", f"{_secs(est['full_overlap_s'])} - {_secs(est['no_overlap_s'])} on "

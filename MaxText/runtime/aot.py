@@ -212,6 +212,11 @@ def collective_traffic(hlo: str, num_devices: int) -> dict[str, dict[str, float]
   return out
 
 
+def traffic_bytes(traffic: dict[str, dict[str, float]]) -> float:
+  """Bytes one device sends over all collectives of a collective_traffic result."""
+  return sum(v["bytes"] for k, v in traffic.items() if k in COLLECTIVES)
+
+
 # ---------------------------------------------------------------- the compile reports' tables
 
 
