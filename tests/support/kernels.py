@@ -1,5 +1,6 @@
-"""What the decode kernels' tests share (test_paged_decode.py, test_paged_decode_gpu.py): pool bits of values,
-and closeness relative to the largest finite value with -inf where the reference has it."""
+"""What the kernels' tests share (test_paged_decode.py, test_paged_decode_gpu.py, test_sparse_mla_kernel.py): pool
+bits of values, closeness relative to the largest finite value with -inf where the reference has it, and Pallas' TPU
+interpreter run so that a DMA started and never waited for shows."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,21 @@ from tests.support.precision import f32_rtol
 def bits(x, dtype):
   """Values -> the bits a pool holds: fp8 (e4m3) as uint8, bf16 as uint16."""
   return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
+
+
+def dma_eager_interpreter():
+  """An `interpret=` for a Mosaic kernel: Pallas' TPU interpreter executing each DMA when it starts, so a DMA the
+  kernel starts and never waits for leaves its semaphore non-zero at the kernel's exit, which the interpreter prints
+  ("Semaphore N has non-zero count ... at kernel exit"; the default "on_wait" mode runs a DMA only at its wait, so
+  one never waited for leaves no trace). On a TPU such a DMA reads past what the kernel needs or faults."""
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.InterpretParams(dma_execution_mode="eager")
+
+
+def assert_every_dma_waited(capfd) -> None:
+  """After kernels ran under dma_eager_interpreter(): none exited with a DMA semaphore still counting."""
+  out = capfd.readouterr()
+  assert "non-zero count" not in out.out + out.err, (out.out + out.err)[-500:]
 
 
 def close(got, ref, rtol):

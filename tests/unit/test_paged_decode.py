@@ -13,7 +13,7 @@ from MaxText.inference.paged_cache import PagedKeys
 from MaxText.kernels import backend
 from MaxText.kernels import paged_decode as pd
 from MaxText.kernels.fp8_blocks import to_pairs
-from tests.support.kernels import bits, close, mla_case
+from tests.support.kernels import assert_every_dma_waited, bits, close, dma_eager_interpreter, mla_case
 
 pytestmark = pytest.mark.device  # runs unchanged on a TPU: the kernels compiled by Mosaic there
 
@@ -69,8 +69,7 @@ def test_paged_index_scores_equal_the_xla_path(scoring_case, dtype):
 
 @pytest.mark.parametrize("pos", [(-1, 13), (0, 128), (127, 255), (300, 13)])  # a padding row; block edges (2 pages
 # of 64 = 128 slots); a position past the table's 256 slots: every slot scored (the kernel clamps its last block to
-# the table's, so it starts no DMA it would not wait for: neither interpreter reports an un-waited one, so that part
-# is read, not tested)
+# the table's)
 def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case_64, pos, monkeypatch):
   """Blocks past a row's position are not read (no DMA started, every score -inf): the scores equal the XLA
   path's for rows ending at a block's first or last slot, or before any (pos -1: all -inf)."""
@@ -91,6 +90,20 @@ def test_the_kernel_reads_only_the_blocks_up_to_each_rows_position(scoring_case_
   np.testing.assert_array_equal(np.isfinite(xla), np.isfinite(got))
   if max(pos) >= 0:
     close(xla, ref, 1e-5)
+
+
+@pytest.mark.parametrize("pos", [(-1, 13), (0, 128), (127, 255), (300, 13)])
+def test_the_kernels_dma_pipeline_waits_for_every_copy_it_starts(scoring_case_64, pos, capfd):
+  """Block j+1's copies start only where the row needs block j+1 (j < needed), and each one started is waited for:
+  under the TPU interpreter with DMAs executed as they start, no semaphore still counts at the kernel's exit (a start
+  at j <= needed, one block past the last needed, leaves one: on a TPU a read of pages the row does not own)."""
+  c, page = scoring_case_64, 64
+  kq, ks = kv_cache.quantize_fp8(c["keys"])
+  args = (c["q"], None, c["w"], bits(kq, jnp.float8_e4m3fn), ks, c["table"], jnp.asarray(pos, jnp.int32), page)
+  got = pd.paged_index_scores(*args, pages_per_block=2, interpret=dma_eager_interpreter())
+  assert_every_dma_waited(capfd)
+  if max(pos) >= 0:
+    close(got, pd.paged_index_scores_xla(*args), 1e-5)
 
 
 @pytest.mark.parametrize("n,want,block,padded", [

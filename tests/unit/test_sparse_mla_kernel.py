@@ -13,6 +13,7 @@ import pytest
 from MaxText.kernels import backend
 from MaxText.kernels import sparse_attention as sa
 from MaxText.kernels import sparse_mla_kernel as smk
+from tests.support.kernels import assert_every_dma_waited, dma_eager_interpreter
 from tests.support.precision import f32_rtol
 
 pytestmark = pytest.mark.device
@@ -83,6 +84,22 @@ def test_outputs_head_probs_and_gradients_equal_the_xla_gather_path(case, dtype,
   np.testing.assert_array_equal(dq[0, 0], 0.0)  # ... and no gradient
   valid_rows = np.asarray(ok).any(-1)
   np.testing.assert_allclose(ph.sum(-1)[valid_rows], q.shape[2], rtol=1e-2)  # each valid query's heads sum to 1
+
+
+def test_the_dma_way_waits_for_every_row_copy_it_starts(capfd):
+  """The DMA way starts block j+1's row copies only while a block follows (j < last) and waits for each block:
+  forward, head probabilities and backward under the TPU interpreter with DMAs executed as they start leave no
+  semaphore counting at any kernel's exit, and agree with the default interpreter's outputs."""
+  spec = dict(CASES["ragged_blocks"], t=2, k=136)  # 2 blocks of 128, the last 8 + pad
+  block, c = spec.pop("block"), spec["c"]
+  q, kv, idx, ok = _causal_case(3, **spec, dtype=jnp.float32)
+  want = _loss_and_grads(_kernel(c, "dma", block), q, kv, idx, ok)
+  eager = lambda q, kv, idx, ok: smk.sparse_mla_attend(q, kv, idx, ok, SCALE, c, gather="dma", block=block,
+                                                       interpret=dma_eager_interpreter())
+  got = _loss_and_grads(eager, q, kv, idx, ok)
+  assert_every_dma_waited(capfd)
+  for name, g, w in zip(("o_lat", "p_heads", "dq", "dkv"), got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max(), err_msg=name)
 
 
 def test_a_query_with_every_key_selected_equals_dense_attention():
