@@ -45,6 +45,21 @@ def compile_train_step(config, devices=None):
     return compiled, state, batch, time.perf_counter() - t0
 
 
+def compile_or_exit(config, devices=None):
+  """compile_train_step, or, where the compiler finds the step larger than the device's memory (the TPU compiler
+  refuses it: RESOURCE_EXHAUSTED), its one line on stderr and exit 1, as a peak over compile_hbm_gib exits."""
+  import jax
+  try:
+    return compile_train_step(config, devices)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    kind = devices[0].device_kind if devices else jax.devices()[0].device_kind
+    print(f"error: the train step does not fit a {kind}'s memory: {str(e).splitlines()[0]} (the levers: "
+          "docs/training.md)", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def traced_for(devices):
   """The kernels' choices (kernels/backend.py) of the devices compiled for: a TPU topology's on this host takes
   the TPU row (its selection, attention and MoE paths, Mosaic's lowering), not this process's CPU row."""
@@ -150,7 +165,7 @@ def main(argv) -> None:
     pyconfig.initialize_or_exit(["python -m MaxText.train_compile", "--help"], __doc__)  # prints usage, exits 0
   devices = virtual_devices.setup_or_exit(argv)  # a TPU topology's, or None: virtual CPU devices
   config = pyconfig.initialize_or_exit(argv, __doc__, num_devices=len(devices) if devices else None)
-  compiled, state, batch, seconds = compile_train_step(config, devices)
+  compiled, state, batch, seconds = compile_or_exit(config, devices)
   r = report(config, compiled, state, batch, seconds)
   print(_table(config, r), flush=True)
   print(json.dumps(r), flush=True)

@@ -9,7 +9,8 @@ assignment is computed; no expert computes every token.
 The grouped matmul has two implementations, picked per backend by `dispatch_impl` (backend.py's
 grouped_matmul):
   "ragged_dot": `jax.lax.ragged_dot` on the sorted rows (group sizes from a bincount); TPU and GPU
-      lower it to grouped-GEMM kernels.
+      lower it to grouped-GEMM kernels. Called through ragged_matmul.py, whose batching rule folds a vmapped batch
+      (the pipeline's stages) into the groups: XLA:TPU's grouped matmul takes no batch dimension.
   "blocked": each expert's rows padded to a multiple of B rows, each block multiplied by its
       expert's weights in one batched einsum: O(T*k + E*B) rows of compute. XLA:CPU lowers
       ragged_dot to a masked dense product over every expert (E times the work), so the CPU
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.kernels import backend
+from MaxText.kernels import backend, ragged_matmul
 from MaxText.kernels.fp8_blocks import BlockFP8, dequantize, dequantize_if, shape_of, take
 
 
@@ -137,8 +138,8 @@ def ragged_dot_fp8(rows: jax.Array, w: BlockFP8, group_sizes: jax.Array, precisi
     part = BlockFP8(*(jax.lax.dynamic_slice_in_dim(a, lo, chunk) for a in w))  # [C,K,N] fp8, [C,k/bk,n/bn]
     sizes = jax.lax.dynamic_slice_in_dim(group_sizes, lo, chunk)  # [C]
     first, last = starts[lo], ends[lo + chunk - 1]
-    y = jax.lax.ragged_dot(jnp.roll(rows, -first, axis=0), dequantize(part, rows.dtype), sizes,
-                           precision=precision or backend.dot_precision(rows.dtype))  # [R,N]: the chunk's rows first
+    y = ragged_matmul.matmul(jnp.roll(rows, -first, axis=0), dequantize(part, rows.dtype), sizes,
+                             precision=precision or backend.dot_precision(rows.dtype))  # [R,N]: the chunk's rows first
     mine = (row >= first) & (row < last)  # [R]
     return jnp.where(mine[:, None], jnp.roll(y, first, axis=0), out), None
 
@@ -158,8 +159,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array | BlockFP8, plan: DispatchPlan,
   if impl == "ragged_dot":
     if isinstance(w, BlockFP8):
       return ragged_dot_fp8(rows, w, plan.group_sizes, precision)  # [R,N]
-    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), plan.group_sizes,  # [R,N]; a Mosaic kernel on a TPU
-                              precision=precision or backend.dot_precision(rows.dtype))
+    return ragged_matmul.matmul(rows, w, plan.group_sizes,  # [R,N]; a Mosaic kernel on a TPU
+                                precision=precision or backend.dot_precision(rows.dtype))
   if impl != "blocked":
     raise ValueError(f"grouped_matmul impl={impl!r}: expected 'ragged_dot' or 'blocked'")
   num_blocks = plan.block_expert.shape[0]

@@ -1,10 +1,11 @@
 """What the kernels' tests share (test_paged_decode.py, test_paged_decode_gpu.py, test_sparse_mla_kernel.py): pool
-bits of values, closeness relative to the largest finite value with -inf where the reference has it, and Pallas' TPU
-interpreter run so that a DMA started and never waited for shows."""
+bits of values, closeness relative to the largest finite value with -inf where the reference has it, a jaxpr's every
+equation, and Pallas' TPU interpreter run so that a DMA started and never waited for shows."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from tests.support.precision import f32_rtol
 
@@ -12,6 +13,18 @@ from tests.support.precision import f32_rtol
 def bits(x, dtype):
   """Values -> the bits a pool holds: fp8 (e4m3) as uint8, bf16 as uint16."""
   return jax.lax.bitcast_convert_type(x.astype(dtype), {jnp.float8_e4m3fn: jnp.uint8, jnp.bfloat16: jnp.uint16}[dtype])
+
+
+def jaxpr_eqns(jaxpr, inside_shard_map: bool = False):
+  """(equation, whether inside a shard_map) of every equation in `jaxpr` and its sub-jaxprs (what a test of what
+  a compiler will be handed walks)."""
+  for eqn in jaxpr.eqns:
+    yield eqn, inside_shard_map
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jcore.Jaxpr):
+          yield from jaxpr_eqns(sub, inside_shard_map or eqn.primitive.name == "shard_map")
 
 
 def dma_eager_interpreter():

@@ -1,5 +1,6 @@
 """aot.collective_traffic: what one device sends per collective in a compiled program, loop bodies counted by
-their trip counts (XLA's cost analysis counts a scan's body once)."""
+their trip counts (XLA's cost analysis counts a scan's body once); train_compile's step estimate, and its one line
+when the compiler refuses a step larger than the chip."""
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,28 @@ def test_a_topology_compile_traces_the_kernels_with_its_platforms_choices():
   with train_compile.traced_for(None):  # virtual CPU devices: this process's row
     assert backend.choices() == backend.row(jax.default_backend())
   assert backend.row("tpu") != backend.row("cpu")  # the test would not see a missing switch otherwise
+
+
+def test_a_step_the_compiler_finds_larger_than_the_chip_is_one_line_and_exit_1(monkeypatch, capsys):
+  """The TPU compiler refuses a step over the chip's HBM (RESOURCE_EXHAUSTED) before any memory analysis:
+  train_compile says so in one line on stderr and exits 1, as a peak over compile_hbm_gib does; another compile
+  error still raises."""
+  from MaxText import train_compile
+  msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (136.73G) "
+         "exceeds available HBM (95.74G).\nwhat follows: the largest buffers")
+
+  def refused(config, devices):
+    raise jax.errors.JaxRuntimeError(msg)
+  monkeypatch.setattr(train_compile, "compile_train_step", refused)
+  with pytest.raises(SystemExit) as exit_:
+    train_compile.compile_or_exit(None, jax.devices()[:1])
+  assert exit_.value.code == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "136.73G" in err and "Traceback" not in err
+  assert err.startswith(f"error: the train step does not fit a {jax.devices()[0].device_kind}'s memory: ")
+
+  def broken(config, devices):
+    raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: something else")
+  monkeypatch.setattr(train_compile, "compile_train_step", broken)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
+    train_compile.compile_or_exit(None, jax.devices()[:1])

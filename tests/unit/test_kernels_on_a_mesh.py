@@ -2,37 +2,37 @@
 call in a shard_map"): a train step on several TPU chips compiles only if every pallas_call it traces runs inside
 a jax.shard_map; so does a serving step. Checked here on the CPU by tracing the step with the TPU row's choices (backend.forced("tpu"):
 Mosaic's kernels, not the interpreter) on a mesh of 4 virtual devices and walking its jaxpr. train_compile
-compile_topology=v5p:2x2x1 compiles the same with the TPU compiler where libtpu is installed."""
+compile_topology=v5p:2x2x1 compiles the same with the TPU compiler where libtpu is installed. Likewise the grouped
+matmul, which XLA:TPU compiles only without a batch dimension (the pipeline's stage vmap gave it one)."""
 
 import jax
 import pytest
-from jax.extend import core as jcore
 
 from MaxText import train
 from MaxText.kernels import backend
 from MaxText.runtime import sharding
 from tests.conftest import make_config
+from tests.support.kernels import jaxpr_eqns
 
 
-def _pallas_calls(jaxpr, inside_shard_map: bool = False):
+def _pallas_calls(jaxpr):
   """(kernel name, whether inside a shard_map) of every pallas_call in `jaxpr` and its sub-jaxprs."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "pallas_call":
-      yield str(eqn.params.get("name") or eqn.params.get("debug") or "?")[:80], inside_shard_map
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        sub = getattr(sub, "jaxpr", sub)
-        if isinstance(sub, jcore.Jaxpr):
-          yield from _pallas_calls(sub, inside_shard_map or name == "shard_map")
+  for eqn, inside in jaxpr_eqns(jaxpr):
+    if eqn.primitive.name == "pallas_call":
+      yield str(eqn.params.get("name") or eqn.params.get("debug") or "?")[:80], inside
 
 
-def _step_kernels(**keys):
-  cfg = make_config(num_devices=4, ici_data_parallelism=1, global_batch_size=4, **keys)
+def _step_jaxpr(**keys):
+  """The train step's jaxpr on 4 virtual devices, traced with the TPU row's choices."""
+  cfg = make_config(**dict(dict(num_devices=4, ici_data_parallelism=1, global_batch_size=4), **keys))
   mesh = sharding.create_mesh(cfg)
   with backend.forced("tpu"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     state, batch, step = train.abstract_train_step(cfg, mesh)
-    return list(_pallas_calls(jax.make_jaxpr(step)(state, batch).jaxpr))
+    return jax.make_jaxpr(step)(state, batch).jaxpr
+
+
+def _step_kernels(**keys):
+  return list(_pallas_calls(_step_jaxpr(**keys)))
 
 
 @pytest.mark.slow  # ~12 s of CPU each (README.md, Tests)
@@ -65,3 +65,16 @@ def test_every_mosaic_kernel_of_a_multi_chip_serving_step_runs_inside_a_shard_ma
       calls = list(_pallas_calls(traced.jaxpr.jaxpr))
       assert calls, f"no Mosaic kernel traced at t={t}: the check would pass vacuously"
       assert all(inside for _, inside in calls), [name for name, inside in calls if not inside]
+
+
+def test_the_pipelined_train_steps_grouped_matmuls_have_no_batch_dimension():
+  """XLA:TPU's grouped matmul takes no batch dimension ("Failed to create RaggedConvSpec ... number of batch
+  dimensions should be 0"), and the pipeline vmaps the MoE stack over its stages: every ragged_dot_general of the
+  pipelined step (forward and backward, the TPU row's grouped_matmul=ragged_dot) has none (kernels/ragged_matmul.py
+  folds the stages into the groups). train_compile compile_topology=v5p:2x2x1 ici_pipeline_parallelism=2 compiles it."""
+  dots = [e.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[1]
+          for e, _ in jaxpr_eqns(_step_jaxpr(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, num_decoder_layers=5,
+                                        global_batch_size=8))
+          if e.primitive.name == "ragged_dot_general"]
+  assert len(dots) >= 6, dots  # 3 products forward, 6 backward, per stage's layer: none would pass vacuously
+  assert all(batch == ((), ()) for batch in dots), dots
