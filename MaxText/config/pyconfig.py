@@ -143,7 +143,8 @@ def _check_with_devices(cfg: Config) -> None:
       why = " (2 x ici_context_parallelism with context_parallel_load_balance=true)" if div != cp else ""
       raise ConfigError(f"max_target_length={cfg.max_target_length} is not divisible by {div}{why}; "
                         f"ici_context_parallelism={cp} shards the sequence")
-  batch_axes = dict(cfg.logical_axis_rules).get("activation_batch", ())
+  # stage splits the batch only outside the pipelined stack, and only where it divides (sharding.logical_to_spec)
+  batch_axes = [a for a in dict(cfg.logical_axis_rules).get("activation_batch", ()) if a != "stage"]
   shards = 1
   for a in batch_axes:
     shards *= cfg.mesh_shape[a]

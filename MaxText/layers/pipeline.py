@@ -2,8 +2,10 @@
 
 What runs where (the rule for DeepSeek's 3 dense + 58 MoE layers and MTP): only the MoE stack is
 pipelined. The embedding, the dense layers, the final norm, the output head and the MTP module run
-before and after it as without a pipeline, on every stage alike (their weights and work are not split
-over `stage`). The MoE stack's L layers are S x n x R: stage s runs n layers
+before and after it as without a pipeline, their weights on every stage alike (not split over `stage`)
+and the batch's rows split over `stage` as over the other batch axes (activation_batch's rule), so each
+stage's devices run them on their own share of the rows; the pipeline gathers its microbatches over
+`stage` on entry (sharding.stage_local: inside, `stage` is the stages' axis alone). The MoE stack's L layers are S x n x R: stage s runs n layers
 (num_layers_per_pipeline_stage) per pass, and R passes (circular repeats) go round the stages:
 
     layer l = (r * S + s) * n + j      r < R repeat, s < S stage, j < n layer within the stage
@@ -39,7 +41,7 @@ from flax import nnx
 
 from MaxText.config.types import Config
 from MaxText.layers.decoder import LayerStack
-from MaxText.runtime.sharding import constrain
+from MaxText.runtime.sharding import constrain, stage_local
 
 MICRO = (None, "activation_batch", "activation_length", "activation_embed")  # [M,mb,t,D]
 STAGED = ("activation_stage", "activation_batch", "activation_length", "activation_embed")  # [S,mb,t,D]
@@ -90,7 +92,14 @@ def bubble_fraction(config: Config) -> float:
 
 def run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, config: Config):
   """The MoE stack pipelined: x [b,t,D] -> (x [b,t,D], aux leaves [L,...] in layer order), as
-  `stack(x, positions, segment_ids)` returns them (each aux the mean over microbatches)."""
+  `stack(x, positions, segment_ids)` returns them (each aux the mean over microbatches). x's rows arrive split over
+  `stage` too (activation_batch's rule: the embedding, dense layers and head run on a stage's share of the batch);
+  the microbatches are gathered over `stage` on entry and the output split again on exit."""
+  with stage_local():
+    return _run(stack, x, positions, segment_ids, config)
+
+
+def _run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, config: Config):
   s, m, r = config.pipeline_stages, config.pipeline_microbatches, config.pipeline_repeats
   n = config.layers_per_pipeline_stage
   graphdef, params = nnx.split(stack)

@@ -86,6 +86,23 @@ def logical_rules(config: Config, mesh: Mesh):
     _ACTIVE_RULES.pop()
 
 
+@contextlib.contextmanager
+def stage_local():
+  """Inside the pipeline (layers/pipeline.py) `stage` is the stages' own axis: every logical name but
+  activation_stage loses it (outside, the stages split the batch too: activation_batch's rule), so a microbatch's
+  rows split over the other batch axes alone and the stage vmap (spmd_axis_name="stage") adds the stage itself."""
+  if not _ACTIVE_RULES:
+    yield
+    return
+  mesh, rules = _ACTIVE_RULES[-1]
+  _ACTIVE_RULES.append((mesh, {k: v if k == "activation_stage" else tuple(a for a in v if a != "stage")
+                               for k, v in rules.items()}))
+  try:
+    yield
+  finally:
+    _ACTIVE_RULES.pop()
+
+
 def active_mesh() -> tuple[Mesh, dict] | None:
   """(mesh, rules) of the innermost `logical_rules` context, or None outside any."""
   return _ACTIVE_RULES[-1] if _ACTIVE_RULES else None

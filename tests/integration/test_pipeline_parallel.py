@@ -60,3 +60,22 @@ def test_a_run_resumes_under_another_stage_count(tmp_path, capsys):
   same = train.train(make_config(num_devices=1, **dict(keys, run_name="same")))
   assert staged["loss"] == pytest.approx(same["loss"], rel=1e-5)
   assert staged["grad_norm"] == pytest.approx(same["grad_norm"], rel=1e-4)
+
+
+def test_outside_the_pipelined_stack_the_stages_split_the_batch():
+  """The embedding, dense layers, head and MTP run on each stage's own rows (activation_batch takes `stage` where it
+  divides; the 671B pipelined step's flops per device halved, docs/training.md); inside the pipeline (stage_local)
+  a microbatch's rows split over the other batch axes alone and only activation_stage keeps `stage`."""
+  import jax
+
+  from MaxText.runtime import sharding
+  cfg = small_config(num_devices=8, ici_pipeline_parallelism=2, ici_fsdp_parallelism=4, **MODEL)
+  mesh = sharding.create_mesh(cfg)
+  spec = train.batch_shardings(cfg, mesh, {"inputs": jax.ShapeDtypeStruct((8, 64), "int32")})["inputs"].spec
+  assert spec[0] == ("fsdp", "stage"), spec
+  with sharding.logical_rules(cfg, mesh):
+    with sharding.stage_local():
+      rules = sharding.active_mesh()[1]
+      assert rules["activation_batch"] == ("data", "fsdp", "expert") and rules["activation_stage"] == ("stage",)
+      assert all("stage" not in v for k, v in rules.items() if k != "activation_stage")
+    assert "stage" in sharding.active_mesh()[1]["activation_batch"]
