@@ -54,10 +54,10 @@ def to_next_stage(y: jax.Array) -> jax.Array:
   return jnp.roll(y, 1, axis=0)  # [S,...]
 
 
-def keep_last_stage(out: jax.Array, y: jax.Array, m: jax.Array, valid: jax.Array) -> jax.Array:
-  """out [M,mb,t,D] (the pipeline's output, not split over `stage`) with the last stage's y[S-1] [mb,t,D]
-  written at microbatch m when `valid` (a broadcast from the last stage's devices)."""
-  return out.at[m].set(jnp.where(valid, y[-1], out[m]))  # [M,mb,t,D]
+def last_stage(y: jax.Array) -> jax.Array:
+  """y [S,mb,t,D] -> the last stage's y[S-1] [mb,t,D], split over the batch axes alone (the pipeline's output,
+  not split over `stage`: a broadcast from the last stage's devices)."""
+  return constrain(y[-1], MICRO[1:])  # [mb,t,D]
 
 
 # ---- layout: layer order <-> stages, batch <-> microbatches
@@ -121,21 +121,27 @@ def _run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax
   stages = jax.vmap(stage, in_axes=(0, 0, 0, None if seg is None else 0, 0), spmd_axis_name="stage")
   ids = jnp.arange(s)  # [S]
 
-  def iteration(carry, i):
-    state, out = carry  # [S,mb,t,D] each stage's input, [M,mb,t,D] finished microbatches
+  def iteration(state, i_x):
+    i, x_i = i_x  # [], [mb,t,D] stage 0's fresh microbatch at this iteration (zeros once none is left)
     k = i - ids  # [S] the microbatch-step each stage runs
     valid = (k >= 0) & (k < r * m)  # [S]
     k = jnp.clip(k, 0, r * m - 1)
     mb, rep = k % m, k // m  # [S], [S]
     fresh = (ids == 0) & (i < m)  # [S] stage 0 takes a new microbatch for the first M iterations
-    h = constrain(jnp.where(fresh[:, None, None, None], xs[jnp.minimum(i, m - 1)][None], state), STAGED)
+    h = constrain(jnp.where(fresh[:, None, None, None], constrain(x_i, MICRO[1:])[None], state), STAGED)
     y, aux = stages(staged, h, pos[mb], None if seg is None else seg[mb], rep)  # [S,mb,t,D], leaves [S,n,...]
     y = constrain(y, STAGED)
-    out = keep_last_stage(out, y, mb[-1], valid[-1])
-    return (to_next_stage(y), out), (aux, valid, rep)
+    return to_next_stage(y), (last_stage(y), aux, valid, rep)
 
-  init = (constrain(jnp.zeros((s,) + xs.shape[1:], x.dtype), STAGED), jnp.zeros_like(xs))
-  (_, out), (aux, valid, rep) = jax.lax.scan(iteration, init, jnp.arange(r * m + s - 1))
+  # The microbatches enter, and the last stage's outputs leave, as the loop's per-iteration inputs and outputs
+  # ([T,mb,t,D], split over the batch axes), not as arrays the loop carries or closes over: the backward loop's
+  # cotangent of a closed-over [M,mb,t,D] was left unsplit by XLA (every device held the whole batch's, 14 GiB a
+  # TPU chip at the 671B's 2 stages x fsdp 16 x expert 8).
+  iters = r * m + s - 1
+  feed = jnp.concatenate([xs, jnp.zeros((iters - m,) + xs.shape[1:], xs.dtype)])  # [T,mb,t,D]
+  init = constrain(jnp.zeros((s,) + xs.shape[1:], x.dtype), STAGED)
+  _, (last, aux, valid, rep) = jax.lax.scan(iteration, init, (jnp.arange(iters), constrain(feed, MICRO)))
+  out = last[s - 1 + (r - 1) * m:]  # [M,mb,t,D]: the last repeat's outputs, microbatch k at iteration S-1+(R-1)M+k
   # aux leaves [T,S,n,...] -> the mean over a layer's M valid iterations, [L,...] in layer order
   w = valid[..., None] * jax.nn.one_hot(rep, r) / m  # [T,S,R]
   per_layer = jax.tree.map(lambda a: layer_order(jnp.einsum("tsr,tsn...->srn...", w, a.astype(jnp.float32))), aux)
