@@ -210,6 +210,7 @@ class Mesh(_Section):
   dcn_pipeline_parallelism: PosInt
   num_layers_per_pipeline_stage: Annotated[int, Field(ge=-1)]
   num_pipeline_microbatches: Annotated[int, Field(ge=-1)]
+  pipeline_fsdp_ag_once: bool
   ici_data_parallelism: Annotated[int, Field(ge=-1)]
   ici_fsdp_parallelism: Annotated[int, Field(ge=-1)]
   ici_context_parallelism: Annotated[int, Field(ge=-1)]

@@ -21,6 +21,7 @@ MESHES = [dict(ici_pipeline_parallelism=2),
           dict(ici_pipeline_parallelism=4, num_pipeline_microbatches=8),
           dict(ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=1),  # 2 circular repeats
           dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_expert_parallelism=2),
+          dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, pipeline_fsdp_ag_once=True),
           dict(ici_pipeline_parallelism=2, ici_context_parallelism=2, ici_expert_parallelism=2, remat_policy="full")]
 
 
@@ -79,3 +80,24 @@ def test_outside_the_pipelined_stack_the_stages_split_the_batch():
       assert rules["activation_batch"] == ("data", "fsdp", "expert") and rules["activation_stage"] == ("stage",)
       assert all("stage" not in v for k, v in rules.items() if k != "activation_stage")
     assert "stage" in sharding.active_mesh()[1]["activation_batch"]
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_the_stage_weights_pass_a_barrier_with_the_iteration_unless_gathered_once(once):
+  """pipeline_fsdp_ag_once=false (the default): the stage's weights enter each iteration through an
+  optimization_barrier with the iteration counter (XLA:TPU otherwise hoisted their fsdp gathers out of the loop and
+  kept every layer's gathered experts live: docs/training.md); true: no barrier."""
+  import jax
+
+  from MaxText.runtime import sharding
+  from tests.support.kernels import jaxpr_eqns
+  cfg = small_config(num_devices=4, ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, pipeline_fsdp_ag_once=once,
+                     **MODEL)
+  mesh = sharding.create_mesh(cfg)
+  with jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
+    state, batch, step = train.abstract_train_step(cfg, mesh)
+    jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
+  # (other barriers of the step hold one or two small arrays; the stage's holds every stacked MoE weight and i)
+  stacked = [len(e.invars) for e, _ in jaxpr_eqns(jaxpr) if e.primitive.name == "optimization_barrier"
+             and len(e.invars) > 10 and e.invars[-1].aval.shape == () and e.invars[-1].aval.dtype == "int32"]
+  assert bool(stacked) != once, stacked
