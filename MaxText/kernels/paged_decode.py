@@ -340,12 +340,11 @@ def paged_index_scores(q: jax.Array, q_scale: jax.Array | None, w: jax.Array, id
   if not fp8:
     return scores
   # sum_h w relu(s q.k) = s sum_h w relu(q.k) for a key scale s > 0 (-inf stays -inf): the scales apply to the
-  # kernel's scores here, each table entry's page of scales gathered from the pool's [N] (squeezed, not reshaped:
-  # [N/page, page] relays the whole pool's scales out every step, 0.34 -> 0.12 ms in XLA:TPU's estimate for a v5e
-  # at 16 rows x 128K). Read in the kernel as a [page, 1] column they cost 32 KiB a page in HBM (the f32 (8, 128)
-  # tile's lane padding, 4x the keys' bytes; docs/kernels.md).
-  slot = (table[:, :p, None] * page + jnp.arange(page, dtype=jnp.int32)).reshape(b, p * page)  # [B, P*page]
-  scaled = scores * jnp.take(idx_k_scale[:, 0].astype(jnp.float32), slot, axis=0)  # [B, P*page]
+  # kernel's scores here, a page row of `page` scales gathered per table entry ([N/page, page]: 2x lane padding at
+  # page 64). Read in the kernel as a [page, 1] column they cost 32 KiB a page in HBM (the f32 (8, 128) tile's lane
+  # padding, 4x the keys' bytes) and a relayout of the whole pool's scales each step (docs/kernels.md).
+  scale_pages = idx_k_scale.astype(jnp.float32).reshape(-1, page)  # [N/page, page]
+  scaled = scores * jnp.take(scale_pages, table[:, :p], axis=0).reshape(b, p * page)  # [B, P*page]
   return jnp.where(scores == NEG_INF, NEG_INF, scaled)  # a masked slot stays -inf whatever its scale (0 x -inf)
 
 
