@@ -1,9 +1,9 @@
 """The grouped matmul of the routed experts (`jax.lax.ragged_dot`) with a batching rule a TPU compiles.
 
-`ragged_matmul(lhs [M,K], rhs [G,K,N], group_sizes [G])` is `jax.lax.ragged_dot`: rows 0 .. gs[0]-1 by rhs[0],
+`matmul(lhs [M,K], rhs [G,K,N], group_sizes [G])` is `jax.lax.ragged_dot`: rows 0 .. gs[0]-1 by rhs[0],
 the next gs[1] by rhs[1], ...; rows past sum(gs) are 0 (and get no gradient). Its gradients are two more grouped
-products of the same groups: d lhs = ragged_matmul(g, rhs^T), d rhs[i] = lhs[rows of i]^T g[rows of i]
-(`ragged_transposed`, ragged_dot_general with the ragged dimension contracted).
+products of the same groups: d lhs = matmul(g, rhs^T), d rhs[i] = lhs[rows of i]^T g[rows of i]
+(`transposed`, ragged_dot_general with the ragged dimension contracted).
 
 Why not jax.lax.ragged_dot itself: under `jax.vmap` (the pipeline's vmap over stages, layers/pipeline.py) jax's
 batching rule gives ragged_dot_general a batch dimension, which XLA:TPU's grouped matmul refuses ("Failed to create
@@ -46,7 +46,7 @@ def _in_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 @functools.cache
 def _products(precision):
-  """ragged_matmul and ragged_transposed for one precision (a static argument of each rule)."""
+  """matmul's differentiable product and transposed's for one precision (a static argument of each rule)."""
 
   @custom_vmap
   def mm(lhs, rhs, group_sizes):  # [M,K], [G,K,N], [G] -> [M,N] in lhs.dtype

@@ -77,30 +77,29 @@ def state_shardings(state, config: Config, mesh: Mesh):
 
 
 @contextlib.contextmanager
-def logical_rules(config: Config, mesh: Mesh):
-  """Activations constrained with `constrain` inside this context follow the config's rules."""
-  _ACTIVE_RULES.append((mesh, rules_of(config)))
+def _in_force(mesh: Mesh, rules: dict):
+  """(mesh, rules) the innermost in force for this context."""
+  _ACTIVE_RULES.append((mesh, rules))
   try:
     yield
   finally:
     _ACTIVE_RULES.pop()
 
 
-@contextlib.contextmanager
+def logical_rules(config: Config, mesh: Mesh):
+  """Activations constrained with `constrain` inside this context follow the config's rules."""
+  return _in_force(mesh, rules_of(config))
+
+
 def stage_local():
   """Inside the pipeline (layers/pipeline.py) `stage` is the stages' own axis: every logical name but
   activation_stage loses it (outside, the stages split the batch too: activation_batch's rule), so a microbatch's
   rows split over the other batch axes alone and the stage vmap (spmd_axis_name="stage") adds the stage itself."""
   if not _ACTIVE_RULES:
-    yield
-    return
+    return contextlib.nullcontext()
   mesh, rules = _ACTIVE_RULES[-1]
-  _ACTIVE_RULES.append((mesh, {k: v if k == "activation_stage" else tuple(a for a in v if a != "stage")
-                               for k, v in rules.items()}))
-  try:
-    yield
-  finally:
-    _ACTIVE_RULES.pop()
+  return _in_force(mesh, {k: v if k == "activation_stage" else tuple(a for a in v if a != "stage")
+                          for k, v in rules.items()})
 
 
 def active_mesh() -> tuple[Mesh, dict] | None:

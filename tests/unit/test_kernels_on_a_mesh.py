@@ -24,7 +24,7 @@ def _pallas_calls(jaxpr):
 
 def _step_jaxpr(**keys):
   """The train step's jaxpr on 4 virtual devices, traced with the TPU row's choices."""
-  cfg = make_config(**dict(dict(num_devices=4, ici_data_parallelism=1, global_batch_size=4), **keys))
+  cfg = make_config(**{"num_devices": 4, "ici_data_parallelism": 1, "global_batch_size": 4, **keys})
   mesh = sharding.create_mesh(cfg)
   with backend.forced("tpu"), jax.set_mesh(mesh), sharding.logical_rules(cfg, mesh):
     state, batch, step = train.abstract_train_step(cfg, mesh)
