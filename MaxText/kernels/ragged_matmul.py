@@ -92,10 +92,21 @@ def _products(precision):
   return product, tmm
 
 
+def _varying_alike(*xs: jax.Array) -> list[jax.Array]:
+  """Inside a shard_map: each operand made varying over every mesh axis any of them varies over (lhs [M,K] over
+  fsdp and rhs [G,K,N] over tensor too, the tensor-parallel MoE). A custom_vjp's backward must return each
+  cotangent with its operand's type, and d lhs = g rhs^T varies wherever rhs does; made so before the product,
+  the cast's own transpose sums the cotangent over the axes it added (what jax.lax.ragged_dot's autodiff does)."""
+  vma = [jax.typeof(x).manual_axis_type.varying for x in xs]  # empty outside a shard_map
+  union = frozenset().union(*vma)
+  return [x if v == union else jax.lax.pcast(x, tuple(sorted(union - v)), to="varying") for x, v in zip(xs, vma)]
+
+
 def matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision=None) -> jax.Array:
   """jax.lax.ragged_dot(lhs [M,K], rhs [G,K,N], group_sizes [G]) -> [M,N] in lhs.dtype (rhs cast to it), batched
   by folding into one grouped product (module doc); differentiable in lhs and rhs."""
-  return _products(precision)[0](lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
+  lhs, rhs, group_sizes = _varying_alike(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
+  return _products(precision)[0](lhs, rhs, group_sizes)
 
 
 def transposed(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array, *, precision=None) -> jax.Array:

@@ -39,9 +39,11 @@ def _step_kernels(**keys):
 @pytest.mark.parametrize("keys", [
     dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2),  # the indexer's exact top-k: kth_value's kernel
     dict(ici_context_parallelism=2, ici_expert_parallelism=2),
+    dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2),  # the experts split over tensor: their grouped matmul's
+    # custom_vjp must return the rows' cotangent summed over tensor (kernels/ragged_matmul.py _varying_alike)
     dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2, indexer_training_stage="dense_warmup",
          max_target_length=256),  # splash (s a multiple of 128), the KL target
-], ids=["fsdp_expert", "context_expert", "tensor_dense_warmup"])
+], ids=["fsdp_expert", "context_expert", "fsdp_tensor", "tensor_dense_warmup"])
 def test_every_mosaic_kernel_of_a_multi_chip_train_step_runs_inside_a_shard_map(keys):
   calls = _step_kernels(**keys)
   assert calls, "the TPU row's step traced no Mosaic kernel: the check would pass vacuously"

@@ -83,3 +83,20 @@ def test_the_vmapped_forward_and_backward_hold_no_batched_ragged_dot(case):
   dots = [e.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[1] for e, _ in jaxpr_eqns(jaxpr)
           if e.primitive.name == "ragged_dot_general"]
   assert len(dots) == 3 and all(batch == ((), ()) for batch in dots), dots
+
+
+def test_inside_a_shard_map_with_the_weight_split_and_the_rows_not_the_gradients_are_ragged_dots(case):
+  """The tensor-parallel MoE: rows [M,K] the same on every device of `x` (not varying over it), the weight
+  [G,K,N] split over x along N. d rows sums over x (each device's N slice contributes), as ragged_dot's autodiff
+  makes it; the custom_vjp must return it so (the TPU row's 671B step with tensor 2 failed to trace without)."""
+  from jax.sharding import PartitionSpec as P
+  lhs, rhs, gs, w = case[0][1], case[1][1][..., :4], case[2][1], case[3][:, :4]  # N 4: split in 2
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def grads(fn):
+    split = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(None, None, "x"), P()), out_specs=P(None, "x"))
+    return jax.jit(jax.grad(_loss(split, w), argnums=(0, 1)))(lhs, rhs, gs)
+
+  for got, want in zip(grads(_mine), grads(_ref)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grads(_mine)[0], jax.grad(_loss(_ref, w))(lhs, rhs, gs), rtol=1e-5, atol=1e-5)
