@@ -22,23 +22,55 @@ def _grads(seed, shapes):
   return {n: jax.random.normal(k, s) * 10.0 ** -(i % 4) for i, ((n, s), k) in enumerate(zip(shapes.items(), keys))}
 
 
-def test_the_moment_storing_adam_with_f32_storage_is_optax_adamw():
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_moment_storing_adam_with_f32_storage_is_optax_adamw(stream):
+  """stream: the moments kept in host memory between steps and streamed through the update a parameter at a
+  time (optimizer_memory_host_offload), the update jitted as the train step runs it."""
   cfg = make_config(opt_moments_dtype="bfloat16")
   shapes = {"w": (8, 4), "b": (4,), "e": (3, 2, 5)}  # a mix of scales: 1, 0.1, 0.01
   params = _grads(99, shapes)
-  ours = optax.chain(optimizers.scale_by_adam_stored_as(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, jnp.float32),
+  ours = optax.chain(optimizers.scale_by_adam_stored_as(cfg.adam_b1, cfg.adam_b2, cfg.adam_eps, jnp.float32, stream),
                      optax.add_decayed_weights(cfg.adam_weight_decay),
                      optax.scale_by_learning_rate(optimizers.learning_rate_schedule(cfg)))
   theirs = optax.adamw(optimizers.learning_rate_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                        weight_decay=cfg.adam_weight_decay)
   s_ours, s_theirs, p_ours, p_theirs = ours.init(params), theirs.init(params), params, params
+  update = ours.update
+  if stream:
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    moments = lambda st: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: host if optimizers.streamed(path) else x.sharding, st)
+    s_ours = jax.device_put(s_ours, moments(s_ours))
+    update = jax.jit(lambda g, st, p: ours.update(g, optimizers.on_device(make_config(
+        optimizer_memory_host_offload=True), st), p), out_shardings=(None, moments(s_ours)))
   for step in range(12):
     g = _grads(step, shapes)
-    u_ours, s_ours = ours.update(g, s_ours, p_ours)
+    u_ours, s_ours = update(g, s_ours, p_ours)
     u_theirs, s_theirs = theirs.update(g, s_theirs, p_theirs)
     p_ours, p_theirs = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_theirs, u_theirs)
   for k in shapes:
     np.testing.assert_allclose(p_ours[k], p_theirs[k], rtol=1e-6, atol=1e-7)
+
+
+def test_the_streamed_update_moves_one_parameters_moments_onto_the_device_at_a_time():
+  """Each parameter's moments leave host memory through an optimization barrier that also takes the previous
+  parameter's new moments moved back to host memory: the device never holds two parameters' moments."""
+  from tests.support.kernels import jaxpr_eqns
+  shapes = {"w": (8, 4), "b": (4,), "e": (3, 2, 5)}
+  adam = optimizers.scale_by_adam_stored_as(0.9, 0.95, 1e-8, jnp.bfloat16, stream=True)
+  params = _grads(0, shapes)
+  jaxpr = jax.make_jaxpr(adam.update)(params, adam.init(params)).jaxpr
+  to_device, to_host, barriers = [], [], []
+  for eqn, _ in jaxpr_eqns(jaxpr):
+    if eqn.primitive.name == "device_put":
+      (to_device if eqn.params["devices"][0] == jax.memory.Space.Device else to_host).append(eqn)
+    elif eqn.primitive.name == "optimization_barrier":
+      barriers.append(eqn)
+  assert len(to_device) == len(to_host) == len(barriers) == len(shapes)
+  for i, (barrier, put) in enumerate(zip(barriers, to_device)):
+    assert [str(v) for v in put.invars] == [str(v) for v in barrier.outvars[:2]]  # the moments, through the barrier
+    previous = [] if i == 0 else [str(v) for v in to_host[i - 1].outvars]
+    assert [str(v) for v in barrier.invars[2:]] == previous  # ... after the previous parameter's are stored back
 
 
 def test_bf16_moments_are_stored_in_bf16_and_take_half_the_bytes():
@@ -80,9 +112,10 @@ def _run(moments: str, steps: int, **keys):
   return np.asarray(losses), state
 
 
-def test_optimizer_state_offloaded_to_host_trains_the_same_and_lives_there_between_steps():
-  ref = _loss_curve("float32", 4)
-  off, state = _run("float32", 4, optimizer_memory_host_offload=True)
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_optimizer_state_offloaded_to_host_trains_the_same_and_lives_there_between_steps(moments):
+  ref = _loss_curve(moments, 4)
+  off, state = _run(moments, 4, optimizer_memory_host_offload=True)
   np.testing.assert_allclose(off, ref, rtol=1e-6)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"])} == {"pinned_host"}
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"])} == {"device"}
