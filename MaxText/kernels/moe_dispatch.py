@@ -24,8 +24,9 @@ dim D split over the ZeRO axes ("embed": fsdp, context), and are gathered inside
 time: its transpose is a reduce-scatter, so each device's expert gradient leaves [E_l, D/z, I_l] and is reduced
 once. (Gathered by GSPMD before the shard_map, the gradient of the whole [E_l, D, I_l] was all-reduced over the
 token axes and then sliced: on the 671B's 4K step, fsdp 32 x expert 8, 3 x 98 GiB a chip a step of all-reduce.)
-fp8 (BlockFP8) and LoRA expert weights, and the pipelined stack's, still enter gathered (their scales or adapters
-need their own split; under the stage vmap the gather inside took XLA:CPU's pipelined step 122.87 -> 183.71 GiB).
+The pipelined stack's too, under the stage vmap (XLA:TPU's 11-layer 2-stage 671B step: 30.84 -> 20.19 GiB of
+temporaries, 329 -> 233 GiB sent a chip a step; XLA:CPU's full step grows, docs/training.md). fp8 (BlockFP8) and
+LoRA expert weights still enter gathered (their scales or adapters need their own split).
 Expert counts (routing-bias update, balance loss) and drops
 are the only global quantities: a psum over the token axes.
 """
@@ -94,9 +95,9 @@ def placement(x_shape: tuple, wi_shape: tuple, mesh: Mesh, rules: dict) -> Place
 def _zero_axes(w0, mesh: Mesh, rules: dict, pl: Placement) -> tuple:
   """The mesh axes that split a plain expert weight's model dim D as stored (logical "embed" after "exp" and
   "mlp" took theirs) and also split the tokens (so the gathered weight varies over no axis the output does not),
-  for the shard_map to take it so and gather it inside; () for BlockFP8 or LoRA weights, and under the pipeline."""
-  if not isinstance(w0, jax.Array | jax.ShapeDtypeStruct) or isinstance(w0, BlockFP8) or mesh.shape.get("stage", 1) > 1:
-    return ()  # pipelined (the stage vmap): gathered inside, XLA:CPU's step took 122.87 -> 183.71 GiB; not there
+  for the shard_map to take it so and gather it inside; () for BlockFP8 or LoRA weights."""
+  if not isinstance(w0, jax.Array | jax.ShapeDtypeStruct) or isinstance(w0, BlockFP8):
+    return ()
   spec = logical_to_spec(("exp", "embed", "mlp"), rules, mesh, w0.shape)  # [E,D,I]
   return tuple(a for a in _axes_of(spec[1]) if a in pl.token_axes)  # the output varies over these anyway
 
