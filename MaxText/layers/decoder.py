@@ -84,12 +84,20 @@ class LayerStack(nnx.Module):
       self.layers = nnx.List([DecoderLayer(config, moe=moe, rngs=rngs) for _ in range(num_layers)])
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache=None,
-               routed_experts: jax.Array | None = None):
+               routed_experts: jax.Array | None = None, weights_after: jax.Array | None = None):
     """x [b,t,D] -> (x, aux leaves stacked [L,...]). cache (inference): the stack's CacheView with a
     leading L axis (scanned with the layers; a paged one's pools whole, CacheView.scan_parts), or a list
     of per-layer views; no remat then.
-    routed_experts [L,b,t,k] int32: each MoE layer's forced routing (None: route freely)."""
+    routed_experts [L,b,t,k] int32: each MoE layer's forced routing (None: route freely).
+    weights_after (the pipeline's iteration counter, layers/pipeline.py): each layer's weights pass an optimization
+    barrier with it inside the layer's remat, so their fsdp gathers cannot be hoisted out of a loop around the
+    stack, and the backward recomputes the barrier from the stored weights (outside the remat, its output, a new
+    value every iteration, was saved once per iteration and layer: 3 x 1.48 GiB of bf16 expert weights on the
+    671B's 21-layer 2-stage step)."""
     def fwd(layer, x, c, r):
+      if weights_after is not None:
+        graphdef, state = nnx.split(layer)
+        layer = nnx.merge(graphdef, jax.lax.optimization_barrier((state, weights_after))[0])
       return layer(x, positions, segment_ids, cache=c, routed_experts=r)
 
     if self.remat_policy != "none" and cache is None:

@@ -108,28 +108,23 @@ def _run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax
   pos = to_microbatches(positions, m)  # [M,mb,t]
   seg = None if segment_ids is None else to_microbatches(segment_ids, m)  # [M,mb,t]
 
-  def stage(p, h, pos_s, seg_s, rep):
-    """One stage: its n layers of repeat `rep` on h [mb,t,D]."""
+  def stage(p, h, pos_s, seg_s, rep, i):
+    """One stage: its n layers of repeat `rep` on h [mb,t,D] at iteration i. pipeline_fsdp_ag_once=false: each
+    layer's weights pass a barrier with i inside its remat (LayerStack weights_after), so their fsdp all-gathers
+    depend on the iteration and XLA cannot hoist them out of the loop (XLA:TPU did, keeping every layer's gathered
+    experts live for the whole step: the 671B's 11-layer 2-stage step 48.14 -> 30.43 GiB of temporaries with a
+    barrier); each iteration gathers a layer's weights as the unpipelined stack does. true: the compiler's choice,
+    which may gather once and keep them."""
     if r > 1:  # R = 1: the stage's layers whole (a dynamic slice would copy them, and their gradient, per iteration)
       p = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rep * n, n, 0), p)  # [n,...]
-    y, aux = nnx.merge(graphdef, p)(h, pos_s, seg_s)
+    y, aux = nnx.merge(graphdef, p)(h, pos_s, seg_s, weights_after=None if config.pipeline_fsdp_ag_once else i)
     aux.pop("routed_experts", None)  # [n,mb,t,k]: keep-routing is not pipelined
     return y, aux
 
   if r > 1:  # the repeat's weight slice varies by iteration: recompute it rather than keep one per iteration
     stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable)
-  stages = jax.vmap(stage, in_axes=(0, 0, 0, None if seg is None else 0, 0), spmd_axis_name="stage")
+  stages = jax.vmap(stage, in_axes=(0, 0, 0, None if seg is None else 0, 0, None), spmd_axis_name="stage")
   ids = jnp.arange(s)  # [S]
-
-  def weights(i):
-    """The stage's weights for iteration i. pipeline_fsdp_ag_once=false: passed through a barrier with the
-    iteration counter, so their fsdp all-gathers depend on the iteration and XLA cannot hoist them out of the loop
-    (XLA:TPU did, keeping every layer's gathered experts live for the whole step: the 671B's 11-layer 2-stage step
-    48.14 -> 30.43 GiB of temporaries with the barrier); each iteration gathers a layer's weights as the
-    unpipelined stack does. true: as they are (the compiler's choice, which may gather once and keep them)."""
-    if config.pipeline_fsdp_ag_once:
-      return staged
-    return jax.lax.optimization_barrier((staged, i))[0]
 
   def iteration(state, i_x):
     i, x_i = i_x  # [], [mb,t,D] stage 0's fresh microbatch at this iteration (zeros once none is left)
@@ -139,7 +134,7 @@ def _run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax
     mb, rep = k % m, k // m  # [S], [S]
     fresh = (ids == 0) & (i < m)  # [S] stage 0 takes a new microbatch for the first M iterations
     h = constrain(jnp.where(fresh[:, None, None, None], constrain(x_i, MICRO[1:])[None], state), STAGED)
-    y, aux = stages(weights(i), h, pos[mb], None if seg is None else seg[mb], rep)  # [S,mb,t,D], leaves [S,n,...]
+    y, aux = stages(staged, h, pos[mb], None if seg is None else seg[mb], rep, i)  # [S,mb,t,D], leaves [S,n,...]
     y = constrain(y, STAGED)
     return to_next_stage(y), (last_stage(y), aux, valid, rep)
 
