@@ -110,10 +110,9 @@ def _run(stack: LayerStack, x: jax.Array, positions: jax.Array, segment_ids: jax
 
   def stage(p, h, pos_s, seg_s, rep, i):
     """One stage: its n layers of repeat `rep` on h [mb,t,D] at iteration i. pipeline_fsdp_ag_once=false: each
-    layer's weights pass a barrier with i inside its remat (LayerStack weights_after), so their fsdp all-gathers
-    depend on the iteration and XLA cannot hoist them out of the loop (XLA:TPU did, keeping every layer's gathered
-    experts live for the whole step: the 671B's 11-layer 2-stage step 48.14 -> 30.43 GiB of temporaries with a
-    barrier); each iteration gathers a layer's weights as the unpipelined stack does. true: the compiler's choice,
+    layer's weights pass a barrier with i (LayerStack weights_after), so each iteration gathers a layer's weights
+    as the unpipelined stack does (hoisted out of the loop, XLA:TPU kept every layer's gathered experts live: the
+    671B's 11-layer 2-stage step 48.14 -> 30.43 GiB of temporaries with the barrier). true: the compiler's choice,
     which may gather once and keep them."""
     if r > 1:  # R = 1: the stage's layers whole (a dynamic slice would copy them, and their gradient, per iteration)
       p = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rep * n, n, 0), p)  # [n,...]
